@@ -1,0 +1,355 @@
+//! The TCP transport: one authenticated connection per pair of ranks, blocking
+//! sockets with `TCP_NODELAY` and large buffers.
+//!
+//! Receiving runs on the calling thread, in chunks handed to the sink as they
+//! arrive, so the collective reduces one chunk while the kernel receives the next.
+//! Sending a large message runs on the peer's dedicated sender thread so that a
+//! rank sends and receives at once (a ring step does both); small messages are
+//! written inline because they always fit the socket buffer.
+//!
+//! Every message is one frame (`frame::Header` + payload) whose kind, sequence
+//! number and length the receiver checks against what the operation expects; a
+//! mismatch is a protocol error and the communicator is closed.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::Mutex;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use crate::auth;
+use crate::error::{Error, Result};
+use crate::frame::{self, HEADER_LEN, Header, Kind};
+use crate::transport::{OpCtx, RecvReq, SendReq, Transport, TransportKind};
+
+/// Socket buffer size asked of the kernel (it may round it).
+const SOCKET_BUFFER: usize = 4 << 20;
+/// Messages up to this size are written on the calling thread.
+const INLINE_SEND: usize = 256 << 10;
+/// Receive chunk handed to the sink.
+const RECV_CHUNK: usize = 256 << 10;
+
+struct Job {
+    ptr: usize,
+    len: usize,
+    seq: u64,
+    deadline: Instant,
+}
+
+#[derive(Debug)]
+struct Peer {
+    addr: String,
+    reader: Mutex<(TcpStream, Vec<u64>)>,
+    writer: Mutex<TcpStream>,
+    jobs: mpsc::Sender<Job>,
+    done: Mutex<mpsc::Receiver<std::io::Result<()>>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for Job {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Job").field("len", &self.len).field("seq", &self.seq).finish()
+    }
+}
+
+/// The TCP transport of one communicator.
+#[derive(Debug)]
+pub struct TcpTransport {
+    rank: usize,
+    peers: Vec<Option<Peer>>,
+}
+
+fn tune(stream: &TcpStream) -> std::io::Result<()> {
+    stream.set_nodelay(true)?;
+    let sock = socket2::SockRef::from(stream);
+    sock.set_send_buffer_size(SOCKET_BUFFER)?;
+    sock.set_recv_buffer_size(SOCKET_BUFFER)?;
+    Ok(())
+}
+
+fn write_message(stream: &mut TcpStream, seq: u64, data: &[u8], deadline: Instant) -> std::io::Result<()> {
+    let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+    stream.set_write_timeout(Some(left))?;
+    let h = Header { kind: Kind::Data, seq, len: data.len() as u64 }.encode();
+    if data.len() <= INLINE_SEND {
+        // One syscall for header and payload.
+        let mut bufs = [std::io::IoSlice::new(&h), std::io::IoSlice::new(data)];
+        let mut bufs: &mut [std::io::IoSlice<'_>] = &mut bufs;
+        while !bufs.is_empty() {
+            let n = stream.write_vectored(bufs)?;
+            if n == 0 {
+                return Err(std::io::ErrorKind::WriteZero.into());
+            }
+            std::io::IoSlice::advance_slices(&mut bufs, n);
+        }
+        Ok(())
+    } else {
+        stream.write_all(&h)?;
+        stream.write_all(data)
+    }
+}
+
+fn classify(op: &OpCtx, peer: usize, what: &str, e: std::io::Error) -> Error {
+    use std::io::ErrorKind::*;
+    match e.kind() {
+        WouldBlock | TimedOut => op.timeout(format!("rank {peer} ({what})")),
+        UnexpectedEof | ConnectionReset | ConnectionAborted | BrokenPipe | NotConnected => {
+            op.peer_lost(peer, format!("connection closed while {what}: {e}"))
+        }
+        _ => Error::io(format!("{} #{} {what} rank {peer}", op.name, op.seq), e),
+    }
+}
+
+impl Peer {
+    fn new(rank: usize, peer: usize, stream: TcpStream) -> Result<Peer> {
+        let addr = stream.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "?".into());
+        let ctx = |what: &str| format!("{what} connection to rank {peer} ({addr})");
+        tune(&stream).map_err(|e| Error::io(ctx("tuning"), e))?;
+        let reader = stream.try_clone().map_err(|e| Error::io(ctx("cloning"), e))?;
+        let mut sender = stream.try_clone().map_err(|e| Error::io(ctx("cloning"), e))?;
+        let (jobs, rx) = mpsc::channel::<Job>();
+        let (done_tx, done) = mpsc::channel();
+        let thread = std::thread::Builder::new()
+            .name(format!("shoal-tcp-send-{rank}-{peer}"))
+            .spawn(move || {
+                for job in rx {
+                    // SAFETY: the communicator keeps the buffer alive and unmodified
+                    // until it has received this job's completion (see `exchange`).
+                    let data = unsafe { std::slice::from_raw_parts(job.ptr as *const u8, job.len) };
+                    let r = write_message(&mut sender, job.seq, data, job.deadline);
+                    if done_tx.send(r).is_err() {
+                        break;
+                    }
+                }
+            })
+            .map_err(|e| Error::io(ctx("starting the sender thread for"), e))?;
+        Ok(Peer {
+            addr,
+            reader: Mutex::new((reader, vec![0u64; RECV_CHUNK / 8])),
+            writer: Mutex::new(stream),
+            jobs,
+            done: Mutex::new(done),
+            thread: Some(thread),
+        })
+    }
+}
+
+impl Drop for TcpTransport {
+    fn drop(&mut self) {
+        for p in self.peers.iter_mut().flatten() {
+            if let Ok(w) = p.writer.lock() {
+                let _ = w.shutdown(std::net::Shutdown::Both);
+            }
+            // Closing the job channel ends the sender thread.
+            let (dead, _) = mpsc::channel();
+            drop(std::mem::replace(&mut p.jobs, dead));
+            if let Some(t) = p.thread.take() {
+                let _ = t.join();
+            }
+        }
+    }
+}
+
+impl TcpTransport {
+    /// Connects this rank to every peer that has an address, authenticating each
+    /// connection with `secret`. Rank `i` dials every lower rank and accepts every
+    /// higher one on `listener`; a connection that fails the handshake or names a
+    /// wrong communicator is dropped and logged, and waiting goes on until
+    /// `deadline`.
+    pub fn connect_mesh(
+        ctx: &str,
+        rank: usize,
+        addrs: &[Option<String>],
+        listener: TcpListener,
+        secret: &[u8],
+        deadline: Instant,
+    ) -> Result<TcpTransport> {
+        let size = addrs.len();
+        let mut streams: Vec<Option<TcpStream>> = (0..size).map(|_| None).collect();
+        for (peer, addr) in addrs.iter().enumerate().take(rank) {
+            let Some(addr) = addr else { continue };
+            streams[peer] = Some(dial(ctx, rank, peer, addr, secret, deadline)?);
+        }
+        let mut expected: Vec<usize> = (rank + 1..size).filter(|&p| addrs[p].is_some()).collect();
+        listener.set_nonblocking(true).map_err(|e| Error::io("listener set_nonblocking", e))?;
+        while !expected.is_empty() {
+            match listener.accept() {
+                Ok((mut s, from)) => {
+                    let r = (|| -> Result<usize> {
+                        s.set_nonblocking(false).map_err(|e| Error::io("accepted socket", e))?;
+                        s.set_read_timeout(Some(Duration::from_secs(10)))
+                            .map_err(|e| Error::io("accepted socket", e))?;
+                        s.set_write_timeout(Some(Duration::from_secs(10)))
+                            .map_err(|e| Error::io("accepted socket", e))?;
+                        let hello = auth::accept(&mut s, secret, &from.to_string())?;
+                        let text = String::from_utf8_lossy(&hello);
+                        let (c, r) = text.rsplit_once('/').unwrap_or(("", ""));
+                        let peer: usize = r.parse().map_err(|_| Error::Protocol {
+                            peer: from.to_string(),
+                            detail: format!("bad hello {text:?}"),
+                        })?;
+                        if c != ctx || !expected.contains(&peer) {
+                            return Err(Error::Protocol {
+                                peer: from.to_string(),
+                                detail: format!(
+                                    "unexpected peer {text:?} (communicator {ctx:?}, waiting for ranks {expected:?})"
+                                ),
+                            });
+                        }
+                        Ok(peer)
+                    })();
+                    match r {
+                        Ok(peer) => {
+                            expected.retain(|&p| p != peer);
+                            streams[peer] = Some(s);
+                        }
+                        Err(e) => tracing::warn!(%from, error = %e, "refused a connection"),
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    if Instant::now() >= deadline {
+                        return Err(Error::Timeout {
+                            op: "connect",
+                            seq: 0,
+                            rank,
+                            waited: Duration::ZERO,
+                            waiting_for: format!("connections from ranks {expected:?}"),
+                            participation: crate::Participation { arrived: vec![], missing: expected.clone() },
+                            bytes_moved: 0,
+                        });
+                    }
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                Err(e) => return Err(Error::io("accepting peer connections", e)),
+            }
+        }
+        let mut peers = Vec::with_capacity(size);
+        for (peer, s) in streams.into_iter().enumerate() {
+            peers.push(match s {
+                Some(s) => {
+                    s.set_read_timeout(None).map_err(|e| Error::io("socket", e))?;
+                    Some(Peer::new(rank, peer, s)?)
+                }
+                None => None,
+            });
+        }
+        Ok(TcpTransport { rank, peers })
+    }
+
+    fn peer(&self, peer: usize, op: &OpCtx) -> Result<&Peer> {
+        self.peers.get(peer).and_then(|p| p.as_ref()).ok_or_else(|| {
+            Error::InvalidArgument(format!("{} #{}: rank {peer} is not reachable over tcp", op.name, op.seq))
+        })
+    }
+
+    fn recv(&self, op: &OpCtx, req: RecvReq<'_>) -> Result<()> {
+        let p = self.peer(req.peer, op)?;
+        let mut guard = p.reader.lock().map_err(|_| Error::Closed("tcp reader lock poisoned".into()))?;
+        let (stream, scratch) = &mut *guard;
+        let peer = req.peer;
+        let left = op.remaining().max(Duration::from_millis(1));
+        stream.set_read_timeout(Some(left)).map_err(|e| Error::io("set_read_timeout", e))?;
+        let mut hb = [0u8; HEADER_LEN];
+        stream.read_exact(&mut hb).map_err(|e| classify(op, peer, "waiting for a message from", e))?;
+        let h = Header::decode(&hb, req.len as u64, &p.addr).map_err(|e| match e {
+            Error::Protocol { detail, .. } => Error::Protocol { peer: format!("rank {peer} ({})", p.addr), detail },
+            e => e,
+        })?;
+        if h.kind != Kind::Data || h.seq != op.seq || h.len != req.len as u64 {
+            return Err(Error::Protocol {
+                peer: format!("rank {peer} ({})", p.addr),
+                detail: format!(
+                    "expected a {}-byte message of {} #{}, got a {:?} frame of {} bytes for #{}",
+                    req.len, op.name, op.seq, h.kind, h.len, h.seq
+                ),
+            });
+        }
+        op.add_bytes(HEADER_LEN);
+        let buf: &mut [u8] = bytemuck::cast_slice_mut(scratch.as_mut_slice());
+        let mut off = 0;
+        while off < req.len {
+            let n = (req.len - off).min(buf.len());
+            stream.read_exact(&mut buf[..n]).map_err(|e| classify(op, peer, "receiving from", e))?;
+            (req.sink)(off, &buf[..n]);
+            off += n;
+            op.add_bytes(n);
+        }
+        Ok(())
+    }
+}
+
+fn dial(ctx: &str, rank: usize, peer: usize, addr: &str, secret: &[u8], deadline: Instant) -> Result<TcpStream> {
+    let sa: SocketAddr =
+        addr.parse().map_err(|_| Error::InvalidArgument(format!("rank {peer} published a bad address {addr:?}")))?;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match TcpStream::connect_timeout(&sa, left.max(Duration::from_millis(10))) {
+            Ok(mut s) => {
+                s.set_read_timeout(Some(Duration::from_secs(10))).map_err(|e| Error::io("socket", e))?;
+                s.set_write_timeout(Some(Duration::from_secs(10))).map_err(|e| Error::io("socket", e))?;
+                auth::connect(&mut s, secret, format!("{ctx}/{rank}").as_bytes(), &format!("rank {peer} ({addr})"))?;
+                return Ok(s);
+            }
+            Err(e) if Instant::now() < deadline && e.kind() == std::io::ErrorKind::ConnectionRefused => {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err(e) => return Err(Error::io(format!("connecting to rank {peer} at {addr}"), e)),
+        }
+    }
+}
+
+impl Transport for TcpTransport {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Tcp
+    }
+
+    fn reaches(&self, peer: usize) -> bool {
+        peer != self.rank && matches!(self.peers.get(peer), Some(Some(_)))
+    }
+
+    fn exchange(&self, op: &OpCtx, send: Option<SendReq<'_>>, recv: Option<RecvReq<'_>>) -> Result<()> {
+        let Some(s) = send else {
+            return match recv {
+                Some(r) => self.recv(op, r),
+                None => Ok(()),
+            };
+        };
+        let sp = self.peer(s.peer, op)?;
+        if s.data.len() <= INLINE_SEND || recv.is_none() {
+            {
+                let mut w = sp.writer.lock().map_err(|_| Error::Closed("tcp writer lock poisoned".into()))?;
+                write_message(&mut w, op.seq, s.data, op.deadline)
+                    .map_err(|e| classify(op, s.peer, "sending to", e))?;
+            }
+            op.add_bytes(s.data.len() + HEADER_LEN);
+            return match recv {
+                Some(r) => self.recv(op, r),
+                None => Ok(()),
+            };
+        }
+        // Large send alongside a receive: hand the send to the peer's sender thread.
+        let done = sp.done.lock().map_err(|_| Error::Closed("tcp sender lock poisoned".into()))?;
+        sp.jobs
+            .send(Job { ptr: s.data.as_ptr() as usize, len: s.data.len(), seq: op.seq, deadline: op.deadline })
+            .map_err(|_| op.peer_lost(s.peer, "sender thread has stopped".into()))?;
+        let recv_result = match recv {
+            Some(r) => self.recv(op, r),
+            None => Ok(()),
+        };
+        // Always wait for the sender thread before returning: it reads `s.data`.
+        // Its socket write timeout ends at the deadline, so this wait is bounded.
+        let send_result = match done.recv() {
+            Ok(r) => r.map_err(|e| classify(op, s.peer, "sending to", e)),
+            Err(_) => Err(op.peer_lost(s.peer, "sender thread has stopped".into())),
+        };
+        if send_result.is_ok() {
+            op.add_bytes(s.data.len() + HEADER_LEN);
+        }
+        recv_result.and(send_result)
+    }
+}
+
+/// Reads one frame header from any stream (used by tests of malformed input).
+pub fn read_any_header(r: &mut impl Read, peer: &str) -> Result<Header> {
+    frame::read_header(r, frame::MAX_CONTROL_LEN, peer)
+}

@@ -1,0 +1,43 @@
+//! Project automation for Shoal: `cargo xtask <command>`. See xtask/README.md.
+
+mod bench;
+mod idle;
+mod limits;
+mod setup;
+mod util;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(name = "xtask", about = "Shoal project tasks")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Install the peers (Open MPI, mpi4py, PyTorch) into ${SHOAL_PEERS_DIR:-~/.cache/shoal/peers-v1}.
+    SetupPeers(setup::SetupArgs),
+    /// Shoal's all-reduce side by side with Open MPI and Gloo, plus the machine's limits.
+    BenchVsPeers(bench::BenchArgs),
+    /// Only the physical limits: memcpy (1 thread) and loopback TCP both ways.
+    Limits,
+}
+
+fn main() -> Result<()> {
+    match Cli::parse().cmd {
+        Cmd::SetupPeers(a) => setup::setup_peers(&a),
+        Cmd::BenchVsPeers(a) => bench::bench_vs_peers(a),
+        Cmd::Limits => {
+            let l = limits::measure()?;
+            println!("memcpy, 1 thread, 256 MiB (best of 10):  {:.2} GB/s", l.memcpy_1t_gbps);
+            println!(
+                "loopback TCP, both directions at once:    {:.2} GB/s per direction ({:.2} / {:.2})",
+                l.tcp_bidir_per_dir_gbps, l.tcp_bidir_a_to_b_gbps, l.tcp_bidir_b_to_a_gbps
+            );
+            Ok(())
+        }
+    }
+}
