@@ -21,6 +21,9 @@ use crate::util::{peer_scripts_dir, peers_dir, run_group, tail, timestamp, venv_
 pub const OURS_KEYS: [&str; 10] =
     ["op", "ranks", "transport", "algo", "dtype", "bytes", "time_s", "algbw_GBps", "busbw_GBps", "wrong"];
 
+/// Longest idle wait between two engines of one round (the full wait is per round).
+const BETWEEN_ENGINES_IDLE_S: u64 = 10;
+
 #[derive(Debug, clap::Args)]
 pub struct BenchArgs {
     /// Rank counts, comma-separated.
@@ -47,7 +50,8 @@ pub struct BenchArgs {
     /// Give up on one engine invocation after this many seconds.
     #[arg(long, default_value_t = 900)]
     pub timeout_s: u64,
-    /// Longest wait for an idle machine before each measurement, seconds.
+    /// Longest wait for an idle machine (≥ 90 % idle over 1 s) before each round, seconds;
+    /// between engines the wait is at most 10 s.
     #[arg(long, default_value_t = 60)]
     pub idle_wait_s: u64,
 }
@@ -188,12 +192,13 @@ impl Ctx {
         writeln!(self.raw, "{v}").context("writing raw results")
     }
 
-    fn idle(&mut self, what: &str) -> Result<IdleWait> {
-        let w = wait_idle(0.9, Duration::from_secs(self.args.idle_wait_s));
+    /// Waits for ≥ 90 % idle CPU for at most `max_s` seconds (the full `--idle-wait-s` at
+    /// the start of a round, a short one between engines) and says so when it never was.
+    fn idle(&mut self, what: &str, max_s: u64) -> Result<IdleWait> {
+        let w = wait_idle(0.9, Duration::from_secs(max_s));
         if !w.reached {
             self.log(&format!(
-                "  ! machine never got to 90% idle within {} s before {what} (last second: {:.0}% idle); measuring anyway",
-                self.args.idle_wait_s,
+                "  ! machine never got to 90% idle within {max_s} s before {what} (last second: {:.0}% idle); measuring anyway",
                 w.idle * 100.0
             ));
         }
@@ -445,7 +450,7 @@ pub fn bench_vs_peers(args: BenchArgs) -> Result<()> {
     let rounds = cx.args.rounds;
     for round in 0..rounds {
         eprintln!("== round {}/{rounds}", round + 1);
-        cx.idle("limits")?;
+        cx.idle(&format!("round {}", round + 1), cx.args.idle_wait_s)?;
         let l = limits::measure()?;
         eprintln!(
             "  limits: memcpy 1 thread {:.2} GB/s; TCP loopback both ways {:.2} GB/s per direction",
@@ -465,7 +470,7 @@ pub fn bench_vs_peers(args: BenchArgs) -> Result<()> {
                 if cx.disabled.contains(&e) {
                     continue;
                 }
-                cx.idle(&format!("{} {ranks} ranks {transport}", e.name()))?;
+                cx.idle(&format!("{} {ranks} ranks {transport}", e.name()), cx.args.idle_wait_s.min(BETWEEN_ENGINES_IDLE_S))?;
                 eprintln!("  {} — {ranks} ranks, {transport}", e.name());
                 let pts = run_engine(&mut cx, e, ranks, transport, round)?;
                 let slot = res.entry(key.clone()).or_default().entry(e).or_default();

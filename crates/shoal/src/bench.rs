@@ -1,0 +1,365 @@
+//! `shoal bench <op>`: collective benchmarks in the style of nccl-tests, with
+//! ranks as separate processes. The parent launches the ranks (see `launch`);
+//! each rank times `barrier -> t0 -> op -> t1` per iteration; rank 0 gathers the
+//! times, takes the slowest rank per iteration and the median over iterations,
+//! and prints one JSON object per size on stdout, which the parent turns into
+//! the table (or passes through with `--json`).
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use serde::{Deserialize, Serialize};
+use shoal_comm::chunk::segment;
+use shoal_comm::env::EnvContract;
+use shoal_comm::{Algo, DType, ReduceOp};
+
+use crate::launch::{LaunchSpec, describe, launch};
+
+/// The collective to measure.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BenchOp {
+    Allreduce,
+    Broadcast,
+    Allgather,
+    Reducescatter,
+}
+
+impl BenchOp {
+    pub fn name(self) -> &'static str {
+        match self {
+            BenchOp::Allreduce => "allreduce",
+            BenchOp::Broadcast => "broadcast",
+            BenchOp::Allgather => "allgather",
+            BenchOp::Reducescatter => "reducescatter",
+        }
+    }
+
+    /// nccl-tests' bus-bandwidth factor.
+    fn bus_factor(self, n: usize) -> f64 {
+        let n = n as f64;
+        match self {
+            BenchOp::Allreduce => 2.0 * (n - 1.0) / n,
+            BenchOp::Broadcast => 1.0,
+            BenchOp::Allgather | BenchOp::Reducescatter => (n - 1.0) / n,
+        }
+    }
+}
+
+/// Options shared by the parent and the ranks.
+#[derive(Debug, Clone, clap::Args, Serialize, Deserialize)]
+pub struct BenchArgs {
+    /// Number of ranks (separate processes).
+    #[arg(long, default_value_t = 2)]
+    pub ranks: usize,
+    /// tcp, shm or auto.
+    #[arg(long, default_value = "auto")]
+    pub transport: String,
+    /// ring, tree, hier or auto.
+    #[arg(long, default_value = "auto")]
+    pub algo: String,
+    /// Comma-separated sizes in bytes, with units B, KiB, MiB, GiB.
+    #[arg(long, default_value = "4KiB,64KiB,1MiB,16MiB,64MiB")]
+    pub sizes: String,
+    /// Element type: f32, f64, f16, bf16, i32, i64.
+    #[arg(long, default_value = "f32")]
+    pub dtype: String,
+    /// Reduction: sum, avg, min, max, prod.
+    #[arg(long, default_value = "sum")]
+    pub op: String,
+    /// Timed iterations per size (default: by size, as the peers' scripts do).
+    #[arg(long)]
+    pub iters: Option<usize>,
+    /// Warm-up iterations per size (default: by size).
+    #[arg(long)]
+    pub warmup: Option<usize>,
+    /// Limit for every collective; a stuck or dead rank fails the run within it.
+    #[arg(long, default_value = "30s")]
+    pub timeout: String,
+    /// Verify every element against a reference; any wrong value fails the run.
+    #[arg(long)]
+    pub check: bool,
+    /// One JSON object per size instead of the table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// One result row.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[allow(non_snake_case)]
+pub struct Row {
+    pub op: String,
+    pub ranks: usize,
+    pub transport: String,
+    pub algo: String,
+    pub dtype: String,
+    pub redop: String,
+    pub bytes: usize,
+    pub count: usize,
+    pub iters: usize,
+    pub time_s: f64,
+    pub algbw_GBps: f64,
+    pub busbw_GBps: f64,
+    pub wrong: u64,
+}
+
+/// Parses `4KiB,1MiB,16MiB` (units B, KiB, MiB, GiB; also K, M, G, KB, MB, GB as binary).
+pub fn parse_sizes(s: &str) -> Result<Vec<usize>> {
+    s.split(',').filter(|p| !p.trim().is_empty()).map(|p| parse_size(p.trim())).collect()
+}
+
+pub fn parse_size(p: &str) -> Result<usize> {
+    let split = p.find(|c: char| !c.is_ascii_digit()).unwrap_or(p.len());
+    let (num, unit) = p.split_at(split);
+    let v: usize = num.parse().with_context(|| format!("size {p:?}: expected a number followed by B, KiB, MiB or GiB"))?;
+    let mult = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        u => bail!("size {p:?}: unknown unit {u:?} (use B, KiB, MiB or GiB)"),
+    };
+    v.checked_mul(mult).with_context(|| format!("size {p:?} is too large"))
+}
+
+fn default_iters(bytes: usize) -> (usize, usize) {
+    match bytes {
+        b if b <= 64 << 10 => (20, 300),
+        b if b <= 1 << 20 => (10, 100),
+        b if b <= 16 << 20 => (3, 30),
+        b if b <= 64 << 20 => (2, 12),
+        _ => (2, 7),
+    }
+}
+
+/// The parent: launches the ranks, prints the table; exit status non-zero on
+/// any failure or wrong value.
+pub fn run_bench(op: BenchOp, args: &BenchArgs) -> Result<bool> {
+    if args.ranks == 0 {
+        bail!("--ranks must be at least 1");
+    }
+    parse_sizes(&args.sizes)?;
+    args.dtype.parse::<DType>()?;
+    args.op.parse::<ReduceOp>()?;
+    args.algo.parse::<Algo>()?;
+    let transport: shoal_comm::TransportChoice = args.transport.parse()?;
+    if transport == shoal_comm::TransportChoice::InProc {
+        bail!("--transport inproc needs ranks in one process; shoal bench runs separate processes (use tcp, shm or auto)");
+    }
+    let timeout = shoal_comm::env::parse_duration(&args.timeout)?;
+    let exe = std::env::current_exe().context("locating the shoal executable")?;
+    let spec = LaunchSpec {
+        program: exe,
+        args: vec!["bench-rank".into(), serde_json::to_string(&(op, args))?],
+        ranks: args.ranks,
+        job_id: format!("bench-{}", std::process::id()),
+        env: vec![
+            ("SHOAL_TRANSPORT".into(), args.transport.clone()),
+            ("SHOAL_ALGO".into(), args.algo.clone()),
+            ("SHOAL_TIMEOUT".into(), args.timeout.clone()),
+        ],
+        grace: timeout + Duration::from_secs(5),
+    };
+    if !args.json {
+        println!("# shoal bench {}: {} ranks, transport {}, algo {}, dtype {}, op {}", op.name(), args.ranks, args.transport, args.algo, args.dtype, args.op);
+        println!("# {:>12} {:>12} {:>6} {:>6} {:>6} {:>12} {:>12} {:>12} {:>8}", "size", "count", "type", "redop", "algo", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong");
+    }
+    let mut wrong = 0u64;
+    let mut rows = 0usize;
+    let outcome = launch(&spec, |line| {
+        if !line.stderr && line.rank == 0 {
+            if let Ok(row) = serde_json::from_str::<Row>(&line.text) {
+                wrong += row.wrong;
+                rows += 1;
+                if args.json {
+                    println!("{}", line.text);
+                } else {
+                    println!(
+                        "  {:>12} {:>12} {:>6} {:>6} {:>6} {:>12.1} {:>12.3} {:>12.3} {:>8}",
+                        row.bytes, row.count, row.dtype, row.redop, row.algo, row.time_s * 1e6, row.algbw_GBps, row.busbw_GBps, row.wrong
+                    );
+                }
+                return;
+            }
+        }
+        eprintln!("[rank {}] {}", line.rank, line.text);
+    })?;
+    if outcome.interrupted {
+        eprintln!("shoal bench: interrupted");
+        return Ok(false);
+    }
+    if let Some((rank, how)) = &outcome.first_failure {
+        let others: Vec<String> = outcome
+            .statuses
+            .iter()
+            .enumerate()
+            .filter(|(r, _)| r != rank)
+            .map(|(r, s)| format!("rank {r}: {}", s.map(|s| describe(&s)).unwrap_or_else(|| "still running".into())))
+            .collect();
+        eprintln!("shoal bench: rank {rank} failed first ({how}); {}", others.join(", "));
+        return Ok(false);
+    }
+    if wrong > 0 {
+        eprintln!("shoal bench: {wrong} wrong values");
+        return Ok(false);
+    }
+    if !args.json {
+        println!("# {rows} sizes, 0 wrong values{}", if args.check { " (every element checked)" } else { "" });
+    }
+    Ok(true)
+}
+
+/// Value that rank `r` contributes at element `i`: small integers, so every sum
+/// and product is exact in every dtype and the reference is exact.
+fn pattern(op: ReduceOp, r: usize, i: usize) -> f64 {
+    if op == ReduceOp::Prod { [1.0, -1.0, 2.0][(r + i) % 3] } else { ((r * 3 + i) % 7) as f64 - 3.0 }
+}
+
+fn fill(dtype: DType, buf: &mut [u8], f: impl Fn(usize) -> f64) {
+    use half::{bf16, f16};
+    let es = dtype.size();
+    for (i, c) in buf.chunks_exact_mut(es).enumerate() {
+        let v = f(i);
+        match dtype {
+            DType::F32 => c.copy_from_slice(&(v as f32).to_le_bytes()),
+            DType::F64 => c.copy_from_slice(&v.to_le_bytes()),
+            DType::F16 => c.copy_from_slice(&f16::from_f64(v).to_le_bytes()),
+            DType::BF16 => c.copy_from_slice(&bf16::from_f64(v).to_le_bytes()),
+            DType::I32 => c.copy_from_slice(&(v as i32).to_le_bytes()),
+            DType::I64 => c.copy_from_slice(&(v as i64).to_le_bytes()),
+        }
+    }
+}
+
+fn reduce_ref(op: ReduceOp, n: usize, i: usize, dtype: DType) -> f64 {
+    let vals = (0..n).map(|r| pattern(op, r, i));
+    let v = match op {
+        ReduceOp::Sum | ReduceOp::Avg => vals.sum::<f64>(),
+        ReduceOp::Prod => vals.product(),
+        ReduceOp::Min => vals.fold(f64::INFINITY, f64::min),
+        ReduceOp::Max => vals.fold(f64::NEG_INFINITY, f64::max),
+    };
+    if op == ReduceOp::Avg {
+        if dtype.is_float() { v / n as f64 } else { (v / n as f64).trunc() }
+    } else {
+        v
+    }
+}
+
+fn count_wrong(dtype: DType, buf: &[u8], want: impl Fn(usize) -> f64) -> u64 {
+    let mut expect = vec![0u8; buf.len()];
+    fill(dtype, &mut expect, want);
+    buf.chunks_exact(dtype.size()).zip(expect.chunks_exact(dtype.size())).filter(|(a, b)| a != b).count() as u64
+}
+
+/// One rank of the benchmark (started by the parent through `launch`).
+pub fn run_rank(spec: &str) -> Result<()> {
+    let (op, args): (BenchOp, BenchArgs) = serde_json::from_str(spec).context("bench-rank: bad arguments")?;
+    let env = EnvContract::from_env()?;
+    let comm = env.connect().context("joining the benchmark's communicator")?;
+    let (n, rank) = (comm.size(), comm.rank());
+    let dtype: DType = args.dtype.parse()?;
+    let rop: ReduceOp = args.op.parse()?;
+    let algo: Algo = args.algo.parse()?;
+    let es = dtype.size();
+    for bytes in parse_sizes(&args.sizes)? {
+        let count = bytes / es;
+        let bytes = count * es;
+        let (dw, di) = default_iters(bytes);
+        let (warm, iters) = (args.warmup.unwrap_or(dw), args.iters.unwrap_or(di).max(1));
+        // Buffers are allocated once per size; the loop allocates nothing.
+        let (mut a, mut b) = match op {
+            BenchOp::Allreduce | BenchOp::Broadcast => (vec![0u8; bytes], Vec::new()),
+            BenchOp::Allgather => (vec![0u8; segment(count, n, 0).len() * es], vec![0u8; segment(count, n, 0).len() * es * n]),
+            BenchOp::Reducescatter => (vec![0u8; bytes], vec![0u8; segment(count, n, rank).len() * es]),
+        };
+        let run_once = |a: &mut Vec<u8>, b: &mut Vec<u8>| -> shoal_comm::Result<()> {
+            match op {
+                BenchOp::Allreduce => comm.all_reduce_bytes(a, dtype, rop, algo),
+                BenchOp::Broadcast => comm.broadcast_bytes(a, 0),
+                BenchOp::Allgather => comm.all_gather_bytes(a, b),
+                BenchOp::Reducescatter => comm.reduce_scatter_bytes(a, b, dtype, rop),
+            }
+        };
+        fill(dtype, &mut a, |i| pattern(rop, rank, i));
+        for _ in 0..warm {
+            run_once(&mut a, &mut b)?;
+        }
+        let mut times = Vec::with_capacity(iters);
+        for _ in 0..iters {
+            comm.barrier()?;
+            let t0 = Instant::now();
+            run_once(&mut a, &mut b)?;
+            times.push(t0.elapsed().as_secs_f64());
+        }
+        let mut wrong = 0u64;
+        if args.check {
+            fill(dtype, &mut a, |i| pattern(rop, rank, i));
+            run_once(&mut a, &mut b)?;
+            wrong = match op {
+                BenchOp::Allreduce => count_wrong(dtype, &a, |i| reduce_ref(rop, n, i, dtype)),
+                BenchOp::Broadcast => count_wrong(dtype, &a, |i| pattern(rop, 0, i)),
+                BenchOp::Allgather => {
+                    let m = a.len() / es;
+                    count_wrong(dtype, &b, |i| pattern(rop, i / m.max(1), i % m.max(1)))
+                }
+                BenchOp::Reducescatter => {
+                    let seg = segment(count, n, rank);
+                    count_wrong(dtype, &b, |i| reduce_ref(rop, n, seg.start + i, dtype))
+                }
+            };
+        }
+        // Gather every rank's times and wrong count at rank 0.
+        let mut mine: Vec<f64> = times.clone();
+        mine.push(wrong as f64);
+        let mut all = vec![0f64; mine.len() * n];
+        comm.all_gather(&mine, &mut all)?;
+        if rank == 0 {
+            let per_iter: Vec<f64> =
+                (0..iters).map(|it| (0..n).map(|r| all[r * (iters + 1) + it]).fold(0.0, f64::max)).collect();
+            let wrong_total: u64 = (0..n).map(|r| all[r * (iters + 1) + iters] as u64).sum();
+            let mut sorted = per_iter.clone();
+            sorted.sort_by(|x, y| x.total_cmp(y));
+            let time_s = sorted[sorted.len() / 2];
+            let total_bytes = match op {
+                BenchOp::Allgather => b.len(),
+                _ => bytes,
+            };
+            let algbw = if time_s > 0.0 { total_bytes as f64 / time_s / 1e9 } else { 0.0 };
+            let algo_used = match op {
+                BenchOp::Allreduce => comm.choose_all_reduce(bytes, algo).name().to_string(),
+                _ => algo.name().to_string(),
+            };
+            let row = Row {
+                op: op.name().into(),
+                ranks: n,
+                transport: args.transport.clone(),
+                algo: algo_used,
+                dtype: dtype.name().into(),
+                redop: rop.name().into(),
+                bytes: total_bytes,
+                count: total_bytes / es,
+                iters,
+                time_s,
+                algbw_GBps: algbw,
+                busbw_GBps: algbw * op.bus_factor(n),
+                wrong: wrong_total,
+            };
+            println!("{}", serde_json::to_string(&row)?);
+        }
+    }
+    comm.barrier()?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_with_units() {
+        assert_eq!(parse_sizes("4KiB,1MiB,16MiB,1GiB,7B,9").ok(), Some(vec![4096, 1 << 20, 16 << 20, 1 << 30, 7, 9]));
+        assert!(parse_sizes("4XB").is_err());
+        assert!(parse_sizes("KiB").is_err());
+    }
+}
