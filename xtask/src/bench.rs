@@ -312,7 +312,8 @@ fn run_engine(cx: &mut Ctx, e: Engine, ranks: usize, transport: &str, round: usi
             for (i, f) in &failed {
                 let why =
                     if f.timed_out { format!("timed out after {} s", cx.args.timeout_s) } else { f.status.clone() };
-                cx.log(&format!("  ! {label} (process {i}) failed: {why}\n{}", indent(&tail(&f.stderr, 15))));
+                let err = if f.stderr.trim().is_empty() { "(nothing on stderr)".to_owned() } else { tail(&f.stderr, 15) };
+                cx.log(&format!("  ! {label} (process {i}) failed: {why}\n{}", indent(&err)));
             }
         } else if pts.is_empty() {
             cx.log(&format!(

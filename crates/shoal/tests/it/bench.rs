@@ -1,0 +1,151 @@
+//! `shoal bench` with `--check` across processes, and a rank killed in the
+//! middle of an all-reduce.
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn shoal() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_shoal"))
+}
+
+fn run_json(args: &[&str]) -> Vec<serde_json::Value> {
+    let out = shoal().args(args).arg("--json").output().expect("run shoal bench");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "shoal {args:?} failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    stdout.lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("bad JSON line {l:?}: {e}"))).collect()
+}
+
+fn check_rows(rows: &[serde_json::Value], op: &str, ranks: u64, sizes: usize) {
+    assert_eq!(rows.len(), sizes, "one row per size: {rows:?}");
+    for row in rows {
+        for k in ["op", "ranks", "transport", "algo", "dtype", "bytes", "time_s", "algbw_GBps", "busbw_GBps", "wrong"] {
+            assert!(row.get(k).is_some(), "key {k} missing in {row}");
+        }
+        assert_eq!(row["op"], op);
+        assert_eq!(row["ranks"], ranks);
+        assert_eq!(row["wrong"], 0, "wrong values in {row}");
+        assert!(row["time_s"].as_f64().is_some_and(|t| t >= 0.0));
+    }
+}
+
+#[test]
+fn every_collective_is_correct_across_four_processes_over_tcp_and_shm() {
+    for transport in ["tcp", "shm"] {
+        for op in ["allreduce", "broadcast", "allgather", "reducescatter"] {
+            let rows = run_json(&[
+                "bench", op, "--ranks", "4", "--transport", transport, "--sizes", "0B,4B,4100B,3MiB", "--iters", "3",
+                "--warmup", "1", "--check",
+            ]);
+            check_rows(&rows, op, 4, 4);
+            assert!(rows.iter().all(|r| r["transport"] == transport));
+        }
+    }
+}
+
+#[test]
+fn every_dtype_and_reduction_is_correct_with_three_processes() {
+    for (dtype, redop, algo) in
+        [("bf16", "max", "ring"), ("f16", "avg", "tree"), ("i64", "prod", "ring"), ("f64", "min", "auto"), ("i32", "sum", "tree")]
+    {
+        let rows = run_json(&[
+            "bench", "allreduce", "--ranks", "3", "--transport", "auto", "--algo", algo, "--dtype", dtype, "--op", redop,
+            "--sizes", "6B,1000002B", "--iters", "2", "--warmup", "1", "--check",
+        ]);
+        check_rows(&rows, "allreduce", 3, 2);
+        assert!(rows.iter().all(|r| r["dtype"] == dtype));
+    }
+}
+
+#[test]
+fn the_table_reports_zero_wrong_values() {
+    let out = shoal()
+        .args(["bench", "allreduce", "--ranks", "2", "--transport", "shm", "--sizes", "4KiB,1MiB", "--iters", "5", "--check"])
+        .output()
+        .expect("run");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("busbw(GB/s)") && text.contains("#wrong"), "{text}");
+    assert!(text.contains("2 sizes, 0 wrong values"), "{text}");
+}
+
+#[test]
+fn bad_flags_are_named() {
+    for (args, needle) in [
+        (vec!["bench", "allreduce", "--sizes", "4XB"], "4XB"),
+        (vec!["bench", "allreduce", "--dtype", "u8"], "u8"),
+        (vec!["bench", "allreduce", "--transport", "carrier-pigeon"], "carrier-pigeon"),
+        (vec!["bench", "allreduce", "--timeout", "soon"], "soon"),
+    ] {
+        let out = shoal().args(&args).output().expect("run");
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(needle), "{args:?}: {err}");
+    }
+}
+
+/// Children of `parent` whose environment says `SHOAL_RANK=rank`.
+fn rank_pid(parent: u32, rank: usize) -> Option<u32> {
+    for e in std::fs::read_dir("/proc").ok()?.flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else { continue };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
+        let ppid = stat.rsplit_once(')').and_then(|(_, r)| r.split_whitespace().nth(1)).and_then(|p| p.parse::<u32>().ok());
+        if ppid != Some(parent) {
+            continue;
+        }
+        let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+        if env.split(|b| *b == 0).any(|kv| kv == format!("SHOAL_RANK={rank}").as_bytes()) {
+            return Some(pid);
+        }
+    }
+    None
+}
+
+fn killed_rank_is_named(transport: &str) {
+    let timeout_s = 10;
+    let child = shoal()
+        .args([
+            "bench", "allreduce", "--ranks", "3", "--transport", transport, "--sizes", "32MiB", "--iters", "100000",
+            "--warmup", "1", "--timeout", &format!("{timeout_s}s"),
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start bench");
+    let parent = child.id();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let victim = loop {
+        if let Some(p) = rank_pid(parent, 1) {
+            break p;
+        }
+        assert!(Instant::now() < deadline, "rank 1 never started");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    // Let the ranks get into the timed loop, then kill rank 1 mid all-reduce.
+    std::thread::sleep(Duration::from_millis(1500));
+    // SAFETY: kill(2) on a process we started (indirectly).
+    unsafe { libc::kill(victim as i32, libc::SIGKILL) };
+    let killed_at = Instant::now();
+    let out = child.wait_with_output().expect("bench output");
+    let waited = killed_at.elapsed();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "bench must fail when a rank dies:\n{err}");
+    assert!(err.contains("rank 1 failed first (killed by signal 9"), "the launcher must name rank 1:\n{err}");
+    for survivor in [0, 2] {
+        let line = err
+            .lines()
+            .find(|l| l.starts_with(&format!("[rank {survivor}]")) && l.contains("all_reduce #"))
+            .unwrap_or_else(|| panic!("rank {survivor} must report its failed all_reduce:\n{err}"));
+        assert!(line.contains("rank 1"), "rank {survivor} must name rank 1: {line}");
+    }
+    assert!(waited < Duration::from_secs(timeout_s + 10), "took {waited:?}");
+}
+
+#[test]
+fn a_killed_rank_is_named_by_the_launcher_and_the_survivors_over_tcp() {
+    killed_rank_is_named("tcp");
+}
+
+#[test]
+fn a_killed_rank_is_named_by_the_launcher_and_the_survivors_over_shm() {
+    killed_rank_is_named("shm");
+}

@@ -1,0 +1,4 @@
+//! Multi-process tests of the `shoal` binary: real processes, real sockets and
+//! shared memory.
+
+mod bench;
