@@ -117,7 +117,7 @@ pub fn parse_size(s: &str) -> Result<u64> {
 /// Bytes → "4KiB" / "1MiB" / "100B": the largest binary unit that divides exactly.
 pub fn format_size(b: u64) -> String {
     for (unit, m) in [("GiB", 1u64 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)] {
-        if b >= m && b % m == 0 {
+        if b >= m && b.is_multiple_of(m) {
             return format!("{}{unit}", b / m);
         }
     }
@@ -145,10 +145,11 @@ pub fn parse_rows(stdout: &str, contract: &[&str]) -> (Vec<Point>, Vec<String>) 
                 missing.push((*k).to_owned());
             }
         }
-        if let Some(op) = o.get("op").and_then(Value::as_str) {
-            if op != "allreduce" && op != "all_reduce" {
-                continue;
-            }
+        if let Some(op) = o.get("op").and_then(Value::as_str)
+            && op != "allreduce"
+            && op != "all_reduce"
+        {
+            continue;
         }
         points.push(Point {
             bytes: bytes as u64,
@@ -312,7 +313,8 @@ fn run_engine(cx: &mut Ctx, e: Engine, ranks: usize, transport: &str, round: usi
             for (i, f) in &failed {
                 let why =
                     if f.timed_out { format!("timed out after {} s", cx.args.timeout_s) } else { f.status.clone() };
-                let err = if f.stderr.trim().is_empty() { "(nothing on stderr)".to_owned() } else { tail(&f.stderr, 15) };
+                let err =
+                    if f.stderr.trim().is_empty() { "(nothing on stderr)".to_owned() } else { tail(&f.stderr, 15) };
                 cx.log(&format!("  ! {label} (process {i}) failed: {why}\n{}", indent(&err)));
             }
         } else if pts.is_empty() {
@@ -471,7 +473,10 @@ pub fn bench_vs_peers(args: BenchArgs) -> Result<()> {
                 if cx.disabled.contains(&e) {
                     continue;
                 }
-                cx.idle(&format!("{} {ranks} ranks {transport}", e.name()), cx.args.idle_wait_s.min(BETWEEN_ENGINES_IDLE_S))?;
+                cx.idle(
+                    &format!("{} {ranks} ranks {transport}", e.name()),
+                    cx.args.idle_wait_s.min(BETWEEN_ENGINES_IDLE_S),
+                )?;
                 eprintln!("  {} — {ranks} ranks, {transport}", e.name());
                 let pts = run_engine(&mut cx, e, ranks, transport, round)?;
                 let slot = res.entry(key.clone()).or_default().entry(e).or_default();
@@ -523,8 +528,8 @@ pub fn bench_vs_peers(args: BenchArgs) -> Result<()> {
         );
         let _ = writeln!(
             text,
-            "  {:>7}  {:>7}  {:>7}  {:>7}  {:>9}  {:>9}  {:>11}  {}",
-            "size", "ours", "ompi", "gloo", "ours/ompi", "ours/gloo", "ours %limit", "ours algo"
+            "  {:>7}  {:>7}  {:>7}  {:>7}  {:>9}  {:>9}  {:>11}  ours algo",
+            "size", "ours", "ompi", "gloo", "ours/ompi", "ours/gloo", "ours %limit"
         );
         for &b in &sizes {
             let (o, ot, ow, oalgo) = cell(key, Engine::Ours, b);

@@ -79,10 +79,13 @@ fn reader<R: Read + Send + 'static>(r: Option<R>) -> Option<JoinHandle<String>> 
     })
 }
 
+/// A started child and the threads collecting its stdout and stderr.
+type Running = (Child, Option<JoinHandle<String>>, Option<JoinHandle<String>>);
+
 /// Starts all `cmds` at once (stdout and stderr captured) and waits for them all, up to
 /// `timeout`; on timeout every child still running gets SIGTERM, then SIGKILL 3 s later.
 pub fn run_group(cmds: Vec<Command>, timeout: Duration) -> Result<Vec<Finished>> {
-    let mut children: Vec<(Child, Option<JoinHandle<String>>, Option<JoinHandle<String>>)> = Vec::new();
+    let mut children: Vec<Running> = Vec::new();
     for mut cmd in cmds {
         let shown = format!("{cmd:?}");
         let spawned = cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn();

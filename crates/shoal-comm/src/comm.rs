@@ -575,7 +575,7 @@ impl Communicator {
                 if let Ok(mut c) = inner.closed.lock() {
                     c.get_or_insert_with(|| format!("{name} #{seq} failed: {e}"));
                 }
-                tracing::error!(comm = %inner.cfg.name, rank = inner.rank, op = name, seq, error = %e, "collective failed");
+                tracing::debug!(comm = %inner.cfg.name, rank = inner.rank, op = name, seq, error = %e, "collective failed; communicator closed");
             }
         }
         if let Ok(mut turn) = inner.turn.lock() {

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use crate::auth;
 use crate::error::{Error, Result};
-use crate::frame::{self, HEADER_LEN, Header, Kind};
+use crate::frame::{HEADER_LEN, Header, Kind};
 use crate::transport::{OpCtx, RecvReq, SendReq, Transport, TransportKind};
 
 /// Socket buffer size asked of the kernel (it may round it).
@@ -94,7 +94,7 @@ fn classify(op: &OpCtx, peer: usize, what: &str, e: std::io::Error) -> Error {
     match e.kind() {
         WouldBlock | TimedOut => op.timeout(format!("rank {peer} ({what})")),
         UnexpectedEof | ConnectionReset | ConnectionAborted | BrokenPipe | NotConnected => {
-            op.peer_lost(peer, format!("connection closed while {what}: {e}"))
+            op.peer_lost(peer, format!("its connection closed while {what} it: {e}"))
         }
         _ => Error::io(format!("{} #{} {what} rank {peer}", op.name, op.seq), e),
     }
@@ -347,9 +347,4 @@ impl Transport for TcpTransport {
         }
         recv_result.and(send_result)
     }
-}
-
-/// Reads one frame header from any stream (used by tests of malformed input).
-pub fn read_any_header(r: &mut impl Read, peer: &str) -> Result<Header> {
-    frame::read_header(r, frame::MAX_CONTROL_LEN, peer)
 }

@@ -177,6 +177,13 @@ pub fn launch(spec: &LaunchSpec, mut on_line: impl FnMut(&Line)) -> Result<Outco
     while let Ok(line) = rx.recv_timeout(Duration::from_millis(50)) {
         on_line(&line);
     }
+    // A rank killed by a signal is the cause; the ranks that exited with an
+    // error after it were reporting its loss (they may have been seen first).
+    if let Some((r, st)) =
+        statuses.iter().enumerate().find_map(|(r, s)| s.filter(|s| s.signal().is_some() && !interrupted).map(|s| (r, s)))
+    {
+        first_failure = Some((r, describe(&st)));
+    }
     drop(store);
     Ok(Outcome { statuses, first_failure, interrupted })
 }
