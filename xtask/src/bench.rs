@@ -140,16 +140,16 @@ pub fn parse_rows(stdout: &str, contract: &[&str]) -> (Vec<Point>, Vec<String>) 
         let (Some(bytes), Some(time_s), Some(busbw)) = (num("bytes"), num("time_s"), num("busbw_GBps")) else {
             continue;
         };
-        for k in contract {
-            if !o.contains_key(*k) && !missing.iter().any(|m| m == k) {
-                missing.push((*k).to_owned());
-            }
-        }
         if let Some(op) = o.get("op").and_then(Value::as_str)
             && op != "allreduce"
             && op != "all_reduce"
         {
             continue;
+        }
+        for k in contract {
+            if !o.contains_key(*k) && !missing.iter().any(|m| m == k) {
+                missing.push((*k).to_owned());
+            }
         }
         points.push(Point {
             bytes: bytes as u64,
@@ -263,6 +263,8 @@ fn run_engine(cx: &mut Ctx, e: Engine, ranks: usize, transport: &str, round: usi
                     "--warmup",
                     &w.to_string(),
                     "--json",
+                    // verifies one extra, untimed all-reduce per size, like the peers' checks
+                    "--check",
                 ]);
                 invocations.push((vec![c], format!("ours {}", format_size(b))));
             }
