@@ -17,7 +17,7 @@
 
 use std::ops::Range;
 
-use crate::chunk::{bytes, chunks, partition, segment, split_pair};
+use crate::chunk::{bytes, chunk_count, chunk_range, segment, split_pair};
 use crate::comm::{Algo, Communicator, Hier, Pending};
 use crate::dtype::{DType, Element, ReduceOp, finish_avg, reduce_bytes};
 use crate::error::{Error, Result};
@@ -25,6 +25,23 @@ use crate::transport::OpCtx;
 
 /// Chunk of the pipelined broadcast chain.
 const BCAST_CHUNK: usize = 512 << 10;
+
+/// Byte ranges of the ring's per-rank segments, computed on demand (no allocation).
+enum Segs {
+    /// `partition(count, n)` scaled by the element size.
+    Partition { count: usize, n: usize, esize: usize },
+    /// Segment `i` is `i*len..(i+1)*len`.
+    Equal { len: usize },
+}
+
+impl Segs {
+    fn get(&self, i: usize) -> Range<usize> {
+        match *self {
+            Segs::Partition { count, n, esize } => bytes(&segment(count, n, i), esize),
+            Segs::Equal { len } => i * len..(i + 1) * len,
+        }
+    }
+}
 
 fn as_bytes<T: Element>(b: &[T]) -> &[u8] {
     bytemuck::cast_slice(b)
@@ -159,20 +176,13 @@ impl Communicator {
     }
 
     /// Ring reduce-scatter: afterwards rank r holds the reduced segment r.
-    fn ring_reduce_scatter(
-        &self,
-        ctx: &OpCtx,
-        buf: &mut [u8],
-        dtype: DType,
-        op: ReduceOp,
-        segs: &[Range<usize>],
-    ) -> Result<()> {
+    fn ring_reduce_scatter(&self, ctx: &OpCtx, buf: &mut [u8], dtype: DType, op: ReduceOp, segs: &Segs) -> Result<()> {
         let (n, r) = (self.size(), self.rank());
         let (right, left) = ((r + 1) % n, (r + n - 1) % n);
         for s in 0..n - 1 {
             let si = (r + 2 * n - s - 1) % n;
             let ri = (r + 2 * n - s - 2) % n;
-            let (sb, rb) = split_pair(buf, segs[si].clone(), segs[ri].clone());
+            let (sb, rb) = split_pair(buf, segs.get(si), segs.get(ri));
             let len = rb.len();
             let mut sink = reduce_sink(rb, dtype, op);
             self.xchg(ctx, Some((right, sb)), Some((left, len, &mut sink)))?;
@@ -181,13 +191,13 @@ impl Communicator {
     }
 
     /// Ring all-gather: rank r starts holding segment r, ends holding all.
-    fn ring_all_gather(&self, ctx: &OpCtx, buf: &mut [u8], segs: &[Range<usize>]) -> Result<()> {
+    fn ring_all_gather(&self, ctx: &OpCtx, buf: &mut [u8], segs: &Segs) -> Result<()> {
         let (n, r) = (self.size(), self.rank());
         let (right, left) = ((r + 1) % n, (r + n - 1) % n);
         for s in 0..n - 1 {
             let si = (r + n - s) % n;
             let ri = (r + 2 * n - s - 1) % n;
-            let (sb, rb) = split_pair(buf, segs[si].clone(), segs[ri].clone());
+            let (sb, rb) = split_pair(buf, segs.get(si), segs.get(ri));
             let len = rb.len();
             let mut sink = copy_sink(rb);
             self.xchg(ctx, Some((right, sb)), Some((left, len, &mut sink)))?;
@@ -195,8 +205,8 @@ impl Communicator {
         Ok(())
     }
 
-    fn byte_segments(&self, len: usize, dtype: DType) -> Vec<Range<usize>> {
-        partition(len / dtype.size(), self.size()).iter().map(|r| bytes(r, dtype.size())).collect()
+    fn byte_segments(&self, len: usize, dtype: DType) -> Segs {
+        Segs::Partition { count: len / dtype.size(), n: self.size(), esize: dtype.size() }
     }
 
     fn ring_all_reduce(&self, ctx: &OpCtx, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
@@ -352,14 +362,14 @@ impl Communicator {
         let v = (r + n - root) % n;
         let (prev, next) = ((r + n - 1) % n, (r + 1) % n);
         let has_next = v + 1 < n;
-        let cs = chunks(buf.len(), BCAST_CHUNK, 8);
-        let k = cs.len();
+        let k = chunk_count(buf.len(), BCAST_CHUNK);
+        let len = buf.len();
+        let cs = |i: usize| chunk_range(len, BCAST_CHUNK, i);
         for i in 0..=k {
             // The root sends chunk i; every other rank receives chunk i and forwards
             // chunk i-1, so each rank runs one chunk behind the previous one.
-            let send =
-                if v == 0 { (i < k).then(|| cs[i].clone()) } else { (has_next && i > 0).then(|| cs[i - 1].clone()) };
-            let recv = (v > 0 && i < k).then(|| cs[i].clone());
+            let send = if v == 0 { (i < k).then(|| cs(i)) } else { (has_next && i > 0).then(|| cs(i - 1)) };
+            let recv = (v > 0 && i < k).then(|| cs(i));
             match (send, recv) {
                 (Some(s), Some(rr)) => {
                     let (sb, rb) = split_pair(buf, s, rr);
@@ -478,13 +488,13 @@ impl Communicator {
         let r = self.rank();
         if r == root {
             for q in (0..self.size()).filter(|&q| q != root) {
-                let seg = segs[q].clone();
+                let seg = segs.get(q);
                 let len = seg.len();
                 let mut sink = copy_sink(&mut buf[seg]);
                 self.xchg(ctx, None, Some((q, len, &mut sink)))?;
             }
         } else {
-            self.xchg(ctx, Some((root, &buf[segs[r].clone()])), None)?;
+            self.xchg(ctx, Some((root, &buf[segs.get(r)])), None)?;
         }
         Ok(())
     }
@@ -524,7 +534,7 @@ impl Communicator {
             }
             let r = self.rank();
             output[r * m..(r + 1) * m].copy_from_slice(input);
-            let segs: Vec<Range<usize>> = (0..n).map(|i| i * m..(i + 1) * m).collect();
+            let segs = Segs::Equal { len: m };
             if n > 1 { self.ring_all_gather(ctx, output, &segs) } else { Ok(()) }
         })
     }
@@ -571,7 +581,7 @@ impl Communicator {
                 )));
             }
             let segs = self.byte_segments(input.len(), dtype);
-            let mine = segs[self.rank()].clone();
+            let mine = segs.get(self.rank());
             if output.len() != mine.len() {
                 return Err(Error::InvalidArgument(format!(
                     "reduce_scatter: output has {} bytes, rank {}'s segment of {} input bytes has {}",

@@ -43,6 +43,18 @@ pub fn chunks(len: usize, chunk: usize, align: usize) -> Vec<Range<usize>> {
     (0..len).step_by(step).map(|s| s..(s + step).min(len)).collect()
 }
 
+/// Number of chunks [`chunks`] gives for `len` bytes with an 8-byte alignment.
+pub fn chunk_count(len: usize, chunk: usize) -> usize {
+    let step = (chunk / 8).max(1) * 8;
+    len.div_ceil(step).max(1)
+}
+
+/// Chunk `i` of [`chunks`]`(len, chunk, 8)`, computed without allocating.
+pub fn chunk_range(len: usize, chunk: usize, i: usize) -> Range<usize> {
+    let step = (chunk / 8).max(1) * 8;
+    (i * step).min(len)..((i + 1) * step).min(len)
+}
+
 /// Two disjoint views into one buffer: `a` to read, `b` to write.
 pub fn split_pair(buf: &mut [u8], a: Range<usize>, b: Range<usize>) -> (&[u8], &mut [u8]) {
     debug_assert!(a.end <= b.start || b.end <= a.start || a.is_empty() || b.is_empty());
@@ -93,6 +105,15 @@ mod tests {
             for w in c.windows(2) {
                 prop_assert_eq!(w[0].end, w[1].start);
                 prop_assert_eq!(w[0].len() % align, 0);
+            }
+        }
+
+        #[test]
+        fn chunk_arithmetic_matches_the_list(len in 0usize..1_000_000, chunk in 1usize..100_000) {
+            let c = chunks(len, chunk, 8);
+            prop_assert_eq!(chunk_count(len, chunk), c.len());
+            for (i, r) in c.iter().enumerate() {
+                prop_assert_eq!(chunk_range(len, chunk, i), r.clone());
             }
         }
 

@@ -150,6 +150,9 @@ fn inproc_registry() -> &'static Mutex<std::collections::HashMap<String, Arc<Hea
 
 type Job = Box<dyn FnOnce() + Send>;
 
+/// How often a rank publishes which operation it is in.
+const STATUS_INTERVAL: Duration = Duration::from_millis(200);
+
 pub(crate) struct Inner {
     pub(crate) rank: usize,
     pub(crate) size: usize,
@@ -667,7 +670,19 @@ impl Communicator {
     }
 
     /// Adds who had entered operation `seq` to a timeout or lost-peer error.
+    /// Publishes this rank's own status at once and gives the others one
+    /// publishing interval to show theirs, so the report is current.
     fn enrich(&self, e: Error, seq: u64) -> Error {
+        if !e.is_peer_failure() {
+            return e;
+        }
+        let inner = &self.inner;
+        if seq >> 63 == 0 {
+            let (cur, name) = inner.current.lock().map(|c| *c).unwrap_or((seq, ""));
+            let k = key(&inner.cfg.name, &format!("status/{}", inner.rank));
+            let _ = inner.store.set(&k, format!("{cur} {name}").as_bytes());
+            std::thread::sleep(STATUS_INTERVAL + Duration::from_millis(100));
+        }
         let fill = |p: &mut Participation| {
             *p = self.participation(seq);
         };
@@ -724,7 +739,7 @@ fn spawn_status_publisher(weak: Weak<Inner>) {
     let _ = std::thread::Builder::new().name("shoal-comm-status".into()).spawn(move || {
         let mut last = 0u64;
         loop {
-            std::thread::sleep(Duration::from_millis(200));
+            std::thread::sleep(STATUS_INTERVAL);
             let Some(inner) = weak.upgrade() else { return };
             if inner.closed.lock().map(|c| c.is_some()).unwrap_or(true) {
                 return;

@@ -10,6 +10,7 @@
 //! | `SHOAL_TRANSPORT`, `SHOAL_ALGO` | optional: `auto`/`tcp`/`shm`, `auto`/`ring`/`tree`/`hier` |
 //! | `SHOAL_TIMEOUT` | optional: per-operation limit, e.g. `30s`, `500ms`, `2m` |
 //! | `SHOAL_HOST_ID` | optional: overrides the host identity (tests of multi-host layouts) |
+//! | `SHOAL_RENDEZVOUS_HOST` | optional: `1` makes rank 0 host the store at `SHOAL_RENDEZVOUS` itself (for launchers that start no store, e.g. `srun` or `mpirun`) |
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -58,6 +59,8 @@ pub struct EnvContract {
     pub rank: usize,
     pub world_size: usize,
     pub rendezvous: String,
+    /// Rank 0 hosts the store itself (`SHOAL_RENDEZVOUS_HOST=1`).
+    pub host_store: bool,
     pub cfg: CommConfig,
 }
 
@@ -88,11 +91,21 @@ impl EnvContract {
                 "SHOAL_RANK={rank} is not below SHOAL_WORLD_SIZE={world_size}"
             )));
         }
-        Ok(EnvContract { rank, world_size, rendezvous, cfg })
+        let host_store = std::env::var("SHOAL_RENDEZVOUS_HOST").is_ok_and(|v| v == "1");
+        Ok(EnvContract { rank, world_size, rendezvous, host_store, cfg })
     }
 
-    /// Connects to the rendezvous store and builds the world communicator.
+    /// Connects to the rendezvous store and builds the world communicator. With
+    /// `SHOAL_RENDEZVOUS_HOST=1`, rank 0 first starts the store in this process;
+    /// it serves until the process exits.
     pub fn connect(self) -> Result<Communicator> {
+        if self.rank == 0 && self.host_store {
+            static HOSTED: std::sync::Mutex<Vec<crate::store::StoreServer>> = std::sync::Mutex::new(Vec::new());
+            let server = crate::store::StoreServer::bind(self.rendezvous.as_str(), self.cfg.secret.clone())?;
+            if let Ok(mut h) = HOSTED.lock() {
+                h.push(server);
+            }
+        }
         let store: Arc<dyn Store> = Arc::new(TcpStore::connect(&self.rendezvous, &self.cfg.secret, self.cfg.timeout)?);
         Communicator::init(store, self.rank, self.world_size, self.cfg)
     }
@@ -101,6 +114,38 @@ impl EnvContract {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rank_zero_can_host_the_store() {
+        let port =
+            std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).unwrap_or(0);
+        let hs: Vec<_> = (0..3)
+            .map(|rank| {
+                std::thread::spawn(move || {
+                    let cfg = CommConfig {
+                        secret: b"hosted".to_vec(),
+                        transport: crate::TransportChoice::Tcp,
+                        timeout: Duration::from_secs(20),
+                        ..CommConfig::default()
+                    };
+                    let env = EnvContract {
+                        rank,
+                        world_size: 3,
+                        rendezvous: format!("127.0.0.1:{port}"),
+                        host_store: rank == 0,
+                        cfg,
+                    };
+                    let c = env.connect()?;
+                    let mut v = vec![rank as i32; 5];
+                    c.all_reduce(&mut v, crate::ReduceOp::Sum)?;
+                    Ok::<_, Error>(v)
+                })
+            })
+            .collect();
+        for h in hs {
+            assert_eq!(h.join().ok().and_then(|r| r.ok()), Some(vec![3; 5]));
+        }
+    }
 
     #[test]
     fn durations_parse() {

@@ -605,10 +605,16 @@ impl Transport for RingTransport {
                     .map(|(l, _)| *l)
                     .chain(popper.iter().filter(|(_, p)| !p.finished).map(|(l, _)| *l))
                     .collect();
-                for &l in &waiting {
-                    if let Some(reason) = self.dead(l) {
-                        return Err(op.peer_lost(self.ranks[l], reason));
-                    }
+                if waiting.iter().any(|&l| self.dead(l).is_some()) {
+                    // Name a rank whose process died before one that merely closed
+                    // its communicator (it may have closed because of that death).
+                    let died = (0..self.ranks.len())
+                        .filter(|&l| l != self.me && self.segs[l].alive().load(Ordering::SeqCst) != 0)
+                        .find_map(|l| self.dead(l).map(|r| (l, r)));
+                    let (l, reason) = died
+                        .or_else(|| waiting.iter().find_map(|&l| self.dead(l).map(|r| (l, r))))
+                        .unwrap_or((waiting[0], "it is gone".into()));
+                    return Err(op.peer_lost(self.ranks[l], reason));
                 }
                 if Instant::now() >= op.deadline {
                     let mut what = Vec::new();

@@ -13,8 +13,7 @@
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::Mutex;
-use std::sync::mpsc;
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::auth;
@@ -29,6 +28,77 @@ const INLINE_SEND: usize = 256 << 10;
 /// Receive chunk handed to the sink.
 const RECV_CHUNK: usize = 256 << 10;
 
+/// Hands one send at a time to the peer's sender thread and its result back,
+/// without allocating (a channel would allocate blocks as messages flow).
+#[derive(Debug, Default)]
+struct Mailbox {
+    state: Mutex<Slot>,
+    cv: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct Slot {
+    job: Option<Job>,
+    done: Option<std::io::Result<()>>,
+    closed: bool,
+}
+
+impl Mailbox {
+    fn post(&self, job: Job) -> bool {
+        let Ok(mut s) = self.state.lock() else { return false };
+        if s.closed {
+            return false;
+        }
+        s.job = Some(job);
+        s.done = None;
+        self.cv.notify_all();
+        true
+    }
+
+    /// Waits for the result of the posted job (the sender's write timeout ends
+    /// at the operation's deadline, so this returns).
+    fn result(&self) -> Option<std::io::Result<()>> {
+        let mut s = self.state.lock().ok()?;
+        loop {
+            if let Some(r) = s.done.take() {
+                return Some(r);
+            }
+            if s.closed {
+                return None;
+            }
+            s = self.cv.wait(s).ok()?;
+        }
+    }
+
+    /// The sender thread's side: next job, or None when closed.
+    fn next(&self) -> Option<Job> {
+        let mut s = self.state.lock().ok()?;
+        loop {
+            if s.closed {
+                return None;
+            }
+            if let Some(j) = s.job.take() {
+                return Some(j);
+            }
+            s = self.cv.wait(s).ok()?;
+        }
+    }
+
+    fn finish(&self, r: std::io::Result<()>) {
+        if let Ok(mut s) = self.state.lock() {
+            s.done = Some(r);
+            self.cv.notify_all();
+        }
+    }
+
+    fn close(&self) {
+        if let Ok(mut s) = self.state.lock() {
+            s.closed = true;
+            self.cv.notify_all();
+        }
+    }
+}
+
 struct Job {
     ptr: usize,
     len: usize,
@@ -41,8 +111,7 @@ struct Peer {
     addr: String,
     reader: Mutex<(TcpStream, Vec<u64>)>,
     writer: Mutex<TcpStream>,
-    jobs: mpsc::Sender<Job>,
-    done: Mutex<mpsc::Receiver<std::io::Result<()>>>,
+    mailbox: Arc<Mailbox>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -107,19 +176,16 @@ impl Peer {
         tune(&stream).map_err(|e| Error::io(ctx("tuning"), e))?;
         let reader = stream.try_clone().map_err(|e| Error::io(ctx("cloning"), e))?;
         let mut sender = stream.try_clone().map_err(|e| Error::io(ctx("cloning"), e))?;
-        let (jobs, rx) = mpsc::channel::<Job>();
-        let (done_tx, done) = mpsc::channel();
+        let mailbox = Arc::new(Mailbox::default());
+        let mb = mailbox.clone();
         let thread = std::thread::Builder::new()
             .name(format!("shoal-tcp-send-{rank}-{peer}"))
             .spawn(move || {
-                for job in rx {
+                while let Some(job) = mb.next() {
                     // SAFETY: the communicator keeps the buffer alive and unmodified
                     // until it has received this job's completion (see `exchange`).
                     let data = unsafe { std::slice::from_raw_parts(job.ptr as *const u8, job.len) };
-                    let r = write_message(&mut sender, job.seq, data, job.deadline);
-                    if done_tx.send(r).is_err() {
-                        break;
-                    }
+                    mb.finish(write_message(&mut sender, job.seq, data, job.deadline));
                 }
             })
             .map_err(|e| Error::io(ctx("starting the sender thread for"), e))?;
@@ -127,8 +193,7 @@ impl Peer {
             addr,
             reader: Mutex::new((reader, vec![0u64; RECV_CHUNK / 8])),
             writer: Mutex::new(stream),
-            jobs,
-            done: Mutex::new(done),
+            mailbox,
             thread: Some(thread),
         })
     }
@@ -140,9 +205,7 @@ impl Drop for TcpTransport {
             if let Ok(w) = p.writer.lock() {
                 let _ = w.shutdown(std::net::Shutdown::Both);
             }
-            // Closing the job channel ends the sender thread.
-            let (dead, _) = mpsc::channel();
-            drop(std::mem::replace(&mut p.jobs, dead));
+            p.mailbox.close();
             if let Some(t) = p.thread.take() {
                 let _ = t.join();
             }
@@ -328,19 +391,23 @@ impl Transport for TcpTransport {
             };
         }
         // Large send alongside a receive: hand the send to the peer's sender thread.
-        let done = sp.done.lock().map_err(|_| Error::Closed("tcp sender lock poisoned".into()))?;
-        sp.jobs
-            .send(Job { ptr: s.data.as_ptr() as usize, len: s.data.len(), seq: op.seq, deadline: op.deadline })
-            .map_err(|_| op.peer_lost(s.peer, "sender thread has stopped".into()))?;
+        if !sp.mailbox.post(Job {
+            ptr: s.data.as_ptr() as usize,
+            len: s.data.len(),
+            seq: op.seq,
+            deadline: op.deadline,
+        }) {
+            return Err(op.peer_lost(s.peer, "its sender thread has stopped".into()));
+        }
         let recv_result = match recv {
             Some(r) => self.recv(op, r),
             None => Ok(()),
         };
         // Always wait for the sender thread before returning: it reads `s.data`.
         // Its socket write timeout ends at the deadline, so this wait is bounded.
-        let send_result = match done.recv() {
-            Ok(r) => r.map_err(|e| classify(op, s.peer, "sending to", e)),
-            Err(_) => Err(op.peer_lost(s.peer, "sender thread has stopped".into())),
+        let send_result = match sp.mailbox.result() {
+            Some(r) => r.map_err(|e| classify(op, s.peer, "sending to", e)),
+            None => Err(op.peer_lost(s.peer, "its sender thread has stopped".into())),
         };
         if send_result.is_ok() {
             op.add_bytes(s.data.len() + HEADER_LEN);

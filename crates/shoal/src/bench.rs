@@ -101,6 +101,21 @@ pub struct Row {
     pub algbw_GBps: f64,
     pub busbw_GBps: f64,
     pub wrong: u64,
+    /// Rank 0's peak resident memory so far (VmHWM), bytes.
+    #[serde(default)]
+    pub peak_rss_bytes: u64,
+}
+
+/// This process's peak resident set size (VmHWM) in bytes.
+fn peak_rss() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            let line = s.lines().find(|l| l.starts_with("VmHWM:"))?.to_string();
+            line.split_whitespace().nth(1)?.parse::<u64>().ok()
+        })
+        .map(|kb| kb * 1024)
+        .unwrap_or(0)
 }
 
 /// Parses `4KiB,1MiB,16MiB` (units B, KiB, MiB, GiB; also K, M, G, KB, MB, GB as binary).
@@ -111,7 +126,8 @@ pub fn parse_sizes(s: &str) -> Result<Vec<usize>> {
 pub fn parse_size(p: &str) -> Result<usize> {
     let split = p.find(|c: char| !c.is_ascii_digit()).unwrap_or(p.len());
     let (num, unit) = p.split_at(split);
-    let v: usize = num.parse().with_context(|| format!("size {p:?}: expected a number followed by B, KiB, MiB or GiB"))?;
+    let v: usize =
+        num.parse().with_context(|| format!("size {p:?}: expected a number followed by B, KiB, MiB or GiB"))?;
     let mult = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1,
         "k" | "kb" | "kib" => 1 << 10,
@@ -144,7 +160,9 @@ pub fn run_bench(op: BenchOp, args: &BenchArgs) -> Result<bool> {
     args.algo.parse::<Algo>()?;
     let transport: shoal_comm::TransportChoice = args.transport.parse()?;
     if transport == shoal_comm::TransportChoice::InProc {
-        bail!("--transport inproc needs ranks in one process; shoal bench runs separate processes (use tcp, shm or auto)");
+        bail!(
+            "--transport inproc needs ranks in one process; shoal bench runs separate processes (use tcp, shm or auto)"
+        );
     }
     let timeout = shoal_comm::env::parse_duration(&args.timeout)?;
     let exe = std::env::current_exe().context("locating the shoal executable")?;
@@ -161,8 +179,19 @@ pub fn run_bench(op: BenchOp, args: &BenchArgs) -> Result<bool> {
         grace: timeout + Duration::from_secs(5),
     };
     if !args.json {
-        println!("# shoal bench {}: {} ranks, transport {}, algo {}, dtype {}, op {}", op.name(), args.ranks, args.transport, args.algo, args.dtype, args.op);
-        println!("# {:>12} {:>12} {:>6} {:>6} {:>6} {:>12} {:>12} {:>12} {:>8}", "size", "count", "type", "redop", "algo", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong");
+        println!(
+            "# shoal bench {}: {} ranks, transport {}, algo {}, dtype {}, op {}",
+            op.name(),
+            args.ranks,
+            args.transport,
+            args.algo,
+            args.dtype,
+            args.op
+        );
+        println!(
+            "# {:>12} {:>12} {:>6} {:>6} {:>6} {:>12} {:>12} {:>12} {:>8}",
+            "size", "count", "type", "redop", "algo", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong"
+        );
     }
     let mut wrong = 0u64;
     let mut rows = 0usize;
@@ -176,7 +205,15 @@ pub fn run_bench(op: BenchOp, args: &BenchArgs) -> Result<bool> {
                 } else {
                     println!(
                         "  {:>12} {:>12} {:>6} {:>6} {:>6} {:>12.1} {:>12.3} {:>12.3} {:>8}",
-                        row.bytes, row.count, row.dtype, row.redop, row.algo, row.time_s * 1e6, row.algbw_GBps, row.busbw_GBps, row.wrong
+                        row.bytes,
+                        row.count,
+                        row.dtype,
+                        row.redop,
+                        row.algo,
+                        row.time_s * 1e6,
+                        row.algbw_GBps,
+                        row.busbw_GBps,
+                        row.wrong
                     );
                 }
                 return;
@@ -239,11 +276,7 @@ fn reduce_ref(op: ReduceOp, n: usize, i: usize, dtype: DType) -> f64 {
         ReduceOp::Min => vals.fold(f64::INFINITY, f64::min),
         ReduceOp::Max => vals.fold(f64::NEG_INFINITY, f64::max),
     };
-    if op == ReduceOp::Avg {
-        if dtype.is_float() { v / n as f64 } else { (v / n as f64).trunc() }
-    } else {
-        v
-    }
+    if op == ReduceOp::Avg { if dtype.is_float() { v / n as f64 } else { (v / n as f64).trunc() } } else { v }
 }
 
 fn count_wrong(dtype: DType, buf: &[u8], want: impl Fn(usize) -> f64) -> u64 {
@@ -270,7 +303,9 @@ pub fn run_rank(spec: &str) -> Result<()> {
         // Buffers are allocated once per size; the loop allocates nothing.
         let (mut a, mut b) = match op {
             BenchOp::Allreduce | BenchOp::Broadcast => (vec![0u8; bytes], Vec::new()),
-            BenchOp::Allgather => (vec![0u8; segment(count, n, 0).len() * es], vec![0u8; segment(count, n, 0).len() * es * n]),
+            BenchOp::Allgather => {
+                (vec![0u8; segment(count, n, 0).len() * es], vec![0u8; segment(count, n, 0).len() * es * n])
+            }
             BenchOp::Reducescatter => (vec![0u8; bytes], vec![0u8; segment(count, n, rank).len() * es]),
         };
         let run_once = |a: &mut Vec<u8>, b: &mut Vec<u8>| -> shoal_comm::Result<()> {
@@ -344,6 +379,7 @@ pub fn run_rank(spec: &str) -> Result<()> {
                 algbw_GBps: algbw,
                 busbw_GBps: algbw * op.bus_factor(n),
                 wrong: wrong_total,
+                peak_rss_bytes: peak_rss(),
             };
             println!("{}", serde_json::to_string(&row)?);
         }

@@ -79,7 +79,8 @@ pub fn launch(spec: &LaunchSpec, mut on_line: impl FnMut(&Line)) -> Result<Outco
         libc::signal(libc::SIGINT, on_sigint as *const () as libc::sighandler_t);
     }
     let secret = new_secret();
-    let store = StoreServer::bind("127.0.0.1:0", secret.clone().into_bytes()).context("starting the rendezvous store")?;
+    let store =
+        StoreServer::bind("127.0.0.1:0", secret.clone().into_bytes()).context("starting the rendezvous store")?;
     let addr = store.local_addr().to_string();
     let master_port = free_port().unwrap_or(29500);
     let (tx, rx) = mpsc::channel::<Line>();
@@ -179,8 +180,10 @@ pub fn launch(spec: &LaunchSpec, mut on_line: impl FnMut(&Line)) -> Result<Outco
     }
     // A rank killed by a signal is the cause; the ranks that exited with an
     // error after it were reporting its loss (they may have been seen first).
-    if let Some((r, st)) =
-        statuses.iter().enumerate().find_map(|(r, s)| s.filter(|s| s.signal().is_some() && !interrupted).map(|s| (r, s)))
+    if let Some((r, st)) = statuses
+        .iter()
+        .enumerate()
+        .find_map(|(r, s)| s.filter(|s| s.signal().is_some() && !interrupted).map(|s| (r, s)))
     {
         first_failure = Some((r, describe(&st)));
     }

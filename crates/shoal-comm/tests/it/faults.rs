@@ -17,7 +17,9 @@ fn cfg(t: TransportChoice, secret: &[u8], timeout: Duration) -> CommConfig {
 fn a_rank_with_the_wrong_secret_cannot_join() {
     let store: Arc<dyn Store> = Arc::new(MemStore::default());
     let s0 = store.clone();
-    let r0 = std::thread::spawn(move || Communicator::init(s0, 0, 2, cfg(TransportChoice::Tcp, b"right", Duration::from_secs(3))));
+    let r0 = std::thread::spawn(move || {
+        Communicator::init(s0, 0, 2, cfg(TransportChoice::Tcp, b"right", Duration::from_secs(3)))
+    });
     let r1 = Communicator::init(store, 1, 2, cfg(TransportChoice::Tcp, b"wrong", Duration::from_secs(3)));
     match r1 {
         Err(Error::Auth { .. }) => {}
@@ -63,7 +65,8 @@ fn garbage_on_a_ranks_port_is_refused_and_the_world_still_forms() {
         }
         let _ = s.write_all(&junk);
     }
-    let c1 = Communicator::init(store, 1, 2, cfg(TransportChoice::Tcp, b"s3cret", Duration::from_secs(20))).expect("rank 1 joins");
+    let c1 = Communicator::init(store, 1, 2, cfg(TransportChoice::Tcp, b"s3cret", Duration::from_secs(20)))
+        .expect("rank 1 joins");
     let mut v = vec![2.0f32; 1000];
     c1.all_reduce(&mut v, ReduceOp::Sum).expect("all_reduce after the junk");
     assert_eq!(v, vec![3.0; 1000]);
@@ -164,7 +167,8 @@ fn a_rank_that_never_arrives_times_out_with_a_report() {
 
 #[test]
 fn a_failed_communicator_refuses_further_operations() {
-    let comms = Communicator::local_world(2, cfg(TransportChoice::InProc, b"k", Duration::from_millis(300))).expect("world");
+    let comms =
+        Communicator::local_world(2, cfg(TransportChoice::InProc, b"k", Duration::from_millis(300))).expect("world");
     let mut it = comms.into_iter();
     let c0 = it.next().expect("rank 0");
     let _c1 = it.next().expect("rank 1");

@@ -33,8 +33,19 @@ fn every_collective_is_correct_across_four_processes_over_tcp_and_shm() {
     for transport in ["tcp", "shm"] {
         for op in ["allreduce", "broadcast", "allgather", "reducescatter"] {
             let rows = run_json(&[
-                "bench", op, "--ranks", "4", "--transport", transport, "--sizes", "0B,4B,4100B,3MiB", "--iters", "3",
-                "--warmup", "1", "--check",
+                "bench",
+                op,
+                "--ranks",
+                "4",
+                "--transport",
+                transport,
+                "--sizes",
+                "0B,4B,4100B,3MiB",
+                "--iters",
+                "3",
+                "--warmup",
+                "1",
+                "--check",
             ]);
             check_rows(&rows, op, 4, 4);
             assert!(rows.iter().all(|r| r["transport"] == transport));
@@ -44,12 +55,33 @@ fn every_collective_is_correct_across_four_processes_over_tcp_and_shm() {
 
 #[test]
 fn every_dtype_and_reduction_is_correct_with_three_processes() {
-    for (dtype, redop, algo) in
-        [("bf16", "max", "ring"), ("f16", "avg", "tree"), ("i64", "prod", "ring"), ("f64", "min", "auto"), ("i32", "sum", "tree")]
-    {
+    for (dtype, redop, algo) in [
+        ("bf16", "max", "ring"),
+        ("f16", "avg", "tree"),
+        ("i64", "prod", "ring"),
+        ("f64", "min", "auto"),
+        ("i32", "sum", "tree"),
+    ] {
         let rows = run_json(&[
-            "bench", "allreduce", "--ranks", "3", "--transport", "auto", "--algo", algo, "--dtype", dtype, "--op", redop,
-            "--sizes", "6B,1000002B", "--iters", "2", "--warmup", "1", "--check",
+            "bench",
+            "allreduce",
+            "--ranks",
+            "3",
+            "--transport",
+            "auto",
+            "--algo",
+            algo,
+            "--dtype",
+            dtype,
+            "--op",
+            redop,
+            "--sizes",
+            "6B,1000002B",
+            "--iters",
+            "2",
+            "--warmup",
+            "1",
+            "--check",
         ]);
         check_rows(&rows, "allreduce", 3, 2);
         assert!(rows.iter().all(|r| r["dtype"] == dtype));
@@ -59,7 +91,19 @@ fn every_dtype_and_reduction_is_correct_with_three_processes() {
 #[test]
 fn the_table_reports_zero_wrong_values() {
     let out = shoal()
-        .args(["bench", "allreduce", "--ranks", "2", "--transport", "shm", "--sizes", "4KiB,1MiB", "--iters", "5", "--check"])
+        .args([
+            "bench",
+            "allreduce",
+            "--ranks",
+            "2",
+            "--transport",
+            "shm",
+            "--sizes",
+            "4KiB,1MiB",
+            "--iters",
+            "5",
+            "--check",
+        ])
         .output()
         .expect("run");
     let text = String::from_utf8_lossy(&out.stdout);
@@ -88,7 +132,8 @@ fn rank_pid(parent: u32, rank: usize) -> Option<u32> {
     for e in std::fs::read_dir("/proc").ok()?.flatten() {
         let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else { continue };
         let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
-        let ppid = stat.rsplit_once(')').and_then(|(_, r)| r.split_whitespace().nth(1)).and_then(|p| p.parse::<u32>().ok());
+        let ppid =
+            stat.rsplit_once(')').and_then(|(_, r)| r.split_whitespace().nth(1)).and_then(|p| p.parse::<u32>().ok());
         if ppid != Some(parent) {
             continue;
         }
@@ -104,8 +149,20 @@ fn killed_rank_is_named(transport: &str) {
     let timeout_s = 10;
     let child = shoal()
         .args([
-            "bench", "allreduce", "--ranks", "3", "--transport", transport, "--sizes", "32MiB", "--iters", "100000",
-            "--warmup", "1", "--timeout", &format!("{timeout_s}s"),
+            "bench",
+            "allreduce",
+            "--ranks",
+            "3",
+            "--transport",
+            transport,
+            "--sizes",
+            "32MiB",
+            "--iters",
+            "100000",
+            "--warmup",
+            "1",
+            "--timeout",
+            &format!("{timeout_s}s"),
         ])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -133,9 +190,20 @@ fn killed_rank_is_named(transport: &str) {
     for survivor in [0, 2] {
         let line = err
             .lines()
-            .find(|l| l.starts_with(&format!("[rank {survivor}]")) && l.contains("all_reduce #"))
-            .unwrap_or_else(|| panic!("rank {survivor} must report its failed all_reduce:\n{err}"));
-        assert!(line.contains("rank 1"), "rank {survivor} must name rank 1: {line}");
+            .find(|l| l.starts_with(&format!("[rank {survivor}] error:")))
+            .unwrap_or_else(|| panic!("rank {survivor} must report its failed collective:\n{err}"));
+        // The kill lands in the timed all-reduce or in the barrier before it.
+        assert!(
+            line.contains("all_reduce #") || line.contains("barrier #"),
+            "rank {survivor} must name the operation: {line}"
+        );
+        // Either as the lost peer, or among the missing when the survivor first
+        // saw the other survivor leave (it left because rank 1 died).
+        let missing = line.split("missing [").nth(1).and_then(|r| r.split(']').next()).unwrap_or("");
+        assert!(
+            line.contains("peer rank 1 ") || missing.split(", ").any(|r| r == "1"),
+            "rank {survivor} must name rank 1: {line}"
+        );
     }
     assert!(waited < Duration::from_secs(timeout_s + 10), "took {waited:?}");
 }
