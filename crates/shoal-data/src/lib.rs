@@ -1,1 +1,55 @@
-//! stub
+//! `shoal-data`: Shoal's data plane — datasets, their partitioning across ranks, the distributed sampler and the
+//! prefetching loader.
+//!
+//! # Invariants
+//!
+//! - This crate knows nothing of tensors: samples are plain `Vec<f32>` features or `Vec<u32>` tokens with a
+//!   label ([`Sample`]); turning a [`Batch`] into tensors is the trainer's job.
+//! - A [`Dataset`]'s `get(i)` is a pure function of `i`, and every shuffle and every synthetic sample comes from
+//!   this crate's own fixed generator keyed by explicit seeds: the same bits in every process and on every
+//!   platform, so ranks agree without talking and a run can be resumed exactly.
+//! - The sampler's cursor ([`SamplerState`]) counts *global* samples consumed in an epoch, so a checkpoint taken
+//!   at one world size resumes at another with the same global batch.
+//! - Nothing waits without a deadline: the loader's threads wait in slices of at most 50 ms and stop when the
+//!   loader is dropped; its consumer gives up after a timeout.
+//! - Built-in data ships inside crates (`smartcore`'s digits, `lipsum`'s Cicero); nothing is downloaded.
+//!
+//! # Example
+//!
+//! ```
+//! use std::sync::Arc;
+//! use shoal_data::{builtin, DistributedSampler, Loader, LoaderConfig, Options, SamplerConfig};
+//!
+//! # fn main() -> shoal_data::Result<()> {
+//! let digits: Arc<dyn shoal_data::Dataset> = Arc::from(builtin("digits", &Options::default())?);
+//! // Rank 1 of 2, global batch 64: this rank takes 32 samples of each global batch.
+//! let sampler = DistributedSampler::new(SamplerConfig::new(digits.len(), 64), 2, 1)?;
+//! let mut loader = Loader::new(digits, sampler.epoch_batches(), LoaderConfig::default())?;
+//! let batch = loader.next_batch()?.expect("an epoch has batches");
+//! let (pixels, width) = batch.dense().expect("digits are dense");
+//! assert_eq!((batch.samples.len(), width, pixels.len()), (32, 64, 32 * 64));
+//! assert_eq!(batch.next.position, 64); // a checkpoint here records 64 global samples consumed
+//! println!("waited {:?} for data", loader.stats().last_wait);
+//! # Ok(())
+//! # }
+//! ```
+
+mod builtin;
+mod dataset;
+mod error;
+mod loader;
+mod partition;
+mod rng;
+mod sampler;
+mod stream;
+
+pub use builtin::{ByteText, Digits, Options, Split, Synthetic, builtin, catalogue};
+pub use dataset::{
+    Dataset, DatasetInfo, Features, IterableDataset, Kind, Label, Sample, SampleIter, Streamed, Subset, shard_stream,
+    train_eval_split,
+};
+pub use error::{Error, Result};
+pub use loader::{Batch, Loader, LoaderConfig, LoaderStats};
+pub use partition::{Partition, block};
+pub use sampler::{CyclingBatches, DistributedSampler, EpochBatches, RankBatch, SamplerConfig, SamplerState, Tail};
+pub use stream::TextFile;

@@ -1,0 +1,488 @@
+//! The built-in datasets, which need no download: `digits`, `cicero` (text) and `synthetic`.
+
+use std::sync::{Arc, OnceLock};
+
+use serde::{Deserialize, Serialize};
+
+use crate::dataset::{check_index, eval_count};
+use crate::rng::SplitMix64;
+use crate::{Dataset, DatasetInfo, Error, Kind, Result, Sample, Subset};
+
+/// Which part of a built-in dataset to load.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Split {
+    /// Everything (for `synthetic`: the training samples).
+    #[default]
+    All,
+    /// All but the held-out part.
+    Train,
+    /// The held-out part (`eval_fraction` of the data).
+    Eval,
+}
+
+/// Options of [`builtin`]; each applies to some datasets only, and setting one that does not apply is an error.
+/// Deserialises from a job spec's `[train.data]` table (unknown keys rejected).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Options {
+    /// All datasets.
+    pub split: Split,
+    /// All datasets: the held-out fraction for `split` (default 0.1).
+    pub eval_fraction: Option<f64>,
+    /// `digits`: seed of the train/eval split (default 0); `synthetic`: seed of the data (default 0).
+    pub seed: Option<u64>,
+    /// Text: tokens per window (default 64).
+    pub context: Option<usize>,
+    /// Text: bytes between the starts of consecutive windows (default 1).
+    pub stride: Option<usize>,
+    /// `synthetic`: features per sample (default 784).
+    pub features: Option<usize>,
+    /// `synthetic`: number of classes (default 10).
+    pub classes: Option<usize>,
+    /// `synthetic`: training samples (default 60,000).
+    pub samples: Option<usize>,
+}
+
+const NAMES: [&str; 3] = ["digits", "cicero", "synthetic"];
+
+fn bad(dataset: &str, option: &'static str, reason: impl Into<String>) -> Error {
+    Error::BadOption { dataset: dataset.to_owned(), option, reason: reason.into() }
+}
+
+fn reject(name: &str, options: &Options, allowed: &[&str]) -> Result<()> {
+    let set: [(&'static str, bool); 6] = [
+        ("seed", options.seed.is_some()),
+        ("context", options.context.is_some()),
+        ("stride", options.stride.is_some()),
+        ("features", options.features.is_some()),
+        ("classes", options.classes.is_some()),
+        ("samples", options.samples.is_some()),
+    ];
+    match set.iter().find(|(opt, on)| *on && !allowed.contains(opt)) {
+        Some((opt, _)) => Err(bad(name, opt, "does not apply to this dataset")),
+        None => Ok(()),
+    }
+}
+
+fn positive(name: &str, option: &'static str, value: Option<usize>, default: usize, max: usize) -> Result<usize> {
+    match value.unwrap_or(default) {
+        0 => Err(bad(name, option, "must be at least 1")),
+        v if v > max => Err(bad(name, option, format!("{v} exceeds the limit of {max}"))),
+        v => Ok(v),
+    }
+}
+
+fn fraction(name: &str, options: &Options) -> Result<f64> {
+    let f = options.eval_fraction.unwrap_or(0.1);
+    if options.eval_fraction.is_some() && options.split == Split::All {
+        return Err(bad(name, "eval_fraction", "needs split = \"train\" or \"eval\""));
+    }
+    if !(f > 0.0 && f < 1.0) {
+        return Err(bad(name, "eval_fraction", format!("{f} is not in (0, 1)")));
+    }
+    Ok(f)
+}
+
+/// Loads a built-in dataset by name; see [`catalogue`] for the names.
+pub fn builtin(name: &str, options: &Options) -> Result<Box<dyn Dataset>> {
+    match name {
+        "digits" => {
+            reject(name, options, &["seed"])?;
+            let eval_fraction = fraction(name, options)?;
+            let all = Digits::load()?;
+            if options.split == Split::All {
+                return Ok(Box::new(all));
+            }
+            let (train, eval) = crate::train_eval_split(all.len(), eval_fraction, options.seed.unwrap_or(0))?;
+            let pick = if options.split == Split::Train { train } else { eval };
+            Ok(Box::new(Subset::new(all, pick)?))
+        }
+        "cicero" => {
+            reject(name, options, &["context", "stride"])?;
+            let eval_fraction = fraction(name, options)?;
+            let text = lipsum::LIBER_PRIMUS.as_bytes();
+            let cut = text.len() - eval_count(text.len(), eval_fraction);
+            let bytes = match options.split {
+                Split::All => text,
+                Split::Train => &text[..cut],
+                Split::Eval => &text[cut..],
+            };
+            let context = positive(name, "context", options.context, 64, 1 << 20)?;
+            let stride = positive(name, "stride", options.stride, 1, 1 << 20)?;
+            if bytes.len() <= context {
+                return Err(bad(name, "context", format!("{context} leaves no window in {} bytes", bytes.len())));
+            }
+            Ok(Box::new(ByteText::new(name, CICERO_DESCRIPTION, Arc::from(bytes), context, stride)?))
+        }
+        "synthetic" => {
+            reject(name, options, &["seed", "features", "classes", "samples"])?;
+            let eval_fraction = fraction(name, options)?;
+            let features = positive(name, "features", options.features, 784, 1 << 24)?;
+            let classes = positive(name, "classes", options.classes, 10, 1 << 24)?;
+            let samples = positive(name, "samples", options.samples, 60_000, 1 << 40)?;
+            let seed = options.seed.unwrap_or(0);
+            let (offset, len) = match options.split {
+                Split::All | Split::Train => (0, samples),
+                Split::Eval => (samples, ((samples as f64 * eval_fraction).round() as usize).max(1)),
+            };
+            Ok(Box::new(Synthetic::new(features, classes, len, seed)?.with_offset(offset)))
+        }
+        _ => Err(Error::UnknownDataset { name: name.to_owned(), known: NAMES.join(", ") }),
+    }
+}
+
+/// The built-in datasets with their default options (for `shoal datasets --json`).
+pub fn catalogue() -> Vec<DatasetInfo> {
+    let cicero_len = lipsum::LIBER_PRIMUS.len() - 64;
+    vec![
+        DatasetInfo {
+            name: "digits".into(),
+            kind: Kind::Image,
+            len: DIGITS_SAMPLES,
+            features: DIGITS_FEATURES,
+            classes: 10,
+            description: DIGITS_DESCRIPTION.into(),
+        },
+        DatasetInfo {
+            name: "cicero".into(),
+            kind: Kind::Text,
+            len: cicero_len,
+            features: 64,
+            classes: 256,
+            description: CICERO_DESCRIPTION.into(),
+        },
+        DatasetInfo {
+            name: "synthetic".into(),
+            kind: Kind::Synthetic,
+            len: 60_000,
+            features: 784,
+            classes: 10,
+            description: SYNTHETIC_DESCRIPTION.into(),
+        },
+    ]
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// digits
+
+const DIGITS_SAMPLES: usize = 1797;
+const DIGITS_FEATURES: usize = 64;
+const DIGITS_DESCRIPTION: &str = "UCI optical recognition of handwritten digits: 8x8 images (1,797), 10 classes, \
+    pixels scaled from 0..16 to [0, 1]; shipped by the smartcore crate (Apache-2.0)";
+
+/// The 8×8 handwritten digits: 1,797 images of 64 pixels in `[0, 1]` (row-major), classes 0–9.
+#[derive(Debug, Clone)]
+pub struct Digits {
+    data: Arc<DigitsData>,
+}
+
+#[derive(Debug)]
+struct DigitsData {
+    pixels: Vec<f32>,
+    labels: Vec<u32>,
+}
+
+impl Digits {
+    /// Decodes the data shipped by `smartcore` (once per process).
+    pub fn load() -> Result<Self> {
+        static DATA: OnceLock<std::result::Result<Arc<DigitsData>, String>> = OnceLock::new();
+        let data = DATA.get_or_init(|| {
+            let raw = smartcore::dataset::digits::load_dataset();
+            if raw.num_samples != DIGITS_SAMPLES
+                || raw.num_features != DIGITS_FEATURES
+                || raw.data.len() != DIGITS_SAMPLES * DIGITS_FEATURES
+                || raw.target.len() != DIGITS_SAMPLES
+            {
+                return Err(format!(
+                    "expected {DIGITS_SAMPLES} x {DIGITS_FEATURES}, found {} x {} ({} values, {} labels)",
+                    raw.num_samples,
+                    raw.num_features,
+                    raw.data.len(),
+                    raw.target.len()
+                ));
+            }
+            if let Some(v) = raw.data.iter().find(|v| !(0.0..=16.0).contains(*v)) {
+                return Err(format!("pixel value {v} outside 0..=16"));
+            }
+            let labels = raw
+                .target
+                .iter()
+                .map(|&t| if t.fract() == 0.0 && (0.0..10.0).contains(&t) { Ok(t as u32) } else { Err(t) })
+                .collect::<std::result::Result<Vec<u32>, f32>>()
+                .map_err(|t| format!("label {t} is not a digit"))?;
+            Ok(Arc::new(DigitsData { pixels: raw.data.iter().map(|v| v / 16.0).collect(), labels }))
+        });
+        match data {
+            Ok(data) => Ok(Digits { data: Arc::clone(data) }),
+            Err(reason) => Err(Error::Malformed { what: "smartcore's digits data".into(), reason: reason.clone() }),
+        }
+    }
+}
+
+impl Dataset for Digits {
+    fn info(&self) -> DatasetInfo {
+        catalogue().swap_remove(0)
+    }
+    fn len(&self) -> usize {
+        self.data.labels.len()
+    }
+    fn get(&self, index: usize) -> Result<Sample> {
+        check_index("digits", index, self.len())?;
+        let row = &self.data.pixels[index * DIGITS_FEATURES..(index + 1) * DIGITS_FEATURES];
+        Ok(Sample::class(row.to_vec(), self.data.labels[index]))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// text
+
+const CICERO_DESCRIPTION: &str = "Cicero, De finibus bonorum et malorum, book I (Latin, public domain), 49,068 \
+    bytes of ASCII, as shipped by the lipsum crate 0.9 (MIT) in lipsum::LIBER_PRIMUS; byte-level tokens, \
+    target = next byte";
+
+/// Byte-level language-modelling windows over a text: window `i` starts at byte `i * stride`; its input is the
+/// `context` bytes there and its target the `context` bytes one further (the next byte at every position).
+#[derive(Debug, Clone)]
+pub struct ByteText {
+    name: String,
+    description: String,
+    bytes: Arc<[u8]>,
+    context: usize,
+    stride: usize,
+}
+
+impl ByteText {
+    /// Windows over `bytes`; an error when `context` or `stride` is 0.
+    pub fn new(name: &str, description: &str, bytes: Arc<[u8]>, context: usize, stride: usize) -> Result<Self> {
+        if context == 0 {
+            return Err(bad(name, "context", "must be at least 1"));
+        }
+        if stride == 0 {
+            return Err(bad(name, "stride", "must be at least 1"));
+        }
+        Ok(ByteText { name: name.to_owned(), description: description.to_owned(), bytes, context, stride })
+    }
+
+    /// The whole text.
+    pub fn bytes(&self) -> &[u8] {
+        &self.bytes
+    }
+
+    /// Tokens per window.
+    pub fn context(&self) -> usize {
+        self.context
+    }
+}
+
+impl Dataset for ByteText {
+    fn info(&self) -> DatasetInfo {
+        DatasetInfo {
+            name: self.name.clone(),
+            kind: Kind::Text,
+            len: self.len(),
+            features: self.context,
+            classes: 256,
+            description: self.description.clone(),
+        }
+    }
+    fn len(&self) -> usize {
+        match self.bytes.len().checked_sub(self.context + 1) {
+            Some(room) => room / self.stride + 1,
+            None => 0,
+        }
+    }
+    fn get(&self, index: usize) -> Result<Sample> {
+        check_index(&self.name, index, self.len())?;
+        let start = index * self.stride;
+        let w = &self.bytes[start..start + self.context + 1];
+        Ok(Sample::tokens(
+            w[..self.context].iter().map(|&b| u32::from(b)).collect(),
+            w[1..].iter().map(|&b| u32::from(b)).collect(),
+        ))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// synthetic
+
+const SYNTHETIC_DESCRIPTION: &str = "Gaussian blobs: class c = sample id mod classes, features = centre of c + \
+    N(0, 1) noise; centres N(0, 9/features) per coordinate; generated on the fly from (seed, id), identical in every \
+    process (options: features, classes, samples, seed)";
+
+/// Seeded Gaussian blobs, generated on access: sample `id` has class `id % classes` and features
+/// `centre[class] + N(0, 1)`, drawn from a generator keyed by `(seed, id)`; the centres are drawn from `seed`.
+#[derive(Debug, Clone)]
+pub struct Synthetic {
+    features: usize,
+    classes: usize,
+    samples: usize,
+    seed: u64,
+    offset: usize,
+    centres: Arc<[f32]>,
+}
+
+impl Synthetic {
+    pub fn new(features: usize, classes: usize, samples: usize, seed: u64) -> Result<Self> {
+        for (option, v) in [("features", features), ("classes", classes), ("samples", samples)] {
+            if v == 0 {
+                return Err(bad("synthetic", option, "must be at least 1"));
+            }
+        }
+        if u32::try_from(classes).is_err() {
+            return Err(bad("synthetic", "classes", "must fit in 32 bits"));
+        }
+        let mut rng = SplitMix64::from_key(&[seed, 0xCE27]);
+        let spread = 3.0 / (features as f64).sqrt();
+        let centres = (0..features * classes).map(|_| (rng.normal() * spread) as f32).collect();
+        Ok(Synthetic { features, classes, samples, seed, offset: 0, centres })
+    }
+
+    /// The same distribution, with sample ids starting at `offset` (disjoint held-out samples).
+    pub fn with_offset(mut self, offset: usize) -> Self {
+        self.offset = offset;
+        self
+    }
+}
+
+impl Dataset for Synthetic {
+    fn info(&self) -> DatasetInfo {
+        DatasetInfo {
+            name: "synthetic".into(),
+            kind: Kind::Synthetic,
+            len: self.samples,
+            features: self.features,
+            classes: self.classes,
+            description: SYNTHETIC_DESCRIPTION.into(),
+        }
+    }
+    fn len(&self) -> usize {
+        self.samples
+    }
+    fn get(&self, index: usize) -> Result<Sample> {
+        check_index("synthetic", index, self.samples)?;
+        let id = (self.offset + index) as u64;
+        let class = (id % self.classes as u64) as usize;
+        let mut rng = SplitMix64::from_key(&[self.seed, id, 0x5A3F]);
+        let centre = &self.centres[class * self.features..(class + 1) * self.features];
+        Ok(Sample::class(centre.iter().map(|&c| c + rng.normal() as f32).collect(), class as u32))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn digits_match_the_catalogue_and_are_normalised() {
+        let d = builtin("digits", &Options::default()).expect("digits");
+        assert_eq!(d.len(), 1797);
+        let mut seen = [0usize; 10];
+        for i in 0..d.len() {
+            let s = d.get(i).expect("in range");
+            let px = s.features.as_dense().expect("dense");
+            assert_eq!(px.len(), 64);
+            assert!(px.iter().all(|v| (0.0..=1.0).contains(v)));
+            seen[s.class_label().expect("class") as usize] += 1;
+        }
+        assert!(seen.iter().all(|&n| (170..=190).contains(&n)), "{seen:?}");
+        assert!(matches!(d.get(1797), Err(Error::OutOfRange { index: 1797, .. })));
+        assert_eq!(d.info(), catalogue()[0]);
+    }
+
+    #[test]
+    fn splits_are_disjoint_and_cover() {
+        for name in ["digits", "cicero"] {
+            let all = builtin(name, &Options::default()).expect("all").len();
+            let train = builtin(name, &Options { split: Split::Train, ..Options::default() }).expect("train");
+            let eval = builtin(name, &Options { split: Split::Eval, ..Options::default() }).expect("eval");
+            assert!(!eval.is_empty() && train.len() > eval.len() * 5, "{name}");
+            // Text windows cannot straddle the cut, so a few are lost there.
+            assert!(train.len() + eval.len() <= all && train.len() + eval.len() + 2 * 64 >= all, "{name}");
+        }
+        let o = |split| Options { split, samples: Some(100), features: Some(3), ..Options::default() };
+        let train = builtin("synthetic", &o(Split::Train)).expect("train");
+        let eval = builtin("synthetic", &o(Split::Eval)).expect("eval");
+        assert_eq!((train.len(), eval.len()), (100, 10));
+        assert_ne!(train.get(0).expect("ok"), eval.get(0).expect("ok"));
+    }
+
+    #[test]
+    fn text_windows_are_next_byte_targets() {
+        let o = Options { context: Some(8), stride: Some(3), ..Options::default() };
+        let t = builtin("cicero", &o).expect("cicero");
+        assert_eq!(t.len(), (lipsum::LIBER_PRIMUS.len() - 9) / 3 + 1);
+        let s = t.get(2).expect("ok");
+        let bytes = lipsum::LIBER_PRIMUS.as_bytes();
+        let want: Vec<u32> = bytes[6..15].iter().map(|&b| u32::from(b)).collect();
+        assert_eq!(s.features.as_tokens(), Some(&want[..8]));
+        assert_eq!(s.label, crate::Label::Tokens(want[1..].to_vec()));
+        let last = t.get(t.len() - 1).expect("last window fits");
+        assert_eq!(last.features.len(), 8);
+        assert!(t.get(t.len()).is_err());
+        assert_eq!(t.info().kind, Kind::Text);
+    }
+
+    #[test]
+    fn synthetic_is_deterministic_and_learnable_by_nearest_centre() {
+        let o =
+            Options { features: Some(16), classes: Some(4), samples: Some(400), seed: Some(7), ..Options::default() };
+        let a = builtin("synthetic", &o).expect("a");
+        let b = builtin("synthetic", &o).expect("b");
+        assert_eq!(a.get(123).expect("ok"), b.get(123).expect("ok"));
+        let c = builtin("synthetic", &Options { seed: Some(8), ..o.clone() }).expect("c");
+        assert_ne!(a.get(123).expect("ok"), c.get(123).expect("ok"));
+        // Class means are well apart: nearest class mean (estimated on half) classifies the other half well.
+        let rows: Vec<(Vec<f32>, u32)> = (0..400)
+            .map(|i| {
+                let s = a.get(i).expect("ok");
+                (s.features.as_dense().expect("dense").to_vec(), s.class_label().expect("class"))
+            })
+            .collect();
+        let mut means = vec![vec![0f32; 16]; 4];
+        for (x, y) in &rows[..200] {
+            for (m, v) in means[*y as usize].iter_mut().zip(x) {
+                *m += v / 50.0;
+            }
+        }
+        let dist = |x: &[f32], m: &[f32]| x.iter().zip(m).map(|(a, b)| (a - b) * (a - b)).sum::<f32>();
+        let correct = rows[200..]
+            .iter()
+            .filter(|(x, y)| {
+                (0..4).min_by(|&i, &j| dist(x, &means[i]).total_cmp(&dist(x, &means[j]))) == Some(*y as usize)
+            })
+            .count();
+        assert!(correct > 160, "{correct}/200");
+    }
+
+    #[test]
+    fn bad_names_and_options_are_named() {
+        let err = builtin("mnist", &Options::default()).expect_err("unknown");
+        assert!(err.to_string().contains("mnist") && err.to_string().contains("digits"), "{err}");
+        let err = builtin("digits", &Options { context: Some(3), ..Options::default() }).expect_err("n/a");
+        assert!(matches!(err, Error::BadOption { option: "context", .. }), "{err}");
+        let err = builtin("synthetic", &Options { features: Some(0), ..Options::default() }).expect_err("zero");
+        assert!(matches!(err, Error::BadOption { option: "features", .. }), "{err}");
+        let err = builtin("cicero", &Options { context: Some(1 << 20), ..Options::default() }).expect_err("big");
+        assert!(matches!(err, Error::BadOption { option: "context", .. }), "{err}");
+        let o = Options { split: Split::Eval, eval_fraction: Some(1.5), ..Options::default() };
+        assert!(matches!(builtin("digits", &o), Err(Error::BadOption { option: "eval_fraction", .. })));
+        assert!(serde_json::from_str::<Options>(r#"{"contxt": 3}"#).is_err());
+        let o: Options = serde_json::from_str(r#"{"split": "train", "context": 32}"#).expect("valid");
+        assert_eq!((o.split, o.context), (Split::Train, Some(32)));
+    }
+
+    #[test]
+    fn catalogue_lists_every_builtin_with_name_and_kind() {
+        let cat = catalogue();
+        assert_eq!(cat.iter().map(|i| i.name.as_str()).collect::<Vec<_>>(), NAMES);
+        for info in &cat {
+            let d = builtin(&info.name, &Options::default()).expect("loads");
+            assert_eq!(&d.info(), info);
+        }
+        let json = serde_json::to_value(&cat).expect("json");
+        for obj in json.as_array().expect("array") {
+            assert!(obj["name"].is_string() && obj["kind"].is_string());
+        }
+    }
+}

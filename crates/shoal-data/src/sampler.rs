@@ -1,0 +1,407 @@
+//! The distributed sampler: which samples each rank takes at each step.
+//!
+//! Every epoch has its own deterministic order: a permutation of `0..len` keyed by `(seed, epoch)` (or the index
+//! order when shuffling is off). That order is cut into *global batches* of `global_batch` samples, and each global
+//! batch into `world_size` contiguous near-equal rank shares. So the global batch at a step depends only on
+//! `(seed, epoch, position)` and never on the world size, which is what allows resuming a checkpoint at a different
+//! world size: the cursor ([`SamplerState`]) counts *global* samples consumed in the epoch, not per-rank ones.
+//!
+//! Tail policy, when `len` is not a multiple of `global_batch` ([`Tail`]):
+//! - `Partial` (default): the last global batch is smaller; every sample is seen exactly once per epoch. A rank's
+//!   share of that batch may be smaller than the others' (even empty), but every rank still takes the step, so all
+//!   ranks run the same number of steps.
+//! - `DropLast`: the last `len % global_batch` samples of the epoch's order are skipped (a different set each epoch
+//!   when shuffling); every global batch is full; no sample is seen twice.
+//! - `Pad`: the last global batch is filled up with the first samples of the epoch's order, so those are seen
+//!   twice; every global batch is full and nothing is skipped.
+
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::invalid;
+use crate::partition::{block, check_rank};
+use crate::{Error, Result};
+
+/// What to do with the last, incomplete global batch of an epoch (see the [module docs](self)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Tail {
+    #[default]
+    Partial,
+    DropLast,
+    Pad,
+}
+
+/// The sampler's fixed parameters; the same on every rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SamplerConfig {
+    /// Samples in the dataset.
+    pub len: usize,
+    /// Samples per step over all ranks together.
+    pub global_batch: usize,
+    pub seed: u64,
+    /// Shuffle each epoch (otherwise index order).
+    pub shuffle: bool,
+    pub tail: Tail,
+}
+
+impl SamplerConfig {
+    /// Shuffled, seed 0, `Tail::Partial`.
+    pub fn new(len: usize, global_batch: usize) -> Self {
+        SamplerConfig { len, global_batch, seed: 0, shuffle: true, tail: Tail::Partial }
+    }
+
+    /// Global samples in one epoch after the tail policy.
+    pub fn samples_per_epoch(&self) -> usize {
+        let full = self.len / self.global_batch * self.global_batch;
+        match self.tail {
+            Tail::Partial => self.len,
+            Tail::DropLast => full,
+            Tail::Pad if full == self.len => full,
+            Tail::Pad => full + self.global_batch,
+        }
+    }
+
+    /// Steps (global batches) in one epoch.
+    pub fn batches_per_epoch(&self) -> usize {
+        self.samples_per_epoch().div_ceil(self.global_batch)
+    }
+}
+
+/// Where a sampler stands: the epoch, and the number of *global* samples of that epoch already consumed. Saved in
+/// checkpoints; valid at any world size with the same [`SamplerConfig`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct SamplerState {
+    pub epoch: u64,
+    pub position: usize,
+}
+
+/// One rank's share of one global batch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RankBatch {
+    pub epoch: u64,
+    /// Step within the epoch (`0..batches_per_epoch`).
+    pub step: usize,
+    /// This rank's dataset indices (possibly empty in a `Partial` tail).
+    pub indices: Vec<usize>,
+    /// Samples in the whole global batch (for weighting this rank's loss: `indices.len() / global_size`).
+    pub global_size: usize,
+    /// The sampler state once this batch is consumed: what a checkpoint taken after this step records.
+    pub next: SamplerState,
+}
+
+/// A deterministic, resumable sampler giving each rank its share of each global batch. See the [module docs](self).
+#[derive(Debug, Clone)]
+pub struct DistributedSampler {
+    cfg: SamplerConfig,
+    world_size: usize,
+    rank: usize,
+    state: SamplerState,
+    order: Option<Arc<[usize]>>,
+}
+
+impl DistributedSampler {
+    /// A sampler at epoch 0, position 0. Errors: an empty dataset, a zero global batch, a global batch smaller than
+    /// the world size, `DropLast` with fewer samples than one global batch, a bad rank.
+    pub fn new(cfg: SamplerConfig, world_size: usize, rank: usize) -> Result<Self> {
+        check_rank(world_size, rank)?;
+        if cfg.len == 0 {
+            return Err(invalid("sampler", "the dataset is empty"));
+        }
+        if cfg.global_batch == 0 {
+            return Err(invalid("global_batch", "must be at least 1"));
+        }
+        if cfg.global_batch < world_size {
+            return Err(invalid(
+                "global_batch",
+                format!("{} is smaller than the world size {world_size}", cfg.global_batch),
+            ));
+        }
+        if cfg.samples_per_epoch() == 0 {
+            return Err(invalid(
+                "global_batch",
+                format!("{} exceeds the {} samples and the tail policy is drop_last", cfg.global_batch, cfg.len),
+            ));
+        }
+        let mut s = DistributedSampler { cfg, world_size, rank, state: SamplerState::default(), order: None };
+        s.set_epoch(0);
+        Ok(s)
+    }
+
+    pub fn config(&self) -> &SamplerConfig {
+        &self.cfg
+    }
+
+    pub fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub fn epoch(&self) -> u64 {
+        self.state.epoch
+    }
+
+    /// Steps in one epoch (the same on every rank).
+    pub fn batches_per_epoch(&self) -> usize {
+        self.cfg.batches_per_epoch()
+    }
+
+    /// Moves to the start of `epoch`.
+    pub fn set_epoch(&mut self, epoch: u64) {
+        self.state = SamplerState { epoch, position: 0 };
+        self.order = self
+            .cfg
+            .shuffle
+            .then(|| crate::rng::permutation(self.cfg.len, &[self.cfg.seed, epoch, self.cfg.len as u64]).into());
+    }
+
+    /// The cursor, for a checkpoint.
+    pub fn state(&self) -> SamplerState {
+        self.state
+    }
+
+    /// Continues from a saved cursor (possibly saved at another world size). The position must be a step boundary
+    /// of this configuration.
+    pub fn restore(&mut self, state: SamplerState) -> Result<()> {
+        let spe = self.cfg.samples_per_epoch();
+        if state.position > spe || (!state.position.is_multiple_of(self.cfg.global_batch) && state.position != spe) {
+            return Err(Error::Invalid {
+                what: "sampler state",
+                reason: format!(
+                    "position {} is not a step boundary of an epoch of {spe} samples in global batches of {}",
+                    state.position, self.cfg.global_batch
+                ),
+            });
+        }
+        self.set_epoch(state.epoch);
+        self.state.position = state.position;
+        Ok(())
+    }
+
+    fn at(&self, position: usize) -> usize {
+        let p = position % self.cfg.len; // wraps only for `Pad`
+        self.order.as_ref().map_or(p, |o| o[p])
+    }
+
+    /// The whole global batch (all ranks' indices, rank 0's first) at the current position, without moving.
+    pub fn peek_global(&self) -> Vec<usize> {
+        let end = (self.state.position + self.cfg.global_batch).min(self.cfg.samples_per_epoch());
+        (self.state.position..end).map(|p| self.at(p)).collect()
+    }
+
+    /// This rank's share of the next global batch of the current epoch, or `None` at the end of the epoch (call
+    /// [`set_epoch`](Self::set_epoch) to go on, or use [`next_batch_cycling`](Self::next_batch_cycling)).
+    pub fn next_batch(&mut self) -> Option<RankBatch> {
+        let start = self.state.position;
+        let end = (start + self.cfg.global_batch).min(self.cfg.samples_per_epoch());
+        if start >= end {
+            return None;
+        }
+        let share = block(end - start, self.world_size, self.rank);
+        let indices = (start + share.start..start + share.end).map(|p| self.at(p)).collect();
+        self.state.position = end;
+        Some(RankBatch {
+            epoch: self.state.epoch,
+            step: start / self.cfg.global_batch,
+            indices,
+            global_size: end - start,
+            next: self.state,
+        })
+    }
+
+    /// Like [`next_batch`](Self::next_batch), but moves on to the next epoch at the end of one.
+    pub fn next_batch_cycling(&mut self) -> RankBatch {
+        if self.state.position >= self.cfg.samples_per_epoch() {
+            self.set_epoch(self.state.epoch + 1);
+        }
+        // An epoch always has at least one batch (checked in `new`).
+        self.next_batch().unwrap_or_else(|| unreachable!("an epoch has at least one batch"))
+    }
+
+    /// The remaining batches of the current epoch, as an iterator (for [`Loader`](crate::Loader)).
+    pub fn epoch_batches(&self) -> EpochBatches {
+        EpochBatches(self.clone())
+    }
+
+    /// All batches from here on, across epochs, without end.
+    pub fn cycling_batches(&self) -> CyclingBatches {
+        CyclingBatches(self.clone())
+    }
+}
+
+/// See [`DistributedSampler::epoch_batches`].
+#[derive(Debug, Clone)]
+pub struct EpochBatches(DistributedSampler);
+
+impl Iterator for EpochBatches {
+    type Item = RankBatch;
+    fn next(&mut self) -> Option<RankBatch> {
+        self.0.next_batch()
+    }
+}
+
+/// See [`DistributedSampler::cycling_batches`].
+#[derive(Debug, Clone)]
+pub struct CyclingBatches(DistributedSampler);
+
+impl Iterator for CyclingBatches {
+    type Item = RankBatch;
+    fn next(&mut self) -> Option<RankBatch> {
+        Some(self.0.next_batch_cycling())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn samplers(cfg: SamplerConfig, world: usize) -> Vec<DistributedSampler> {
+        (0..world).map(|r| DistributedSampler::new(cfg, world, r).expect("valid")).collect()
+    }
+
+    /// Runs every rank through one epoch; returns the global batches (concatenated rank shares) per step.
+    fn run_epoch(ss: &mut [DistributedSampler]) -> Vec<Vec<usize>> {
+        let mut steps = Vec::new();
+        loop {
+            let parts: Vec<Option<RankBatch>> = ss.iter_mut().map(|s| s.next_batch()).collect();
+            if parts.iter().all(Option::is_none) {
+                return steps;
+            }
+            assert!(parts.iter().all(Option::is_some), "ranks disagree on the number of steps");
+            let parts: Vec<RankBatch> = parts.into_iter().flatten().collect();
+            assert!(parts.windows(2).all(|w| w[0].next == w[1].next && w[0].step == w[1].step));
+            let global: Vec<usize> = parts.iter().flat_map(|b| b.indices.clone()).collect();
+            assert_eq!(global.len(), parts[0].global_size);
+            steps.push(global);
+        }
+    }
+
+    fn counts(len: usize, steps: &[Vec<usize>]) -> Vec<usize> {
+        let mut c = vec![0; len];
+        for i in steps.iter().flatten() {
+            c[*i] += 1;
+        }
+        c
+    }
+
+    fn tails() -> impl Strategy<Value = Tail> {
+        prop_oneof![Just(Tail::Partial), Just(Tail::DropLast), Just(Tail::Pad)]
+    }
+
+    proptest! {
+        #[test]
+        fn every_sample_once_per_epoch_and_world_size_invariant(
+            len in 1usize..300, gb in 1usize..40, world in 1usize..6, seed: u64, tail in tails(), shuffle: bool,
+        ) {
+            prop_assume!(gb >= world);
+            let cfg = SamplerConfig { len, global_batch: gb, seed, shuffle, tail };
+            prop_assume!(cfg.samples_per_epoch() > 0);
+            let reference = run_epoch(&mut samplers(cfg, 1));
+            let mut ss = samplers(cfg, world);
+            for epoch in 0..2u64 {
+                for s in ss.iter_mut() { s.set_epoch(epoch); }
+                let steps = run_epoch(&mut ss);
+                prop_assert_eq!(steps.len(), cfg.batches_per_epoch());
+                let c = counts(len, &steps);
+                match tail {
+                    Tail::Partial => prop_assert!(c.iter().all(|&n| n == 1)),
+                    Tail::DropLast => {
+                        prop_assert!(c.iter().all(|&n| n <= 1));
+                        prop_assert!(steps.iter().all(|s| s.len() == gb));
+                    }
+                    Tail::Pad => {
+                        // Padding wraps around the epoch's order, so counts differ by at most one.
+                        let (min, max) = (c.iter().min().copied().unwrap_or(0), c.iter().max().copied().unwrap_or(0));
+                        prop_assert!(min >= 1 && max - min <= 1, "{:?}", c);
+                        prop_assert!(steps.iter().all(|s| s.len() == gb));
+                    }
+                }
+                if epoch == 0 {
+                    // The global batches do not depend on the world size.
+                    prop_assert_eq!(&steps, &reference);
+                }
+            }
+        }
+
+        #[test]
+        fn resume_at_another_world_size_continues_exactly(
+            len in 1usize..200, gb in 4usize..30, cut in 0usize..40, w1 in 1usize..5, w2 in 1usize..5, seed: u64,
+        ) {
+            let cfg = SamplerConfig { len, global_batch: gb, seed, shuffle: true, tail: Tail::Partial };
+            // Uninterrupted, one rank, across epochs.
+            let mut whole = DistributedSampler::new(cfg, 1, 0).expect("valid");
+            let reference: Vec<Vec<usize>> = (0..40).map(|_| whole.next_batch_cycling().indices).collect();
+            // `cut` steps at world size w1, then a checkpoint, then the rest at w2.
+            let mut first = samplers(cfg, w1);
+            let mut state = SamplerState::default();
+            for (step, want) in reference.iter().enumerate().take(cut) {
+                let got: Vec<usize> = first.iter_mut().flat_map(|s| s.next_batch_cycling().indices).collect();
+                prop_assert_eq!(&got, want, "step {}", step);
+                state = first[0].state();
+            }
+            let mut second = samplers(cfg, w2);
+            for s in second.iter_mut() { s.restore(state).expect("valid state"); }
+            for want in &reference[cut..] {
+                let got: Vec<usize> = second.iter_mut().flat_map(|s| s.next_batch_cycling().indices).collect();
+                prop_assert_eq!(&got, want);
+            }
+        }
+    }
+
+    #[test]
+    fn epochs_and_seeds_reshuffle() {
+        let cfg = SamplerConfig::new(50, 50);
+        let mut s = DistributedSampler::new(cfg, 1, 0).expect("valid");
+        let e0 = s.next_batch().expect("one batch").indices;
+        assert!(s.next_batch().is_none());
+        s.set_epoch(1);
+        let e1 = s.next_batch().expect("one batch").indices;
+        assert_ne!(e0, e1);
+        s.set_epoch(0);
+        assert_eq!(s.next_batch().expect("one batch").indices, e0);
+        let mut other = DistributedSampler::new(SamplerConfig { seed: 1, ..cfg }, 1, 0).expect("valid");
+        assert_ne!(other.next_batch().expect("one batch").indices, e0);
+        let mut plain = DistributedSampler::new(SamplerConfig { shuffle: false, ..cfg }, 1, 0).expect("valid");
+        assert_eq!(plain.next_batch().expect("one batch").indices, (0..50).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn tail_shares_and_state() {
+        // 10 samples, global batch 4, 3 ranks: steps of 4, 4, 2; rank shares 2/1/1 then 1/1/0.
+        let cfg = SamplerConfig { shuffle: false, ..SamplerConfig::new(10, 4) };
+        let mut s2 = DistributedSampler::new(cfg, 3, 2).expect("valid");
+        let sizes: Vec<usize> = s2.epoch_batches().map(|b| b.indices.len()).collect();
+        assert_eq!(sizes, vec![1, 1, 0]);
+        let mut s0 = DistributedSampler::new(cfg, 3, 0).expect("valid");
+        let b = s0.next_batch().expect("batch");
+        assert_eq!((b.indices, b.global_size, b.next), (vec![0, 1], 4, SamplerState { epoch: 0, position: 4 }));
+        assert_eq!(s0.peek_global(), vec![4, 5, 6, 7]);
+        assert_eq!(s2.next_batch_cycling().next, SamplerState { epoch: 0, position: 4 });
+        let last = s2.cycling_batches().nth(1).expect("endless");
+        assert_eq!((last.epoch, last.step, last.global_size), (0, 2, 2));
+        assert_eq!(s2.cycling_batches().nth(2).expect("endless").epoch, 1);
+    }
+
+    #[test]
+    fn bad_configs_and_states_are_errors() {
+        let cfg = SamplerConfig::new(10, 4);
+        assert!(DistributedSampler::new(SamplerConfig { len: 0, ..cfg }, 1, 0).is_err());
+        assert!(DistributedSampler::new(SamplerConfig { global_batch: 0, ..cfg }, 1, 0).is_err());
+        assert!(DistributedSampler::new(cfg, 5, 0).is_err());
+        assert!(DistributedSampler::new(cfg, 2, 2).is_err());
+        assert!(
+            DistributedSampler::new(SamplerConfig { global_batch: 11, tail: Tail::DropLast, ..cfg }, 1, 0).is_err()
+        );
+        let mut s = DistributedSampler::new(cfg, 2, 0).expect("valid");
+        assert!(s.restore(SamplerState { epoch: 3, position: 5 }).is_err());
+        assert!(s.restore(SamplerState { epoch: 3, position: 12 }).is_err());
+        s.restore(SamplerState { epoch: 3, position: 10 }).expect("end of epoch is a boundary");
+        assert!(s.next_batch().is_none());
+        assert_eq!(s.next_batch_cycling().epoch, 4);
+    }
+}
