@@ -24,6 +24,12 @@ enum Cmd {
     },
     /// Show Shoal working end to end on this machine.
     Demo,
+    /// List the built-in datasets.
+    Datasets {
+        /// One JSON array of objects (name, kind, len, features, classes, description).
+        #[arg(long)]
+        json: bool,
+    },
     /// One rank of `shoal bench` (started by it).
     #[command(hide = true, name = "bench-rank")]
     BenchRank { spec: String },
@@ -47,6 +53,7 @@ fn main() -> std::process::ExitCode {
         Cmd::Bench { op, args } => bench::run_bench(op, &args),
         Cmd::BenchRank { spec } => bench::run_rank(&spec).map(|()| true),
         Cmd::Demo => demo(),
+        Cmd::Datasets { json } => datasets(json),
     };
     match result {
         Ok(true) => std::process::ExitCode::SUCCESS,
@@ -56,6 +63,20 @@ fn main() -> std::process::ExitCode {
             std::process::ExitCode::FAILURE
         }
     }
+}
+
+fn datasets(json: bool) -> Result<bool> {
+    let list = shoal_data::catalogue();
+    if json {
+        println!("{}", serde_json::to_string_pretty(&list)?);
+    } else {
+        println!("{:<10} {:<10} {:>8} {:>9} {:>8}  description", "name", "kind", "samples", "features", "classes");
+        for d in &list {
+            let kind = serde_json::to_value(d.kind)?.as_str().unwrap_or("?").to_string();
+            println!("{:<10} {:<10} {:>8} {:>9} {:>8}  {}", d.name, kind, d.len, d.features, d.classes, d.description);
+        }
+    }
+    Ok(true)
 }
 
 /// The demo: all-reduce checked element by element over shared memory and TCP.

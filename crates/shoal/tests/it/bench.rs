@@ -217,3 +217,16 @@ fn a_killed_rank_is_named_by_the_launcher_and_the_survivors_over_tcp() {
 fn a_killed_rank_is_named_by_the_launcher_and_the_survivors_over_shm() {
     killed_rank_is_named("shm");
 }
+
+#[test]
+fn datasets_are_listed_as_json_objects_with_name_and_kind() {
+    let out = shoal().args(["datasets", "--json"]).output().expect("run");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    let list = v.as_array().expect("an array");
+    let kinds: Vec<(&str, &str)> =
+        list.iter().map(|d| (d["name"].as_str().unwrap_or(""), d["kind"].as_str().unwrap_or(""))).collect();
+    for want in [("digits", "image"), ("cicero", "text"), ("synthetic", "synthetic")] {
+        assert!(kinds.contains(&want), "{want:?} missing from {kinds:?}");
+    }
+}
