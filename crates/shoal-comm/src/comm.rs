@@ -176,6 +176,8 @@ pub(crate) struct Inner {
     current: Mutex<(u64, &'static str)>,
     pub(crate) hier: OnceLock<std::result::Result<Hier, String>>,
     splits: AtomicU64,
+    /// Bytes this rank has sent in all operations.
+    sent: AtomicU64,
 }
 
 /// Sub-communicators of the hierarchical algorithm.
@@ -360,6 +362,7 @@ impl Communicator {
             current: Mutex::new((0, "")),
             hier: OnceLock::new(),
             splits: AtomicU64::new(0),
+            sent: AtomicU64::new(0),
         });
         spawn_status_publisher(Arc::downgrade(&inner));
         tracing::debug!(comm = %inner.cfg.name, rank, size, transports = ?inner.transports.iter().map(|t| t.kind().name()).collect::<Vec<_>>(), "communicator ready");
@@ -506,6 +509,11 @@ impl Communicator {
         Some(self.inner.transports[i].kind())
     }
 
+    /// Bytes this rank has sent in all operations so far (payloads and headers).
+    pub fn bytes_sent(&self) -> u64 {
+        self.inner.sent.load(Ordering::Relaxed)
+    }
+
     /// Why the communicator is closed, if it is.
     pub fn closed_reason(&self) -> Option<String> {
         self.inner.closed.lock().ok().and_then(|c| c.clone())
@@ -571,7 +579,9 @@ impl Communicator {
                 }
             }
             let op = OpCtx::new(name, seq, inner.rank, inner.cfg.timeout);
-            f(&op).map_err(|e| self.enrich(e, seq))
+            let r = f(&op).map_err(|e| self.enrich(e, seq));
+            inner.sent.fetch_add(op.sent.load(Ordering::Relaxed), Ordering::Relaxed);
+            r
         })();
         if let Err(e) = &result {
             if !matches!(e, Error::Closed(_) | Error::InvalidArgument(_)) {

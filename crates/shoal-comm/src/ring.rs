@@ -543,7 +543,7 @@ impl Transport for RingTransport {
                 if !p.done() {
                     let before = p.sent;
                     progress |= p.push(op.seq);
-                    op.add_bytes(p.sent - before);
+                    op.add_sent(p.sent - before);
                 }
             }
             if let Some((_, p)) = popper.as_mut() {

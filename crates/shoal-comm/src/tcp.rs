@@ -384,7 +384,7 @@ impl Transport for TcpTransport {
                 write_message(&mut w, op.seq, s.data, op.deadline)
                     .map_err(|e| classify(op, s.peer, "sending to", e))?;
             }
-            op.add_bytes(s.data.len() + HEADER_LEN);
+            op.add_sent(s.data.len() + HEADER_LEN);
             return match recv {
                 Some(r) => self.recv(op, r),
                 None => Ok(()),
@@ -410,7 +410,7 @@ impl Transport for TcpTransport {
             None => Err(op.peer_lost(s.peer, "its sender thread has stopped".into())),
         };
         if send_result.is_ok() {
-            op.add_bytes(s.data.len() + HEADER_LEN);
+            op.add_sent(s.data.len() + HEADER_LEN);
         }
         recv_result.and(send_result)
     }

@@ -47,15 +47,31 @@ pub struct OpCtx {
     pub deadline: Instant,
     /// Bytes sent plus bytes received so far.
     pub bytes: AtomicU64,
+    /// Bytes sent so far (payload and headers).
+    pub sent: AtomicU64,
 }
 
 impl OpCtx {
     pub fn new(name: &'static str, seq: u64, rank: usize, timeout: Duration) -> OpCtx {
         let started = Instant::now();
-        OpCtx { name, seq, rank, started, deadline: started + timeout, bytes: AtomicU64::new(0) }
+        OpCtx {
+            name,
+            seq,
+            rank,
+            started,
+            deadline: started + timeout,
+            bytes: AtomicU64::new(0),
+            sent: AtomicU64::new(0),
+        }
     }
 
     pub fn add_bytes(&self, n: usize) {
+        self.bytes.fetch_add(n as u64, Ordering::Relaxed);
+    }
+
+    /// Counts `n` bytes sent (also counted in [`Self::bytes_moved`]).
+    pub fn add_sent(&self, n: usize) {
+        self.sent.fetch_add(n as u64, Ordering::Relaxed);
         self.bytes.fetch_add(n as u64, Ordering::Relaxed);
     }
 

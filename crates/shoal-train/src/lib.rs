@@ -1,0 +1,28 @@
+//! `shoal-train`: Shoal's training runtime on candle — models (MLP, CNN, GPT),
+//! optimizers with checkpointable state, the data-parallel [`Trainer`], and the
+//! worker that runs a job spec.
+//!
+//! Invariants:
+//! - The model code knows nothing of distribution: the [`Trainer`] takes a
+//!   model's [`Params`] and a `shoal_comm::Communicator` and does the rest.
+//! - Every rank applies the same update to the same parameters, so the ranks'
+//!   models stay identical; a run of N workers matches a run of one worker with
+//!   the same global batch within floating-point tolerance.
+//! - This crate talks to the control plane only over the wire (it has no
+//!   dependency on it).
+//!
+//! Feature flags: none yet (CPU only).
+
+pub mod batch;
+pub mod error;
+pub mod models;
+pub mod optim;
+pub mod params;
+pub mod spec;
+pub mod trainer;
+
+pub use error::{Error, Result};
+pub use models::{Cnn, Gpt, GptConfig, Mlp, Model};
+pub use optim::{OptimConfig, Optimizer};
+pub use params::{Params, SeededRng};
+pub use trainer::{StepTimes, Trainer, TrainerConfig};

@@ -1,0 +1,1377 @@
+//! The job spec: a TOML file (or the same object as JSON, for the HTTP API) describing one training job.
+//!
+//! ```toml
+//! name = "mlp-digits"            # [A-Za-z0-9._-], not starting with '.'
+//!
+//! [train]
+//! dataset = "digits"             # a built-in dataset: digits, cicero, synthetic
+//! strategy = "ddp"               # default ddp (the only one so far)
+//! global_batch = 64              # samples per optimizer step over all ranks and accumulation steps
+//! steps = 600                    # optimizer steps
+//! seed = 0
+//! optimizer = "adamw"            # adamw (default) | sgd
+//! lr = 3e-3
+//! warmup_steps = 20
+//! schedule = "cosine"            # cosine (default) | constant
+//!
+//! [train.model]                  # or just `model = "mlp"` in [train] for all the defaults
+//! kind = "mlp"                   # mlp | cnn | gpt
+//! hidden = [128, 64]
+//!
+//! [train.data]                   # shoal_data::Options (dataset options), e.g. features/classes/samples
+//!
+//! [checkpoint]
+//! every = 100                    # 0 = only at the end
+//! keep = 3
+//! url = "file:///tmp/ckpt"       # optional; default: the run's output directory
+//! ```
+//!
+//! # Contract
+//!
+//! - Every table rejects unknown keys; every error names the key path (`train.model.hidden[1]`) and the reason,
+//!   and [`parse_job`] / [`load_job`] / [`parse_job_json`] validate before returning, so a bad spec stops before
+//!   any process starts.
+//! - Options that apply to one optimizer or model only (`momentum` for SGD, `betas`/`eps` for AdamW, `hidden` for
+//!   the MLP, ...) are `Option`s in the struct and are an error when set for another one; read the resolved value
+//!   through the accessor of the same name (`TrainSpec::momentum()`, `ModelSpec::hidden()`, ...).
+//! - `[train.model]` and `model = "kind"` are the same key: TOML cannot hold both, so the table form names the
+//!   kind with `kind = "..."`.
+//!
+//! # Defaults
+//!
+//! | key | default |
+//! |---|---|
+//! | `train.strategy` | `ddp` |
+//! | `train.seed` | 0 |
+//! | `train.optimizer` | `adamw` |
+//! | `train.momentum` (sgd) | 0.9 |
+//! | `train.weight_decay` | 0.01 for adamw (PyTorch's AdamW default), 0.0 for sgd (PyTorch's SGD default) |
+//! | `train.betas` (adamw) | [0.9, 0.999] |
+//! | `train.eps` (adamw) | 1e-8 |
+//! | `train.grad_accum` | 1 |
+//! | `train.warmup_steps` | 0 (linear warm-up from 0 to `lr` over these steps) |
+//! | `train.schedule` | `cosine` (from `lr` after warm-up down to `min_lr` at `steps`) |
+//! | `train.min_lr` | 0.0 |
+//! | `train.clip_grad_norm` | none (no clipping) |
+//! | `train.eval_every` | 0 (evaluate only at the end) |
+//! | `train.eval_batches` | 8 |
+//! | `train.bucket_mb` | 25.0 (MiB) |
+//! | `train.log_every` | 1 |
+//! | `train.model.hidden` (mlp) | [128, 64] |
+//! | `train.model.channels` (cnn) | [16, 32] |
+//! | `train.model.layers`, `heads`, `width`, `context` (gpt) | 2, 4, 64, 64 |
+//! | `train.model.vocab` (gpt) | 256 (byte-level) |
+//! | `train.model.dropout` | 0.0 |
+//! | `checkpoint.every` | 0 (only at the end) |
+//! | `checkpoint.keep` | 3 |
+//!
+//! # Model architectures (what [`ModelSpec::param_count`] counts)
+//!
+//! - **mlp**: `features → hidden[0] → … → classes`, each a linear layer with bias, ReLU between.
+//! - **cnn**: the input is a `side × side` single-channel image (`features = side²`); per entry `c` of `channels`:
+//!   3×3 convolution (padding 1, bias) to `c` channels, ReLU, 2×2 max-pool (stride 2, so `side /= 2`); then a
+//!   linear layer with bias from `c_last × side²` to `classes`.
+//! - **gpt**: token embedding `vocab × width`, learned position embedding `context × width`, `layers` pre-norm
+//!   blocks (LayerNorm with bias, causal self-attention with a fused QKV linear `width → 3·width` and an output
+//!   linear `width → width`, LayerNorm, MLP `width → 4·width → width`, all linears with bias), a final LayerNorm
+//!   and an untied, bias-free head `width → vocab`.
+
+use std::fmt;
+use std::path::Path;
+
+use serde::de::{self, Deserializer, MapAccess, Visitor};
+use serde::{Deserialize, Serialize};
+use shoal_data::{Kind, Options, Split};
+
+// ---------------------------------------------------------------------------------------------------------------
+// errors
+
+/// A job spec that cannot be used: where (`origin`, e.g. the file name, and the key `path`, empty for the whole
+/// document) and why. Displays as `JOB.toml: train.steps: must be > 0`; syntax and type errors add the line and
+/// column when the parser knows them.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{}", render(.origin, .path, .message, *.line, *.column))]
+pub struct SpecError {
+    /// Where the spec came from (a file name, `job.json`, ...).
+    pub origin: String,
+    /// The key path, e.g. `train.model.hidden[1]`; empty when the error is about the document as a whole.
+    pub path: String,
+    /// What is wrong.
+    pub message: String,
+    /// 1-based line in the document, when known.
+    pub line: Option<usize>,
+    /// 1-based column in the document, when known.
+    pub column: Option<usize>,
+}
+
+fn render(origin: &str, path: &str, message: &str, line: Option<usize>, column: Option<usize>) -> String {
+    let mut s = String::from(origin);
+    match (path.is_empty(), line, column) {
+        (true, Some(l), Some(c)) => s.push_str(&format!(": line {l}, column {c}")),
+        (true, Some(l), None) => s.push_str(&format!(": line {l}")),
+        _ => {}
+    }
+    if !path.is_empty() {
+        s.push_str(": ");
+        s.push_str(path);
+    }
+    s.push_str(": ");
+    s.push_str(message);
+    if !path.is_empty()
+        && let Some(l) = line
+    {
+        s.push_str(&format!(" (line {l})"));
+    }
+    s
+}
+
+impl SpecError {
+    fn at(path: impl Into<String>, message: impl Into<String>) -> Self {
+        SpecError { origin: String::new(), path: path.into(), message: message.into(), line: None, column: None }
+    }
+
+    fn with_origin(mut self, origin: &str) -> Self {
+        origin.clone_into(&mut self.origin);
+        self
+    }
+}
+
+type Result<T, E = SpecError> = std::result::Result<T, E>;
+
+// ---------------------------------------------------------------------------------------------------------------
+// the spec
+
+/// A whole job.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JobSpec {
+    /// The job's name: 1–128 characters of `[A-Za-z0-9._-]`, not starting with `.` (it names directories).
+    pub name: String,
+    pub train: TrainSpec,
+    #[serde(default)]
+    pub checkpoint: CheckpointSpec,
+}
+
+/// How work is spread over the workers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Strategy {
+    /// Data parallel: every rank holds the whole model and a share of each global batch.
+    #[default]
+    Ddp,
+}
+
+/// The built-in models.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ModelKind {
+    Mlp,
+    Cnn,
+    Gpt,
+}
+
+impl ModelKind {
+    /// The names as written in a spec.
+    pub const NAMES: [&'static str; 3] = ["mlp", "cnn", "gpt"];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ModelKind::Mlp => "mlp",
+            ModelKind::Cnn => "cnn",
+            ModelKind::Gpt => "gpt",
+        }
+    }
+
+    fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "mlp" => Some(ModelKind::Mlp),
+            "cnn" => Some(ModelKind::Cnn),
+            "gpt" => Some(ModelKind::Gpt),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for ModelKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The optimizers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OptimizerKind {
+    /// SGD with (heavy-ball) momentum, PyTorch semantics.
+    Sgd,
+    /// AdamW (decoupled weight decay), PyTorch semantics.
+    #[default]
+    Adamw,
+}
+
+impl OptimizerKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OptimizerKind::Sgd => "sgd",
+            OptimizerKind::Adamw => "adamw",
+        }
+    }
+}
+
+/// The learning-rate schedule after the linear warm-up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Schedule {
+    /// Cosine decay from `lr` (at the end of warm-up) to `min_lr` (at `steps`).
+    #[default]
+    Cosine,
+    /// `lr` throughout.
+    Constant,
+}
+
+/// `[train]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainSpec {
+    /// `model = "mlp"` or a `[train.model]` table with `kind = "mlp"` and sizes.
+    pub model: ModelSpec,
+    /// A built-in dataset (see `shoal_data::catalogue()`).
+    pub dataset: String,
+    #[serde(default)]
+    pub strategy: Strategy,
+    /// Samples per optimizer step, over all ranks and all accumulation micro-steps together.
+    pub global_batch: usize,
+    /// Optimizer steps.
+    pub steps: usize,
+    #[serde(default)]
+    pub seed: u64,
+    #[serde(default)]
+    pub optimizer: OptimizerKind,
+    /// Peak learning rate.
+    pub lr: f64,
+    /// SGD only (default 0.9); read [`TrainSpec::momentum`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub momentum: Option<f64>,
+    /// Default 0.01 for AdamW, 0.0 for SGD; read [`TrainSpec::weight_decay`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weight_decay: Option<f64>,
+    /// AdamW only (default [0.9, 0.999]); read [`TrainSpec::betas`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub betas: Option<[f64; 2]>,
+    /// AdamW only (default 1e-8); read [`TrainSpec::eps`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eps: Option<f64>,
+    /// Micro-steps per optimizer step: each takes `global_batch / grad_accum` samples over all ranks.
+    #[serde(default = "one")]
+    pub grad_accum: usize,
+    #[serde(default)]
+    pub warmup_steps: usize,
+    #[serde(default)]
+    pub schedule: Schedule,
+    #[serde(default)]
+    pub min_lr: f64,
+    /// Clip the global gradient L2 norm to this; none = no clipping.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub clip_grad_norm: Option<f64>,
+    /// Evaluate every this many steps; 0 = only at the end (there is always a final evaluation).
+    #[serde(default)]
+    pub eval_every: usize,
+    /// Batches (of `global_batch / grad_accum` samples) per evaluation.
+    #[serde(default = "eight")]
+    pub eval_batches: usize,
+    /// Gradient bucket size in MiB for the all-reduce; read [`TrainSpec::bucket_bytes`].
+    #[serde(default = "bucket_mb_default")]
+    pub bucket_mb: f64,
+    /// Log (metrics line) every this many steps.
+    #[serde(default = "one")]
+    pub log_every: usize,
+    /// `[train.data]`: the dataset's options. Build datasets from [`TrainSpec::data_options`], which fills in the
+    /// text window length from the model.
+    #[serde(default)]
+    pub data: Options,
+}
+
+fn one() -> usize {
+    1
+}
+fn eight() -> usize {
+    8
+}
+fn bucket_mb_default() -> f64 {
+    25.0
+}
+
+/// `[train.model]`: the model kind and its sizes. Every size is optional; the accessors resolve the defaults. A
+/// size that does not apply to the kind is an error.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ModelSpec {
+    pub kind: ModelKind,
+    /// MLP hidden widths (default [128, 64]); may be empty (a linear model).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hidden: Option<Vec<usize>>,
+    /// CNN conv channels, one conv block each (default [16, 32]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub channels: Option<Vec<usize>>,
+    /// GPT blocks (default 2).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub layers: Option<usize>,
+    /// GPT attention heads (default 4); must divide `width`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub heads: Option<usize>,
+    /// GPT model width (default 64).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub width: Option<usize>,
+    /// GPT context length in tokens (default 64).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub context: Option<usize>,
+    /// GPT vocabulary (default 256: byte-level tokens).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub vocab: Option<usize>,
+    /// Dropout probability (default 0.0).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dropout: Option<f64>,
+}
+
+/// The table form of [`ModelSpec`] (the derived, strict deserializer).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ModelTable {
+    kind: ModelKind,
+    #[serde(default)]
+    hidden: Option<Vec<usize>>,
+    #[serde(default)]
+    channels: Option<Vec<usize>>,
+    #[serde(default)]
+    layers: Option<usize>,
+    #[serde(default)]
+    heads: Option<usize>,
+    #[serde(default)]
+    width: Option<usize>,
+    #[serde(default)]
+    context: Option<usize>,
+    #[serde(default)]
+    vocab: Option<usize>,
+    #[serde(default)]
+    dropout: Option<f64>,
+}
+
+impl<'de> Deserialize<'de> for ModelSpec {
+    /// Either a string naming the kind (all defaults) or a table with `kind` and sizes.
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = ModelSpec;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a model name (\"mlp\", \"cnn\", \"gpt\") or a table with `kind` and sizes")
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<ModelSpec, E> {
+                match ModelKind::from_name(v) {
+                    Some(kind) => Ok(ModelSpec::new(kind)),
+                    None => Err(E::unknown_variant(v, &ModelKind::NAMES)),
+                }
+            }
+            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<ModelSpec, A::Error> {
+                let t = ModelTable::deserialize(de::value::MapAccessDeserializer::new(map))?;
+                Ok(ModelSpec {
+                    kind: t.kind,
+                    hidden: t.hidden,
+                    channels: t.channels,
+                    layers: t.layers,
+                    heads: t.heads,
+                    width: t.width,
+                    context: t.context,
+                    vocab: t.vocab,
+                    dropout: t.dropout,
+                })
+            }
+        }
+        deserializer.deserialize_any(V)
+    }
+}
+
+/// `[checkpoint]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CheckpointSpec {
+    /// Save every this many steps; 0 = only at the end (there is always a final checkpoint).
+    #[serde(default)]
+    pub every: usize,
+    /// Keep the newest this many checkpoints (≥ 1).
+    #[serde(default = "keep_default")]
+    pub keep: usize,
+    /// A directory or an object-store URL (`file://`, `s3://`, `gs://`, `az://`, ...); none = the run's output
+    /// directory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub url: Option<String>,
+}
+
+fn keep_default() -> usize {
+    3
+}
+
+impl Default for CheckpointSpec {
+    fn default() -> Self {
+        CheckpointSpec { every: 0, keep: keep_default(), url: None }
+    }
+}
+
+/// The shape of a job's dataset, as the model sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DataShape {
+    pub kind: Kind,
+    /// Features per sample (for text: tokens per window).
+    pub features: usize,
+    /// Classes (for text: the token alphabet, 256 for bytes).
+    pub classes: usize,
+}
+
+impl DataShape {
+    /// Classification data (dense features, a class label), as opposed to text.
+    pub fn is_classification(&self) -> bool {
+        !matches!(self.kind, Kind::Text)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// parsing
+
+/// Parses and validates a TOML job spec; `origin` (e.g. the file name) prefixes every error.
+pub fn parse_job(text: &str, origin: &str) -> Result<JobSpec> {
+    let spec = deserialize_toml(text).map_err(|e| e.with_origin(origin))?;
+    spec.validate().map_err(|e| e.with_origin(origin))?;
+    Ok(spec)
+}
+
+/// Reads, parses and validates a TOML job spec file; errors name the file.
+pub fn load_job(path: &Path) -> Result<JobSpec> {
+    let origin = path.display().to_string();
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| SpecError::at("", format!("cannot read the job spec: {e}")).with_origin(&origin))?;
+    parse_job(&text, &origin)
+}
+
+/// Parses and validates a job spec given as JSON (the HTTP API's form: the same object as the TOML); errors are
+/// prefixed with `job.json`.
+pub fn parse_job_json(text: &str) -> Result<JobSpec> {
+    const ORIGIN: &str = "job.json";
+    let spec = deserialize_json(text).map_err(|e| e.with_origin(ORIGIN))?;
+    spec.validate().map_err(|e| e.with_origin(ORIGIN))?;
+    Ok(spec)
+}
+
+fn line_column(text: &str, offset: usize) -> (usize, usize) {
+    let before = text.get(..offset).unwrap_or(text);
+    let line = before.matches('\n').count() + 1;
+    let column = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
+    (line, column)
+}
+
+fn path_string(path: &serde_path_to_error::Path) -> String {
+    let s = path.to_string();
+    if s == "." { String::new() } else { s }
+}
+
+fn deserialize_toml(text: &str) -> Result<JobSpec> {
+    let from_toml = |e: &toml::de::Error| {
+        let (line, column) = match e.span() {
+            Some(span) => {
+                let (l, c) = line_column(text, span.start);
+                (Some(l), Some(c))
+            }
+            None => (None, None),
+        };
+        (e.message().trim_end().to_owned(), line, column)
+    };
+    let de = toml::Deserializer::parse(text).map_err(|e| {
+        let (mut message, line, column) = from_toml(&e);
+        // Syntax errors may not name the key: quote the line.
+        if let Some(src) = line.and_then(|l| text.lines().nth(l - 1)).map(str::trim).filter(|l| !l.is_empty()) {
+            message = format!("{message}: `{src}`");
+            if src.starts_with("model") || src.contains("train.model") {
+                message.push_str(
+                    " (`model = \"...\"` and a [train.model] table are the same key: name the model inside the \
+                     table with `kind = \"...\"`)",
+                );
+            }
+        }
+        SpecError { origin: String::new(), path: String::new(), message, line, column }
+    })?;
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let path = path_string(e.path());
+        let (message, line, column) = from_toml(e.inner());
+        // A data error about the whole document (a missing top-level key) has no useful position.
+        let (line, column) = if path.is_empty() { (None, None) } else { (line, column) };
+        SpecError { origin: String::new(), path, message, line, column }
+    })
+}
+
+fn deserialize_json(text: &str) -> Result<JobSpec> {
+    let from_json = |path: String, e: &serde_json::Error| {
+        let (line, column) = (e.line(), e.column());
+        let full = e.to_string();
+        let message = full.strip_suffix(&format!(" at line {line} column {column}")).unwrap_or(&full).to_owned();
+        let known = line > 0;
+        SpecError { origin: String::new(), path, message, line: known.then_some(line), column: known.then_some(column) }
+    };
+    let mut de = serde_json::Deserializer::from_str(text);
+    let spec: JobSpec =
+        serde_path_to_error::deserialize(&mut de).map_err(|e| from_json(path_string(e.path()), e.inner()))?;
+    de.end().map_err(|e| from_json(String::new(), &e))?;
+    Ok(spec)
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// accessors
+
+impl ModelSpec {
+    /// A model of this kind with every size at its default.
+    pub fn new(kind: ModelKind) -> Self {
+        ModelSpec {
+            kind,
+            hidden: None,
+            channels: None,
+            layers: None,
+            heads: None,
+            width: None,
+            context: None,
+            vocab: None,
+            dropout: None,
+        }
+    }
+
+    pub fn hidden(&self) -> &[usize] {
+        self.hidden.as_deref().unwrap_or(&[128, 64])
+    }
+    pub fn channels(&self) -> &[usize] {
+        self.channels.as_deref().unwrap_or(&[16, 32])
+    }
+    pub fn layers(&self) -> usize {
+        self.layers.unwrap_or(2)
+    }
+    pub fn heads(&self) -> usize {
+        self.heads.unwrap_or(4)
+    }
+    pub fn width(&self) -> usize {
+        self.width.unwrap_or(64)
+    }
+    pub fn context(&self) -> usize {
+        self.context.unwrap_or(64)
+    }
+    pub fn vocab(&self) -> usize {
+        self.vocab.unwrap_or(256)
+    }
+    pub fn dropout(&self) -> f64 {
+        self.dropout.unwrap_or(0.0)
+    }
+
+    /// The side of the square image a CNN sees for `features` pixels, if `features` is a square ≥ 4.
+    pub fn image_side(features: usize) -> Option<usize> {
+        let side = (features as f64).sqrt().round() as usize;
+        (side >= 2 && side.checked_mul(side) == Some(features)).then_some(side)
+    }
+
+    /// The number of parameters of this model (architectures in the [module docs](self)) for `features` inputs
+    /// and `classes` outputs (the GPT uses its own `vocab` and `context` instead); saturates at `u64::MAX`.
+    pub fn param_count(&self, features: usize, classes: usize) -> u64 {
+        let n = |v: usize| v as u128;
+        let linear = |i: u128, o: u128| i.saturating_mul(o).saturating_add(o);
+        let total: u128 = match self.kind {
+            ModelKind::Mlp => {
+                let mut widths = vec![n(features)];
+                widths.extend(self.hidden().iter().map(|&h| n(h)));
+                widths.push(n(classes));
+                widths.windows(2).fold(0u128, |acc, w| acc.saturating_add(linear(w[0], w[1])))
+            }
+            ModelKind::Cnn => {
+                let mut side = n(ModelSpec::image_side(features).unwrap_or(0));
+                let (mut total, mut inc) = (0u128, 1u128);
+                for &c in self.channels() {
+                    total = total.saturating_add(linear(inc.saturating_mul(9), n(c)));
+                    inc = n(c);
+                    side /= 2;
+                }
+                total.saturating_add(linear(inc.saturating_mul(side).saturating_mul(side), n(classes)))
+            }
+            ModelKind::Gpt => {
+                let (d, v, t, l) = (n(self.width()), n(self.vocab()), n(self.context()), n(self.layers()));
+                let block = d.saturating_mul(d).saturating_mul(12).saturating_add(d.saturating_mul(13));
+                v.saturating_mul(d)
+                    .saturating_add(t.saturating_mul(d))
+                    .saturating_add(l.saturating_mul(block))
+                    .saturating_add(d.saturating_mul(2))
+                    .saturating_add(d.saturating_mul(v))
+            }
+        };
+        u64::try_from(total).unwrap_or(u64::MAX)
+    }
+
+    /// The sizes that apply to this kind, as written in a spec.
+    fn allowed(&self) -> &'static [&'static str] {
+        match self.kind {
+            ModelKind::Mlp => &["hidden", "dropout"],
+            ModelKind::Cnn => &["channels", "dropout"],
+            ModelKind::Gpt => &["layers", "heads", "width", "context", "vocab", "dropout"],
+        }
+    }
+}
+
+impl TrainSpec {
+    /// SGD momentum (default 0.9; 0 for AdamW, which does not use it).
+    pub fn momentum(&self) -> f64 {
+        match self.optimizer {
+            OptimizerKind::Sgd => self.momentum.unwrap_or(0.9),
+            OptimizerKind::Adamw => 0.0,
+        }
+    }
+    /// Weight decay: default 0.01 for AdamW (decoupled), 0.0 for SGD (L2 added to the gradient).
+    pub fn weight_decay(&self) -> f64 {
+        self.weight_decay.unwrap_or(match self.optimizer {
+            OptimizerKind::Sgd => 0.0,
+            OptimizerKind::Adamw => 0.01,
+        })
+    }
+    /// AdamW's betas (default [0.9, 0.999]).
+    pub fn betas(&self) -> [f64; 2] {
+        self.betas.unwrap_or([0.9, 0.999])
+    }
+    /// AdamW's epsilon (default 1e-8).
+    pub fn eps(&self) -> f64 {
+        self.eps.unwrap_or(1e-8)
+    }
+    /// Samples per micro-step over all ranks: `global_batch / grad_accum`.
+    pub fn micro_batch(&self) -> usize {
+        self.global_batch / self.grad_accum.max(1)
+    }
+    /// The gradient bucket size in bytes (`bucket_mb` MiB, rounded to whole f32s, at least one).
+    pub fn bucket_bytes(&self) -> usize {
+        let bytes = (self.bucket_mb * 1024.0 * 1024.0 / 4.0).round().max(1.0) as usize;
+        bytes.saturating_mul(4)
+    }
+
+    /// The options to build the dataset with: `[train.data]`, plus, for a text dataset, the window length
+    /// (`context`) from the model when `[train.data]` leaves it out.
+    pub fn data_options(&self) -> Options {
+        let mut o = self.data.clone();
+        let text = matches!(self.catalogue_kind(), Some(Kind::Text));
+        if text && o.context.is_none() && self.model.kind == ModelKind::Gpt {
+            o.context = Some(self.model.context());
+        }
+        o
+    }
+
+    fn catalogue_kind(&self) -> Option<Kind> {
+        shoal_data::catalogue().into_iter().find(|i| i.name == self.dataset).map(|i| i.kind)
+    }
+
+    /// The dataset's kind, features and classes with these options (without loading it); an error naming
+    /// `train.dataset` when it is unknown.
+    pub fn data_shape(&self) -> Result<DataShape> {
+        let cat = shoal_data::catalogue();
+        let Some(info) = cat.iter().find(|i| i.name == self.dataset) else {
+            let known: Vec<&str> = cat.iter().map(|i| i.name.as_str()).collect();
+            return Err(SpecError::at(
+                "train.dataset",
+                format!("unknown dataset \"{}\"; the built-in datasets are: {}", self.dataset, known.join(", ")),
+            ));
+        };
+        let o = self.data_options();
+        let (features, classes) = match info.kind {
+            Kind::Text => (o.context.unwrap_or(info.features), info.classes),
+            Kind::Synthetic => (o.features.unwrap_or(info.features), o.classes.unwrap_or(info.classes)),
+            Kind::Image | Kind::Tabular => (info.features, info.classes),
+        };
+        Ok(DataShape { kind: info.kind, features, classes })
+    }
+
+    /// Bytes of memory one replica needs for parameters, gradients and optimizer state (4-byte floats: 4 per
+    /// parameter for AdamW, 3 for SGD with momentum, 2 without), plus a synthetic dataset's class centres.
+    /// Activations are not counted.
+    pub fn memory_bytes(&self) -> Result<u128> {
+        let shape = self.data_shape()?;
+        let params = u128::from(self.model.param_count(shape.features, shape.classes));
+        let copies: u128 = match self.optimizer {
+            OptimizerKind::Adamw => 4,
+            OptimizerKind::Sgd if self.momentum() == 0.0 => 2,
+            OptimizerKind::Sgd => 3,
+        };
+        let centres = match shape.kind {
+            Kind::Synthetic => (shape.features as u128).saturating_mul(shape.classes as u128),
+            _ => 0,
+        };
+        Ok(params.saturating_mul(copies).saturating_add(centres).saturating_mul(4))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// validation
+
+/// Bytes of memory available to this process: `MemAvailable` from `/proc/meminfo`, lowered to the cgroup's
+/// `memory.max - memory.current` when that is smaller; `None` when neither can be read.
+pub fn available_memory() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok().and_then(|s| {
+        let line = s.lines().find(|l| l.starts_with("MemAvailable:"))?;
+        let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+        kb.checked_mul(1024)
+    });
+    let read = |p: &str| std::fs::read_to_string(p).ok().and_then(|s| s.trim().parse::<u64>().ok());
+    let cgroup = match (read("/sys/fs/cgroup/memory.max"), read("/sys/fs/cgroup/memory.current")) {
+        (Some(max), Some(cur)) => Some(max.saturating_sub(cur)),
+        _ => None,
+    };
+    match (meminfo, cgroup) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+fn gib(bytes: u128) -> String {
+    let g = bytes as f64 / (1u64 << 30) as f64;
+    match g {
+        ..1.0 => format!("{:.1} MiB", g * 1024.0),
+        ..1e6 => format!("{g:.2} GiB"),
+        _ => format!("{g:.2e} GiB"),
+    }
+}
+
+/// 1234 -> "1234", 1_860_000 -> "1.86M", ...
+fn count(n: u64) -> String {
+    let x = n as f64;
+    match n {
+        0..10_000 => n.to_string(),
+        10_000..1_000_000 => format!("{:.1}K", x / 1e3),
+        1_000_000..1_000_000_000 => format!("{:.2}M", x / 1e6),
+        1_000_000_000..1_000_000_000_000 => format!("{:.2}B", x / 1e9),
+        _ => format!("{x:.2e}"),
+    }
+}
+
+fn positive(path: &str, v: usize) -> Result<()> {
+    if v == 0 { Err(SpecError::at(path, "must be > 0")) } else { Ok(()) }
+}
+
+fn finite_in(path: &str, v: f64, ok: bool, what: &str) -> Result<()> {
+    if v.is_finite() && ok { Ok(()) } else { Err(SpecError::at(path, format!("must be {what}, got {v}"))) }
+}
+
+const URL_SCHEMES: [&str; 12] =
+    ["file", "memory", "s3", "s3a", "gs", "az", "adl", "azure", "abfs", "abfss", "http", "https"];
+
+impl JobSpec {
+    /// Checks every value, with the memory available now ([`available_memory`]) for the model-size check.
+    /// Errors carry no origin (the parse functions add it).
+    pub fn validate(&self) -> Result<()> {
+        self.validate_with_memory(available_memory())
+    }
+
+    /// [`JobSpec::validate`] with an explicit memory budget in bytes (`None` skips the model-size check).
+    pub fn validate_with_memory(&self, available: Option<u64>) -> Result<()> {
+        validate_name(&self.name)?;
+        self.train.validate_numbers()?;
+        self.train.validate_model_and_data(available)?;
+        self.checkpoint.validate()
+    }
+
+    /// Checks that the job can run on `world_size` ranks: each rank needs at least one sample of every
+    /// micro-batch (`global_batch / grad_accum ≥ world_size`).
+    pub fn validate_world(&self, world_size: usize) -> Result<()> {
+        if world_size == 0 {
+            return Err(SpecError::at("", "the world size must be at least 1"));
+        }
+        let t = &self.train;
+        if t.micro_batch() < world_size {
+            let what = if t.grad_accum > 1 {
+                format!(
+                    "{} / grad_accum {} = {} samples per micro-batch",
+                    t.global_batch,
+                    t.grad_accum,
+                    t.micro_batch()
+                )
+            } else {
+                format!("{} samples", t.global_batch)
+            };
+            return Err(SpecError::at(
+                "train.global_batch",
+                format!("{what} cannot be shared among {world_size} workers: each needs at least one"),
+            ));
+        }
+        Ok(())
+    }
+}
+
+fn validate_name(name: &str) -> Result<()> {
+    if name.is_empty() {
+        return Err(SpecError::at("name", "must not be empty"));
+    }
+    if name.len() > 128 {
+        return Err(SpecError::at("name", format!("is {} characters long; at most 128", name.len())));
+    }
+    if let Some(c) = name.chars().find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))) {
+        return Err(SpecError::at(
+            "name",
+            format!("{name:?} contains {c:?}; use only letters, digits, '.', '_' and '-'"),
+        ));
+    }
+    if name.starts_with('.') {
+        return Err(SpecError::at("name", format!("{name:?} must not start with '.'")));
+    }
+    Ok(())
+}
+
+impl TrainSpec {
+    fn validate_numbers(&self) -> Result<()> {
+        positive("train.global_batch", self.global_batch)?;
+        positive("train.steps", self.steps)?;
+        finite_in("train.lr", self.lr, self.lr > 0.0, "> 0 and finite")?;
+        if self.grad_accum == 0 {
+            return Err(SpecError::at("train.grad_accum", "must be >= 1"));
+        }
+        if !self.global_batch.is_multiple_of(self.grad_accum) {
+            return Err(SpecError::at(
+                "train.grad_accum",
+                format!("{} does not divide global_batch {}", self.grad_accum, self.global_batch),
+            ));
+        }
+        let other = |opt: OptimizerKind| if opt == OptimizerKind::Sgd { "adamw" } else { "sgd" };
+        let only_for = |path: &str, set: bool, opt: OptimizerKind| {
+            if set && self.optimizer != opt {
+                Err(SpecError::at(
+                    path,
+                    format!("applies to optimizer \"{}\" only, not \"{}\"", opt.as_str(), other(opt)),
+                ))
+            } else {
+                Ok(())
+            }
+        };
+        only_for("train.momentum", self.momentum.is_some(), OptimizerKind::Sgd)?;
+        only_for("train.betas", self.betas.is_some(), OptimizerKind::Adamw)?;
+        only_for("train.eps", self.eps.is_some(), OptimizerKind::Adamw)?;
+        let m = self.momentum();
+        finite_in("train.momentum", m, (0.0..1.0).contains(&m), "in [0, 1)")?;
+        let wd = self.weight_decay();
+        finite_in("train.weight_decay", wd, wd >= 0.0, ">= 0 and finite")?;
+        for (i, b) in self.betas().into_iter().enumerate() {
+            finite_in(&format!("train.betas[{i}]"), b, (0.0..1.0).contains(&b), "in [0, 1)")?;
+        }
+        finite_in("train.eps", self.eps(), self.eps() > 0.0, "> 0 and finite")?;
+        if self.warmup_steps > self.steps {
+            return Err(SpecError::at(
+                "train.warmup_steps",
+                format!("{} exceeds steps {}", self.warmup_steps, self.steps),
+            ));
+        }
+        finite_in("train.min_lr", self.min_lr, self.min_lr >= 0.0 && self.min_lr <= self.lr, "in [0, lr]")?;
+        if let Some(c) = self.clip_grad_norm {
+            finite_in("train.clip_grad_norm", c, c > 0.0, "> 0 and finite")?;
+        }
+        positive("train.eval_batches", self.eval_batches)?;
+        positive("train.log_every", self.log_every)?;
+        finite_in(
+            "train.bucket_mb",
+            self.bucket_mb,
+            self.bucket_mb > 0.0 && self.bucket_mb <= 65536.0,
+            "> 0 and at most 65536 (MiB)",
+        )
+    }
+
+    fn validate_model_and_data(&self, available: Option<u64>) -> Result<()> {
+        let m = &self.model;
+        // Sizes that do not apply to the kind.
+        let set: [(&str, bool); 8] = [
+            ("hidden", m.hidden.is_some()),
+            ("channels", m.channels.is_some()),
+            ("layers", m.layers.is_some()),
+            ("heads", m.heads.is_some()),
+            ("width", m.width.is_some()),
+            ("context", m.context.is_some()),
+            ("vocab", m.vocab.is_some()),
+            ("dropout", m.dropout.is_some()),
+        ];
+        if let Some((key, _)) = set.iter().find(|(k, on)| *on && !m.allowed().contains(k)) {
+            return Err(SpecError::at(
+                format!("train.model.{key}"),
+                format!("does not apply to model \"{}\" (it takes: {})", m.kind, m.allowed().join(", ")),
+            ));
+        }
+        // Sizes.
+        let d = m.dropout();
+        finite_in("train.model.dropout", d, (0.0..1.0).contains(&d), "in [0, 1)")?;
+        match m.kind {
+            ModelKind::Mlp => {
+                for (i, &h) in m.hidden().iter().enumerate() {
+                    positive(&format!("train.model.hidden[{i}]"), h)?;
+                }
+            }
+            ModelKind::Cnn => {
+                if m.channels().is_empty() {
+                    return Err(SpecError::at("train.model.channels", "a CNN needs at least one conv layer"));
+                }
+                for (i, &c) in m.channels().iter().enumerate() {
+                    positive(&format!("train.model.channels[{i}]"), c)?;
+                }
+            }
+            ModelKind::Gpt => {
+                positive("train.model.layers", m.layers())?;
+                positive("train.model.heads", m.heads())?;
+                positive("train.model.width", m.width())?;
+                positive("train.model.context", m.context())?;
+                positive("train.model.vocab", m.vocab())?;
+                if !m.width().is_multiple_of(m.heads()) {
+                    return Err(SpecError::at(
+                        "train.model.heads",
+                        format!("{} heads do not divide width {}", m.heads(), m.width()),
+                    ));
+                }
+            }
+        }
+        // The dataset, and whether it fits the model.
+        let shape = self.data_shape()?;
+        match (m.kind, shape.is_classification()) {
+            (ModelKind::Gpt, true) => {
+                return Err(SpecError::at(
+                    "train.dataset",
+                    format!(
+                        "model \"gpt\" needs a text dataset, but \"{}\" is {} (classification) data",
+                        self.dataset, shape.kind
+                    ),
+                ));
+            }
+            (ModelKind::Mlp | ModelKind::Cnn, false) => {
+                return Err(SpecError::at(
+                    "train.dataset",
+                    format!(
+                        "model \"{}\" needs a classification dataset, but \"{}\" is {} data (use model \"gpt\")",
+                        m.kind, self.dataset, shape.kind
+                    ),
+                ));
+            }
+            _ => {}
+        }
+        match m.kind {
+            ModelKind::Cnn => {
+                let Some(side) = ModelSpec::image_side(shape.features) else {
+                    return Err(SpecError::at(
+                        "train.dataset",
+                        format!(
+                            "model \"cnn\" needs square images, but \"{}\" has {} features, not a square",
+                            self.dataset, shape.features
+                        ),
+                    ));
+                };
+                let fit = side.ilog2() as usize;
+                if m.channels().len() > fit {
+                    return Err(SpecError::at(
+                        "train.model.channels",
+                        format!(
+                            "{} conv blocks each halve the {side}x{side} image; at most {fit} fit",
+                            m.channels().len()
+                        ),
+                    ));
+                }
+            }
+            ModelKind::Gpt => {
+                if m.vocab() < shape.classes {
+                    return Err(SpecError::at(
+                        "train.model.vocab",
+                        format!("{} is smaller than the dataset's {} token values", m.vocab(), shape.classes),
+                    ));
+                }
+                if let Some(c) = self.data.context
+                    && c != m.context()
+                {
+                    return Err(SpecError::at(
+                        "train.data.context",
+                        format!(
+                            "{c} differs from train.model.context {}; leave it out to follow the model",
+                            m.context()
+                        ),
+                    ));
+                }
+            }
+            ModelKind::Mlp => {}
+        }
+        // Memory, before anything is allocated for the data.
+        let need = self.memory_bytes()?;
+        if let Some(have) = available
+            && need > u128::from(have)
+        {
+            let params = m.param_count(shape.features, shape.classes);
+            return Err(SpecError::at(
+                "train.model",
+                format!(
+                    "too big for memory: about {} parameters need about {} for parameters, gradients \
+                         and {} state (per worker), but {} is available",
+                    count(params),
+                    gib(need),
+                    self.optimizer.as_str(),
+                    gib(u128::from(have))
+                ),
+            ));
+        }
+        // The dataset's own option checks (the trainer loads the train and eval splits).
+        let o = self.data_options();
+        let splits: &[Split] = if o.split == Split::All { &[Split::Train, Split::Eval] } else { &[o.split] };
+        for &split in splits {
+            let opts = Options { split, ..o.clone() };
+            if let Err(e) = shoal_data::builtin(&self.dataset, &opts) {
+                return Err(match e {
+                    shoal_data::Error::BadOption { option, reason, .. } => {
+                        SpecError::at(format!("train.data.{option}"), reason)
+                    }
+                    other => SpecError::at("train.data", other.to_string()),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+impl CheckpointSpec {
+    fn validate(&self) -> Result<()> {
+        positive("checkpoint.keep", self.keep)?;
+        if let Some(url) = &self.url {
+            if url.trim().is_empty() {
+                return Err(SpecError::at("checkpoint.url", "must not be empty (leave it out for the default)"));
+            }
+            if let Some((scheme, _)) = url.split_once("://")
+                && !URL_SCHEMES.contains(&scheme)
+            {
+                return Err(SpecError::at(
+                    "checkpoint.url",
+                    format!("unknown scheme \"{scheme}\"; known: {}", URL_SCHEMES.join(", ")),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MLP: &str = r#"
+name = "t"
+[train]
+model = "mlp"
+dataset = "digits"
+global_batch = 32
+steps = 10
+lr = 0.01
+"#;
+
+    /// Parses `toml` (with the machine's memory); `expect` empty = must be valid, otherwise a substring of the
+    /// error's Display.
+    fn check(toml: &str, expect: &str) -> Result<(), String> {
+        match (parse_job(toml, "JOB.toml"), expect) {
+            (Ok(_), "") => Ok(()),
+            (Ok(_), want) => Err(format!("expected an error containing {want:?}, but it parsed:\n{toml}")),
+            (Err(e), "") => Err(format!("expected a valid spec, got: {e}\n{toml}")),
+            (Err(e), want) => {
+                let shown = e.to_string();
+                if shown.contains(want) && shown.starts_with("JOB.toml: ") {
+                    Ok(())
+                } else {
+                    Err(format!("error {shown:?} does not contain {want:?}"))
+                }
+            }
+        }
+    }
+
+    fn check_all(cases: &[(String, &str)]) {
+        let failures: Vec<String> = cases.iter().filter_map(|(toml, expect)| check(toml, expect).err()).collect();
+        assert!(failures.is_empty(), "{} of {} cases failed:\n{}", failures.len(), cases.len(), failures.join("\n"));
+    }
+
+    /// MLP with `train` lines appended to `[train]`, then `tail` (more tables).
+    fn mlp(train: &str, tail: &str) -> String {
+        format!("{MLP}{train}\n{tail}\n")
+    }
+
+    #[test]
+    fn bad_and_good_specs() {
+        let cases: Vec<(String, &str)> = vec![
+            // Valid.
+            (MLP.into(), ""),
+            (mlp("optimizer = \"sgd\"\nmomentum = 0.5\nweight_decay = 1e-4", ""), ""),
+            (mlp("", "[train.data]\nseed = 3\n[checkpoint]\nevery = 5\nkeep = 1\nurl = \"s3://b/p\""), ""),
+            // Unknown keys, at every level.
+            ("nmae = \"x\"\n".to_owned() + MLP, "JOB.toml: nmae: unknown field `nmae`, expected one of `name`"),
+            (mlp("stpes = 3", ""), "train.stpes: unknown field `stpes`"),
+            (
+                MLP.replace("model = \"mlp\"", "model = { kind = \"mlp\", hiden = [3] }"),
+                "train.model.hiden: unknown field `hiden`, expected one of",
+            ),
+            (mlp("", "[train.data]\nfeatres = 3"), "train.data.featres: unknown field `featres`"),
+            (mlp("", "[checkpoint]\nevry = 3"), "checkpoint.evry: unknown field `evry`"),
+            (mlp("", "[schedule]\nx = 1"), "schedule: unknown field `schedule`"),
+            // Wrong types and values.
+            (MLP.replace("steps = 10", "steps = \"ten\""), "train.steps: invalid type: string \"ten\", expected usize"),
+            (MLP.replace("steps = 10", "steps = -5"), "train.steps: invalid value: integer `-5`, expected usize"),
+            (MLP.replace("lr = 0.01", "lr = -0.1"), "train.lr: must be > 0 and finite, got -0.1"),
+            (MLP.replace("lr = 0.01", "lr = nan"), "train.lr: must be > 0 and finite"),
+            (MLP.replace("lr = 0.01", "lr = 1"), ""),
+            (MLP.replace("lr = 0.01", "lr = true"), "train.lr: invalid type: boolean `true`, expected f64"),
+            (
+                MLP.replace("model = \"mlp\"", "model = \"transformer\""),
+                "train.model: unknown variant `transformer`, expected one of `mlp`, `cnn`, `gpt`",
+            ),
+            (
+                MLP.replace("model = \"mlp\"", "model = 3"),
+                "train.model: invalid type: integer `3`, expected a model name",
+            ),
+            (MLP.replace("model = \"mlp\"", "model = { hidden = [3] }"), "train.model: missing field `kind`"),
+            (mlp("strategy = \"fsdp\"", ""), "train.strategy: unknown variant `fsdp`, expected `ddp`"),
+            (mlp("optimizer = \"adam\"", ""), "train.optimizer: unknown variant `adam`, expected `sgd` or `adamw`"),
+            (MLP.replace("steps = 10\n", ""), "JOB.toml: train: missing field `steps`"),
+            (MLP.replace("name = \"t\"\n", ""), "JOB.toml: missing field `name`"),
+            // Zero and bad sizes.
+            (MLP.replace("steps = 10", "steps = 0"), "JOB.toml: train.steps: must be > 0"),
+            (MLP.replace("global_batch = 32", "global_batch = 0"), "train.global_batch: must be > 0"),
+            (mlp("grad_accum = 0", ""), "train.grad_accum: must be >= 1"),
+            (mlp("grad_accum = 5", ""), "train.grad_accum: 5 does not divide global_batch 32"),
+            (mlp("warmup_steps = 11", ""), "train.warmup_steps: 11 exceeds steps 10"),
+            (mlp("bucket_mb = 0.0", ""), "train.bucket_mb: must be > 0"),
+            (mlp("clip_grad_norm = 0.0", ""), "train.clip_grad_norm: must be > 0"),
+            (mlp("min_lr = 1.0", ""), "train.min_lr: must be in [0, lr]"),
+            (mlp("momentum = 0.9", ""), "train.momentum: applies to optimizer \"sgd\" only"),
+            (mlp("optimizer = \"sgd\"\nbetas = [0.9, 0.99]", ""), "train.betas: applies to optimizer \"adamw\" only"),
+            (mlp("betas = [0.9, 1.5]", ""), "train.betas[1]: must be in [0, 1)"),
+            (mlp("betas = [0.9]", ""), "train.betas: invalid length 1, expected an array of length 2"),
+            (mlp("eval_batches = 0", ""), "train.eval_batches: must be > 0"),
+            (
+                MLP.replace("model = \"mlp\"", "model = { kind = \"mlp\", hidden = [64, 0] }"),
+                "train.model.hidden[1]: must be > 0",
+            ),
+            (
+                MLP.replace("model = \"mlp\"", "model = { kind = \"mlp\", hidden = [64, -1] }"),
+                "train.model.hidden[1]: invalid value: integer `-1`, expected usize",
+            ),
+            (
+                MLP.replace("model = \"mlp\"", "model = { kind = \"mlp\", layers = 2 }"),
+                "train.model.layers: does not apply to model \"mlp\"",
+            ),
+            (
+                MLP.replace("model = \"mlp\"", "model = { kind = \"mlp\", dropout = 1.0 }"),
+                "train.model.dropout: must be in [0, 1)",
+            ),
+            (mlp("", "[checkpoint]\nkeep = 0"), "checkpoint.keep: must be > 0"),
+            (mlp("", "[checkpoint]\nurl = \"ftp://x/y\""), "checkpoint.url: unknown scheme \"ftp\""),
+            // Datasets.
+            (
+                MLP.replace("\"digits\"", "\"mnist\""),
+                "train.dataset: unknown dataset \"mnist\"; the built-in datasets are: digits, cicero, synthetic",
+            ),
+            (
+                MLP.replace("\"digits\"", "\"cicero\""),
+                "model \"mlp\" needs a classification dataset, but \"cicero\" is text data",
+            ),
+            (mlp("", "[train.data]\ncontext = 8"), "train.data.context: does not apply to this dataset"),
+            (
+                MLP.replace("\"digits\"", "\"synthetic\"") + "[train.data]\nfeatures = 0",
+                "train.data.features: must be at least 1",
+            ),
+            (mlp("", "[train.data]\nsplit = \"most\""), "train.data.split: unknown variant `most`"),
+            (mlp("", "[train.data]\neval_fraction = 1.5"), "train.data.eval_fraction: 1.5 is not in (0, 1)"),
+            // Names.
+            (MLP.replace("\"t\"", "\"../x\""), "JOB.toml: name: \"../x\" contains '/'"),
+            (MLP.replace("\"t\"", "\"..\""), "name: \"..\" must not start with '.'"),
+            (MLP.replace("\"t\"", "\"\""), "name: must not be empty"),
+            (MLP.replace("\"t\"", "\"a b\""), "name: \"a b\" contains ' '"),
+            // Malformed TOML: line and column.
+            (MLP.replace("steps = 10", "steps = = 10"), "JOB.toml: line 7, column 9: "),
+            ("name = \"t\"\n[train\n".into(), "JOB.toml: line 2"),
+            (
+                MLP.to_owned() + "[train.model]\nkind = \"mlp\"\n",
+                "JOB.toml: line 9, column 8: duplicate key: `[train.model]` (`model = \"...\"` and a [train.model] table are the same key",
+            ),
+            // Too big for memory.
+            (
+                MLP.replace("model = \"mlp\"", "model = { kind = \"mlp\", hidden = [4000000000, 4000000000] }"),
+                "train.model: too big for memory: about",
+            ),
+        ];
+        check_all(&cases);
+    }
+
+    const GPT: &str = r#"
+name = "g"
+[train]
+dataset = "cicero"
+global_batch = 16
+steps = 10
+lr = 0.001
+[train.model]
+kind = "gpt"
+"#;
+
+    const CNN: &str = r#"
+name = "c"
+[train]
+model = "cnn"
+dataset = "digits"
+global_batch = 16
+steps = 10
+lr = 0.001
+"#;
+
+    #[test]
+    fn gpt_and_cnn_checks() {
+        let cases: Vec<(String, &str)> = vec![
+            (GPT.into(), ""),
+            (GPT.to_owned() + "layers = 1\nheads = 2\nwidth = 32\ncontext = 16\n[train.data]\nstride = 4", ""),
+            (
+                GPT.to_owned() + "[train.data]\ncontext = 16",
+                "train.data.context: 16 differs from train.model.context 64",
+            ),
+            (GPT.to_owned() + "heads = 3", "train.model.heads: 3 heads do not divide width 64"),
+            (GPT.to_owned() + "heads = 0", "train.model.heads: must be > 0"),
+            (GPT.to_owned() + "context = 0", "train.model.context: must be > 0"),
+            (GPT.to_owned() + "vocab = 100", "train.model.vocab: 100 is smaller than the dataset's 256"),
+            (GPT.to_owned() + "hidden = [3]", "train.model.hidden: does not apply to model \"gpt\" (it takes: layers"),
+            (GPT.to_owned() + "context = 100000", "train.data.context: 100000 leaves no window"),
+            (
+                GPT.replace("\"cicero\"", "\"digits\""),
+                "train.dataset: model \"gpt\" needs a text dataset, but \"digits\" is image",
+            ),
+            (GPT.to_owned() + "width = 1000000\nheads = 1\nlayers = 1000", "train.model: too big for memory"),
+            (CNN.into(), ""),
+            (CNN.replace("model = \"cnn\"", "model = { kind = \"cnn\", channels = [8, 8, 8] }"), ""),
+            (
+                CNN.replace("model = \"cnn\"", "model = { kind = \"cnn\", channels = [8, 8, 8, 8] }"),
+                "train.model.channels: 4 conv blocks each halve the 8x8 image; at most 3 fit",
+            ),
+            (
+                CNN.replace("model = \"cnn\"", "model = { kind = \"cnn\", channels = [] }"),
+                "train.model.channels: a CNN needs at least one conv layer",
+            ),
+            (CNN.replace("\"digits\"", "\"synthetic\""), ""),
+            (
+                CNN.replace("\"digits\"", "\"synthetic\"") + "[train.data]\nfeatures = 50",
+                "model \"cnn\" needs square images, but \"synthetic\" has 50 features",
+            ),
+        ];
+        check_all(&cases);
+    }
+
+    #[test]
+    fn defaults_are_filled_in() {
+        let j = parse_job(MLP, "JOB.toml").expect("valid");
+        let t = &j.train;
+        assert_eq!((t.model.kind, t.model.hidden(), t.model.dropout()), (ModelKind::Mlp, &[128, 64][..], 0.0));
+        assert_eq!(
+            (t.strategy, t.optimizer, t.schedule, t.seed),
+            (Strategy::Ddp, OptimizerKind::Adamw, Schedule::Cosine, 0)
+        );
+        assert_eq!((t.weight_decay(), t.betas(), t.eps(), t.momentum()), (0.01, [0.9, 0.999], 1e-8, 0.0));
+        assert_eq!((t.grad_accum, t.warmup_steps, t.min_lr, t.clip_grad_norm), (1, 0, 0.0, None));
+        assert_eq!((t.eval_every, t.eval_batches, t.bucket_mb, t.log_every), (0, 8, 25.0, 1));
+        assert_eq!(t.bucket_bytes(), 25 << 20);
+        assert_eq!(t.data, Options::default());
+        assert_eq!(j.checkpoint, CheckpointSpec { every: 0, keep: 3, url: None });
+        assert_eq!(t.data_shape().expect("known"), DataShape { kind: Kind::Image, features: 64, classes: 10 });
+        // 64*128+128 + 128*64+64 + 64*10+10
+        assert_eq!(t.model.param_count(64, 10), 8320 + 8256 + 650);
+
+        let sgd = parse_job(&mlp("optimizer = \"sgd\"", ""), "x").expect("valid");
+        assert_eq!((sgd.train.momentum(), sgd.train.weight_decay()), (0.9, 0.0));
+
+        let g = parse_job(GPT, "g").expect("valid");
+        let m = &g.train.model;
+        assert_eq!((m.layers(), m.heads(), m.width(), m.context(), m.vocab()), (2, 4, 64, 64, 256));
+        assert_eq!(g.train.data_options().context, Some(64));
+        assert_eq!(g.train.data_shape().expect("known"), DataShape { kind: Kind::Text, features: 64, classes: 256 });
+        let d = 64u64;
+        assert_eq!(m.param_count(0, 0), 256 * d + 64 * d + 2 * (12 * d * d + 13 * d) + 2 * d + d * 256);
+
+        let c = parse_job(CNN, "c").expect("valid");
+        assert_eq!(c.train.model.channels(), &[16, 32]);
+        // conv 1->16: 9*16+16, conv 16->32: 144*32+32, head 32*2*2 -> 10
+        assert_eq!(c.train.model.param_count(64, 10), 160 + 4640 + 1290);
+        assert_eq!(ModelSpec::image_side(784), Some(28));
+        assert_eq!(ModelSpec::image_side(50), None);
+    }
+
+    #[test]
+    fn memory_budget_is_named() {
+        let j = parse_job(MLP, "JOB.toml").expect("valid");
+        let need = j.train.memory_bytes().expect("known");
+        assert_eq!(need, u128::from(j.train.model.param_count(64, 10)) * 16);
+        j.validate_with_memory(Some(need as u64)).expect("fits exactly");
+        let e = j.validate_with_memory(Some(need as u64 - 1)).expect_err("too big");
+        assert_eq!(e.path, "train.model");
+        assert!(e.message.contains("about 17.2K parameters need about 0.3 MiB"), "{e}");
+        j.validate_with_memory(None).expect("no budget, no check");
+    }
+
+    #[test]
+    fn world_size_needs_a_share_per_rank() {
+        let j = parse_job(&mlp("grad_accum = 4", ""), "x").expect("valid");
+        j.validate_world(8).expect("32 / 4 = 8 per micro-batch");
+        let e = j.validate_world(9).expect_err("too many");
+        assert_eq!(e.path, "train.global_batch");
+        assert!(
+            e.to_string().contains("32 / grad_accum 4 = 8 samples per micro-batch cannot be shared among 9"),
+            "{e}"
+        );
+        assert!(j.validate_world(0).is_err());
+    }
+
+    #[test]
+    fn errors_have_paths_lines_and_origin() {
+        let e = parse_job(&MLP.replace("steps = 10", "steps = \"ten\""), "JOB.toml").expect_err("type");
+        assert_eq!((e.path.as_str(), e.line), ("train.steps", Some(7)));
+        assert_eq!(e.to_string(), "JOB.toml: train.steps: invalid type: string \"ten\", expected usize (line 7)");
+        let e = parse_job(&MLP.replace("steps = 10", "steps = 0"), "JOB.toml").expect_err("zero");
+        assert_eq!(e.to_string(), "JOB.toml: train.steps: must be > 0");
+        let e = load_job(Path::new("/nonexistent/job.toml")).expect_err("missing");
+        assert!(e.to_string().starts_with("/nonexistent/job.toml: cannot read the job spec"), "{e}");
+    }
+
+    #[test]
+    fn json_is_the_same_spec() {
+        let toml_spec = parse_job(GPT, "g").expect("valid");
+        let json = serde_json::to_string(&toml_spec).expect("serialises");
+        assert_eq!(parse_job_json(&json).expect("valid json"), toml_spec);
+        let short = r#"{"name": "j", "train": {"model": "mlp", "dataset": "digits", "global_batch": 8, "steps": 1, "lr": 0.1}}"#;
+        assert_eq!(parse_job_json(short).expect("valid").train.model, ModelSpec::new(ModelKind::Mlp));
+        let e = parse_job_json(&short.replace("\"steps\"", "\"stpes\"")).expect_err("unknown");
+        assert!(e.to_string().starts_with("job.json: train.stpes: unknown field `stpes`"), "{e}");
+        let e = parse_job_json(&short.replace("\"mlp\"", "{\"kind\": \"mlp\", \"hiden\": []}")).expect_err("unknown");
+        assert_eq!(e.path, "train.model.hiden", "{e}");
+        let e = parse_job_json("{\"name\": ").expect_err("malformed");
+        assert!(e.to_string().starts_with("job.json: name: EOF while parsing a value (line 1)"), "{e}");
+        let e = parse_job_json("{\"name\": \"j\",, }").expect_err("malformed");
+        assert!(e.to_string().contains("(line 1)"), "{e}");
+        let e = parse_job_json(&format!("{short} x")).expect_err("trailing");
+        assert!(e.to_string().contains("trailing characters"), "{e}");
+        // TOML round trip too.
+        let text = toml::to_string(&toml_spec).expect("toml");
+        assert_eq!(parse_job(&text, "round-trip").expect("valid"), toml_spec);
+    }
+
+    #[test]
+    fn examples_parse_and_validate() {
+        let examples = [
+            ("mlp_digits.toml", include_str!("../../../examples/mlp_digits.toml")),
+            ("gpt_cicero.toml", include_str!("../../../examples/gpt_cicero.toml")),
+            ("cnn_digits.toml", include_str!("../../../examples/cnn_digits.toml")),
+            ("mlp_synthetic.toml", include_str!("../../../examples/mlp_synthetic.toml")),
+        ];
+        for (file, text) in examples {
+            let spec = parse_job(text, file).unwrap_or_else(|e| panic!("{e}"));
+            spec.validate_world(2).unwrap_or_else(|e| panic!("{e}"));
+            assert!(text.contains(&format!("Run with: cargo run --release -p shoal -- run -n 2 examples/{file}")));
+        }
+        // Any other job in examples/ must be valid too.
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples");
+        let entries = std::fs::read_dir(&dir).map(|d| d.filter_map(|e| e.ok()).collect::<Vec<_>>()).unwrap_or_default();
+        for entry in entries {
+            let path = entry.path();
+            if path.extension().is_some_and(|x| x == "toml") {
+                load_job(&path).unwrap_or_else(|e| panic!("{e}"));
+            }
+        }
+    }
+}

@@ -1,0 +1,161 @@
+//! DDP with N workers ends with the same parameters as one worker with the same
+//! global batch and seed: every tensor within 1e-5 relative (max |a-b| / max |a|).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use shoal_comm::{CommConfig, Communicator, TransportChoice};
+use shoal_data::{Dataset, DistributedSampler, Options, SamplerConfig, Split};
+use shoal_train::batch::to_tensors;
+use shoal_train::{Gpt, GptConfig, Mlp, Model, OptimConfig, Params, SeededRng, Trainer, TrainerConfig};
+
+#[derive(Clone, Copy, Debug)]
+enum Which {
+    Mlp,
+    Gpt,
+}
+
+struct Run {
+    which: Which,
+    steps: usize,
+    global_batch: usize,
+    grad_accum: usize,
+    optimizer: OptimConfig,
+}
+
+fn dataset(which: Which) -> Arc<dyn Dataset> {
+    let opts = match which {
+        Which::Mlp => Options { split: Split::Train, ..Options::default() },
+        Which::Gpt => Options { split: Split::Train, context: Some(16), stride: Some(7), ..Options::default() },
+    };
+    let name = match which {
+        Which::Mlp => "digits",
+        Which::Gpt => "cicero",
+    };
+    Arc::from(shoal_data::builtin(name, &opts).expect("built-in dataset"))
+}
+
+/// Trains on one rank; returns every parameter (name, values) and the losses.
+fn train_rank(run: &Run, comm: Option<Communicator>, world: usize, rank: usize) -> (Vec<(String, Vec<f32>)>, Vec<f32>) {
+    let data = dataset(run.which);
+    let mut params = Params::default();
+    // Each rank seeds differently: the broadcast from rank 0 must make them equal.
+    let mut rng = SeededRng::new(7 + rank as u64);
+    let model: Box<dyn Model> = match run.which {
+        Which::Mlp => Box::new(Mlp::new(&mut params, &mut rng, 64, &[32, 16], 10).expect("mlp")),
+        Which::Gpt => Box::new(
+            Gpt::new(&mut params, &mut rng, GptConfig { vocab: 256, context: 16, layers: 2, heads: 2, width: 32 })
+                .expect("gpt"),
+        ),
+    };
+    let cfg = TrainerConfig { optimizer: run.optimizer, bucket_bytes: 4096, clip_grad_norm: Some(1.0) };
+    let mut trainer = Trainer::new(params, comm, cfg).expect("trainer");
+    let micro = run.global_batch / run.grad_accum;
+    let mut sampler = DistributedSampler::new(SamplerConfig::new(data.len(), micro), world, rank).expect("sampler");
+    let mut losses = Vec::new();
+    for _ in 0..run.steps {
+        let mut step_loss = 0f32;
+        for k in 0..run.grad_accum {
+            let rb = sampler.next_batch_cycling();
+            let samples: Vec<_> = rb.indices.iter().map(|&i| data.get(i).expect("sample")).collect();
+            let weight = rb.indices.len() as f64 / (rb.global_size * run.grad_accum) as f64;
+            let loss = match to_tensors(&samples).expect("tensors") {
+                Some(t) => {
+                    let logits = model.forward(&t.input).expect("forward");
+                    let l = candle_nn::loss::cross_entropy(&logits, &t.target).expect("loss");
+                    Some((l * weight).expect("scale"))
+                }
+                None => None,
+            };
+            if let Some(l) = &loss {
+                step_loss += l.to_scalar::<f32>().expect("scalar");
+            }
+            trainer.backward(loss.as_ref(), k + 1 == run.grad_accum).expect("backward");
+        }
+        trainer.step(1e-2).expect("step");
+        losses.push(step_loss);
+    }
+    let out = trainer
+        .params()
+        .vars()
+        .iter()
+        .map(|(n, v)| (n.clone(), v.as_tensor().flatten_all().and_then(|t| t.to_vec1::<f32>()).expect("values")))
+        .collect();
+    (out, losses)
+}
+
+fn train_world(run: Run, world: usize) -> Vec<(String, Vec<f32>)> {
+    if world == 1 {
+        return train_rank(&run, None, 1, 0).0;
+    }
+    let cfg =
+        CommConfig { transport: TransportChoice::InProc, timeout: Duration::from_secs(120), ..CommConfig::default() };
+    let comms = Communicator::local_world(world, cfg).expect("world");
+    let run = Arc::new(run);
+    let hs: Vec<_> = comms
+        .into_iter()
+        .enumerate()
+        .map(|(r, c)| {
+            let run = run.clone();
+            std::thread::spawn(move || train_rank(&run, Some(c), world, r).0)
+        })
+        .collect();
+    let outs: Vec<_> = hs.into_iter().map(|h| h.join().expect("rank")).collect();
+    for o in &outs[1..] {
+        assert_eq!(o, &outs[0], "DDP ranks must hold identical parameters");
+    }
+    outs.into_iter().next().unwrap_or_default()
+}
+
+fn assert_close(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)], what: &str) {
+    assert_eq!(a.len(), b.len());
+    for ((na, va), (nb, vb)) in a.iter().zip(b) {
+        assert_eq!(na, nb);
+        let max_a = va.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let max_d = va.iter().zip(vb).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        let rel = max_d / max_a.max(f32::MIN_POSITIVE);
+        assert!(rel <= 1e-5, "{what}: parameter {na} differs by {rel:e} relative");
+    }
+}
+
+const ADAMW: OptimConfig = OptimConfig::AdamW { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 };
+const SGD: OptimConfig = OptimConfig::Sgd { momentum: 0.9, weight_decay: 0.0 };
+
+#[test]
+fn mlp_ddp_matches_one_worker_at_2_and_3_workers() {
+    let run = || Run { which: Which::Mlp, steps: 50, global_batch: 48, grad_accum: 1, optimizer: SGD };
+    let one = train_world(run(), 1);
+    for n in [2, 3] {
+        assert_close(&one, &train_world(run(), n), &format!("mlp, {n} workers"));
+    }
+}
+
+#[test]
+fn mlp_ddp_with_gradient_accumulation_and_adamw_matches() {
+    let run = || Run { which: Which::Mlp, steps: 50, global_batch: 60, grad_accum: 2, optimizer: ADAMW };
+    let one = train_world(run(), 1);
+    assert_close(&one, &train_world(run(), 4), "mlp, 4 workers, grad_accum 2");
+}
+
+#[test]
+fn gpt_ddp_matches_one_worker_at_2_and_4_workers() {
+    // SGD: with AdamW, rounding differences in near-zero gradients of rarely seen
+    // token embeddings are amplified by the m/sqrt(v) normalisation (seen: 2.5e-4
+    // relative on gpt.tok_emb after 50 steps), so equality within 1e-5 is a
+    // property of the reduction, checked here with the optimizer that does not
+    // amplify it; the MLP test covers AdamW.
+    let run = || Run { which: Which::Gpt, steps: 50, global_batch: 12, grad_accum: 1, optimizer: SGD };
+    let one = train_world(run(), 1);
+    for n in [2, 4] {
+        assert_close(&one, &train_world(run(), n), &format!("gpt, {n} workers"));
+    }
+}
+
+#[test]
+fn loss_falls_on_real_data() {
+    let run = Run { which: Which::Mlp, steps: 60, global_batch: 64, grad_accum: 1, optimizer: ADAMW };
+    let (_, losses) = train_rank(&run, None, 1, 0);
+    let first: f32 = losses[..5].iter().sum::<f32>() / 5.0;
+    let last: f32 = losses[losses.len() - 5..].iter().sum::<f32>() / 5.0;
+    assert!(last < first * 0.5, "loss should fall: first {first}, last {last}");
+}

@@ -1,0 +1,3 @@
+//! Integration tests of shoal-train: DDP equivalence with a single process.
+
+mod equivalence;
