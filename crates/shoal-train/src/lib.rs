@@ -14,12 +14,14 @@
 //! Feature flags: none yet (CPU only).
 
 pub mod batch;
+pub mod checkpoint;
 pub mod error;
 pub mod models;
 pub mod optim;
 pub mod params;
 pub mod spec;
 pub mod trainer;
+pub mod worker;
 
 pub use error::{Error, Result};
 pub use models::{Cnn, Gpt, GptConfig, Mlp, Model};

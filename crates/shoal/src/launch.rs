@@ -1,27 +1,50 @@
 //! The one launcher: starts N copies of a command with the environment contract,
 //! hosts the rendezvous store they meet at, prefixes their output with the rank,
-//! and supervises them. `shoal bench` uses it now; `shoal run` and the local
-//! executor build on it.
+//! and supervises them. `shoal bench` and `shoal run` use it; the local executor
+//! builds on it.
 //!
-//! Guarantees: no orphans (every child gets `PR_SET_PDEATHSIG = SIGKILL`, and
-//! the launcher kills the rest when one fails or on Ctrl-C); the first rank that
-//! fails is named with its exit status; the surviving ranks get a grace period to
-//! report their own errors (which name the missing rank) before they are killed.
+//! Guarantees:
+//! - No orphans. Every rank gets `PR_SET_PDEATHSIG = SIGKILL` (checked against a
+//!   launcher that died before the call took effect) and runs in its own process
+//!   group, and every signal the launcher sends goes to the whole group, so a
+//!   rank's own children (`sh -c 'a & b'`) are stopped with it. The launcher is a
+//!   child subreaper: a grandchild that left its group (`setsid`) is re-parented
+//!   to it when its parent dies, and is killed when the launch ends. When `launch`
+//!   returns, every rank's group has been sent SIGKILL and every re-parented
+//!   descendant has been killed and reaped. A launcher that dies without cleaning
+//!   up (SIGKILL, the OOM killer) takes the ranks with it through the death
+//!   signal, and a small guard process it forked at the start (see [`Guard`])
+//!   sees it gone and SIGKILLs every rank's group, which takes the ranks'
+//!   children too. Only descendants that left their rank's group (`setsid`)
+//!   survive that case.
+//! - The first rank that fails is named with its exit status. What happens to
+//!   the survivors is the caller's [`Policy`]: either they get a grace period to
+//!   report their own errors (which name the missing rank) before SIGKILL
+//!   ([`OnFailure::WaitThenKill`], `shoal bench`), or they get SIGTERM at once and
+//!   SIGKILL after the grace ([`OnFailure::Terminate`], `shoal run`).
+//! - SIGINT or SIGTERM to the launcher is forwarded to every rank's group; after
+//!   the interrupt grace, or at a second signal, the groups get SIGKILL.
+//! - Supervision never starves: a rank that prints without pause still gets its
+//!   exit noticed and signals forwarded within tens of milliseconds; output that
+//!   is not UTF-8 is passed on (lossily) rather than left blocking the rank.
 
 use std::io::{BufRead, BufReader};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc;
+use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering};
+use std::sync::mpsc::{self, RecvTimeoutError, TryRecvError};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use shoal_comm::StoreServer;
 
-static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+/// How many interrupting signals arrived, and the last one.
+static SIGNALS: AtomicUsize = AtomicUsize::new(0);
+static LAST_SIGNAL: AtomicI32 = AtomicI32::new(0);
 
-extern "C" fn on_sigint(_: libc::c_int) {
-    INTERRUPTED.store(true, Ordering::SeqCst);
+extern "C" fn on_signal(sig: libc::c_int) {
+    LAST_SIGNAL.store(sig, Ordering::SeqCst);
+    SIGNALS.fetch_add(1, Ordering::SeqCst);
 }
 
 /// What to launch.
@@ -37,6 +60,31 @@ pub struct LaunchSpec {
     pub grace: Duration,
 }
 
+/// What the launcher does to the surviving ranks when one fails.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnFailure {
+    /// Leave them running for the grace period (they notice the loss and report
+    /// it themselves), then SIGKILL.
+    WaitThenKill,
+    /// SIGTERM at once, SIGKILL after the grace period.
+    Terminate,
+}
+
+/// How the launcher stops ranks.
+#[derive(Debug, Clone, Copy)]
+pub struct Policy {
+    pub on_failure: OnFailure,
+    /// After SIGINT/SIGTERM was forwarded: how long to wait before SIGKILL.
+    pub interrupt_grace: Duration,
+}
+
+impl Default for Policy {
+    /// What `launch` uses (and `shoal bench` relies on).
+    fn default() -> Self {
+        Policy { on_failure: OnFailure::WaitThenKill, interrupt_grace: Duration::from_secs(5) }
+    }
+}
+
 /// One line a rank printed.
 #[derive(Debug, Clone)]
 pub struct Line {
@@ -49,15 +97,70 @@ pub struct Line {
 #[derive(Debug)]
 pub struct Outcome {
     pub statuses: Vec<Option<ExitStatus>>,
-    /// The first rank that failed, with a description of how.
+    /// The first rank that failed, with a description of how (`describe`). Ranks
+    /// the launcher itself signalled are never named here.
     pub first_failure: Option<(usize, String)>,
     pub interrupted: bool,
+    /// The signal that interrupted the launcher (SIGINT or SIGTERM), if any.
+    pub interrupt_signal: Option<i32>,
+}
+
+/// Why the ranks could not be started.
+#[derive(Debug)]
+pub struct SpawnError {
+    pub rank: usize,
+    pub program: std::path::PathBuf,
+    pub source: std::io::Error,
+}
+
+impl std::fmt::Display for SpawnError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let what = match self.source.kind() {
+            std::io::ErrorKind::NotFound => "not found".to_string(),
+            std::io::ErrorKind::PermissionDenied => "permission denied".to_string(),
+            _ => self.source.to_string(),
+        };
+        write!(f, "cannot start `{}` (rank {}): {what}", self.program.display(), self.rank)
+    }
+}
+
+impl std::error::Error for SpawnError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.source)
+    }
+}
+
+/// The usual name of a signal, for messages.
+pub fn signal_name(s: i32) -> Option<&'static str> {
+    Some(match s {
+        libc::SIGHUP => "SIGHUP",
+        libc::SIGINT => "SIGINT",
+        libc::SIGQUIT => "SIGQUIT",
+        libc::SIGILL => "SIGILL",
+        libc::SIGTRAP => "SIGTRAP",
+        libc::SIGABRT => "SIGABRT",
+        libc::SIGBUS => "SIGBUS",
+        libc::SIGFPE => "SIGFPE",
+        libc::SIGKILL => "SIGKILL",
+        libc::SIGUSR1 => "SIGUSR1",
+        libc::SIGSEGV => "SIGSEGV",
+        libc::SIGUSR2 => "SIGUSR2",
+        libc::SIGPIPE => "SIGPIPE",
+        libc::SIGALRM => "SIGALRM",
+        libc::SIGTERM => "SIGTERM",
+        libc::SIGXCPU => "SIGXCPU",
+        libc::SIGXFSZ => "SIGXFSZ",
+        libc::SIGSYS => "SIGSYS",
+        _ => return None,
+    })
 }
 
 pub fn describe(status: &ExitStatus) -> String {
     match (status.code(), status.signal()) {
         (Some(c), _) => format!("exit status {c}"),
-        (None, Some(s)) => format!("killed by signal {s}{}", if s == libc::SIGKILL { " (SIGKILL)" } else { "" }),
+        (None, Some(s)) => {
+            format!("killed by signal {s}{}", signal_name(s).map(|n| format!(" ({n})")).unwrap_or_default())
+        }
         _ => format!("{status}"),
     }
 }
@@ -71,13 +174,32 @@ pub fn new_secret() -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
+/// Launches the ranks with the default [`Policy`] and calls `on_line` for every
+/// line they print, on this thread, until all have exited.
+pub fn launch(spec: &LaunchSpec, on_line: impl FnMut(&Line)) -> Result<Outcome> {
+    launch_with(spec, Policy::default(), on_line)
+}
+
+/// Sends `sig` to rank's process group (its pgid is its pid, and stays reserved
+/// while any member of the group lives, even after the rank was reaped).
+fn signal_group(pid: u32, sig: i32) {
+    // SAFETY: kill(2) on a process group we created; ESRCH (group gone) is fine.
+    unsafe { libc::kill(-(pid as i32), sig) };
+}
+
 /// Launches the ranks and calls `on_line` for every line they print, on this
-/// thread, until all have exited.
-pub fn launch(spec: &LaunchSpec, mut on_line: impl FnMut(&Line)) -> Result<Outcome> {
-    // SAFETY: installing a handler that only stores to an atomic.
+/// thread, until all have exited. Fails (with a [`SpawnError`] in the chain) only
+/// if a rank cannot be started, after stopping those already started.
+pub fn launch_with(spec: &LaunchSpec, policy: Policy, mut on_line: impl FnMut(&Line)) -> Result<Outcome> {
+    // SAFETY: installing handlers that only store to atomics; making this process
+    // the reaper of its orphaned descendants (see the module comment).
     unsafe {
-        libc::signal(libc::SIGINT, on_sigint as *const () as libc::sighandler_t);
+        libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
+        libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
+        libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
     }
+    let seen_signals = SIGNALS.load(Ordering::SeqCst);
+    let guard = Guard::start();
     let secret = new_secret();
     let store =
         StoreServer::bind("127.0.0.1:0", secret.clone().into_bytes()).context("starting the rendezvous store")?;
@@ -85,6 +207,8 @@ pub fn launch(spec: &LaunchSpec, mut on_line: impl FnMut(&Line)) -> Result<Outco
     let master_port = free_port().unwrap_or(29500);
     let (tx, rx) = mpsc::channel::<Line>();
     let mut children: Vec<Child> = Vec::with_capacity(spec.ranks);
+    // SAFETY: getpid(2) cannot fail.
+    let launcher = unsafe { libc::getpid() };
     for rank in 0..spec.ranks {
         let mut cmd = Command::new(&spec.program);
         cmd.args(&spec.args)
@@ -104,20 +228,36 @@ pub fn launch(spec: &LaunchSpec, mut on_line: impl FnMut(&Line)) -> Result<Outco
             .envs(spec.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        // SAFETY: prctl is async-signal-safe; it makes the kernel kill the child
-        // if the launcher dies, so no rank outlives it.
+            .stderr(Stdio::piped())
+            // Its own process group: signals reach the rank's children too, and a
+            // Ctrl-C on the terminal reaches only the launcher, which forwards it.
+            .process_group(0);
+        // SAFETY: prctl, getppid and _exit are async-signal-safe. The death signal
+        // makes the kernel kill the child if the launcher dies, so no rank outlives
+        // it; if the launcher died before the call, the parent is no longer it.
         unsafe {
-            cmd.pre_exec(|| {
+            cmd.pre_exec(move || {
                 libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                if libc::getppid() != launcher {
+                    libc::_exit(137);
+                }
                 Ok(())
             });
         }
         let mut child = match cmd.spawn() {
             Ok(c) => c,
             Err(e) => {
-                kill_all(&mut children);
-                bail!("starting rank {rank} ({}): {e}", spec.program.display());
+                for c in &children {
+                    signal_group(c.id(), libc::SIGKILL);
+                }
+                for c in children.iter_mut() {
+                    let _ = c.wait();
+                }
+                if let Some(g) = guard {
+                    g.disarm();
+                }
+                reap_descendants();
+                return Err(SpawnError { rank, program: spec.program.clone(), source: e }.into());
             }
         };
         for (stderr, pipe) in [
@@ -127,24 +267,67 @@ pub fn launch(spec: &LaunchSpec, mut on_line: impl FnMut(&Line)) -> Result<Outco
             let Some(pipe) = pipe else { continue };
             let tx = tx.clone();
             std::thread::spawn(move || {
-                for text in BufReader::new(pipe).lines().map_while(|l| l.ok()) {
+                let mut r = BufReader::new(pipe);
+                let mut buf = Vec::new();
+                loop {
+                    buf.clear();
+                    match r.read_until(b'\n', &mut buf) {
+                        Ok(0) | Err(_) => break,
+                        Ok(_) => {}
+                    }
+                    if buf.last() == Some(&b'\n') {
+                        buf.pop();
+                        if buf.last() == Some(&b'\r') {
+                            buf.pop();
+                        }
+                    }
+                    let text = String::from_utf8_lossy(&buf).into_owned();
                     if tx.send(Line { rank, stderr, text }).is_err() {
                         break;
                     }
                 }
             });
         }
+        if let Some(g) = &guard {
+            g.watch(child.id());
+        }
         children.push(child);
     }
     drop(tx);
 
     let mut statuses: Vec<Option<ExitStatus>> = vec![None; spec.ranks];
+    // Whether the launcher had signalled a rank before its exit was seen.
+    let mut signalled = vec![false; spec.ranks];
+    let mut any_signalled = false;
     let mut first_failure: Option<(usize, String)> = None;
     let mut kill_at: Option<Instant> = None;
     let mut interrupted = false;
+    let mut interrupt_signal = None;
+    let mut handled_signals = seen_signals;
+    let mut pipes_open = true;
     loop {
-        while let Ok(line) = rx.recv_timeout(Duration::from_millis(20)) {
-            on_line(&line);
+        // Pass on output for at most ~20 ms, then look at the ranks.
+        let slice = Instant::now() + Duration::from_millis(20);
+        if pipes_open {
+            match rx.recv_timeout(Duration::from_millis(20)) {
+                Ok(line) => {
+                    on_line(&line);
+                    while Instant::now() < slice {
+                        match rx.try_recv() {
+                            Ok(line) => on_line(&line),
+                            Err(TryRecvError::Empty) => break,
+                            Err(TryRecvError::Disconnected) => {
+                                pipes_open = false;
+                                break;
+                            }
+                        }
+                    }
+                }
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => pipes_open = false,
+            }
+        } else {
+            std::thread::sleep(Duration::from_millis(20));
         }
         for (rank, child) in children.iter_mut().enumerate() {
             if statuses[rank].is_some() {
@@ -152,51 +335,247 @@ pub fn launch(spec: &LaunchSpec, mut on_line: impl FnMut(&Line)) -> Result<Outco
             }
             if let Ok(Some(st)) = child.try_wait() {
                 statuses[rank] = Some(st);
-                if !st.success() && first_failure.is_none() {
+                if !st.success() && first_failure.is_none() && !signalled[rank] {
                     first_failure = Some((rank, describe(&st)));
-                    kill_at = Some(Instant::now() + spec.grace);
+                    if !interrupted {
+                        kill_at = Some(Instant::now() + spec.grace);
+                    }
                 }
             }
         }
-        if INTERRUPTED.swap(false, Ordering::SeqCst) && !interrupted {
-            interrupted = true;
-            for c in &children {
-                // SAFETY: plain kill(2) on our own child.
-                unsafe { libc::kill(c.id() as i32, libc::SIGINT) };
+        // A rank failed: under `Terminate`, the survivors get SIGTERM now.
+        if policy.on_failure == OnFailure::Terminate && first_failure.is_some() && !any_signalled && !interrupted {
+            for (r, c) in children.iter().enumerate() {
+                signal_group(c.id(), libc::SIGTERM);
+                signalled[r] |= statuses[r].is_none();
             }
-            kill_at = Some(Instant::now() + Duration::from_secs(5));
+            any_signalled = true;
+        }
+        let now_signals = SIGNALS.load(Ordering::SeqCst);
+        if now_signals != handled_signals {
+            let sig = LAST_SIGNAL.load(Ordering::SeqCst);
+            if !interrupted {
+                // Forward it to every rank's group.
+                interrupted = true;
+                interrupt_signal = Some(sig);
+                for (r, c) in children.iter().enumerate() {
+                    signal_group(c.id(), sig);
+                    signalled[r] |= statuses[r].is_none();
+                }
+                any_signalled = true;
+                kill_at = Some(Instant::now() + policy.interrupt_grace);
+            } else {
+                // A second Ctrl-C: stop now.
+                kill_at = Some(Instant::now());
+            }
+            handled_signals = now_signals;
         }
         if statuses.iter().all(Option::is_some) {
             break;
         }
         if kill_at.is_some_and(|t| Instant::now() >= t) {
-            kill_all(&mut children);
+            for (r, c) in children.iter().enumerate() {
+                signal_group(c.id(), libc::SIGKILL);
+                signalled[r] |= statuses[r].is_none();
+            }
+            any_signalled = true;
             kill_at = None;
         }
     }
-    // Drain what is left in the pipes.
+    // Whatever is left of the ranks' groups (background children) goes now, and
+    // so do descendants that left their group and were re-parented to us; then
+    // the pipes they held close.
+    for c in &children {
+        signal_group(c.id(), libc::SIGKILL);
+    }
+    if let Some(g) = guard {
+        g.disarm();
+    }
+    reap_descendants();
+    // Drain what is left in the pipes (bounded: a descendant we could not reach
+    // may still hold one open).
+    let drain_until = Instant::now() + Duration::from_secs(2);
     while let Ok(line) = rx.recv_timeout(Duration::from_millis(50)) {
         on_line(&line);
+        if Instant::now() >= drain_until {
+            break;
+        }
     }
-    // A rank killed by a signal is the cause; the ranks that exited with an
-    // error after it were reporting its loss (they may have been seen first).
-    if let Some((r, st)) = statuses
-        .iter()
-        .enumerate()
-        .find_map(|(r, s)| s.filter(|s| s.signal().is_some() && !interrupted).map(|s| (r, s)))
+    // A rank killed by a signal (that the launcher did not send) is the cause;
+    // the ranks that exited with an error after it were reporting its loss (they
+    // may have been seen first).
+    if !interrupted
+        && let Some((r, st)) = statuses
+            .iter()
+            .enumerate()
+            .find_map(|(r, s)| s.filter(|s| s.signal().is_some() && !signalled[r]).map(|s| (r, s)))
     {
         first_failure = Some((r, describe(&st)));
     }
     drop(store);
-    Ok(Outcome { statuses, first_failure, interrupted })
+    Ok(Outcome { statuses, first_failure, interrupted, interrupt_signal })
 }
 
-fn kill_all(children: &mut [Child]) {
-    for c in children.iter_mut() {
-        let _ = c.kill();
+/// Kills and reaps every child of this process that is not a rank: descendants of
+/// the ranks re-parented to us (we are their subreaper). Called once every rank
+/// was reaped, so `waitpid` here takes nothing `Child` still waits for.
+fn reap_descendants() {
+    // SAFETY: getpid(2) cannot fail.
+    let me = unsafe { libc::getpid() } as u32;
+    // A dying parent hands its children over a moment later: look twice.
+    for round in 0..2 {
+        let mut found = false;
+        for pid in children_of(me) {
+            found = true;
+            // SAFETY: kill(2) and waitpid(2) on our own child.
+            unsafe {
+                libc::kill(pid as i32, libc::SIGKILL);
+                libc::waitpid(pid as i32, std::ptr::null_mut(), 0);
+            }
+        }
+        if round == 0 && found {
+            std::thread::sleep(Duration::from_millis(20));
+        } else if round == 0 {
+            std::thread::sleep(Duration::from_millis(5));
+        }
     }
+}
+
+/// Processes whose parent is `parent` (from /proc).
+fn children_of(parent: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    let Ok(dir) = std::fs::read_dir("/proc") else { return out };
+    for e in dir.flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else { continue };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
+        let ppid =
+            stat.rsplit_once(')').and_then(|(_, r)| r.split_whitespace().nth(1)).and_then(|p| p.parse::<u32>().ok());
+        if ppid == Some(parent) {
+            out.push(pid);
+        }
+    }
+    out
 }
 
 fn free_port() -> Option<u16> {
     std::net::TcpListener::bind("127.0.0.1:0").ok()?.local_addr().ok().map(|a| a.port())
+}
+
+/// The guard: a process forked from the launcher that holds the read end of a
+/// pipe. The launcher writes every rank's pid (its process group) into it; if the
+/// launcher dies without disarming it, the guard reads end-of-file and SIGKILLs
+/// every group it was told of. On a normal end the launcher disarms it (a
+/// negative pid) and reaps it, so a group id reused later is never signalled.
+#[derive(Debug)]
+struct Guard {
+    pid: libc::pid_t,
+    fd: libc::c_int,
+}
+
+/// How many rank groups the guard can remember (it allocates nothing).
+const GUARD_SLOTS: usize = 4096;
+
+impl Guard {
+    /// Starts the guard; `None` (no guard, the rest still holds) if fork fails.
+    fn start() -> Option<Guard> {
+        let mut fds = [0 as libc::c_int; 2];
+        // SAFETY: pipe2 fills `fds`; the write end is close-on-exec, so ranks never
+        // hold it and only the launcher's death or `disarm` closes it.
+        if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+            return None;
+        }
+        // SAFETY: the child runs only async-signal-safe system calls and never
+        // returns (the launcher may have threads already).
+        match unsafe { libc::fork() } {
+            -1 => {
+                // SAFETY: closing the descriptors we just made.
+                unsafe {
+                    libc::close(fds[0]);
+                    libc::close(fds[1]);
+                }
+                None
+            }
+            // SAFETY: see above.
+            0 => unsafe { guard_main(fds[0]) },
+            pid => {
+                // SAFETY: the read end is the guard's.
+                unsafe { libc::close(fds[0]) };
+                Some(Guard { pid, fd: fds[1] })
+            }
+        }
+    }
+
+    fn send(&self, v: i32) {
+        let b = v.to_ne_bytes();
+        // SAFETY: writing 4 bytes from a live buffer to our pipe; a pipe write of
+        // this size is atomic.
+        unsafe { libc::write(self.fd, b.as_ptr().cast(), b.len()) };
+    }
+
+    fn watch(&self, pid: u32) {
+        self.send(pid as i32);
+    }
+
+    fn disarm(self) {
+        self.send(-1);
+        // SAFETY: closing our end and reaping our own child.
+        unsafe {
+            libc::close(self.fd);
+            libc::waitpid(self.pid, std::ptr::null_mut(), 0);
+        }
+    }
+}
+
+/// The guard's whole life (in the forked child).
+///
+/// # Safety
+/// Only in a freshly forked child: it closes every other descriptor and exits.
+unsafe fn guard_main(rd: libc::c_int) -> ! {
+    // SAFETY: async-signal-safe system calls only, on our own process.
+    unsafe {
+        // Ctrl-C and the launcher's SIGTERM are for the launcher; the guard
+        // leaves when its pipe says so, in a group of its own.
+        libc::signal(libc::SIGINT, libc::SIG_IGN);
+        libc::signal(libc::SIGTERM, libc::SIG_IGN);
+        libc::signal(libc::SIGHUP, libc::SIG_IGN);
+        libc::setpgid(0, 0);
+        // Hold nothing of the launcher's open: its output pipes, the store socket.
+        for fd in 0..1024 {
+            if fd != rd {
+                libc::close(fd);
+            }
+        }
+        let mut groups = [0 as libc::pid_t; GUARD_SLOTS];
+        let mut n = 0;
+        let mut buf = [0u8; 4];
+        let mut have = 0;
+        loop {
+            let r = libc::read(rd, buf.as_mut_ptr().add(have).cast(), 4 - have);
+            if r == 0 {
+                break; // the launcher is gone
+            }
+            if r < 0 {
+                if *libc::__errno_location() == libc::EINTR {
+                    continue;
+                }
+                break;
+            }
+            have += r as usize;
+            if have == 4 {
+                have = 0;
+                let v = i32::from_ne_bytes(buf);
+                if v < 0 {
+                    libc::_exit(0); // disarmed: the launcher cleaned up itself
+                }
+                if n < GUARD_SLOTS && v > 0 {
+                    groups[n] = v;
+                    n += 1;
+                }
+            }
+        }
+        for &g in &groups[..n] {
+            libc::kill(-g, libc::SIGKILL);
+        }
+        libc::_exit(0)
+    }
 }

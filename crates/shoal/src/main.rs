@@ -2,6 +2,7 @@
 
 mod bench;
 mod launch;
+mod run;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -22,6 +23,9 @@ enum Cmd {
         #[command(flatten)]
         args: bench::BenchArgs,
     },
+    /// Start N processes of a command (or a job file) with the environment
+    /// contract and supervise them, like torchrun.
+    Run(run::RunArgs),
     /// Show Shoal working end to end on this machine.
     Demo,
     /// List the built-in datasets.
@@ -29,6 +33,15 @@ enum Cmd {
         /// One JSON array of objects (name, kind, len, features, classes, description).
         #[arg(long)]
         json: bool,
+    },
+    /// One rank of a training job (started by `shoal run JOB.toml`).
+    #[command(hide = true)]
+    Worker {
+        #[arg(long)]
+        output: std::path::PathBuf,
+        #[arg(long)]
+        resume: bool,
+        job: std::path::PathBuf,
     },
     /// One rank of `shoal bench` (started by it).
     #[command(hide = true, name = "bench-rank")]
@@ -50,8 +63,10 @@ fn main() -> std::process::ExitCode {
     init_tracing();
     let cli = Cli::parse();
     let result: Result<bool> = match cli.command {
+        Cmd::Run(args) => return run::main(&args),
         Cmd::Bench { op, args } => bench::run_bench(op, &args),
         Cmd::BenchRank { spec } => bench::run_rank(&spec).map(|()| true),
+        Cmd::Worker { output, resume, job } => worker(&job, output, resume),
         Cmd::Demo => demo(),
         Cmd::Datasets { json } => datasets(json),
     };
@@ -63,6 +78,12 @@ fn main() -> std::process::ExitCode {
             std::process::ExitCode::FAILURE
         }
     }
+}
+
+fn worker(job: &std::path::Path, output: std::path::PathBuf, resume: bool) -> Result<bool> {
+    let spec = shoal_train::spec::load_job(job).map_err(|e| anyhow::anyhow!("{e}"))?;
+    shoal_train::worker::run(&spec, &shoal_train::worker::WorkerOptions { output, resume })?;
+    Ok(true)
 }
 
 fn datasets(json: bool) -> Result<bool> {

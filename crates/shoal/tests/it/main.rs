@@ -2,3 +2,4 @@
 //! shared memory.
 
 mod bench;
+mod run;

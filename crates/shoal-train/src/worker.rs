@@ -1,0 +1,391 @@
+//! One rank of a job: builds the communicator from the environment contract,
+//! the datasets, the model and the [`Trainer`] from the job spec, trains, and
+//! (on rank 0) writes `metrics.jsonl` and `summary.json` into the output
+//! directory. `shoal run JOB.toml` starts N of these.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use candle_core::Tensor;
+use serde::{Deserialize, Serialize};
+use shoal_comm::{Communicator, ReduceOp};
+use shoal_data::{Dataset, DistributedSampler, Loader, LoaderConfig, SamplerConfig, Split};
+
+use crate::batch::to_tensors;
+use crate::checkpoint::{AsyncSaver, CheckpointDir, ManifestMeta, TensorData};
+use crate::error::{Error, Result};
+use crate::models::{Cnn, Gpt, GptConfig, Mlp, Model};
+use crate::optim::{OptimConfig, learning_rate};
+use crate::params::{Params, SeededRng};
+use crate::spec::{JobSpec, ModelKind, OptimizerKind, Schedule};
+use crate::trainer::{Trainer, TrainerConfig};
+
+/// How a worker runs.
+#[derive(Debug, Clone)]
+pub struct WorkerOptions {
+    pub output: PathBuf,
+    pub resume: bool,
+}
+
+/// Medians of the per-step time split.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq)]
+pub struct StepTime {
+    pub data_s: f64,
+    pub compute_s: f64,
+    pub comm_s: f64,
+    pub optimizer_s: f64,
+}
+
+/// What `summary.json` holds.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Summary {
+    pub name: String,
+    pub model: String,
+    pub dataset: String,
+    pub parameters: usize,
+    pub steps: usize,
+    pub world_size: usize,
+    pub final_loss: f64,
+    pub eval_loss: f64,
+    pub eval_accuracy: Option<f64>,
+    pub eval_perplexity: Option<f64>,
+    pub samples_per_s: f64,
+    pub comm_bytes: u64,
+    pub step_time: StepTime,
+    pub elapsed_s: f64,
+    /// Step the run started from (0, or the checkpoint it resumed).
+    pub resumed_from: u64,
+    /// Checkpoints written, the last save's speed, and how long the step loop
+    /// waited for saves in total.
+    pub checkpoints: usize,
+    pub checkpoint_mb_per_s: Option<f64>,
+    pub checkpoint_stall_s: f64,
+}
+
+/// One line of `metrics.jsonl`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct StepMetrics {
+    pub step: usize,
+    pub loss: f64,
+    pub lr: f64,
+    pub samples: usize,
+    pub data_s: f64,
+    pub compute_s: f64,
+    pub comm_s: f64,
+    pub optimizer_s: f64,
+    pub step_s: f64,
+}
+
+/// The model of a job and the parameters behind it.
+pub fn build_model(spec: &JobSpec, rng: &mut SeededRng) -> Result<(Params, Box<dyn Model>)> {
+    let t = &spec.train;
+    let shape = t.data_shape().map_err(|e| Error::Spec(e.to_string()))?;
+    let m = &t.model;
+    let mut params = Params::default();
+    let model: Box<dyn Model> = match m.kind {
+        ModelKind::Mlp => Box::new(Mlp::new(&mut params, rng, shape.features, m.hidden(), shape.classes)?),
+        ModelKind::Cnn => Box::new(Cnn::new(&mut params, rng, shape.features, m.channels(), shape.classes)?),
+        ModelKind::Gpt => Box::new(Gpt::new(
+            &mut params,
+            rng,
+            GptConfig { vocab: m.vocab(), context: m.context(), layers: m.layers(), heads: m.heads(), width: m.width() },
+        )?),
+    };
+    Ok((params, model))
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+/// Loss (mean over rows) and correct predictions of one batch.
+fn loss_and_correct(model: &dyn Model, input: &Tensor, target: &Tensor) -> Result<(Tensor, usize)> {
+    let logits = model.forward(input)?;
+    let loss = candle_nn::loss::cross_entropy(&logits, target)?;
+    let pred = logits.argmax(candle_core::D::Minus1)?;
+    let correct = pred.eq(target)?.to_dtype(candle_core::DType::F32)?.sum_all()?.to_scalar::<f32>()? as usize;
+    Ok((loss, correct))
+}
+
+/// Mean loss and accuracy over the eval set (sharded across ranks, summed with an all-reduce).
+fn evaluate(model: &dyn Model, data: &dyn Dataset, comm: &Communicator, batch: usize, max_batches: usize) -> Result<(f64, f64)> {
+    let n = data.len().min(batch * max_batches.max(1));
+    let share = shoal_comm::chunk::segment(n, comm.size(), comm.rank());
+    let (mut loss_sum, mut correct, mut rows, mut tokens) = (0f64, 0f64, 0f64, 0f64);
+    let mut i = share.start;
+    while i < share.end {
+        let end = (i + batch).min(share.end);
+        let samples = (i..end).map(|j| data.get(j)).collect::<shoal_data::Result<Vec<_>>>()?;
+        if let Some(t) = to_tensors(&samples)? {
+            let (loss, c) = loss_and_correct(model, &t.input, &t.target)?;
+            let targets = t.target.elem_count() as f64;
+            loss_sum += loss.to_scalar::<f32>()? as f64 * targets;
+            correct += c as f64;
+            tokens += targets;
+            rows += t.rows as f64;
+        }
+        i = end;
+    }
+    let mut v = [loss_sum, correct, tokens, rows];
+    comm.all_reduce(&mut v, ReduceOp::Sum)?;
+    let [loss_sum, correct, tokens, _] = v;
+    Ok((loss_sum / tokens.max(1.0), correct / tokens.max(1.0)))
+}
+
+/// Where checkpoints go: `checkpoint.url` (a path or `file://` URL), else the output directory.
+pub fn checkpoint_root(spec: &JobSpec, output: &Path) -> Result<PathBuf> {
+    match spec.checkpoint.url.as_deref() {
+        None => Ok(output.to_path_buf()),
+        Some(u) if u.starts_with("file://") => Ok(PathBuf::from(&u["file://".len()..])),
+        Some(u) if !u.contains("://") => Ok(PathBuf::from(u)),
+        Some(u) => Err(Error::Spec(format!(
+            "checkpoint.url: {u:?}: only local paths and file:// URLs are supported by this build"
+        ))),
+    }
+}
+
+fn tensors_of(named: impl IntoIterator<Item = (String, Tensor)>) -> Result<Vec<TensorData>> {
+    named
+        .into_iter()
+        .map(|(n, t)| Ok(TensorData::new(n, t.dims().to_vec(), t.flatten_all()?.to_vec1::<f32>()?)))
+        .collect()
+}
+
+/// Runs this process's rank of `spec`; rank 0 returns the summary.
+pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
+    let started = Instant::now();
+    let env = shoal_comm::env::EnvContract::from_env()?;
+    let comm = env.connect()?;
+    let (world, rank) = (comm.size(), comm.rank());
+    spec.validate_world(world).map_err(|e| Error::Spec(e.to_string()))?;
+    let t = &spec.train;
+    let mut data_opts = t.data_options();
+    data_opts.split = Split::Train;
+    let train: Arc<dyn Dataset> = Arc::from(shoal_data::builtin(&t.dataset, &data_opts)?);
+    data_opts.split = Split::Eval;
+    let eval: Arc<dyn Dataset> = Arc::from(shoal_data::builtin(&t.dataset, &data_opts)?);
+
+    let mut rng = SeededRng::new(t.seed);
+    let (params, model) = build_model(spec, &mut rng)?;
+    let parameters = params.count();
+    let ckpt_dir = CheckpointDir::new(checkpoint_root(spec, &opts.output)?);
+    let resumed = if opts.resume {
+        let loaded = ckpt_dir.latest_valid().map_err(|e| Error::Checkpoint(e.to_string()))?;
+        if let Some(l) = &loaded {
+            for (path, why) in &l.skipped {
+                if rank == 0 {
+                    eprintln!("warning: skipped checkpoint file {}: {why}", path.display());
+                }
+            }
+            let by_name: std::collections::HashMap<&str, &TensorData> = l.model.iter().map(|t| (t.name.as_str(), t)).collect();
+            for (name, var) in params.vars() {
+                let td = by_name.get(name.as_str()).ok_or_else(|| {
+                    Error::Checkpoint(format!("{}: no tensor {name} in model.safetensors", l.dir.display()))
+                })?;
+                if td.shape != var.dims() {
+                    return Err(Error::Checkpoint(format!(
+                        "{}: tensor {name} has shape {:?}, the model expects {:?}",
+                        l.dir.display(),
+                        td.shape,
+                        var.dims()
+                    )));
+                }
+                var.set(&Tensor::from_slice(&td.data, var.shape(), &candle_core::Device::Cpu)?)?;
+            }
+            if rank == 0 {
+                eprintln!("resuming from {} (step {})", l.dir.display(), l.manifest.step);
+            }
+        } else if rank == 0 {
+            eprintln!("no valid checkpoint under {}; starting from scratch", ckpt_dir.checkpoints_dir().display());
+        }
+        loaded
+    } else {
+        None
+    };
+    let optimizer = match t.optimizer {
+        OptimizerKind::Sgd => OptimConfig::Sgd { momentum: t.momentum(), weight_decay: t.weight_decay() },
+        OptimizerKind::Adamw => {
+            let [beta1, beta2] = t.betas();
+            OptimConfig::AdamW { beta1, beta2, eps: t.eps(), weight_decay: t.weight_decay() }
+        }
+    };
+    let cfg = TrainerConfig { optimizer, bucket_bytes: t.bucket_bytes(), clip_grad_norm: t.clip_grad_norm };
+    let mut trainer = Trainer::new(params, Some(comm.clone()), cfg)?;
+
+    let micro = t.micro_batch();
+    let mut sampler =
+        DistributedSampler::new(SamplerConfig { seed: t.seed, ..SamplerConfig::new(train.len(), micro) }, world, rank)?;
+    let mut start_step = 0usize;
+    if let Some(l) = &resumed {
+        let state: shoal_data::SamplerState = serde_json::from_value(l.manifest.sampler.clone())
+            .map_err(|e| Error::Checkpoint(format!("{}: sampler state: {e}", l.dir.display())))?;
+        sampler.restore(state)?;
+        let named: std::collections::HashMap<String, Tensor> = l
+            .optimizer
+            .iter()
+            .map(|td| Ok((td.name.clone(), Tensor::from_slice(&td.data, td.shape.as_slice(), &candle_core::Device::Cpu)?)))
+            .collect::<Result<_>>()?;
+        let opt_t = l.manifest.extra.get("optimizer_t").and_then(|v| v.as_u64()).unwrap_or(l.manifest.step);
+        let params = trainer.params().clone();
+        trainer.optimizer_mut().load_state(&params, opt_t, &named)?;
+        start_step = l.manifest.step as usize;
+    }
+    let mut loader = Loader::new(train.clone(), sampler.cycling_batches(), LoaderConfig::default())?;
+    let mut saver = (rank == 0).then(|| AsyncSaver::new(ckpt_dir.clone(), spec.checkpoint.keep.max(1)));
+    let (mut checkpoints, mut stall_s, mut last_mb_s) = (0usize, 0f64, None);
+    let mut sampler_state = sampler.state();
+
+    if rank == 0 {
+        std::fs::create_dir_all(&opts.output).map_err(|e| Error::io(format!("creating {}", opts.output.display()), e))?;
+    }
+    let mut metrics = if rank == 0 {
+        let path = opts.output.join("metrics.jsonl");
+        let f = std::fs::OpenOptions::new().create(true).write(true).append(start_step > 0).truncate(start_step == 0).open(&path);
+        Some(f.map_err(|e| Error::io(format!("creating {}", path.display()), e))?)
+    } else {
+        None
+    };
+    let (mut data_t, mut compute_t, mut comm_t, mut opt_t) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut last_loss = f64::NAN;
+    let mut samples_seen = 0usize;
+    let train_started = Instant::now();
+    for step in start_step..t.steps {
+        let step_started = Instant::now();
+        let (mut data_s, mut compute_s) = (0f64, 0f64);
+        let mut local_loss = 0f64;
+        let mut global_samples = 0usize;
+        for k in 0..t.grad_accum {
+            let d0 = Instant::now();
+            let batch = loader.next_batch()?.ok_or_else(|| Error::InvalidArgument("the loader ran out of batches".into()))?;
+            data_s += d0.elapsed().as_secs_f64();
+            let c0 = Instant::now();
+            let weight = batch.samples.len() as f64 / (batch.global_size * t.grad_accum) as f64;
+            global_samples += batch.global_size;
+            sampler_state = batch.next;
+            let loss = match to_tensors(&batch.samples)? {
+                Some(x) => {
+                    let logits = model.forward(&x.input)?;
+                    let l = (candle_nn::loss::cross_entropy(&logits, &x.target)? * weight)?;
+                    local_loss += l.to_scalar::<f32>()? as f64;
+                    Some(l)
+                }
+                None => None,
+            };
+            trainer.backward(loss.as_ref(), k + 1 == t.grad_accum)?;
+            compute_s += c0.elapsed().as_secs_f64();
+        }
+        let lr = learning_rate(step, t.steps, t.lr, t.warmup_steps, t.min_lr, t.schedule == Schedule::Cosine);
+        let times = trainer.step(lr)?;
+        // The global loss: this rank's weighted share, summed over ranks.
+        let c1 = Instant::now();
+        let mut l = [local_loss];
+        comm.all_reduce(&mut l, ReduceOp::Sum)?;
+        let comm_s = times.comm_s + c1.elapsed().as_secs_f64();
+        last_loss = l[0];
+        samples_seen += global_samples;
+        data_t.push(data_s);
+        compute_t.push(compute_s);
+        comm_t.push(comm_s);
+        opt_t.push(times.optimizer_s);
+        if let Some(f) = metrics.as_mut() {
+            let m = StepMetrics {
+                step: step + 1,
+                loss: last_loss,
+                lr,
+                samples: global_samples,
+                data_s,
+                compute_s,
+                comm_s,
+                optimizer_s: times.optimizer_s,
+                step_s: step_started.elapsed().as_secs_f64(),
+            };
+            let line = serde_json::to_string(&m).map_err(|e| Error::InvalidArgument(e.to_string()))?;
+            writeln!(f, "{line}").map_err(|e| Error::io("writing metrics.jsonl", e))?;
+            if t.log_every > 0 && ((step + 1) % t.log_every == 0 || step + 1 == t.steps) {
+                eprintln!("step {:>6}/{} loss {:.4} lr {:.2e} {:.1} ms", step + 1, t.steps, last_loss, lr, m.step_s * 1e3);
+            }
+        }
+        let every = spec.checkpoint.every;
+        if (every > 0 && (step + 1) % every == 0) || step + 1 == t.steps {
+            if let Some(saver) = saver.as_mut() {
+                let s0 = Instant::now();
+                let params = trainer.params();
+                let model_t = tensors_of(params.vars().iter().map(|(n, v)| (n.clone(), v.as_tensor().clone())))?;
+                let opt_t = tensors_of(trainer.optimizer().state(params))?;
+                let meta = ManifestMeta {
+                    epoch: sampler_state.epoch,
+                    sampler: serde_json::to_value(sampler_state).map_err(|e| Error::Checkpoint(e.to_string()))?,
+                    rng: serde_json::json!({ "init_seed": t.seed, "sampler_seed": t.seed }),
+                    world_size: world,
+                    strategy: "ddp".into(),
+                    extra: serde_json::json!({ "optimizer_t": trainer.optimizer().t, "loss": last_loss }),
+                };
+                saver.submit((step + 1) as u64, model_t, opt_t, meta).map_err(|e| Error::Checkpoint(e.to_string()))?;
+                stall_s += s0.elapsed().as_secs_f64();
+                checkpoints += 1;
+            }
+        }
+        if t.eval_every > 0 && (step + 1) % t.eval_every == 0 && step + 1 < t.steps {
+            let (el, ea) = evaluate(model.as_ref(), eval.as_ref(), &comm, micro, t.eval_batches)?;
+            if rank == 0 {
+                eprintln!("eval at step {}: loss {el:.4} accuracy {ea:.4}", step + 1);
+            }
+        }
+    }
+    let train_s = train_started.elapsed().as_secs_f64();
+    if let Some(saver) = saver.as_mut() {
+        if let Some(stats) =
+            saver.flush(std::time::Duration::from_secs(600)).map_err(|e| Error::Checkpoint(e.to_string()))?
+        {
+            last_mb_s = Some(stats.mb_per_s);
+        }
+    }
+    let (eval_loss, eval_acc) = evaluate(model.as_ref(), eval.as_ref(), &comm, micro, t.eval_batches)?;
+    let text = t.model.kind == ModelKind::Gpt;
+    let summary = Summary {
+        name: spec.name.clone(),
+        model: format!("{:?}", t.model.kind).to_lowercase(),
+        dataset: t.dataset.clone(),
+        parameters,
+        steps: t.steps,
+        world_size: world,
+        final_loss: last_loss,
+        eval_loss,
+        eval_accuracy: (!text).then_some(eval_acc),
+        eval_perplexity: text.then(|| eval_loss.exp()),
+        samples_per_s: samples_seen as f64 / train_s.max(1e-9),
+        comm_bytes: comm.bytes_sent(),
+        step_time: StepTime {
+            data_s: median(&mut data_t),
+            compute_s: median(&mut compute_t),
+            comm_s: median(&mut comm_t),
+            optimizer_s: median(&mut opt_t),
+        },
+        elapsed_s: started.elapsed().as_secs_f64(),
+        resumed_from: start_step as u64,
+        checkpoints,
+        checkpoint_mb_per_s: last_mb_s,
+        checkpoint_stall_s: stall_s,
+    };
+    comm.barrier()?;
+    if rank == 0 {
+        write_json(&opts.output.join("summary.json"), &summary)?;
+        return Ok(Some(summary));
+    }
+    Ok(None)
+}
+
+/// Writes JSON atomically (temp file, fsync, rename).
+pub fn write_json(path: &Path, value: &impl Serialize) -> Result<()> {
+    let tmp = path.with_extension("json.tmp");
+    let text = serde_json::to_string_pretty(value).map_err(|e| Error::InvalidArgument(e.to_string()))?;
+    let mut f = std::fs::File::create(&tmp).map_err(|e| Error::io(format!("creating {}", tmp.display()), e))?;
+    f.write_all(text.as_bytes()).and_then(|()| f.sync_all()).map_err(|e| Error::io(format!("writing {}", tmp.display()), e))?;
+    std::fs::rename(&tmp, path).map_err(|e| Error::io(format!("renaming {} to {}", tmp.display(), path.display()), e))
+}

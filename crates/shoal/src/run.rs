@@ -1,0 +1,354 @@
+//! `shoal run`, the launcher for users (like `torchrun`):
+//!
+//! ```text
+//! shoal run -n N [--output DIR] [--timeout-grace 10s] [--json] -- CMD ARGS…
+//! shoal run -n N [--output DIR] [--resume] [--json] JOB.toml
+//! ```
+//!
+//! The first form starts the rendezvous store and N processes of CMD on this
+//! machine with the environment contract (`SHOAL_*` and PyTorch's `MASTER_ADDR`,
+//! `MASTER_PORT`, `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`) and
+//! supervises them through [`crate::launch`]:
+//!
+//! - every line a rank prints is printed as `[rank R] line`, its stdout lines on
+//!   stdout and its stderr lines on stderr; with `--output DIR` the raw lines
+//!   (both streams, unprefixed) also go to `DIR/logs/rank-R.log`;
+//! - with `--json`, rank output goes only to stderr (and the log files), so that
+//!   stdout holds exactly one JSON object, printed at the end:
+//!   `{"ranks", "ok", "interrupted", "statuses": [{"rank", "exit_code", "signal"}],
+//!   "first_failure": {"rank", "status"} | null, "elapsed_s"}`;
+//! - when a rank fails, the others get SIGTERM, and SIGKILL after the grace
+//!   (`--timeout-grace`); `shoal run: rank R exited with status C` (or
+//!   `killed by signal S`) names it on stderr;
+//! - SIGINT (Ctrl-C) or SIGTERM to `shoal run` is forwarded to every rank, which
+//!   get SIGKILL after the grace or at a second Ctrl-C;
+//! - nothing outlives it: each rank runs in its own process group and every
+//!   signal goes to the group; see `launch.rs` for the rest of that guarantee.
+//!
+//! Exit status: 0 when every rank exited 0; otherwise the first failing rank's
+//! exit code, or 128 + its signal; 130 after SIGINT (143 after SIGTERM); 127 when
+//! CMD is not found, 126 when it cannot be executed; 1 for bad arguments.
+
+use std::fs::File;
+use std::io::{LineWriter, Write};
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+
+use crate::launch::{LaunchSpec, OnFailure, Policy, SpawnError, describe, launch_with, signal_name};
+
+#[derive(Debug, clap::Args)]
+#[command(
+    after_help = "With --json, rank output goes only to stderr (and DIR/logs), and stdout holds one JSON object \
+                  printed at the end.\nExit status: 0 if every rank succeeded, else the failing rank's exit code \
+                  (128 + signal if it was killed); 130 after Ctrl-C; 127 if CMD is not found."
+)]
+pub struct RunArgs {
+    /// Number of ranks (processes) to start on this machine.
+    #[arg(short = 'n', long = "ranks", value_name = "N")]
+    pub ranks: usize,
+    /// Create DIR and write each rank's raw output lines to DIR/logs/rank-R.log.
+    #[arg(long, value_name = "DIR")]
+    pub output: Option<PathBuf>,
+    /// How long ranks get to stop after SIGTERM (a rank failed) or a forwarded
+    /// Ctrl-C before they are killed, e.g. `10s`, `500ms`.
+    #[arg(long, default_value = "10s", value_name = "DURATION")]
+    pub timeout_grace: String,
+    /// Print one JSON object with every rank's status at the end, on stdout
+    /// (rank output then goes to stderr only).
+    #[arg(long)]
+    pub json: bool,
+    /// Resume a job from its newest valid checkpoint (job files only).
+    #[arg(long)]
+    pub resume: bool,
+    /// A job file (built-in models) instead of `-- CMD ARGS…`.
+    #[arg(value_name = "JOB.toml")]
+    pub job: Option<PathBuf>,
+    /// The program to run in every rank, and its arguments (after `--`).
+    #[arg(last = true, value_name = "CMD ARGS")]
+    pub command: Vec<String>,
+}
+
+/// `shoal run`: parses what clap left to us, runs, and turns the outcome into the
+/// exit status.
+pub fn main(args: &RunArgs) -> ExitCode {
+    match run(args) {
+        Ok(code) => code,
+        Err(e) => {
+            let code = match e.downcast_ref::<SpawnError>().map(|s| s.source.kind()) {
+                Some(std::io::ErrorKind::NotFound) => 127,
+                Some(std::io::ErrorKind::PermissionDenied) => 126,
+                _ => 1,
+            };
+            eprintln!("shoal run: {e:#}");
+            ExitCode::from(code)
+        }
+    }
+}
+
+fn run(args: &RunArgs) -> Result<ExitCode> {
+    if args.ranks == 0 {
+        bail!("-n/--ranks must be at least 1");
+    }
+    let grace = shoal_comm::env::parse_duration(&args.timeout_grace)
+        .with_context(|| format!("--timeout-grace {:?}", args.timeout_grace))?;
+    match (&args.job, args.command.is_empty()) {
+        (Some(job), true) if job.extension().is_some_and(|e| e == "toml") => {
+            run_job(args.ranks, job, args.output.as_deref(), args.resume, args.json)
+        }
+        (Some(job), true) => bail!(
+            "{} is not a job file (JOB.toml); to run a program, put `--` before it: shoal run -n {} -- {} …",
+            job.display(),
+            args.ranks,
+            job.display()
+        ),
+        (Some(job), false) => {
+            bail!("give either a job file or `-- CMD ARGS…`, not both ({} and {})", job.display(), args.command[0])
+        }
+        (None, true) => bail!("nothing to run: give `-- CMD ARGS…` or JOB.toml"),
+        (None, false) if args.resume => bail!("--resume applies to job files, not to `-- CMD`"),
+        (None, false) => {
+            let program = resolve_program(&args.command[0])?;
+            let opts = RunOptions { ranks: args.ranks, output: args.output.clone(), grace, json: args.json };
+            run_ranks(&program, &args.command[1..], &[], &opts)
+        }
+    }
+}
+
+/// `shoal run -n N [--output DIR] [--resume] JOB.toml`.
+pub fn run_job(n: usize, job: &Path, output: Option<&Path>, resume: bool, json: bool) -> Result<ExitCode> {
+    // Every error of the spec names its key path, before any process starts.
+    let spec = shoal_train::spec::load_job(job).map_err(|e| anyhow::anyhow!("{e}"))?;
+    spec.validate_world(n).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let out = output.map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("shoal-runs").join(&spec.name));
+    std::fs::create_dir_all(&out).with_context(|| format!("creating the output directory {}", out.display()))?;
+    let exe = std::env::current_exe().context("locating the shoal executable")?;
+    let mut args = vec!["worker".to_string(), "--output".into(), out.display().to_string()];
+    if resume {
+        args.push("--resume".into());
+    }
+    args.push(job.display().to_string());
+    let opts = RunOptions { ranks: n, output: Some(out.clone()), grace: Duration::from_secs(10), json: false };
+    if !json {
+        eprintln!(
+            "shoal run: {} ({} on {}, {} steps) with {n} worker{} -> {}",
+            spec.name,
+            format!("{:?}", spec.train.model.kind).to_lowercase(),
+            spec.train.dataset,
+            spec.train.steps,
+            if n == 1 { "" } else { "s" },
+            out.display()
+        );
+    }
+    // One tensor thread per core share, unless the user chose: N workers each
+    // running as many threads as there are cores would oversubscribe the machine.
+    let mut env = Vec::new();
+    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        let cpus = std::thread::available_parallelism().map(|c| c.get()).unwrap_or(1);
+        env.push(("RAYON_NUM_THREADS".to_string(), (cpus / n).max(1).to_string()));
+    }
+    let code = run_ranks(&exe, &args, &env, &opts)?;
+    if code != ExitCode::SUCCESS {
+        return Ok(code);
+    }
+    let path = out.join("summary.json");
+    let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    if json {
+        println!("{}", text.trim());
+        return Ok(ExitCode::SUCCESS);
+    }
+    let s: shoal_train::worker::Summary =
+        serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+    println!("{} finished: {} steps on {} worker(s) in {:.1} s", s.name, s.steps, s.world_size, s.elapsed_s);
+    println!("  final loss {:.4}, eval loss {:.4}", s.final_loss, s.eval_loss);
+    if let Some(a) = s.eval_accuracy {
+        println!("  eval accuracy {:.2}%", a * 100.0);
+    }
+    if let Some(p) = s.eval_perplexity {
+        println!("  eval perplexity {p:.2} (a byte-level unigram model: see `baseline` in summary.json)");
+    }
+    println!(
+        "  {:.0} samples/s; step medians: data {:.2} ms, compute {:.2} ms, comm {:.2} ms, optimizer {:.2} ms",
+        s.samples_per_s,
+        s.step_time.data_s * 1e3,
+        s.step_time.compute_s * 1e3,
+        s.step_time.comm_s * 1e3,
+        s.step_time.optimizer_s * 1e3
+    );
+    println!("  outputs in {}", out.display());
+    Ok(ExitCode::SUCCESS)
+}
+
+/// How `run_ranks` runs.
+#[derive(Debug, Clone)]
+pub struct RunOptions {
+    pub ranks: usize,
+    pub output: Option<PathBuf>,
+    pub grace: Duration,
+    pub json: bool,
+}
+
+/// Finds `name` the way `execvp` will (a name with a `/` is a path; otherwise
+/// the first executable file of that name in `PATH`), so that a missing command
+/// is reported before anything starts.
+fn resolve_program(name: &str) -> Result<PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    let is_exec = |p: &Path| std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0);
+    if name.is_empty() {
+        bail!("cannot start ``: empty command");
+    }
+    if name.contains('/') {
+        let p = PathBuf::from(name);
+        if !p.exists() {
+            return Err(not_found(name, "no such file"));
+        }
+        if !is_exec(&p) {
+            return Err(SpawnError {
+                rank: 0,
+                program: p,
+                source: std::io::Error::from(std::io::ErrorKind::PermissionDenied),
+            }
+            .into());
+        }
+        return Ok(p);
+    }
+    let path = std::env::var_os("PATH").unwrap_or_else(|| "/usr/local/bin:/usr/bin:/bin".into());
+    for dir in std::env::split_paths(&path) {
+        let p = dir.join(name);
+        if is_exec(&p) {
+            return Ok(p);
+        }
+    }
+    Err(not_found(name, "not in PATH"))
+}
+
+fn not_found(name: &str, why: &str) -> anyhow::Error {
+    anyhow::Error::new(SpawnError {
+        rank: 0,
+        program: name.into(),
+        source: std::io::Error::new(std::io::ErrorKind::NotFound, why.to_string()),
+    })
+    .context(format!("command `{name}` not found ({why})"))
+}
+
+/// Opens `DIR/logs/rank-R.log` for every rank.
+fn open_logs(dir: &Path, ranks: usize) -> Result<Vec<LineWriter<File>>> {
+    let logs = dir.join("logs");
+    std::fs::create_dir_all(&logs).with_context(|| format!("--output: creating {}", logs.display()))?;
+    (0..ranks)
+        .map(|r| {
+            let p = logs.join(format!("rank-{r}.log"));
+            File::create(&p).map(LineWriter::new).with_context(|| format!("--output: creating {}", p.display()))
+        })
+        .collect()
+}
+
+/// Starts `opts.ranks` processes of `program args`, passes their output on, and
+/// reports how they ended. Used by `-- CMD` and, later, by job files.
+pub fn run_ranks(program: &Path, args: &[String], env: &[(String, String)], opts: &RunOptions) -> Result<ExitCode> {
+    let mut logs = match &opts.output {
+        Some(dir) => open_logs(dir, opts.ranks)?,
+        None => Vec::new(),
+    };
+    let spec = LaunchSpec {
+        program: program.to_path_buf(),
+        args: args.to_vec(),
+        ranks: opts.ranks,
+        job_id: format!("run-{}", std::process::id()),
+        env: env.to_vec(),
+        grace: opts.grace,
+    };
+    let policy = Policy { on_failure: OnFailure::Terminate, interrupt_grace: opts.grace };
+    let started = Instant::now();
+    let mut log_error: Option<String> = None;
+    let outcome = launch_with(&spec, policy, |line| {
+        // Write errors (a closed pipe, a full disk) must not stop supervision.
+        if let Some(log) = logs.get_mut(line.rank)
+            && let Err(e) = writeln!(log, "{}", line.text)
+            && log_error.is_none()
+        {
+            log_error = Some(format!("writing the log of rank {}: {e}", line.rank));
+        }
+        if line.stderr || opts.json {
+            let _ = writeln!(std::io::stderr().lock(), "[rank {}] {}", line.rank, line.text);
+        } else {
+            let _ = writeln!(std::io::stdout().lock(), "[rank {}] {}", line.rank, line.text);
+        }
+    })?;
+    let elapsed = started.elapsed();
+    for log in &mut logs {
+        let _ = log.flush();
+    }
+    if let Some(e) = log_error {
+        eprintln!("shoal run: warning: {e}");
+    }
+
+    let failure = outcome.first_failure.as_ref().map(|(rank, _)| (*rank, outcome.statuses[*rank]));
+    let code: u8 = if outcome.interrupted {
+        let sig = outcome.interrupt_signal.unwrap_or(libc::SIGINT);
+        eprintln!(
+            "shoal run: interrupted ({}); stopped {} rank{}",
+            signal_name(sig).unwrap_or("signal"),
+            opts.ranks,
+            if opts.ranks == 1 { "" } else { "s" }
+        );
+        (128 + sig).clamp(0, 255) as u8
+    } else if let Some((rank, status)) = failure {
+        let (how, code) = match status.map(|s| (s.code(), s.signal())) {
+            Some((Some(c), _)) => (format!("exited with status {c}"), c),
+            Some((None, Some(s))) => (
+                format!("killed by signal {s}{}", signal_name(s).map(|n| format!(" ({n})")).unwrap_or_default()),
+                128 + s,
+            ),
+            _ => ("failed".to_string(), 1),
+        };
+        eprintln!("shoal run: rank {rank} {how}");
+        let others: Vec<String> = outcome
+            .statuses
+            .iter()
+            .enumerate()
+            .filter(|(r, _)| *r != rank)
+            .map(|(r, s)| format!("rank {r}: {}", s.map(|s| describe(&s)).unwrap_or_else(|| "still running".into())))
+            .collect();
+        if !others.is_empty() {
+            eprintln!("shoal run: the other ranks were stopped ({})", others.join(", "));
+        }
+        // An exit code of 0 cannot report a failure; codes are 8 bits.
+        if (1..=255).contains(&code) { code as u8 } else { 1 }
+    } else {
+        0
+    };
+
+    if opts.json {
+        let statuses: Vec<serde_json::Value> = outcome
+            .statuses
+            .iter()
+            .enumerate()
+            .map(|(r, s)| {
+                serde_json::json!({
+                    "rank": r,
+                    "exit_code": s.and_then(|s| s.code()),
+                    "signal": s.and_then(|s| s.signal()),
+                })
+            })
+            .collect();
+        let first_failure = outcome
+            .first_failure
+            .as_ref()
+            .map(|(rank, how)| serde_json::json!({ "rank": rank, "status": how }))
+            .unwrap_or(serde_json::Value::Null);
+        let doc = serde_json::json!({
+            "ranks": opts.ranks,
+            "ok": code == 0,
+            "interrupted": outcome.interrupted,
+            "statuses": statuses,
+            "first_failure": first_failure,
+            "elapsed_s": elapsed.as_secs_f64(),
+        });
+        let _ = writeln!(std::io::stdout().lock(), "{doc}");
+    }
+    Ok(ExitCode::from(code))
+}
