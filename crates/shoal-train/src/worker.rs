@@ -90,7 +90,13 @@ pub fn build_model(spec: &JobSpec, rng: &mut SeededRng) -> Result<(Params, Box<d
         ModelKind::Gpt => Box::new(Gpt::new(
             &mut params,
             rng,
-            GptConfig { vocab: m.vocab(), context: m.context(), layers: m.layers(), heads: m.heads(), width: m.width() },
+            GptConfig {
+                vocab: m.vocab(),
+                context: m.context(),
+                layers: m.layers(),
+                heads: m.heads(),
+                width: m.width(),
+            },
         )?),
     };
     Ok((params, model))
@@ -114,7 +120,13 @@ fn loss_and_correct(model: &dyn Model, input: &Tensor, target: &Tensor) -> Resul
 }
 
 /// Mean loss and accuracy over the eval set (sharded across ranks, summed with an all-reduce).
-fn evaluate(model: &dyn Model, data: &dyn Dataset, comm: &Communicator, batch: usize, max_batches: usize) -> Result<(f64, f64)> {
+fn evaluate(
+    model: &dyn Model,
+    data: &dyn Dataset,
+    comm: &Communicator,
+    batch: usize,
+    max_batches: usize,
+) -> Result<(f64, f64)> {
     let n = data.len().min(batch * max_batches.max(1));
     let share = shoal_comm::chunk::segment(n, comm.size(), comm.rank());
     let (mut loss_sum, mut correct, mut rows, mut tokens) = (0f64, 0f64, 0f64, 0f64);
@@ -183,7 +195,8 @@ pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
                     eprintln!("warning: skipped checkpoint file {}: {why}", path.display());
                 }
             }
-            let by_name: std::collections::HashMap<&str, &TensorData> = l.model.iter().map(|t| (t.name.as_str(), t)).collect();
+            let by_name: std::collections::HashMap<&str, &TensorData> =
+                l.model.iter().map(|t| (t.name.as_str(), t)).collect();
             for (name, var) in params.vars() {
                 let td = by_name.get(name.as_str()).ok_or_else(|| {
                     Error::Checkpoint(format!("{}: no tensor {name} in model.safetensors", l.dir.display()))
@@ -229,7 +242,9 @@ pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
         let named: std::collections::HashMap<String, Tensor> = l
             .optimizer
             .iter()
-            .map(|td| Ok((td.name.clone(), Tensor::from_slice(&td.data, td.shape.as_slice(), &candle_core::Device::Cpu)?)))
+            .map(|td| {
+                Ok((td.name.clone(), Tensor::from_slice(&td.data, td.shape.as_slice(), &candle_core::Device::Cpu)?))
+            })
             .collect::<Result<_>>()?;
         let opt_t = l.manifest.extra.get("optimizer_t").and_then(|v| v.as_u64()).unwrap_or(l.manifest.step);
         let params = trainer.params().clone();
@@ -242,11 +257,32 @@ pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
     let mut sampler_state = sampler.state();
 
     if rank == 0 {
-        std::fs::create_dir_all(&opts.output).map_err(|e| Error::io(format!("creating {}", opts.output.display()), e))?;
+        std::fs::create_dir_all(&opts.output)
+            .map_err(|e| Error::io(format!("creating {}", opts.output.display()), e))?;
     }
     let mut metrics = if rank == 0 {
         let path = opts.output.join("metrics.jsonl");
-        let f = std::fs::OpenOptions::new().create(true).write(true).append(start_step > 0).truncate(start_step == 0).open(&path);
+        if start_step > 0 {
+            // Steps after the checkpoint are redone: drop what the interrupted run logged for them.
+            let kept: String = std::fs::read_to_string(&path)
+                .unwrap_or_default()
+                .lines()
+                .filter(|l| {
+                    serde_json::from_str::<serde_json::Value>(l)
+                        .ok()
+                        .and_then(|v| v.get("step").and_then(|s| s.as_u64()))
+                        .is_some_and(|st| st <= start_step as u64)
+                })
+                .map(|l| format!("{l}\n"))
+                .collect();
+            std::fs::write(&path, kept).map_err(|e| Error::io(format!("rewriting {}", path.display()), e))?;
+        }
+        let f = std::fs::OpenOptions::new()
+            .create(true)
+            .write(true)
+            .append(start_step > 0)
+            .truncate(start_step == 0)
+            .open(&path);
         Some(f.map_err(|e| Error::io(format!("creating {}", path.display()), e))?)
     } else {
         None
@@ -262,7 +298,8 @@ pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
         let mut global_samples = 0usize;
         for k in 0..t.grad_accum {
             let d0 = Instant::now();
-            let batch = loader.next_batch()?.ok_or_else(|| Error::InvalidArgument("the loader ran out of batches".into()))?;
+            let batch =
+                loader.next_batch()?.ok_or_else(|| Error::InvalidArgument("the loader ran out of batches".into()))?;
             data_s += d0.elapsed().as_secs_f64();
             let c0 = Instant::now();
             let weight = batch.samples.len() as f64 / (batch.global_size * t.grad_accum) as f64;
@@ -308,7 +345,14 @@ pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
             let line = serde_json::to_string(&m).map_err(|e| Error::InvalidArgument(e.to_string()))?;
             writeln!(f, "{line}").map_err(|e| Error::io("writing metrics.jsonl", e))?;
             if t.log_every > 0 && ((step + 1) % t.log_every == 0 || step + 1 == t.steps) {
-                eprintln!("step {:>6}/{} loss {:.4} lr {:.2e} {:.1} ms", step + 1, t.steps, last_loss, lr, m.step_s * 1e3);
+                eprintln!(
+                    "step {:>6}/{} loss {:.4} lr {:.2e} {:.1} ms",
+                    step + 1,
+                    t.steps,
+                    last_loss,
+                    lr,
+                    m.step_s * 1e3
+                );
             }
         }
         let every = spec.checkpoint.every;
@@ -386,6 +430,8 @@ pub fn write_json(path: &Path, value: &impl Serialize) -> Result<()> {
     let tmp = path.with_extension("json.tmp");
     let text = serde_json::to_string_pretty(value).map_err(|e| Error::InvalidArgument(e.to_string()))?;
     let mut f = std::fs::File::create(&tmp).map_err(|e| Error::io(format!("creating {}", tmp.display()), e))?;
-    f.write_all(text.as_bytes()).and_then(|()| f.sync_all()).map_err(|e| Error::io(format!("writing {}", tmp.display()), e))?;
+    f.write_all(text.as_bytes())
+        .and_then(|()| f.sync_all())
+        .map_err(|e| Error::io(format!("writing {}", tmp.display()), e))?;
     std::fs::rename(&tmp, path).map_err(|e| Error::io(format!("renaming {} to {}", tmp.display(), path.display()), e))
 }

@@ -1,0 +1,208 @@
+//! Training jobs end to end: `shoal run -n N JOB.toml` with real worker
+//! processes — learning on real data, outputs, bad specs, bit-exact resume
+//! after a kill, resume at another world size, corrupt checkpoints.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn shoal() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_shoal"))
+}
+
+fn examples() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples")
+}
+
+fn tmpdir(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("shoal-train-test-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).expect("temp dir");
+    d
+}
+
+fn run_json(args: &[&str]) -> serde_json::Value {
+    let out = shoal().args(args).output().expect("run shoal");
+    assert!(
+        out.status.success(),
+        "shoal {args:?} failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("summary is not JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)))
+}
+
+fn losses(metrics: &Path) -> Vec<(u64, f64)> {
+    std::fs::read_to_string(metrics)
+        .expect("metrics.jsonl")
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).expect("metrics line");
+            (v["step"].as_u64().expect("step"), v["loss"].as_f64().expect("loss"))
+        })
+        .collect()
+}
+
+#[test]
+fn mlp_on_digits_learns_with_two_workers_and_writes_its_outputs() {
+    let out = tmpdir("mlp");
+    let job = examples().join("mlp_digits.toml");
+    let s = run_json(&["run", "-n", "2", "--json", "--output", out.to_str().unwrap_or(""), job.to_str().unwrap_or("")]);
+    let acc = s["eval_accuracy"].as_f64().expect("eval_accuracy");
+    assert!(acc >= 0.95, "held-out accuracy {acc} < 0.95");
+    assert_eq!(s["world_size"], 2);
+    for k in ["final_loss", "eval_loss", "steps", "samples_per_s", "comm_bytes", "step_time"] {
+        assert!(s.get(k).is_some(), "summary lacks {k}: {s}");
+    }
+    for k in ["data_s", "compute_s", "comm_s", "optimizer_s"] {
+        assert!(s["step_time"][k].as_f64().is_some(), "step_time lacks {k}");
+    }
+    assert!(s["comm_bytes"].as_u64().is_some_and(|b| b > 0));
+    let steps = s["steps"].as_u64().expect("steps");
+    assert_eq!(losses(&out.join("metrics.jsonl")).len() as u64, steps);
+    let last = out.join(format!("checkpoints/step-{steps:06}"));
+    for f in ["model.safetensors", "optimizer.safetensors", "manifest.json"] {
+        assert!(last.join(f).is_file(), "{} missing", last.join(f).display());
+    }
+    let _ = std::fs::remove_dir_all(out);
+}
+
+#[test]
+fn bad_job_specs_are_refused_naming_the_key_before_anything_starts() {
+    let dir = tmpdir("bad");
+    for (body, needle) in [
+        (
+            "name = \"x\"\n[train]\nmodel = \"mlp\"\ndataset = \"digits\"\nglobal_batch = 8\nsteps = 5\nlr = 0.1\nbogus = 1\n",
+            "train.bogus",
+        ),
+        (
+            "name = \"x\"\n[train]\nmodel = \"mlp\"\ndataset = \"digits\"\nglobal_batch = 8\nsteps = 0\nlr = 0.1\n",
+            "train.steps",
+        ),
+        (
+            "name = \"x\"\n[train]\nmodel = \"mlp\"\ndataset = \"nope\"\nglobal_batch = 8\nsteps = 5\nlr = 0.1\n",
+            "train.dataset",
+        ),
+        (
+            "name = \"x\"\n[train]\nmodel = \"gpt\"\ndataset = \"digits\"\nglobal_batch = 8\nsteps = 5\nlr = 0.1\n",
+            "train.dataset",
+        ),
+        (
+            "name = \"x\"\n[train]\nmodel = \"mlp\"\ndataset = \"digits\"\nglobal_batch = \"many\"\nsteps = 5\nlr = 0.1\n",
+            "train.global_batch",
+        ),
+        ("name = \"x\"\n[train\n", "line"),
+    ] {
+        let job = dir.join("job.toml");
+        std::fs::write(&job, body).expect("write job");
+        let out = shoal().args(["run", "-n", "2", "--output"]).arg(dir.join("out")).arg(&job).output().expect("run");
+        assert!(!out.status.success(), "{body}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(needle), "error for {body:?} must name {needle}: {err}");
+        assert!(!err.contains("[rank"), "no rank may start for a bad spec: {err}");
+    }
+    // Too few samples per step for the workers.
+    let job = dir.join("job.toml");
+    std::fs::write(
+        &job,
+        "name = \"x\"\n[train]\nmodel = \"mlp\"\ndataset = \"digits\"\nglobal_batch = 2\nsteps = 5\nlr = 0.1\n",
+    )
+    .expect("write job");
+    let out = shoal().args(["run", "-n", "4"]).arg(&job).output().expect("run");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("global_batch"));
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+const RESUME_JOB: &str = r#"
+name = "resume-test"
+[train]
+dataset = "digits"
+global_batch = 32
+steps = 3000
+seed = 5
+optimizer = "adamw"
+lr = 2e-3
+warmup_steps = 10
+log_every = 1000
+[train.model]
+kind = "mlp"
+hidden = [256, 256]
+[checkpoint]
+every = 50
+keep = 3
+"#;
+
+#[test]
+fn a_killed_run_resumes_bit_for_bit_and_at_another_world_size() {
+    let dir = tmpdir("resume");
+    let job = dir.join("job.toml");
+    std::fs::write(&job, RESUME_JOB).expect("write job");
+    let (a, b) = (dir.join("a"), dir.join("b"));
+    // The uninterrupted run.
+    run_json(&["run", "-n", "2", "--json", "--output", a.to_str().unwrap_or(""), job.to_str().unwrap_or("")]);
+    let want = losses(&a.join("metrics.jsonl"));
+    // The same run, killed (SIGKILL to the launcher) once a checkpoint exists.
+    let mut child = shoal()
+        .args(["run", "-n", "2", "--output"])
+        .arg(&b)
+        .arg(&job)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start run");
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !b.join("checkpoints/step-000100/manifest.json").exists() {
+        assert!(Instant::now() < deadline, "no checkpoint appeared");
+        assert!(child.try_wait().ok().flatten().is_none(), "the run ended before it could be killed");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    let s = run_json(&[
+        "run",
+        "-n",
+        "2",
+        "--json",
+        "--resume",
+        "--output",
+        b.to_str().unwrap_or(""),
+        job.to_str().unwrap_or(""),
+    ]);
+    let from = s["resumed_from"].as_u64().expect("resumed_from");
+    assert!(from >= 100, "resumed from step {from}");
+    let got: Vec<(u64, f64)> = losses(&b.join("metrics.jsonl")).into_iter().filter(|(st, _)| *st > from).collect();
+    let expect: Vec<(u64, f64)> = want.iter().copied().filter(|(st, _)| *st > from).collect();
+    assert_eq!(got.len(), expect.len());
+    for ((s1, l1), (s2, l2)) in got.iter().zip(&expect) {
+        assert_eq!(s1, s2);
+        assert_eq!(l1.to_bits(), l2.to_bits(), "step {s1}: resumed loss {l1} != uninterrupted {l2}");
+    }
+    // Corrupt the newest checkpoint: resuming falls back to the previous one, naming the file.
+    let ckpts = b.join("checkpoints");
+    let mut steps: Vec<PathBuf> = std::fs::read_dir(&ckpts).expect("checkpoints").flatten().map(|e| e.path()).collect();
+    steps.sort();
+    let newest = steps.last().expect("a checkpoint").clone();
+    let model = newest.join("model.safetensors");
+    let len = std::fs::metadata(&model).expect("model file").len();
+    std::fs::OpenOptions::new().write(true).open(&model).and_then(|f| f.set_len(len / 2)).expect("truncate");
+    // Resume at another world size (1 worker, same global batch) from the fallback.
+    let out = shoal()
+        .args(["run", "-n", "1", "--json", "--resume", "--output"])
+        .arg(&b)
+        .arg(&job)
+        .output()
+        .expect("resume at 1 worker");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("model.safetensors"), "the skipped file must be named: {err}");
+    let s: serde_json::Value = serde_json::from_slice(&out.stdout).expect("summary");
+    assert_eq!(s["world_size"], 1);
+    let from1 = s["resumed_from"].as_u64().expect("resumed_from");
+    assert!(from1 > 0 && from1 < 3000, "resumed from {from1}");
+    let final_a = want.last().map(|x| x.1).unwrap_or(f64::NAN);
+    let final_1 = s["final_loss"].as_f64().expect("final loss");
+    assert!((final_a - final_1).abs() < 0.05, "1-worker resume ends at {final_1}, the 2-worker run at {final_a}");
+    let _ = std::fs::remove_dir_all(dir);
+}
