@@ -214,7 +214,7 @@ impl Model for Gpt {
             let y = att.matmul(&v)?.transpose(1, 2)?.contiguous()?.reshape((b, t, w))?;
             x = (x + apply_linear(&y, &blk.proj)?)?;
             let h = layer_norm(&x, &blk.ln2)?;
-            x = (x + apply_linear(&apply_linear(&h, &blk.fc)?.gelu()?, &blk.out)?)?;
+            x = (x + apply_linear(&apply_linear(&h, &blk.fc)?.gelu_erf()?, &blk.out)?)?;
         }
         let x = layer_norm(&x, &self.ln_f)?;
         apply_linear(&x, &self.head)?.reshape((b * t, self.cfg.vocab))

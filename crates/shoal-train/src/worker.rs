@@ -51,6 +51,9 @@ pub struct Summary {
     pub eval_loss: f64,
     pub eval_accuracy: Option<f64>,
     pub eval_perplexity: Option<f64>,
+    /// Text: cross-entropy (nats per token) on the eval set of a unigram model
+    /// fitted on the training tokens — the baseline a language model must beat.
+    pub baseline_loss: Option<f64>,
     pub samples_per_s: f64,
     pub comm_bytes: u64,
     pub step_time: StepTime,
@@ -167,6 +170,31 @@ fn tensors_of(named: impl IntoIterator<Item = (String, Tensor)>) -> Result<Vec<T
         .into_iter()
         .map(|(n, t)| Ok(TensorData::new(n, t.dims().to_vec(), t.flatten_all()?.to_vec1::<f32>()?)))
         .collect()
+}
+
+/// Cross-entropy on `eval` of the add-one-smoothed unigram distribution of `train`'s target tokens.
+pub fn unigram_baseline(train: &dyn Dataset, eval: &dyn Dataset, vocab: usize) -> Result<f64> {
+    let mut counts = vec![1f64; vocab.max(1)];
+    for i in 0..train.len() {
+        if let shoal_data::Label::Tokens(ys) = train.get(i)?.label {
+            for y in ys {
+                if let Some(c) = counts.get_mut(y as usize) {
+                    *c += 1.0;
+                }
+            }
+        }
+    }
+    let total: f64 = counts.iter().sum();
+    let (mut nll, mut n) = (0f64, 0f64);
+    for i in 0..eval.len() {
+        if let shoal_data::Label::Tokens(ys) = eval.get(i)?.label {
+            for y in ys {
+                nll -= (counts.get(y as usize).copied().unwrap_or(1.0) / total).ln();
+                n += 1.0;
+            }
+        }
+    }
+    Ok(nll / n.max(1.0))
 }
 
 /// Runs this process's rank of `spec`; rank 0 returns the summary.
@@ -392,6 +420,8 @@ pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
     }
     let (eval_loss, eval_acc) = evaluate(model.as_ref(), eval.as_ref(), &comm, micro, t.eval_batches)?;
     let text = t.model.kind == ModelKind::Gpt;
+    let baseline_loss =
+        if text && rank == 0 { Some(unigram_baseline(train.as_ref(), eval.as_ref(), t.model.vocab())?) } else { None };
     let summary = Summary {
         name: spec.name.clone(),
         model: format!("{:?}", t.model.kind).to_lowercase(),
@@ -403,6 +433,7 @@ pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
         eval_loss,
         eval_accuracy: (!text).then_some(eval_acc),
         eval_perplexity: text.then(|| eval_loss.exp()),
+        baseline_loss,
         samples_per_s: samples_seen as f64 / train_s.max(1e-9),
         comm_bytes: comm.bytes_sent(),
         step_time: StepTime {

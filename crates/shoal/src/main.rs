@@ -81,6 +81,14 @@ fn main() -> std::process::ExitCode {
 }
 
 fn worker(job: &std::path::Path, output: std::path::PathBuf, resume: bool) -> Result<bool> {
+    // Tensors of a training step are allocated and freed every step. Keep freed
+    // memory in the process instead of returning it to the kernel, so the next
+    // step does not pay a page fault and a zeroed page for every fresh buffer.
+    // SAFETY: mallopt only changes glibc's allocation thresholds.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 256 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 512 << 20);
+    }
     let spec = shoal_train::spec::load_job(job).map_err(|e| anyhow::anyhow!("{e}"))?;
     shoal_train::worker::run(&spec, &shoal_train::worker::WorkerOptions { output, resume })?;
     Ok(true)

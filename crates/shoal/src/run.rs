@@ -168,7 +168,13 @@ pub fn run_job(n: usize, job: &Path, output: Option<&Path>, resume: bool, json: 
         println!("  eval accuracy {:.2}%", a * 100.0);
     }
     if let Some(p) = s.eval_perplexity {
-        println!("  eval perplexity {p:.2} (a byte-level unigram model: see `baseline` in summary.json)");
+        match s.baseline_loss {
+            Some(b) => println!(
+                "  eval perplexity {p:.2}; a unigram model of the training text: loss {b:.4}, perplexity {:.2}",
+                b.exp()
+            ),
+            None => println!("  eval perplexity {p:.2}"),
+        }
     }
     println!(
         "  {:.0} samples/s; step medians: data {:.2} ms, compute {:.2} ms, comm {:.2} ms, optimizer {:.2} ms",

@@ -206,3 +206,45 @@ fn a_killed_run_resumes_bit_for_bit_and_at_another_world_size() {
     assert!((final_a - final_1).abs() < 0.05, "1-worker resume ends at {final_1}, the 2-worker run at {final_a}");
     let _ = std::fs::remove_dir_all(dir);
 }
+
+#[test]
+fn a_small_gpt_beats_the_unigram_baseline_on_real_text() {
+    let dir = tmpdir("gpt");
+    let job = dir.join("gpt.toml");
+    std::fs::write(
+        &job,
+        r#"
+name = "gpt-test"
+[train]
+dataset = "cicero"
+global_batch = 32
+steps = 400
+seed = 1
+optimizer = "adamw"
+lr = 5e-3
+warmup_steps = 20
+log_every = 1000
+[train.model]
+kind = "gpt"
+layers = 1
+heads = 4
+width = 64
+context = 32
+"#,
+    )
+    .expect("write job");
+    let s = run_json(&[
+        "run",
+        "-n",
+        "2",
+        "--json",
+        "--output",
+        dir.join("out").to_str().unwrap_or(""),
+        job.to_str().unwrap_or(""),
+    ]);
+    let (eval, base) =
+        (s["eval_loss"].as_f64().expect("eval_loss"), s["baseline_loss"].as_f64().expect("baseline_loss"));
+    assert!(eval < base - 0.3, "the GPT (eval loss {eval}) must clearly beat the unigram baseline ({base})");
+    assert!(s["eval_perplexity"].as_f64().is_some());
+    let _ = std::fs::remove_dir_all(dir);
+}
