@@ -108,7 +108,8 @@ fn datasets(json: bool) -> Result<bool> {
     Ok(true)
 }
 
-/// The demo: all-reduce checked element by element over shared memory and TCP.
+/// The demo: all-reduce checked element by element over shared memory and TCP,
+/// then an MLP trained data-parallel on the handwritten digits by two workers.
 fn demo() -> Result<bool> {
     let mut ok = true;
     for transport in ["shm", "tcp"] {
@@ -127,5 +128,15 @@ fn demo() -> Result<bool> {
         };
         ok &= bench::run_bench(bench::BenchOp::Allreduce, &args)?;
     }
+    let dir = std::env::temp_dir().join(format!("shoal-demo-{}", std::process::id()));
+    let job = dir.join("mlp_digits.toml");
+    std::fs::create_dir_all(&dir)?;
+    std::fs::write(&job, DEMO_JOB)?;
+    println!();
+    let code = run::run_job(2, &job, Some(&dir.join("run")), false, false)?;
+    ok &= code == std::process::ExitCode::SUCCESS;
     Ok(ok)
 }
+
+/// The demo's training job (the same as `examples/mlp_digits.toml`).
+const DEMO_JOB: &str = include_str!("../../../examples/mlp_digits.toml");
