@@ -4,8 +4,11 @@
 //!
 //! - all-reduce: ring (reduce-scatter then all-gather, `2(n-1)/n` of the buffer on
 //!   the wire per rank), recursive doubling (`log2 n` rounds, for small messages;
-//!   non-powers of two fold the extra ranks in first), hierarchical (reduce inside
-//!   each host, ring among one leader per host, broadcast inside each host).
+//!   non-powers of two fold the extra ranks in first), Rabenseifner halving-doubling
+//!   (`rhd`: reduce-scatter by recursive halving, all-gather by recursive doubling;
+//!   `2(n-1)/n` of the buffer like the ring but `2 log2 n` steps instead of
+//!   `2(n-1)`), hierarchical (reduce inside each host, ring among one leader per
+//!   host, broadcast inside each host).
 //! - broadcast: binomial tree (small), pipelined chain in chunks (large).
 //! - reduce: binomial tree (small), ring reduce-scatter + gather at the root (large).
 //! - all-gather, reduce-scatter: ring. barrier: dissemination (`ceil(log2 n)` rounds
@@ -13,7 +16,23 @@
 //!
 //! Every rank ends an all-reduce with identical bits: in the ring each segment is
 //! reduced on one rank and then copied, and recursive doubling combines the same
-//! pair of partial results on both sides with a commutative operator.
+//! pair of partial results on both sides with a commutative operator; in
+//! halving-doubling, as in the ring, each block is reduced on one rank and copied.
+//!
+//! `Algo::Auto` for all-reduce: up to `small_bytes` recursive doubling; ranks on
+//! several hosts (but not one per host) hierarchical; otherwise halving-doubling
+//! when every link is shared memory (`Shm`/`InProc`), there are at least 3 ranks
+//! and the buffer is at most [`RHD_MAX_BYTES`] (1 MiB); the ring for the rest.
+//! Measured on a 2-core machine, 3 alternating A/B rounds of `shoal bench allreduce
+//! --algo ring|rhd`, medians in microseconds ring/rhd: shm 4 ranks 64 KiB 100/48,
+//! 256 KiB 151/129, 1 MiB 434/394, 4 MiB 2670/3063; shm 3 ranks 256 KiB 109/72,
+//! 1 MiB 321/285; fewer synchronisation steps pay off while a step costs more
+//! than its bytes, and the ring's smaller, better-pipelined messages win beyond.
+//! Over TCP rhd won no size consistently (4 ranks: 256 KiB 600/605, 1 MiB
+//! 2100/3024, 16 MiB 34730/47318; its first and last steps move half the buffer
+//! in one message, which goes to the sender thread above 256 KiB while the ring's
+//! quarter-buffer steps are written inline), and with 2 ranks the two are the same
+//! exchange; so those keep the ring.
 
 use std::ops::Range;
 
@@ -21,7 +40,11 @@ use crate::chunk::{bytes, chunk_count, chunk_range, segment, split_pair};
 use crate::comm::{Algo, Communicator, Hier, Pending};
 use crate::dtype::{DType, Element, ReduceOp, finish_avg, reduce_bytes};
 use crate::error::{Error, Result};
-use crate::transport::OpCtx;
+use crate::transport::{OpCtx, TransportKind};
+
+/// Largest all-reduce for which `Algo::Auto` picks halving-doubling (shared memory,
+/// 3 or more ranks); see the module docs for the measurements.
+pub const RHD_MAX_BYTES: usize = 1 << 20;
 
 /// Chunk of the pipelined broadcast chain.
 const BCAST_CHUNK: usize = 512 << 10;
@@ -86,12 +109,19 @@ impl Communicator {
                     Algo::Tree
                 } else if hosts > 1 && hosts < self.size() {
                     Algo::Hier
+                } else if self.size() >= 3 && len <= RHD_MAX_BYTES && self.all_links_shared_memory() {
+                    Algo::HalvingDoubling
                 } else {
                     Algo::Ring
                 }
             }
             a => a,
         }
+    }
+
+    /// True when no link of this rank goes over TCP.
+    fn all_links_shared_memory(&self) -> bool {
+        (0..self.size()).all(|q| !matches!(self.link_kind(q), Some(TransportKind::Tcp)))
     }
 
     fn host_count(&self) -> usize {
@@ -166,6 +196,7 @@ impl Communicator {
             match self.choose_all_reduce(buf.len(), algo) {
                 Algo::Tree => self.rd_all_reduce(ctx, buf, dtype, comb)?,
                 Algo::Hier => self.hier_all_reduce(buf, dtype, comb)?,
+                Algo::HalvingDoubling => self.rhd_all_reduce(ctx, buf, dtype, comb)?,
                 _ => self.ring_all_reduce(ctx, buf, dtype, comb)?,
             }
             if op == ReduceOp::Avg {
@@ -265,6 +296,92 @@ impl Communicator {
         })?
     }
 
+    /// Rabenseifner: reduce-scatter by recursive halving, then all-gather by
+    /// recursive doubling, over the largest power of two `p <= n` ranks (the extra
+    /// ranks fold in first and get the result back at the end, as in
+    /// [`Self::rd_all_reduce`]). The elements are split into `p` blocks
+    /// ([`segment`] of the element count); at halving step `m = p/2, ..., 1` a
+    /// virtual rank `v` keeps the half of its current window of blocks on its side
+    /// of bit `m`, sends the other half to `v ^ m` and reduces the partner's copy of
+    /// the kept half straight into `buf` as it arrives. Afterwards `v` holds block
+    /// `v` fully reduced; each block is reduced on exactly one rank and then only
+    /// copied, so every rank ends with identical bits. The doubling steps run in
+    /// reverse, each exchanging the whole current window. No scratch is needed:
+    /// the half sent and the half received never overlap.
+    fn rhd_all_reduce(&self, ctx: &OpCtx, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+        let (n, r) = (self.size(), self.rank());
+        let p = 1usize << (usize::BITS - 1 - n.leading_zeros());
+        let extra = n - p;
+        let len = buf.len();
+        let (es, count) = (dtype.size(), len / dtype.size());
+        // Fold: among the first 2*extra ranks, odd ones give their data to the even one below.
+        let vrank = if r < 2 * extra {
+            if r % 2 == 1 {
+                self.xchg(ctx, Some((r - 1, buf)), None)?;
+                None
+            } else {
+                let mut sink = reduce_sink(buf, dtype, op);
+                self.xchg(ctx, None, Some((r + 1, len, &mut sink)))?;
+                Some(r / 2)
+            }
+        } else {
+            Some(r - extra)
+        };
+        if let Some(v) = vrank {
+            let real = |v: usize| if v < extra { v * 2 } else { v + extra };
+            // Byte range of blocks `a..b` (the start of block i is `segment(count, p, i).start`).
+            let (base, rem) = (count / p, count % p);
+            let start = |i: usize| (i * base + i.min(rem)) * es;
+            let blocks = |a: usize, b: usize| start(a)..start(b);
+            // Reduce-scatter: the window [lo, lo + 2m) halves at every step.
+            let mut lo = 0;
+            let mut m = p / 2;
+            while m > 0 {
+                let partner = real(v ^ m);
+                let (keep, give) = if v & m == 0 {
+                    (blocks(lo, lo + m), blocks(lo + m, lo + 2 * m))
+                } else {
+                    (blocks(lo + m, lo + 2 * m), blocks(lo, lo + m))
+                };
+                if v & m != 0 {
+                    lo += m;
+                }
+                if !(keep.is_empty() && give.is_empty()) {
+                    let (sb, rb) = split_pair(buf, give, keep);
+                    let rlen = rb.len();
+                    let mut sink = reduce_sink(rb, dtype, op);
+                    self.xchg(ctx, Some((partner, sb)), Some((partner, rlen, &mut sink)))?;
+                }
+                m >>= 1;
+            }
+            // All-gather: the window [lo, lo + m) doubles at every step.
+            let mut m = 1;
+            while m < p {
+                let partner = real(v ^ m);
+                let theirs = lo ^ m;
+                let (mine, other) = (blocks(lo, lo + m), blocks(theirs, theirs + m));
+                if !(mine.is_empty() && other.is_empty()) {
+                    let (sb, rb) = split_pair(buf, mine, other);
+                    let rlen = rb.len();
+                    let mut sink = copy_sink(rb);
+                    self.xchg(ctx, Some((partner, sb)), Some((partner, rlen, &mut sink)))?;
+                }
+                lo &= !m;
+                m <<= 1;
+            }
+        }
+        // Unfold: hand the result back to the ranks that folded.
+        if r < 2 * extra {
+            if r % 2 == 1 {
+                let mut sink = copy_sink(buf);
+                self.xchg(ctx, None, Some((r - 1, len, &mut sink)))?;
+            } else {
+                self.xchg(ctx, Some((r + 1, buf)), None)?;
+            }
+        }
+        Ok(())
+    }
+
     fn hier(&self) -> Result<&Hier> {
         let h = self.inner.hier.get_or_init(|| {
             (|| -> Result<Hier> {
@@ -323,8 +440,10 @@ impl Communicator {
                 return Ok(());
             }
             let algo = match self.inner.cfg.algo {
-                Algo::Auto | Algo::Hier if buf.len() <= self.inner.cfg.small_bytes => Algo::Tree,
-                Algo::Auto | Algo::Hier => Algo::Ring,
+                Algo::Auto | Algo::Hier | Algo::HalvingDoubling if buf.len() <= self.inner.cfg.small_bytes => {
+                    Algo::Tree
+                }
+                Algo::Auto | Algo::Hier | Algo::HalvingDoubling => Algo::Ring,
                 a => a,
             };
             if algo == Algo::Tree { self.tree_broadcast(ctx, buf, root) } else { self.chain_broadcast(ctx, buf, root) }

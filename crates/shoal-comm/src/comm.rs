@@ -64,6 +64,12 @@ pub enum Algo {
     Tree,
     /// Reduce inside each host over shared memory, ring across hosts, broadcast inside each host.
     Hier,
+    /// All-reduce only (Rabenseifner): reduce-scatter by recursive halving, then
+    /// all-gather by recursive doubling. Bandwidth-optimal like the ring (each rank
+    /// sends `2(n-1)/n` of the buffer, `n` a power of two) in `2 log2 n` steps
+    /// instead of `2(n-1)`; non-powers of two fold the extra ranks in first. Other
+    /// collectives choose as under [`Algo::Auto`]. Name: `rhd`.
+    HalvingDoubling,
 }
 
 impl Algo {
@@ -73,6 +79,7 @@ impl Algo {
             Algo::Ring => "ring",
             Algo::Tree => "tree",
             Algo::Hier => "hier",
+            Algo::HalvingDoubling => "rhd",
         }
     }
 }
@@ -85,9 +92,10 @@ impl std::str::FromStr for Algo {
             "ring" => Algo::Ring,
             "tree" => Algo::Tree,
             "hier" => Algo::Hier,
+            "rhd" => Algo::HalvingDoubling,
             _ => {
                 return Err(Error::InvalidArgument(format!(
-                    "unknown algorithm {s:?} (expected auto, ring, tree or hier)"
+                    "unknown algorithm {s:?} (expected auto, ring, tree, hier or rhd)"
                 )));
             }
         })

@@ -59,6 +59,7 @@ fn steady_state_allocations(t: TransportChoice) -> u64 {
                     COUNTING.with(|k| k.set(count));
                     c.all_reduce_with(&mut big, ReduceOp::Avg, Algo::Ring).expect("ring");
                     c.all_reduce_with(&mut small, ReduceOp::Max, Algo::Tree).expect("tree");
+                    c.all_reduce_with(&mut big, ReduceOp::Sum, Algo::HalvingDoubling).expect("rhd");
                     c.broadcast(&mut big, 1).expect("broadcast");
                     c.broadcast(&mut small, 2).expect("small broadcast");
                     c.reduce(&mut big, ReduceOp::Sum, 0).expect("reduce");

@@ -55,7 +55,7 @@ pub struct BenchArgs {
     /// tcp, shm or auto.
     #[arg(long, default_value = "auto")]
     pub transport: String,
-    /// ring, tree, hier or auto.
+    /// ring, tree, rhd (recursive halving-doubling), hier or auto.
     #[arg(long, default_value = "auto")]
     pub algo: String,
     /// Comma-separated sizes in bytes, with units B, KiB, MiB, GiB.

@@ -112,7 +112,8 @@ fn run(args: &RunArgs) -> Result<ExitCode> {
         (None, false) if args.resume => bail!("--resume applies to job files, not to `-- CMD`"),
         (None, false) => {
             let program = resolve_program(&args.command[0])?;
-            let opts = RunOptions { ranks: args.ranks, output: args.output.clone(), grace, json: args.json };
+            let opts =
+                RunOptions { ranks: args.ranks, output: args.output.clone(), grace, json: args.json, progress: false };
             run_ranks(&program, &args.command[1..], &[], &opts)
         }
     }
@@ -131,7 +132,10 @@ pub fn run_job(n: usize, job: &Path, output: Option<&Path>, resume: bool, json: 
         args.push("--resume".into());
     }
     args.push(job.display().to_string());
-    let opts = RunOptions { ranks: n, output: Some(out.clone()), grace: Duration::from_secs(10), json: false };
+    use std::io::IsTerminal;
+    let progress = !json && std::io::stderr().is_terminal();
+    let opts =
+        RunOptions { ranks: n, output: Some(out.clone()), grace: Duration::from_secs(10), json: false, progress };
     if !json {
         eprintln!(
             "shoal run: {} ({} on {}, {} steps) with {n} worker{} -> {}",
@@ -195,6 +199,26 @@ pub struct RunOptions {
     pub output: Option<PathBuf>,
     pub grace: Duration,
     pub json: bool,
+    /// Show rank 0's `step N/M loss L ...` lines as a progress bar (on a terminal).
+    pub progress: bool,
+}
+
+/// Parses a worker's progress line `step N/M loss L ...`.
+fn parse_step(text: &str) -> Option<(u64, u64, String)> {
+    let rest = text.trim_start().strip_prefix("step")?.trim_start();
+    let (frac, tail) = rest.split_once(' ').unwrap_or((rest, ""));
+    let (n, m) = frac.split_once('/')?;
+    Some((n.trim().parse().ok()?, m.trim().parse().ok()?, tail.trim().to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn progress_lines_parse() {
+        assert_eq!(super::parse_step("step     12/600 loss 0.5 lr 1e-3"), Some((12, 600, "loss 0.5 lr 1e-3".into())));
+        assert_eq!(super::parse_step("eval at step 3: loss 1"), None);
+        assert_eq!(super::parse_step("step x/y"), None);
+    }
 }
 
 /// Finds `name` the way `execvp` will (a name with a `/` is a path; otherwise
@@ -270,7 +294,26 @@ pub fn run_ranks(program: &Path, args: &[String], env: &[(String, String)], opts
     let policy = Policy { on_failure: OnFailure::Terminate, interrupt_grace: opts.grace };
     let started = Instant::now();
     let mut log_error: Option<String> = None;
+    let bar = opts.progress.then(|| {
+        let b = indicatif::ProgressBar::new(0);
+        b.set_style(
+            indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} steps  {msg}  [{elapsed_precise} < {eta}]")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        b
+    });
     let outcome = launch_with(&spec, policy, |line| {
+        if let (Some(b), 0, true) = (&bar, line.rank, line.stderr) {
+            if let Some((n, m, msg)) = parse_step(&line.text) {
+                if let Some(log) = logs.get_mut(0) {
+                    let _ = writeln!(log, "{}", line.text);
+                }
+                b.set_length(m);
+                b.set_position(n);
+                b.set_message(msg);
+                return;
+            }
+        }
         // Write errors (a closed pipe, a full disk) must not stop supervision.
         if let Some(log) = logs.get_mut(line.rank)
             && let Err(e) = writeln!(log, "{}", line.text)
@@ -278,12 +321,22 @@ pub fn run_ranks(program: &Path, args: &[String], env: &[(String, String)], opts
         {
             log_error = Some(format!("writing the log of rank {}: {e}", line.rank));
         }
-        if line.stderr || opts.json {
-            let _ = writeln!(std::io::stderr().lock(), "[rank {}] {}", line.rank, line.text);
-        } else {
-            let _ = writeln!(std::io::stdout().lock(), "[rank {}] {}", line.rank, line.text);
+        let print = || {
+            if line.stderr || opts.json {
+                let _ = writeln!(std::io::stderr().lock(), "[rank {}] {}", line.rank, line.text);
+            } else {
+                let _ = writeln!(std::io::stdout().lock(), "[rank {}] {}", line.rank, line.text);
+            }
+        };
+        match &bar {
+            // Lines go above the bar, not through it.
+            Some(b) => b.suspend(print),
+            None => print(),
         }
     })?;
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
     let elapsed = started.elapsed();
     for log in &mut logs {
         let _ = log.flush();

@@ -77,7 +77,7 @@ fn check_all_ops(n: usize, t: TransportChoice) {
         for dtype in DType::ALL {
             for op in ReduceOp::ALL {
                 for len in LENGTHS {
-                    for algo in [Algo::Ring, Algo::Tree, Algo::Hier, Algo::Auto] {
+                    for algo in [Algo::Ring, Algo::Tree, Algo::Hier, Algo::HalvingDoubling, Algo::Auto] {
                         let mut buf = input(dtype, op, r, len);
                         c.all_reduce_bytes(&mut buf, dtype, op, algo)
                             .map_err(|e| format!("all_reduce {dtype} {op:?} {len} {algo:?}: {e}"))?;
