@@ -197,6 +197,21 @@ pub fn unigram_baseline(train: &dyn Dataset, eval: &dyn Dataset, vocab: usize) -
     Ok(nll / n.max(1.0))
 }
 
+/// A checkpoint being copied out of the model on a background thread.
+type Snapshot = std::thread::JoinHandle<Result<(u64, Vec<TensorData>, Vec<TensorData>, ManifestMeta)>>;
+
+/// Waits for a pending snapshot and hands it to the saver; returns the seconds waited.
+fn submit_snapshot(snapshot: &mut Option<Snapshot>, saver: Option<&mut AsyncSaver>) -> Result<f64> {
+    let Some(h) = snapshot.take() else { return Ok(0.0) };
+    let t0 = Instant::now();
+    let (step, model, optimizer, meta) =
+        h.join().map_err(|_| Error::Checkpoint("the checkpoint copy thread panicked".into()))??;
+    if let Some(saver) = saver {
+        saver.submit(step, model, optimizer, meta).map_err(|e| Error::Checkpoint(e.to_string()))?;
+    }
+    Ok(t0.elapsed().as_secs_f64())
+}
+
 /// Runs this process's rank of `spec`; rank 0 returns the summary.
 pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
     let started = Instant::now();
@@ -283,6 +298,7 @@ pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
     let mut saver = (rank == 0).then(|| AsyncSaver::new(ckpt_dir.clone(), spec.checkpoint.keep.max(1)));
     let (mut checkpoints, mut stall_s, mut last_mb_s) = (0usize, 0f64, None);
     let mut sampler_state = sampler.state();
+    let mut snapshot: Option<Snapshot> = None;
 
     if rank == 0 {
         std::fs::create_dir_all(&opts.output)
@@ -346,6 +362,7 @@ pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
             compute_s += c0.elapsed().as_secs_f64();
         }
         let lr = learning_rate(step, t.steps, t.lr, t.warmup_steps, t.min_lr, t.schedule == Schedule::Cosine);
+        stall_s += submit_snapshot(&mut snapshot, saver.as_mut())?;
         let times = trainer.step(lr)?;
         // The global loss: this rank's weighted share, summed over ranks.
         let c1 = Instant::now();
@@ -385,11 +402,16 @@ pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
         }
         let every = spec.checkpoint.every;
         if (every > 0 && (step + 1) % every == 0) || step + 1 == t.steps {
-            if let Some(saver) = saver.as_mut() {
+            if saver.is_some() {
+                // The step loop pays only for cheap handles here: the copy into
+                // plain buffers runs on a thread while the next step computes,
+                // and is joined before the next optimizer update changes the
+                // parameters (optimizer state tensors are replaced, never mutated).
                 let s0 = Instant::now();
                 let params = trainer.params();
-                let model_t = tensors_of(params.vars().iter().map(|(n, v)| (n.clone(), v.as_tensor().clone())))?;
-                let opt_t = tensors_of(trainer.optimizer().state(params))?;
+                let model_h: Vec<(String, Tensor)> =
+                    params.vars().iter().map(|(n, v)| (n.clone(), v.as_tensor().clone())).collect();
+                let opt_h = trainer.optimizer().state(params);
                 let meta = ManifestMeta {
                     epoch: sampler_state.epoch,
                     sampler: serde_json::to_value(sampler_state).map_err(|e| Error::Checkpoint(e.to_string()))?,
@@ -398,7 +420,8 @@ pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
                     strategy: "ddp".into(),
                     extra: serde_json::json!({ "optimizer_t": trainer.optimizer().t, "loss": last_loss }),
                 };
-                saver.submit((step + 1) as u64, model_t, opt_t, meta).map_err(|e| Error::Checkpoint(e.to_string()))?;
+                let at = (step + 1) as u64;
+                snapshot = Some(std::thread::spawn(move || Ok((at, tensors_of(model_h)?, tensors_of(opt_h)?, meta))));
                 stall_s += s0.elapsed().as_secs_f64();
                 checkpoints += 1;
             }
@@ -410,6 +433,7 @@ pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
             }
         }
     }
+    stall_s += submit_snapshot(&mut snapshot, saver.as_mut())?;
     let train_s = train_started.elapsed().as_secs_f64();
     if let Some(saver) = saver.as_mut() {
         if let Some(stats) =
