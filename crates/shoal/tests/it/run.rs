@@ -284,7 +284,7 @@ fn bad_input_is_reported_before_anything_starts() {
     for (args, needle) in [
         (vec!["-n", "0", "--", "true"], "at least 1"),
         (vec!["-n", "2", "--timeout-grace", "soon", "--", "true"], "soon"),
-        (vec!["-n", "2", "job.toml"], "job files need the training runtime"),
+        (vec!["-n", "2", "no-such-job.toml"], "no-such-job.toml"),
         (vec!["-n", "2", "train.py"], "--"),
         (vec!["-n", "2"], "nothing to run"),
         (vec!["-n", "2", "--resume", "--", "true"], "--resume"),
