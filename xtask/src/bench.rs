@@ -340,7 +340,7 @@ fn indent(s: &str) -> String {
     s.lines().map(|l| format!("      {l}")).collect::<Vec<_>>().join("\n")
 }
 
-fn shoal_binary(explicit: Option<&Path>) -> Option<PathBuf> {
+pub fn shoal_binary(explicit: Option<&Path>) -> Option<PathBuf> {
     if let Some(p) = explicit {
         return Some(p.to_path_buf());
     }

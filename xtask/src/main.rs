@@ -1,6 +1,7 @@
 //! Project automation for Shoal: `cargo xtask <command>`. See xtask/README.md.
 
 mod bench;
+mod ddp;
 mod idle;
 mod limits;
 mod setup;
@@ -22,6 +23,8 @@ enum Cmd {
     SetupPeers(setup::SetupArgs),
     /// Shoal's all-reduce side by side with Open MPI and Gloo, plus the machine's limits.
     BenchVsPeers(bench::BenchArgs),
+    /// Data-parallel training throughput (MLP on synthetic data): ours vs PyTorch and PyTorch DDP (Gloo).
+    BenchDdp(ddp::DdpArgs),
     /// Only the physical limits: memcpy (1 thread) and loopback TCP both ways.
     Limits,
 }
@@ -30,6 +33,7 @@ fn main() -> Result<()> {
     match Cli::parse().cmd {
         Cmd::SetupPeers(a) => setup::setup_peers(&a),
         Cmd::BenchVsPeers(a) => bench::bench_vs_peers(a),
+        Cmd::BenchDdp(a) => ddp::bench_ddp(a),
         Cmd::Limits => {
             let l = limits::measure()?;
             println!("memcpy, 1 thread, 256 MiB (best of 10):  {:.2} GB/s", l.memcpy_1t_gbps);
