@@ -69,6 +69,24 @@ pub struct Trainer {
     acc: Option<Vec<f32>>,
     /// Buckets of the current step, each with the parameter indices it holds (reverse order).
     buckets: Vec<(Vec<usize>, Bucket)>,
+    /// Gradients kept as tensors when there is nothing to reduce.
+    direct: Option<Vec<Tensor>>,
+}
+
+/// Appends a tensor's values to `out` with one copy (straight from its storage
+/// when it is a contiguous f32 CPU tensor).
+fn append_f32(out: &mut Vec<f32>, t: &Tensor) -> Result<()> {
+    let t = t.contiguous()?;
+    let (storage, layout) = t.storage_and_layout();
+    if let (candle_core::Storage::Cpu(cpu), Some((a, b))) = (&*storage, layout.contiguous_offsets()) {
+        if let Ok(s) = cpu.as_slice::<f32>() {
+            out.extend_from_slice(&s[a..b]);
+            return Ok(());
+        }
+    }
+    drop(storage);
+    out.extend(t.flatten_all()?.to_vec1::<f32>()?);
+    Ok(())
 }
 
 impl std::fmt::Debug for Trainer {
@@ -87,7 +105,7 @@ impl Trainer {
             params.load_flat(&flat)?;
         }
         let opt = Optimizer::new(cfg.optimizer, &params);
-        Ok(Trainer { params, comm, opt, cfg, acc: None, buckets: Vec::new() })
+        Ok(Trainer { params, comm, opt, cfg, acc: None, buckets: Vec::new(), direct: None })
     }
 
     pub fn params(&self) -> &Params {
@@ -140,6 +158,18 @@ impl Trainer {
         }
         let acc = self.acc.take();
         let comm = self.comm.clone().filter(|c| c.size() > 1);
+        if comm.is_none() && acc.is_none() {
+            // One worker, one micro-batch: nothing to reduce, keep the tensors.
+            let direct = vars
+                .iter()
+                .map(|(_, v)| match grads.as_ref().and_then(|g| g.get(v.as_tensor())) {
+                    Some(g) => Ok(g.detach().contiguous()?),
+                    None => Ok(v.as_tensor().zeros_like()?),
+                })
+                .collect::<Result<Vec<_>>>()?;
+            self.direct = Some(direct);
+            return Ok(());
+        }
         let per_bucket = (self.cfg.bucket_bytes / 4).max(1);
         let mut cur: Vec<f32> = Vec::new();
         let mut members: Vec<usize> = Vec::new();
@@ -153,13 +183,16 @@ impl Trainer {
             buckets.push((m, b));
         };
         for i in (0..vars.len()).rev() {
-            let mut g = grad_of(i)?;
+            let start = cur.len();
+            match grads.as_ref().and_then(|g| g.get(vars[i].1.as_tensor())) {
+                Some(g) => append_f32(&mut cur, g)?,
+                None => cur.resize(start + vars[i].1.elem_count(), 0.0),
+            }
             if let Some(acc) = &acc {
-                for (x, a) in g.iter_mut().zip(&acc[offsets[i]..]) {
+                for (x, a) in cur[start..].iter_mut().zip(&acc[offsets[i]..]) {
                     *x += *a;
                 }
             }
-            cur.extend_from_slice(&g);
             members.push(i);
             if cur.len() >= per_bucket {
                 launch(&mut cur, &mut members, &mut self.buckets);
@@ -175,6 +208,14 @@ impl Trainer {
     pub fn step(&mut self, lr: f64) -> Result<StepTimes> {
         let t0 = Instant::now();
         let vars = self.params.vars();
+        if let Some(mut grads) = self.direct.take() {
+            let grad_norm = match self.cfg.clip_grad_norm {
+                Some(max) => Some(clip_grad_norm(&mut grads, max)?),
+                None => None,
+            };
+            self.opt.step(&self.params, &grads, lr)?;
+            return Ok(StepTimes { comm_s: 0.0, optimizer_s: t0.elapsed().as_secs_f64(), grad_norm });
+        }
         let mut grads: Vec<Option<Tensor>> = vec![None; vars.len()];
         for (members, b) in self.buckets.drain(..) {
             let data = match b {
