@@ -182,7 +182,7 @@ impl Communicator {
         algo: Algo,
     ) -> Result<()> {
         self.run(ticket, "all_reduce", seq, |ctx| {
-            if buf.len() % dtype.size() != 0 {
+            if !buf.len().is_multiple_of(dtype.size()) {
                 return Err(Error::InvalidArgument(format!(
                     "buffer of {} bytes is not a whole number of {dtype}",
                     buf.len()
@@ -520,7 +520,7 @@ impl Communicator {
         let (ticket, seq) = (self.ticket(), self.next_coll_seq());
         self.run(ticket, "reduce", seq, |ctx| {
             check_root(root, self.size())?;
-            if buf.len() % dtype.size() != 0 {
+            if !buf.len().is_multiple_of(dtype.size()) {
                 return Err(Error::InvalidArgument(format!(
                     "buffer of {} bytes is not a whole number of {dtype}",
                     buf.len()
@@ -693,7 +693,7 @@ impl Communicator {
     ) -> Result<()> {
         self.run(ticket, "reduce_scatter", seq, |ctx| {
             let es = dtype.size();
-            if input.len() % es != 0 {
+            if !input.len().is_multiple_of(es) {
                 return Err(Error::InvalidArgument(format!(
                     "input of {} bytes is not a whole number of {dtype}",
                     input.len()

@@ -38,7 +38,7 @@ pub fn chunks(len: usize, chunk: usize, align: usize) -> Vec<Range<usize>> {
     let align = align.max(1);
     let step = (chunk / align).max(1) * align;
     if len == 0 {
-        return vec![0..0];
+        return std::iter::once(0..0).collect();
     }
     (0..len).step_by(step).map(|s| s..(s + step).min(len)).collect()
 }

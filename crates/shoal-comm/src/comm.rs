@@ -591,13 +591,13 @@ impl Communicator {
             inner.sent.fetch_add(op.sent.load(Ordering::Relaxed), Ordering::Relaxed);
             r
         })();
-        if let Err(e) = &result {
-            if !matches!(e, Error::Closed(_) | Error::InvalidArgument(_)) {
-                if let Ok(mut c) = inner.closed.lock() {
-                    c.get_or_insert_with(|| format!("{name} #{seq} failed: {e}"));
-                }
-                tracing::debug!(comm = %inner.cfg.name, rank = inner.rank, op = name, seq, error = %e, "collective failed; communicator closed");
+        if let Err(e) = &result
+            && !matches!(e, Error::Closed(_) | Error::InvalidArgument(_))
+        {
+            if let Ok(mut c) = inner.closed.lock() {
+                c.get_or_insert_with(|| format!("{name} #{seq} failed: {e}"));
             }
+            tracing::debug!(comm = %inner.cfg.name, rank = inner.rank, op = name, seq, error = %e, "collective failed; communicator closed");
         }
         if let Ok(mut turn) = inner.turn.lock() {
             *turn += 1;

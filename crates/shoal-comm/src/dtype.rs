@@ -247,8 +247,8 @@ mod tests {
 
     #[test]
     fn unaligned_bytes_reduce_correctly() {
-        let mut dst = vec![0u8; 9];
-        let mut src = vec![0u8; 9];
+        let mut dst = [0u8; 9];
+        let mut src = [0u8; 9];
         dst[1..5].copy_from_slice(&1.5f32.to_le_bytes());
         src[1..5].copy_from_slice(&2.25f32.to_le_bytes());
         reduce_bytes(DType::F32, ReduceOp::Sum, &mut dst[1..5], &src[1..5]);

@@ -62,7 +62,7 @@ impl RingConfig {
     /// Checks the sizes; slot payloads stay 64-byte aligned so every element type
     /// can be read in place.
     pub fn validate(&self) -> Result<()> {
-        if self.slot_bytes == 0 || self.slot_bytes % 64 != 0 || self.slots < 2 || self.slots > 1 << 20 {
+        if self.slot_bytes == 0 || !self.slot_bytes.is_multiple_of(64) || self.slots < 2 || self.slots > 1 << 20 {
             return Err(Error::InvalidArgument(format!(
                 "ring slots must be a non-zero multiple of 64 bytes and at least 2 per channel (got {} x {})",
                 self.slots, self.slot_bytes
@@ -76,6 +76,9 @@ impl RingConfig {
 pub trait Region: Send + Sync + std::fmt::Debug {
     fn base(&self) -> *mut u8;
     fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 }
 
 /// A zeroed, page-aligned heap block shared by threads of one process.
@@ -539,19 +542,19 @@ impl Transport for RingTransport {
         let mut last_check = Instant::now();
         loop {
             let mut progress = false;
-            if let Some((_, p)) = pusher.as_mut() {
-                if !p.done() {
-                    let before = p.sent;
-                    progress |= p.push(op.seq);
-                    op.add_sent(p.sent - before);
-                }
+            if let Some((_, p)) = pusher.as_mut()
+                && !p.done()
+            {
+                let before = p.sent;
+                progress |= p.push(op.seq);
+                op.add_sent(p.sent - before);
             }
-            if let Some((_, p)) = popper.as_mut() {
-                if !p.finished {
-                    let before = p.received;
-                    progress |= p.pop(op)?;
-                    op.add_bytes(p.received - before);
-                }
+            if let Some((_, p)) = popper.as_mut()
+                && !p.finished
+            {
+                let before = p.received;
+                progress |= p.pop(op)?;
+                op.add_bytes(p.received - before);
             }
             let send_done = pusher.as_ref().is_none_or(|(_, p)| p.done());
             let recv_done = popper.as_ref().is_none_or(|(_, p)| p.finished);

@@ -157,7 +157,7 @@ fn layer_norm(x: &Tensor, (w, b): &(Tensor, Tensor)) -> candle_core::Result<Tens
 
 impl Gpt {
     pub fn new(p: &mut Params, rng: &mut SeededRng, cfg: GptConfig) -> Result<Gpt> {
-        if cfg.heads == 0 || cfg.width % cfg.heads != 0 {
+        if cfg.heads == 0 || !cfg.width.is_multiple_of(cfg.heads) {
             return Err(Error::InvalidArgument(format!(
                 "gpt: width {} is not divisible by heads {}",
                 cfg.width, cfg.heads

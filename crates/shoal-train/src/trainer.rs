@@ -78,11 +78,11 @@ pub struct Trainer {
 fn append_f32(out: &mut Vec<f32>, t: &Tensor) -> Result<()> {
     let t = t.contiguous()?;
     let (storage, layout) = t.storage_and_layout();
-    if let (candle_core::Storage::Cpu(cpu), Some((a, b))) = (&*storage, layout.contiguous_offsets()) {
-        if let Ok(s) = cpu.as_slice::<f32>() {
-            out.extend_from_slice(&s[a..b]);
-            return Ok(());
-        }
+    if let (candle_core::Storage::Cpu(cpu), Some((a, b))) = (&*storage, layout.contiguous_offsets())
+        && let Ok(s) = cpu.as_slice::<f32>()
+    {
+        out.extend_from_slice(&s[a..b]);
+        return Ok(());
     }
     drop(storage);
     out.extend(t.flatten_all()?.to_vec1::<f32>()?);

@@ -401,30 +401,28 @@ pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
             }
         }
         let every = spec.checkpoint.every;
-        if (every > 0 && (step + 1) % every == 0) || step + 1 == t.steps {
-            if saver.is_some() {
-                // The step loop pays only for cheap handles here: the copy into
-                // plain buffers runs on a thread while the next step computes,
-                // and is joined before the next optimizer update changes the
-                // parameters (optimizer state tensors are replaced, never mutated).
-                let s0 = Instant::now();
-                let params = trainer.params();
-                let model_h: Vec<(String, Tensor)> =
-                    params.vars().iter().map(|(n, v)| (n.clone(), v.as_tensor().clone())).collect();
-                let opt_h = trainer.optimizer().state(params);
-                let meta = ManifestMeta {
-                    epoch: sampler_state.epoch,
-                    sampler: serde_json::to_value(sampler_state).map_err(|e| Error::Checkpoint(e.to_string()))?,
-                    rng: serde_json::json!({ "init_seed": t.seed, "sampler_seed": t.seed }),
-                    world_size: world,
-                    strategy: "ddp".into(),
-                    extra: serde_json::json!({ "optimizer_t": trainer.optimizer().t, "loss": last_loss }),
-                };
-                let at = (step + 1) as u64;
-                snapshot = Some(std::thread::spawn(move || Ok((at, tensors_of(model_h)?, tensors_of(opt_h)?, meta))));
-                stall_s += s0.elapsed().as_secs_f64();
-                checkpoints += 1;
-            }
+        if ((every > 0 && (step + 1) % every == 0) || step + 1 == t.steps) && saver.is_some() {
+            // The step loop pays only for cheap handles here: the copy into
+            // plain buffers runs on a thread while the next step computes,
+            // and is joined before the next optimizer update changes the
+            // parameters (optimizer state tensors are replaced, never mutated).
+            let s0 = Instant::now();
+            let params = trainer.params();
+            let model_h: Vec<(String, Tensor)> =
+                params.vars().iter().map(|(n, v)| (n.clone(), v.as_tensor().clone())).collect();
+            let opt_h = trainer.optimizer().state(params);
+            let meta = ManifestMeta {
+                epoch: sampler_state.epoch,
+                sampler: serde_json::to_value(sampler_state).map_err(|e| Error::Checkpoint(e.to_string()))?,
+                rng: serde_json::json!({ "init_seed": t.seed, "sampler_seed": t.seed }),
+                world_size: world,
+                strategy: "ddp".into(),
+                extra: serde_json::json!({ "optimizer_t": trainer.optimizer().t, "loss": last_loss }),
+            };
+            let at = (step + 1) as u64;
+            snapshot = Some(std::thread::spawn(move || Ok((at, tensors_of(model_h)?, tensors_of(opt_h)?, meta))));
+            stall_s += s0.elapsed().as_secs_f64();
+            checkpoints += 1;
         }
         if t.eval_every > 0 && (step + 1) % t.eval_every == 0 && step + 1 < t.steps {
             let (el, ea) = evaluate(model.as_ref(), eval.as_ref(), &comm, micro, t.eval_batches)?;
@@ -435,12 +433,11 @@ pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
     }
     stall_s += submit_snapshot(&mut snapshot, saver.as_mut())?;
     let train_s = train_started.elapsed().as_secs_f64();
-    if let Some(saver) = saver.as_mut() {
-        if let Some(stats) =
+    if let Some(saver) = saver.as_mut()
+        && let Some(stats) =
             saver.flush(std::time::Duration::from_secs(600)).map_err(|e| Error::Checkpoint(e.to_string()))?
-        {
-            last_mb_s = Some(stats.mb_per_s);
-        }
+    {
+        last_mb_s = Some(stats.mb_per_s);
     }
     let (eval_loss, eval_acc) = evaluate(model.as_ref(), eval.as_ref(), &comm, micro, t.eval_batches)?;
     let text = t.model.kind == ModelKind::Gpt;

@@ -196,28 +196,29 @@ pub fn run_bench(op: BenchOp, args: &BenchArgs) -> Result<bool> {
     let mut wrong = 0u64;
     let mut rows = 0usize;
     let outcome = launch(&spec, |line| {
-        if !line.stderr && line.rank == 0 {
-            if let Ok(row) = serde_json::from_str::<Row>(&line.text) {
-                wrong += row.wrong;
-                rows += 1;
-                if args.json {
-                    println!("{}", line.text);
-                } else {
-                    println!(
-                        "  {:>12} {:>12} {:>6} {:>6} {:>6} {:>12.1} {:>12.3} {:>12.3} {:>8}",
-                        row.bytes,
-                        row.count,
-                        row.dtype,
-                        row.redop,
-                        row.algo,
-                        row.time_s * 1e6,
-                        row.algbw_GBps,
-                        row.busbw_GBps,
-                        row.wrong
-                    );
-                }
-                return;
+        if !line.stderr
+            && line.rank == 0
+            && let Ok(row) = serde_json::from_str::<Row>(&line.text)
+        {
+            wrong += row.wrong;
+            rows += 1;
+            if args.json {
+                println!("{}", line.text);
+            } else {
+                println!(
+                    "  {:>12} {:>12} {:>6} {:>6} {:>6} {:>12.1} {:>12.3} {:>12.3} {:>8}",
+                    row.bytes,
+                    row.count,
+                    row.dtype,
+                    row.redop,
+                    row.algo,
+                    row.time_s * 1e6,
+                    row.algbw_GBps,
+                    row.busbw_GBps,
+                    row.wrong
+                );
             }
+            return;
         }
         eprintln!("[rank {}] {}", line.rank, line.text);
     })?;

@@ -211,16 +211,6 @@ fn parse_step(text: &str) -> Option<(u64, u64, String)> {
     Some((n.trim().parse().ok()?, m.trim().parse().ok()?, tail.trim().to_string()))
 }
 
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn progress_lines_parse() {
-        assert_eq!(super::parse_step("step     12/600 loss 0.5 lr 1e-3"), Some((12, 600, "loss 0.5 lr 1e-3".into())));
-        assert_eq!(super::parse_step("eval at step 3: loss 1"), None);
-        assert_eq!(super::parse_step("step x/y"), None);
-    }
-}
-
 /// Finds `name` the way `execvp` will (a name with a `/` is a path; otherwise
 /// the first executable file of that name in `PATH`), so that a missing command
 /// is reported before anything starts.
@@ -303,16 +293,16 @@ pub fn run_ranks(program: &Path, args: &[String], env: &[(String, String)], opts
         b
     });
     let outcome = launch_with(&spec, policy, |line| {
-        if let (Some(b), 0, true) = (&bar, line.rank, line.stderr) {
-            if let Some((n, m, msg)) = parse_step(&line.text) {
-                if let Some(log) = logs.get_mut(0) {
-                    let _ = writeln!(log, "{}", line.text);
-                }
-                b.set_length(m);
-                b.set_position(n);
-                b.set_message(msg);
-                return;
+        if let (Some(b), 0, true) = (&bar, line.rank, line.stderr)
+            && let Some((n, m, msg)) = parse_step(&line.text)
+        {
+            if let Some(log) = logs.get_mut(0) {
+                let _ = writeln!(log, "{}", line.text);
             }
+            b.set_length(m);
+            b.set_position(n);
+            b.set_message(msg);
+            return;
         }
         // Write errors (a closed pipe, a full disk) must not stop supervision.
         if let Some(log) = logs.get_mut(line.rank)
@@ -410,4 +400,14 @@ pub fn run_ranks(program: &Path, args: &[String], env: &[(String, String)], opts
         let _ = writeln!(std::io::stdout().lock(), "{doc}");
     }
     Ok(ExitCode::from(code))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn progress_lines_parse() {
+        assert_eq!(super::parse_step("step     12/600 loss 0.5 lr 1e-3"), Some((12, 600, "loss 0.5 lr 1e-3".into())));
+        assert_eq!(super::parse_step("eval at step 3: loss 1"), None);
+        assert_eq!(super::parse_step("step x/y"), None);
+    }
 }
