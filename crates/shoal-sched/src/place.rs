@@ -1,0 +1,252 @@
+//! Free capacity per node and gang placement over it (packing, spreading,
+//! GPU-memory-aware, fractional GPUs). Placement may look at two states at once:
+//! the cluster now and the cluster at the backfill reservation's start; a task
+//! then only goes where it fits in both.
+
+use crate::model::{Node, Resources};
+
+/// Free share and memory of one GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct GpuFree {
+    pub share: u32,
+    pub mem: u64,
+}
+
+/// Free capacity of one node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct NodeFree {
+    pub cpu: u64,
+    pub mem: u64,
+    pub gpus: Vec<GpuFree>,
+}
+
+impl NodeFree {
+    pub fn of(node: &Node) -> NodeFree {
+        NodeFree {
+            cpu: node.cpus_milli,
+            mem: node.memory_bytes,
+            gpus: node.gpus.iter().map(|g| GpuFree { share: 1000, mem: g.memory_bytes }).collect(),
+        }
+    }
+}
+
+/// One placed task: node position and `(gpu position on the node, share)`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct TaskAlloc {
+    pub node: usize,
+    pub gpus: Vec<(u32, u32)>,
+}
+
+pub(crate) fn alloc(free: &mut [NodeFree], t: &TaskAlloc, r: &Resources) {
+    let n = &mut free[t.node];
+    n.cpu -= r.cpus_milli;
+    n.mem -= r.memory_bytes;
+    for &(g, share) in &t.gpus {
+        let gf = &mut n.gpus[g as usize];
+        gf.share -= share;
+        gf.mem -= r.gpu_memory_bytes;
+    }
+}
+
+pub(crate) fn release(free: &mut [NodeFree], t: &TaskAlloc, r: &Resources) {
+    let n = &mut free[t.node];
+    n.cpu += r.cpus_milli;
+    n.mem += r.memory_bytes;
+    for &(g, share) in &t.gpus {
+        let gf = &mut n.gpus[g as usize];
+        gf.share += share;
+        gf.mem += r.gpu_memory_bytes;
+    }
+}
+
+#[inline]
+fn gpu_view(a: &NodeFree, b: Option<&NodeFree>, i: usize) -> GpuFree {
+    let ga = a.gpus[i];
+    match b {
+        Some(b) => {
+            let gb = b.gpus[i];
+            GpuFree { share: ga.share.min(gb.share), mem: ga.mem.min(gb.mem) }
+        }
+        None => ga,
+    }
+}
+
+/// How many tasks of `r` fit on the node (in both states when `b` is given), at most `limit`.
+fn node_cap(a: &NodeFree, b: Option<&NodeFree>, r: &Resources, limit: u32) -> u32 {
+    let (cpu, mem) = match b {
+        Some(b) => (a.cpu.min(b.cpu), a.mem.min(b.mem)),
+        None => (a.cpu, a.mem),
+    };
+    let mut cap = limit as u64;
+    if let Some(c) = cpu.checked_div(r.cpus_milli) {
+        cap = cap.min(c);
+    }
+    if let Some(c) = mem.checked_div(r.memory_bytes) {
+        cap = cap.min(c);
+    }
+    if cap == 0 || r.gpus_milli == 0 {
+        return cap as u32;
+    }
+    let mut g_cap = 0u64;
+    if r.gpus_milli < 1000 {
+        for i in 0..a.gpus.len() {
+            let g = gpu_view(a, b, i);
+            let mut c = g.share as u64 / r.gpus_milli;
+            if let Some(m) = g.mem.checked_div(r.gpu_memory_bytes) {
+                c = c.min(m);
+            }
+            g_cap += c;
+            if g_cap >= cap {
+                break;
+            }
+        }
+    } else {
+        let per = r.gpus_milli / 1000;
+        let mut whole = 0u64;
+        for i in 0..a.gpus.len() {
+            let g = gpu_view(a, b, i);
+            if g.share == 1000 && g.mem >= r.gpu_memory_bytes {
+                whole += 1;
+            }
+        }
+        g_cap = whole / per;
+    }
+    cap.min(g_cap) as u32
+}
+
+/// Chooses nodes and task counts for a gang of `k` tasks, or `None`.
+fn plan(a: &[NodeFree], b: Option<&[NodeFree]>, r: &Resources, k: u32, spread: bool) -> Option<Vec<(usize, u32)>> {
+    if k == 0 {
+        return Some(Vec::new());
+    }
+    if spread {
+        let mut out = Vec::with_capacity((k as usize).min(a.len()));
+        for i in 0..a.len() {
+            if node_cap(&a[i], b.map(|b| &b[i]), r, 1) >= 1 {
+                out.push((i, 1));
+                if out.len() == k as usize {
+                    return Some(out);
+                }
+            }
+        }
+        return None;
+    }
+    // Best fit on one node: the fullest node that still holds the whole gang.
+    let mut best: Option<(u32, usize)> = None;
+    let mut caps: Vec<(u32, usize)> = Vec::new();
+    let mut total = 0u64;
+    for i in 0..a.len() {
+        let c = node_cap(&a[i], b.map(|b| &b[i]), r, u32::MAX);
+        if c == 0 {
+            continue;
+        }
+        if c >= k {
+            if best.is_none_or(|(bc, _)| c < bc) {
+                best = Some((c, i));
+                if c == k {
+                    break;
+                }
+            }
+        } else if best.is_none() {
+            total += c as u64;
+            caps.push((c, i));
+        }
+    }
+    if let Some((_, i)) = best {
+        return Some(vec![(i, k)]);
+    }
+    if total < k as u64 {
+        return None;
+    }
+    // Fewest hosts: the roomiest nodes first.
+    caps.sort_by(|x, y| y.0.cmp(&x.0).then(x.1.cmp(&y.1)));
+    let mut left = k;
+    let mut out = Vec::new();
+    for (c, i) in caps {
+        let take = c.min(left);
+        out.push((i, take));
+        left -= take;
+        if left == 0 {
+            break;
+        }
+    }
+    Some(out)
+}
+
+/// Picks the GPUs of one task on node `i`.
+fn pick_gpus(a: &NodeFree, b: Option<&NodeFree>, r: &Resources) -> Option<Vec<(u32, u32)>> {
+    if r.gpus_milli == 0 {
+        return Some(Vec::new());
+    }
+    if r.gpus_milli < 1000 {
+        // Best fit: the busiest GPU that still has room, so fractions share GPUs.
+        let mut best: Option<(u32, usize)> = None;
+        for i in 0..a.gpus.len() {
+            let g = gpu_view(a, b, i);
+            if g.share as u64 >= r.gpus_milli && g.mem >= r.gpu_memory_bytes && best.is_none_or(|(s, _)| g.share < s) {
+                best = Some((g.share, i));
+            }
+        }
+        return best.map(|(_, i)| vec![(i as u32, r.gpus_milli as u32)]);
+    }
+    let per = (r.gpus_milli / 1000) as usize;
+    let mut out = Vec::with_capacity(per);
+    for i in 0..a.gpus.len() {
+        let g = gpu_view(a, b, i);
+        if g.share == 1000 && g.mem >= r.gpu_memory_bytes {
+            out.push((i as u32, 1000));
+            if out.len() == per {
+                return Some(out);
+            }
+        }
+    }
+    None
+}
+
+/// Places a gang of `k` tasks (all or nothing), allocating in `a` and, when
+/// given, in `b` too.
+pub(crate) fn place(
+    a: &mut [NodeFree],
+    mut b: Option<&mut [NodeFree]>,
+    r: &Resources,
+    k: u32,
+    spread: bool,
+) -> Option<Vec<TaskAlloc>> {
+    let chosen = plan(a, b.as_deref(), r, k, spread)?;
+    let mut tasks = Vec::new();
+    for (node, count) in chosen {
+        for _ in 0..count {
+            let gpus = pick_gpus(&a[node], b.as_deref().map(|b| &b[node]), r);
+            let Some(gpus) = gpus else {
+                // Cannot happen (counts come from node_cap); undo and give up.
+                for t in &tasks {
+                    release(a, t, r);
+                    if let Some(b) = b.as_deref_mut() {
+                        release(b, t, r);
+                    }
+                }
+                return None;
+            };
+            let t = TaskAlloc { node, gpus };
+            alloc(a, &t, r);
+            if let Some(b) = b.as_deref_mut() {
+                alloc(b, &t, r);
+            }
+            tasks.push(t);
+        }
+    }
+    Some(tasks)
+}
+
+/// Whether a gang of `k` tasks fits (no change); agrees with [`place`], but
+/// stops at the first nodes that are enough.
+pub(crate) fn fits(a: &[NodeFree], r: &Resources, k: u32, spread: bool) -> bool {
+    let mut have = 0u64;
+    for n in a {
+        have += node_cap(n, None, r, if spread { 1 } else { k }) as u64;
+        if have >= k as u64 {
+            return true;
+        }
+    }
+    k == 0
+}

@@ -1,0 +1,820 @@
+//! The scheduler: job states, one scheduling pass, shrink/preemption, backfill
+//! reservation, elastic growth.
+
+use std::collections::{BTreeMap, VecDeque};
+
+use crate::error::{Result, SchedError};
+use crate::model::{
+    Config, Decision, JobId, JobRequest, JobStatus, Node, NodeAllocation, PreemptReason, Queue, Quota, Resources,
+    TaskPlacement,
+};
+use crate::place::{self, NodeFree, TaskAlloc};
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Usage {
+    cpu: u64,
+    mem: u64,
+    gpu: u64,
+}
+
+impl Usage {
+    fn of(r: &Resources, tasks: u32) -> Usage {
+        let k = tasks as u64;
+        Usage {
+            cpu: r.cpus_milli.saturating_mul(k),
+            mem: r.memory_bytes.saturating_mul(k),
+            gpu: r.gpus_milli.saturating_mul(k),
+        }
+    }
+    fn add(&mut self, o: Usage) {
+        self.cpu += o.cpu;
+        self.mem += o.mem;
+        self.gpu += o.gpu;
+    }
+    fn sub(&mut self, o: Usage) {
+        self.cpu -= o.cpu;
+        self.mem -= o.mem;
+        self.gpu -= o.gpu;
+    }
+    fn within(&self, add: Usage, q: &Quota) -> bool {
+        self.cpu.saturating_add(add.cpu) <= q.cpus_milli
+            && self.mem.saturating_add(add.mem) <= q.memory_bytes
+            && self.gpu.saturating_add(add.gpu) <= q.gpus_milli
+    }
+}
+
+#[derive(Debug, Clone)]
+struct QueueState {
+    queue: Queue,
+    used: Usage,
+}
+
+impl QueueState {
+    fn allows(&self, add: Usage) -> bool {
+        self.queue.can_borrow || self.used.within(add, &self.queue.guaranteed)
+    }
+    fn over_guarantee(&self) -> bool {
+        !self.used.within(Usage::default(), &self.queue.guaranteed)
+    }
+}
+
+#[derive(Debug, Clone)]
+enum State {
+    Pending,
+    Running { started_ms: u64, tasks: Vec<TaskAlloc> },
+    Draining { until_ms: u64, tasks: Vec<TaskAlloc> },
+}
+
+#[derive(Debug, Clone)]
+struct Job {
+    req: JobRequest,
+    state: State,
+}
+
+/// The cluster at the head job's reserved start, with the head job placed.
+#[derive(Debug)]
+struct Reservation {
+    time: u64,
+    free: Vec<NodeFree>,
+}
+
+/// One step of "making room" for a pending job.
+#[derive(Debug)]
+enum Step {
+    Drain(JobId),
+    ShrinkOne(JobId, usize),
+    Preempt(JobId),
+}
+
+/// The scheduler. See the crate docs.
+#[derive(Debug, Clone)]
+pub struct Scheduler {
+    config: Config,
+    nodes: Vec<Node>,
+    free: Vec<NodeFree>,
+    pristine: Vec<NodeFree>,
+    total: Usage,
+    queues: BTreeMap<String, QueueState>,
+    teams: BTreeMap<String, Usage>,
+    jobs: BTreeMap<JobId, Job>,
+    /// The head job's reservation made by the last pass: `(job, start time)`.
+    last_reservation: Option<(JobId, u64)>,
+    /// Largest node CPU, memory, GPU count and GPU memory (for `submit`).
+    largest: (u64, u64, u64, u64),
+}
+
+fn gpus_text(milli: u64) -> String {
+    if milli.is_multiple_of(1000) { format!("{} GPUs", milli / 1000) } else { format!("{} GPU", milli as f64 / 1000.0) }
+}
+
+impl Scheduler {
+    /// A scheduler over these nodes and queues.
+    pub fn new(nodes: Vec<Node>, queues: Vec<Queue>, config: Config) -> Result<Scheduler> {
+        let mut seen = std::collections::BTreeSet::new();
+        for n in &nodes {
+            if !seen.insert(n.id.clone()) {
+                return Err(SchedError::DuplicateNode { node: n.id.clone() });
+            }
+        }
+        let mut qs = BTreeMap::new();
+        for q in queues {
+            let name = q.name.clone();
+            if qs.insert(name.clone(), QueueState { queue: q, used: Usage::default() }).is_some() {
+                return Err(SchedError::DuplicateQueue { queue: name });
+            }
+        }
+        let pristine: Vec<NodeFree> = nodes.iter().map(NodeFree::of).collect();
+        let mut total = Usage::default();
+        for n in &nodes {
+            total.add(Usage { cpu: n.cpus_milli, mem: n.memory_bytes, gpu: 1000 * n.gpus.len() as u64 });
+        }
+        let largest = (
+            nodes.iter().map(|n| n.cpus_milli).max().unwrap_or(0),
+            nodes.iter().map(|n| n.memory_bytes).max().unwrap_or(0),
+            nodes.iter().map(|n| n.gpus.len() as u64).max().unwrap_or(0),
+            nodes.iter().flat_map(|n| n.gpus.iter().map(|g| g.memory_bytes)).max().unwrap_or(0),
+        );
+        Ok(Scheduler {
+            last_reservation: None,
+            largest,
+            config,
+            free: pristine.clone(),
+            pristine,
+            nodes,
+            total,
+            queues: qs,
+            teams: BTreeMap::new(),
+            jobs: BTreeMap::new(),
+        })
+    }
+
+    /// The nodes, in the order given.
+    pub fn nodes(&self) -> &[Node] {
+        &self.nodes
+    }
+
+    /// Where a job stands, if known.
+    pub fn status(&self, job: &str) -> Option<JobStatus> {
+        let j = self.jobs.get(job)?;
+        Some(match &j.state {
+            State::Pending => JobStatus::Pending,
+            State::Running { started_ms, tasks } => {
+                JobStatus::Running { started_ms: *started_ms, tasks: self.placements(tasks) }
+            }
+            State::Draining { until_ms, .. } => JobStatus::Draining { until_ms: *until_ms },
+        })
+    }
+
+    /// The backfill reservation made by the last pass: the first job that could
+    /// not start and the earliest time it will, from the running jobs' expected
+    /// run times. `None` when every job started or no time could be computed.
+    pub fn reservation(&self) -> Option<(&str, u64)> {
+        self.last_reservation.as_ref().map(|(j, t)| (j.as_str(), *t))
+    }
+
+    /// Number of pending jobs.
+    pub fn pending_count(&self) -> usize {
+        self.jobs.values().filter(|j| matches!(j.state, State::Pending)).count()
+    }
+
+    /// What is allocated on each node, recomputed from the jobs' tasks.
+    pub fn allocations(&self) -> Vec<NodeAllocation> {
+        let mut out: Vec<NodeAllocation> = self
+            .nodes
+            .iter()
+            .map(|n| NodeAllocation {
+                node: n.id.clone(),
+                cpus_milli: 0,
+                memory_bytes: 0,
+                gpus: vec![(0, 0); n.gpus.len()],
+            })
+            .collect();
+        for j in self.jobs.values() {
+            let tasks = match &j.state {
+                State::Pending => continue,
+                State::Running { tasks, .. } | State::Draining { tasks, .. } => tasks,
+            };
+            let r = &j.req.per_task;
+            for t in tasks {
+                let a = &mut out[t.node];
+                a.cpus_milli += r.cpus_milli;
+                a.memory_bytes += r.memory_bytes;
+                for &(g, s) in &t.gpus {
+                    a.gpus[g as usize].0 += s;
+                    a.gpus[g as usize].1 += r.gpu_memory_bytes;
+                }
+            }
+        }
+        out
+    }
+
+    /// Whether the incremental free-capacity book agrees with the jobs' tasks.
+    pub fn books_balance(&self) -> bool {
+        self.allocations().iter().zip(&self.nodes).zip(&self.free).all(|((a, n), f)| {
+            a.cpus_milli + f.cpu == n.cpus_milli
+                && a.memory_bytes + f.mem == n.memory_bytes
+                && a.gpus
+                    .iter()
+                    .zip(&n.gpus)
+                    .zip(&f.gpus)
+                    .all(|((a, g), f)| a.0 + f.share == 1000 && a.1 + f.mem == g.memory_bytes)
+        })
+    }
+
+    fn placements(&self, tasks: &[TaskAlloc]) -> Vec<TaskPlacement> {
+        tasks
+            .iter()
+            .map(|t| {
+                let n = &self.nodes[t.node];
+                TaskPlacement {
+                    node: n.id.clone(),
+                    gpus: t.gpus.iter().map(|&(g, s)| (n.gpus[g as usize].index, s)).collect(),
+                }
+            })
+            .collect()
+    }
+
+    /// Accepts a job after checking that it could ever run.
+    pub fn submit(&mut self, job: JobRequest) -> Result<()> {
+        let id = job.id.clone();
+        if self.jobs.contains_key(&id) {
+            return Err(SchedError::DuplicateJob { job: id });
+        }
+        let Some(q) = self.queues.get(&job.queue) else {
+            return Err(SchedError::UnknownQueue { job: id, queue: job.queue });
+        };
+        if job.tasks_max == 0 {
+            return Err(SchedError::ZeroTasks { job: id, field: "tasks_max" });
+        }
+        if job.tasks_min == 0 {
+            return Err(SchedError::ZeroTasks { job: id, field: "tasks_min" });
+        }
+        if job.tasks_min > job.tasks_max {
+            return Err(SchedError::MinAboveMax { job: id, min: job.tasks_min, max: job.tasks_max });
+        }
+        if job.tasks_max > self.config.max_tasks_per_job {
+            return Err(SchedError::TooManyTasks {
+                job: id,
+                tasks_max: job.tasks_max,
+                limit: self.config.max_tasks_per_job,
+            });
+        }
+        let r = job.per_task;
+        if r.cpus_milli == 0 && r.memory_bytes == 0 && r.gpus_milli == 0 {
+            return Err(SchedError::EmptyRequest { job: id });
+        }
+        if r.gpus_milli >= 1000 && !r.gpus_milli.is_multiple_of(1000) {
+            return Err(SchedError::FractionalMultiGpu { job: id, gpus_milli: r.gpus_milli });
+        }
+        if r.gpus_milli == 0 && r.gpu_memory_bytes > 0 {
+            return Err(SchedError::GpuMemoryWithoutGpu { job: id, gpu_memory_bytes: r.gpu_memory_bytes });
+        }
+        let never = |field: &'static str, asked: String, limit: String| SchedError::NeverFits {
+            job: id.clone(),
+            field,
+            asked,
+            limit,
+        };
+        let (max_cpu, max_mem, max_gpus, max_gmem) = self.largest;
+        if r.cpus_milli > max_cpu {
+            return Err(never(
+                "per_task.cpus_milli",
+                format!("{} milli-CPUs per task", r.cpus_milli),
+                format!("the largest node has {max_cpu}"),
+            ));
+        }
+        if r.memory_bytes > max_mem {
+            return Err(never(
+                "per_task.memory_bytes",
+                format!("{} bytes per task", r.memory_bytes),
+                format!("the largest node has {max_mem}"),
+            ));
+        }
+        if r.gpus_milli > 1000 * max_gpus || (r.gpus_milli > 0 && max_gpus == 0) {
+            return Err(never(
+                "per_task.gpus_milli",
+                format!("{} per task", gpus_text(r.gpus_milli)),
+                format!("the largest node has {}", gpus_text(1000 * max_gpus)),
+            ));
+        }
+        if r.gpu_memory_bytes > max_gmem {
+            return Err(never(
+                "per_task.gpu_memory_bytes",
+                format!("{} bytes per GPU", r.gpu_memory_bytes),
+                format!("the largest GPU has {max_gmem}"),
+            ));
+        }
+        if !place::fits(&self.pristine, &r, 1, false) {
+            return Err(never(
+                "per_task",
+                "this combination of CPU, memory and GPUs for one task".into(),
+                "no node has all of it".into(),
+            ));
+        }
+        if !place::fits(&self.pristine, &r, job.tasks_min, job.spread) {
+            return Err(never(
+                "tasks_min",
+                format!("{} tasks{}", job.tasks_min, if job.spread { " on distinct nodes" } else { "" }),
+                "the whole empty cluster holds fewer".into(),
+            ));
+        }
+        let need = Usage::of(&r, job.tasks_min);
+        if !q.queue.can_borrow {
+            let g = q.queue.guaranteed;
+            for (field, asked, guaranteed) in [
+                ("cpus_milli", need.cpu, g.cpus_milli),
+                ("memory_bytes", need.mem, g.memory_bytes),
+                ("gpus_milli", need.gpu, g.gpus_milli),
+            ] {
+                if asked > guaranteed {
+                    return Err(SchedError::AboveQuota { job: id, queue: job.queue, field, asked, guaranteed });
+                }
+            }
+        }
+        self.jobs.insert(id, Job { req: job, state: State::Pending });
+        Ok(())
+    }
+
+    /// Forgets a job (done, failed or cancelled), freeing what it held.
+    pub fn finish(&mut self, job: &str) -> Result<()> {
+        let Some(j) = self.jobs.remove(job) else {
+            return Err(SchedError::UnknownJob { job: job.to_string() });
+        };
+        match j.state {
+            State::Pending => {}
+            State::Running { tasks, .. } | State::Draining { tasks, .. } => {
+                self.free_tasks(&j.req, &tasks);
+            }
+        }
+        Ok(())
+    }
+
+    fn free_tasks(&mut self, req: &JobRequest, tasks: &[TaskAlloc]) {
+        for t in tasks {
+            place::release(&mut self.free, t, &req.per_task);
+        }
+        let u = Usage::of(&req.per_task, tasks.len() as u32);
+        if let Some(q) = self.queues.get_mut(&req.queue) {
+            q.used.sub(u);
+        }
+        if let Some(t) = self.teams.get_mut(&req.team) {
+            t.sub(u);
+        }
+    }
+
+    fn charge(&mut self, req: &JobRequest, tasks: u32) {
+        let u = Usage::of(&req.per_task, tasks);
+        if let Some(q) = self.queues.get_mut(&req.queue) {
+            q.used.add(u);
+        }
+        self.teams.entry(req.team.clone()).or_default().add(u);
+    }
+
+    fn dominant_share(&self, team: &str) -> f64 {
+        let Some(u) = self.teams.get(team) else { return 0.0 };
+        let f = |a: u64, b: u64| if b == 0 { 0.0 } else { a as f64 / b as f64 };
+        f(u.cpu, self.total.cpu).max(f(u.mem, self.total.mem)).max(f(u.gpu, self.total.gpu))
+    }
+
+    fn queue_allows(&self, req: &JobRequest, tasks: u32) -> bool {
+        self.queues.get(&req.queue).is_some_and(|q| q.allows(Usage::of(&req.per_task, tasks)))
+    }
+
+    /// One scheduling pass at time `now_ms`: decisions to carry out, in order.
+    pub fn schedule(&mut self, now_ms: u64) -> Vec<Decision> {
+        let mut out = Vec::new();
+
+        // Preempted jobs whose grace period is over go back to pending.
+        let expired: Vec<JobId> = self
+            .jobs
+            .iter()
+            .filter(|(_, j)| matches!(j.state, State::Draining { until_ms, .. } if until_ms <= now_ms))
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in expired {
+            let Some(j) = self.jobs.get_mut(&id) else { continue };
+            let State::Draining { tasks, .. } = std::mem::replace(&mut j.state, State::Pending) else {
+                continue;
+            };
+            let req = j.req.clone();
+            self.free_tasks(&req, &tasks);
+            out.push(Decision::Requeue { job: id });
+        }
+
+        // Pending jobs by priority (high first); within one priority, jobs that
+        // fit their queue's guarantee before jobs that would borrow; within
+        // those, teams take turns by dominant share (lowest first), each team
+        // in FIFO order.
+        let mut pending: Vec<((i32, bool), u64, JobId, String)> =
+            self.jobs
+                .iter()
+                .filter(|(_, j)| matches!(j.state, State::Pending))
+                .map(|(id, j)| {
+                    let borrows = self.queues.get(&j.req.queue).is_none_or(|q| {
+                        !q.used.within(Usage::of(&j.req.per_task, j.req.tasks_min), &q.queue.guaranteed)
+                    });
+                    ((j.req.priority, borrows), j.req.submitted_at_ms, id.clone(), j.req.team.clone())
+                })
+                .collect();
+        pending.sort_by(|a, b| (b.0.0.cmp(&a.0.0)).then(a.0.1.cmp(&b.0.1)).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
+
+        let mut reservation: Option<Reservation> = None;
+        self.last_reservation = None;
+        let mut tries = self.config.max_preemption_tries_per_pass;
+        let mut waiting = false;
+        let mut failed_now: Vec<(Resources, u32, bool)> = Vec::new();
+        let mut failed_dual: Vec<(Resources, u32, bool)> = Vec::new();
+
+        let mut i = 0;
+        while i < pending.len() {
+            let prio = pending[i].0;
+            let mut teams: Vec<(String, VecDeque<(u64, JobId)>)> = Vec::new();
+            while i < pending.len() && pending[i].0 == prio {
+                let (_, at, id, team) = std::mem::take(&mut pending[i]);
+                match teams.iter_mut().find(|(t, _)| *t == team) {
+                    Some((_, q)) => q.push_back((at, id)),
+                    None => teams.push((team, VecDeque::from([(at, id)]))),
+                }
+                i += 1;
+            }
+            loop {
+                let mut best: Option<(f64, u64, usize)> = None;
+                for (ti, (team, q)) in teams.iter().enumerate() {
+                    let Some(&(at, _)) = q.front() else { continue };
+                    let share = self.dominant_share(team);
+                    if best.is_none_or(|(bs, bat, _)| share < bs || (share == bs && at < bat)) {
+                        best = Some((share, at, ti));
+                    }
+                }
+                let Some((_, _, ti)) = best else { break };
+                let Some((_, id)) = teams[ti].1.pop_front() else { break };
+                let placed = self.try_job(
+                    &id,
+                    now_ms,
+                    &mut reservation,
+                    &mut tries,
+                    &mut failed_now,
+                    &mut failed_dual,
+                    &mut out,
+                );
+                if placed == Attempt::Waiting {
+                    waiting = true;
+                }
+            }
+        }
+
+        if !waiting {
+            self.grow(&mut out);
+        }
+        out
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn try_job(
+        &mut self,
+        id: &str,
+        now: u64,
+        reservation: &mut Option<Reservation>,
+        tries: &mut usize,
+        failed_now: &mut Vec<(Resources, u32, bool)>,
+        failed_dual: &mut Vec<(Resources, u32, bool)>,
+        out: &mut Vec<Decision>,
+    ) -> Attempt {
+        let Some(job) = self.jobs.get(id) else { return Attempt::Skipped };
+        let req = job.req.clone();
+        if !self.queue_allows(&req, req.tasks_min) {
+            return Attempt::Skipped; // held back by its own queue's quota
+        }
+        let r = req.per_task;
+        let counts: &[u32] =
+            if req.tasks_max > req.tasks_min { &[req.tasks_max, req.tasks_min] } else { &[req.tasks_min] };
+        let dominated = |cache: &[(Resources, u32, bool)], k: u32| {
+            cache.iter().any(|(c, ck, cs)| {
+                *cs == req.spread
+                    && k >= *ck
+                    && r.cpus_milli >= c.cpus_milli
+                    && r.memory_bytes >= c.memory_bytes
+                    && r.gpus_milli >= c.gpus_milli
+                    && r.gpu_memory_bytes >= c.gpu_memory_bytes
+            })
+        };
+        let finishes_before =
+            |rv: &Reservation| req.expected_runtime_ms.is_some_and(|rt| now.saturating_add(rt) <= rv.time);
+        let mut placed = None;
+        for &k in counts {
+            if !self.queue_allows(&req, k) {
+                continue;
+            }
+            match reservation.as_mut() {
+                Some(rv) if !finishes_before(rv) => {
+                    if dominated(failed_dual, k) {
+                        continue;
+                    }
+                    match place::place(&mut self.free, Some(&mut rv.free), &r, k, req.spread) {
+                        Some(t) => {
+                            placed = Some(t);
+                            break;
+                        }
+                        None => failed_dual.push((r, k, req.spread)),
+                    }
+                }
+                _ => {
+                    if dominated(failed_now, k) {
+                        continue;
+                    }
+                    match place::place(&mut self.free, None, &r, k, req.spread) {
+                        Some(t) => {
+                            placed = Some(t);
+                            break;
+                        }
+                        None => failed_now.push((r, k, req.spread)),
+                    }
+                }
+            }
+        }
+        if placed.is_none() && reservation.is_none() {
+            // The first job that cannot start: make room by shrinking or
+            // preempting, else reserve its earliest start.
+            if *tries > 0 {
+                *tries -= 1;
+                if let Some(decisions) = self.make_room(&req, now) {
+                    if !decisions.is_empty() {
+                        failed_now.clear();
+                        failed_dual.clear();
+                    }
+                    out.extend(decisions);
+                    placed = place::place(&mut self.free, None, &r, req.tasks_min, req.spread);
+                }
+            }
+            if placed.is_none() {
+                *reservation = self.reserve(&req, now);
+                self.last_reservation = reservation.as_ref().map(|rv| (req.id.clone(), rv.time));
+            }
+        }
+        match placed {
+            Some(tasks) => {
+                self.charge(&req, tasks.len() as u32);
+                out.push(Decision::Place { job: req.id.clone(), assignments: self.placements(&tasks) });
+                if let Some(j) = self.jobs.get_mut(id) {
+                    j.state = State::Running { started_ms: now, tasks };
+                }
+                Attempt::Placed
+            }
+            None => Attempt::Waiting,
+        }
+    }
+
+    /// The earliest time the job fits as running jobs end (by their expected
+    /// run times), and the cluster then with the job placed.
+    fn reserve(&self, req: &JobRequest, now: u64) -> Option<Reservation> {
+        let mut ends: Vec<(u64, &JobId)> = self
+            .jobs
+            .iter()
+            .filter_map(|(id, j)| match &j.state {
+                State::Running { started_ms, .. } => {
+                    j.req.expected_runtime_ms.map(|rt| (started_ms.saturating_add(rt).max(now), id))
+                }
+                State::Draining { until_ms, .. } => Some(((*until_ms).max(now), id)),
+                State::Pending => None,
+            })
+            .collect();
+        ends.sort();
+        // Group boundaries: after releasing ends[..b], the time is ends[b-1].0.
+        let mut bounds: Vec<usize> = Vec::new();
+        for b in 1..=ends.len() {
+            if b == ends.len() || ends[b].0 != ends[b - 1].0 {
+                bounds.push(b);
+            }
+        }
+        let state_after = |b: usize| {
+            let mut f = self.free.clone();
+            for (_, id) in &ends[..b] {
+                let j = &self.jobs[*id];
+                if let State::Running { tasks, .. } | State::Draining { tasks, .. } = &j.state {
+                    for t in tasks {
+                        place::release(&mut f, t, &j.req.per_task);
+                    }
+                }
+            }
+            f
+        };
+        let r = &req.per_task;
+        let (mut lo, mut hi) = (0usize, bounds.len());
+        // Find the first bound index whose state fits (monotone in releases).
+        if hi == 0 || !place::fits(&state_after(bounds[hi - 1]), r, req.tasks_min, req.spread) {
+            return None;
+        }
+        hi -= 1;
+        while lo < hi {
+            let mid = (lo + hi) / 2;
+            if place::fits(&state_after(bounds[mid]), r, req.tasks_min, req.spread) {
+                hi = mid;
+            } else {
+                lo = mid + 1;
+            }
+        }
+        let b = bounds[lo];
+        let mut free = state_after(b);
+        place::place(&mut free, None, r, req.tasks_min, req.spread)?;
+        Some(Reservation { time: ends[b - 1].0, free })
+    }
+
+    /// Shrinks or preempts so that `req` fits. `None`: it cannot be done;
+    /// `Some(vec![])`: jobs already draining will make enough room.
+    fn make_room(&mut self, req: &JobRequest, now: u64) -> Option<Vec<Decision>> {
+        let reclaim = self
+            .queues
+            .get(&req.queue)
+            .is_some_and(|q| q.used.within(Usage::of(&req.per_task, req.tasks_min), &q.queue.guaranteed));
+        let eligible = |v: &JobRequest| {
+            v.id != req.id
+                && ((v.queue == req.queue && v.priority < req.priority)
+                    || (v.queue != req.queue
+                        && reclaim
+                        && self.queues.get(&v.queue).is_some_and(QueueState::over_guarantee)))
+        };
+        let mut steps: Vec<Step> = Vec::new();
+        // Victim order: lowest priority, then least progress lost (most recent
+        // start), then the latest submitted, then id.
+        let mut victims: Vec<(i32, u64, std::cmp::Reverse<u64>, &JobId)> = Vec::new();
+        for (id, j) in &self.jobs {
+            match &j.state {
+                State::Draining { .. } => steps.push(Step::Drain(id.clone())),
+                State::Running { started_ms, .. } if eligible(&j.req) => {
+                    victims.push((
+                        j.req.priority,
+                        now.saturating_sub(*started_ms),
+                        std::cmp::Reverse(j.req.submitted_at_ms),
+                        id,
+                    ));
+                }
+                _ => {}
+            }
+        }
+        if steps.is_empty() && victims.is_empty() {
+            return None;
+        }
+        victims.sort();
+        // Reclaim takes from another queue only what it holds beyond its guarantee.
+        let mut left: BTreeMap<&str, Usage> = BTreeMap::new();
+        victims.retain(|&(_, _, _, id)| {
+            let v = &self.jobs[id];
+            if v.req.queue == req.queue {
+                return true;
+            }
+            let Some(q) = self.queues.get(&v.req.queue) else { return false };
+            let used = left.entry(v.req.queue.as_str()).or_insert(q.used);
+            if used.within(Usage::default(), &q.queue.guaranteed) {
+                return false; // back within its guarantee
+            }
+            if let State::Running { tasks, .. } = &v.state {
+                used.sub(Usage::of(&v.req.per_task, tasks.len() as u32));
+            }
+            true
+        });
+        // Shrinking elastic jobs first (they lose no progress), then preemption.
+        for &(_, _, _, id) in &victims {
+            let j = &self.jobs[id];
+            if let State::Running { tasks, .. } = &j.state {
+                for t in (j.req.tasks_min as usize..tasks.len()).rev() {
+                    steps.push(Step::ShrinkOne(id.clone(), t));
+                }
+            }
+        }
+        for &(_, _, _, id) in &victims {
+            steps.push(Step::Preempt(id.clone()));
+        }
+        let apply = |f: &mut Vec<NodeFree>, s: &Step| {
+            let (id, which) = match s {
+                Step::Drain(id) | Step::Preempt(id) => (id, None),
+                Step::ShrinkOne(id, t) => (id, Some(*t)),
+            };
+            let j = &self.jobs[id];
+            if let State::Running { tasks, .. } | State::Draining { tasks, .. } = &j.state {
+                match which {
+                    Some(t) => place::release(f, &tasks[t], &j.req.per_task),
+                    None => {
+                        let shrunk = if matches!(s, Step::Preempt(_)) {
+                            // Tasks already released by this job's shrink steps.
+                            steps_shrunk(&steps, id)
+                        } else {
+                            0
+                        };
+                        for t in &tasks[..tasks.len() - shrunk] {
+                            place::release(f, t, &j.req.per_task);
+                        }
+                    }
+                }
+            }
+        };
+        let r = &req.per_task;
+        let mut all = self.free.clone();
+        for s in &steps {
+            apply(&mut all, s);
+        }
+        if !place::fits(&all, r, req.tasks_min, req.spread) {
+            return None;
+        }
+        // The shortest prefix of steps that makes room (monotone: binary search).
+        let fits_after = |n: usize| {
+            let mut f = self.free.clone();
+            for s in &steps[..n] {
+                apply(&mut f, s);
+            }
+            place::fits(&f, r, req.tasks_min, req.spread)
+        };
+        let (mut lo, mut hi) = (1usize, steps.len());
+        while lo < hi {
+            let mid = (lo + hi) / 2;
+            if fits_after(mid) {
+                hi = mid;
+            } else {
+                lo = mid + 1;
+            }
+        }
+        let used = lo;
+        let steps: Vec<Step> = steps.into_iter().take(used).collect();
+        let mut out = Vec::new();
+        let preempted: Vec<&JobId> =
+            steps.iter().filter_map(|s| if let Step::Preempt(id) = s { Some(id) } else { None }).collect();
+        // Shrinks, grouped by job, unless the job is preempted anyway.
+        let mut shrinks: BTreeMap<JobId, u32> = BTreeMap::new();
+        for s in &steps {
+            if let Step::ShrinkOne(id, _) = s
+                && !preempted.contains(&id)
+            {
+                *shrinks.entry(id.clone()).or_default() += 1;
+            }
+        }
+        for (id, by) in shrinks {
+            let Some(j) = self.jobs.get_mut(&id) else { continue };
+            let State::Running { tasks, .. } = &mut j.state else { continue };
+            let removed = tasks.split_off(tasks.len() - by as usize);
+            let vreq = j.req.clone();
+            self.free_tasks(&vreq, &removed);
+            out.push(Decision::Shrink { job: id, by, for_job: req.id.clone() });
+        }
+        let grace = self.config.preempt_grace_ms;
+        for id in preempted {
+            let Some(j) = self.jobs.get_mut(id) else { continue };
+            let State::Running { tasks, .. } = std::mem::replace(&mut j.state, State::Pending) else {
+                continue;
+            };
+            let reason = if j.req.queue == req.queue && j.req.priority < req.priority {
+                PreemptReason::Priority { by: req.id.clone() }
+            } else {
+                PreemptReason::QuotaReclaim { owner_queue: req.queue.clone(), by: req.id.clone() }
+            };
+            j.state = State::Draining { until_ms: now.saturating_add(grace), tasks };
+            out.push(Decision::Preempt { job: id.clone(), reason, grace_ms: grace });
+        }
+        Some(out)
+    }
+
+    /// Grows running elastic jobs into free capacity (called only when no job
+    /// waits for capacity).
+    fn grow(&mut self, out: &mut Vec<Decision>) {
+        let mut elastic: Vec<(i32, u64, JobId)> = self
+            .jobs
+            .iter()
+            .filter(|(_, j)| {
+                !j.req.spread
+                    && matches!(&j.state, State::Running { tasks, .. } if (tasks.len() as u32) < j.req.tasks_max)
+            })
+            .map(|(id, j)| (j.req.priority, j.req.submitted_at_ms, id.clone()))
+            .collect();
+        elastic.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
+        for (_, _, id) in elastic {
+            let req = self.jobs[&id].req.clone();
+            let mut added = Vec::new();
+            while let State::Running { tasks, .. } = &self.jobs[&id].state {
+                let have = tasks.len() + added.len();
+                if have as u32 >= req.tasks_max || !self.queue_allows(&req, 1) {
+                    break;
+                }
+                let Some(mut t) = place::place(&mut self.free, None, &req.per_task, 1, false) else { break };
+                self.charge(&req, 1);
+                added.append(&mut t);
+            }
+            if added.is_empty() {
+                continue;
+            }
+            let tasks = self.placements(&added);
+            if let Some(Job { state: State::Running { tasks: have, .. }, .. }) = self.jobs.get_mut(&id) {
+                have.extend(added);
+            }
+            out.push(Decision::Grow { job: id, tasks });
+        }
+    }
+}
+
+fn steps_shrunk(steps: &[Step], id: &JobId) -> usize {
+    steps.iter().filter(|s| matches!(s, Step::ShrinkOne(j, _) if j == id)).count()
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Attempt {
+    Placed,
+    Waiting,
+    Skipped,
+}
