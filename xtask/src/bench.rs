@@ -590,17 +590,13 @@ pub fn bench_vs_peers(args: BenchArgs) -> Result<()> {
         }
     }
     let _ = writeln!(text, "\nbusbw = bytes/time · 2(n−1)/n; compare ratios within this run only (2-core machine).");
-    for v in &json_rows {
-        cx.record(json!({"kind": "summary", "row": v}))?;
-    }
-    std::fs::write(dir.join(format!("vs-peers-{stamp}.txt")), &text)?;
-    if cx.args.json {
-        for v in &json_rows {
-            println!("{v}");
-        }
-    } else {
-        print!("{text}");
-    }
+    crate::util::finish_report(
+        &mut cx.raw,
+        &dir.join(format!("vs-peers-{stamp}.txt")),
+        &text,
+        &json_rows,
+        cx.args.json,
+    )?;
     eprintln!("raw results: {}", raw_path.display());
     Ok(())
 }

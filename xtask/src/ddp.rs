@@ -632,17 +632,7 @@ pub fn bench_ddp(args: DdpArgs) -> Result<()> {
             cx.idle_misses
         );
     }
-    for v in &rows {
-        cx.record(json!({"kind": "summary", "row": v}))?;
-    }
-    std::fs::write(dir.join(format!("ddp-{stamp}.txt")), &text)?;
-    if cx.args.json {
-        for v in &rows {
-            println!("{v}");
-        }
-    } else {
-        print!("{text}");
-    }
+    crate::util::finish_report(&mut cx.raw, &dir.join(format!("ddp-{stamp}.txt")), &text, &rows, cx.args.json)?;
     if !cx.args.keep_runs {
         let _ = std::fs::remove_dir_all(&runs);
     }

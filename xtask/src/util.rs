@@ -204,3 +204,26 @@ mod tests {
         assert_eq!(civil_from_days(19_782), (2024, 2, 29));
     }
 }
+
+/// Ends a benchmark run: appends the summary rows to the raw results, writes the
+/// table to `txt`, and prints either the rows (one JSON object per line) or the table.
+pub fn finish_report(
+    raw: &mut impl std::io::Write,
+    txt: &Path,
+    text: &str,
+    rows: &[serde_json::Value],
+    json: bool,
+) -> Result<()> {
+    for v in rows {
+        writeln!(raw, "{}", serde_json::json!({"kind": "summary", "row": v})).context("writing raw results")?;
+    }
+    std::fs::write(txt, text).with_context(|| format!("writing {}", txt.display()))?;
+    if json {
+        for v in rows {
+            println!("{v}");
+        }
+    } else {
+        print!("{text}");
+    }
+    Ok(())
+}

@@ -80,6 +80,12 @@ fn check_root(root: usize, size: usize) -> Result<()> {
     Ok(())
 }
 
+/// The largest power of two `p <= n` (n > 0) and the `n - p` ranks beyond it.
+fn pow2_split(n: usize) -> (usize, usize) {
+    let p = 1usize << (usize::BITS - 1 - n.max(1).leading_zeros());
+    (p, n - p)
+}
+
 /// Copies arriving bytes into `dst`.
 fn copy_sink(dst: &mut [u8]) -> impl FnMut(usize, &[u8]) + Send + '_ {
     move |off, chunk| dst[off..off + chunk.len()].copy_from_slice(chunk)
@@ -249,29 +255,11 @@ impl Communicator {
     /// Recursive doubling; ranks beyond the largest power of two first hand their
     /// data to a partner and get the result back at the end.
     fn rd_all_reduce(&self, ctx: &OpCtx, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
-        let (n, r) = (self.size(), self.rank());
-        let p = 1usize << (usize::BITS - 1 - n.leading_zeros());
-        let extra = n - p;
+        let (p, extra) = pow2_split(self.size());
         let len = buf.len();
-        self.with_scratch(len, |tmp| -> Result<()> {
-            // Fold: among the first 2*extra ranks, odd ones give their data to the even one below.
-            let vrank = if r < 2 * extra {
-                if r % 2 == 1 {
-                    self.xchg(ctx, Some((r - 1, buf)), None)?;
-                    None
-                } else {
-                    {
-                        let mut sink = copy_sink(tmp);
-                        self.xchg(ctx, None, Some((r + 1, len, &mut sink)))?;
-                    }
-                    reduce_bytes(dtype, op, buf, tmp);
-                    Some(r / 2)
-                }
-            } else {
-                Some(r - extra)
-            };
-            if let Some(v) = vrank {
-                let real = |v: usize| if v < extra { v * 2 } else { v + extra };
+        if let Some(v) = self.fold_extra(ctx, buf, dtype, op, extra)? {
+            let real = |v: usize| if v < extra { v * 2 } else { v + extra };
+            self.with_scratch(len, |tmp| -> Result<()> {
                 let mut mask = 1;
                 while mask < p {
                     let partner = real(v ^ mask);
@@ -282,18 +270,51 @@ impl Communicator {
                     reduce_bytes(dtype, op, buf, tmp);
                     mask <<= 1;
                 }
+                Ok(())
+            })??;
+        }
+        self.unfold_extra(ctx, buf, extra)
+    }
+
+    /// Folds the ranks beyond the largest power of two in: among the first
+    /// `2*extra` ranks, odd ones give their data to the even one below, which
+    /// reduces it in as it arrives. Returns this rank's virtual rank among the
+    /// power of two, or `None` for a rank that folded out.
+    fn fold_extra(
+        &self,
+        ctx: &OpCtx,
+        buf: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        extra: usize,
+    ) -> Result<Option<usize>> {
+        let r = self.rank();
+        if r >= 2 * extra {
+            return Ok(Some(r - extra));
+        }
+        if r % 2 == 1 {
+            self.xchg(ctx, Some((r - 1, buf)), None)?;
+            return Ok(None);
+        }
+        let len = buf.len();
+        let mut sink = reduce_sink(buf, dtype, op);
+        self.xchg(ctx, None, Some((r + 1, len, &mut sink)))?;
+        Ok(Some(r / 2))
+    }
+
+    /// Hands the result back to the ranks that [`Self::fold_extra`] folded out.
+    fn unfold_extra(&self, ctx: &OpCtx, buf: &mut [u8], extra: usize) -> Result<()> {
+        let r = self.rank();
+        if r < 2 * extra {
+            if r % 2 == 1 {
+                let len = buf.len();
+                let mut sink = copy_sink(buf);
+                self.xchg(ctx, None, Some((r - 1, len, &mut sink)))?;
+            } else {
+                self.xchg(ctx, Some((r + 1, buf)), None)?;
             }
-            // Unfold: hand the result back to the ranks that folded.
-            if r < 2 * extra {
-                if r % 2 == 1 {
-                    let mut sink = copy_sink(buf);
-                    self.xchg(ctx, None, Some((r - 1, len, &mut sink)))?;
-                } else {
-                    self.xchg(ctx, Some((r + 1, buf)), None)?;
-                }
-            }
-            Ok(())
-        })?
+        }
+        Ok(())
     }
 
     /// Rabenseifner: reduce-scatter by recursive halving, then all-gather by
@@ -309,24 +330,10 @@ impl Communicator {
     /// reverse, each exchanging the whole current window. No scratch is needed:
     /// the half sent and the half received never overlap.
     fn rhd_all_reduce(&self, ctx: &OpCtx, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
-        let (n, r) = (self.size(), self.rank());
-        let p = 1usize << (usize::BITS - 1 - n.leading_zeros());
-        let extra = n - p;
+        let (p, extra) = pow2_split(self.size());
         let len = buf.len();
         let (es, count) = (dtype.size(), len / dtype.size());
-        // Fold: among the first 2*extra ranks, odd ones give their data to the even one below.
-        let vrank = if r < 2 * extra {
-            if r % 2 == 1 {
-                self.xchg(ctx, Some((r - 1, buf)), None)?;
-                None
-            } else {
-                let mut sink = reduce_sink(buf, dtype, op);
-                self.xchg(ctx, None, Some((r + 1, len, &mut sink)))?;
-                Some(r / 2)
-            }
-        } else {
-            Some(r - extra)
-        };
+        let vrank = self.fold_extra(ctx, buf, dtype, op, extra)?;
         if let Some(v) = vrank {
             let real = |v: usize| if v < extra { v * 2 } else { v + extra };
             // Byte range of blocks `a..b` (the start of block i is `segment(count, p, i).start`).
@@ -370,16 +377,7 @@ impl Communicator {
                 m <<= 1;
             }
         }
-        // Unfold: hand the result back to the ranks that folded.
-        if r < 2 * extra {
-            if r % 2 == 1 {
-                let mut sink = copy_sink(buf);
-                self.xchg(ctx, None, Some((r - 1, len, &mut sink)))?;
-            } else {
-                self.xchg(ctx, Some((r + 1, buf)), None)?;
-            }
-        }
-        Ok(())
+        self.unfold_extra(ctx, buf, extra)
     }
 
     fn hier(&self) -> Result<&Hier> {

@@ -39,7 +39,7 @@ mod dataset;
 mod error;
 mod loader;
 mod partition;
-mod rng;
+pub mod rng;
 mod sampler;
 mod stream;
 

@@ -3,7 +3,7 @@
 
 /// SplitMix64: 64 bits of state, passes BigCrush, and is trivially seekable by construction from a key.
 #[derive(Debug, Clone)]
-pub(crate) struct SplitMix64(u64);
+pub struct SplitMix64(u64);
 
 const GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;
 
@@ -16,7 +16,7 @@ pub(crate) fn mix(mut z: u64) -> u64 {
 
 impl SplitMix64 {
     /// A generator whose stream depends on every word of `key`.
-    pub(crate) fn from_key(key: &[u64]) -> Self {
+    pub fn from_key(key: &[u64]) -> Self {
         let mut s = 0x5EED_0F5E_ED0F_5EEDu64;
         for &k in key {
             s = mix(s ^ k.wrapping_add(GOLDEN));
@@ -24,23 +24,23 @@ impl SplitMix64 {
         Self(s)
     }
 
-    pub(crate) fn next_u64(&mut self) -> u64 {
+    pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(GOLDEN);
         mix(self.0)
     }
 
     /// Uniform in `0..n` (multiply-shift; the bias is below 2^-40 for any `n` this crate uses).
-    pub(crate) fn below(&mut self, n: usize) -> usize {
+    pub fn below(&mut self, n: usize) -> usize {
         ((u128::from(self.next_u64()) * n as u128) >> 64) as usize
     }
 
     /// Uniform in `[0, 1)` with 53 random bits.
-    pub(crate) fn unit_f64(&mut self) -> f64 {
+    pub fn unit_f64(&mut self) -> f64 {
         (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
     }
 
     /// Standard normal (Box–Muller, one value per call).
-    pub(crate) fn normal(&mut self) -> f64 {
+    pub fn normal(&mut self) -> f64 {
         let u1 = 1.0 - self.unit_f64(); // (0, 1]
         let u2 = self.unit_f64();
         (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()

@@ -5,32 +5,19 @@ use candle_core::{DType, Device, Tensor, Var};
 
 use crate::error::Result;
 
-/// A small deterministic generator (SplitMix64): the same seed gives the same
-/// initial weights in every process and on every platform.
+/// The seeded generator of initial weights: `shoal-data`'s SplitMix64 keyed by
+/// the seed, so the same seed gives the same weights in every process and on
+/// every platform.
 #[derive(Debug, Clone)]
-pub struct SeededRng(u64);
+pub struct SeededRng(shoal_data::rng::SplitMix64);
 
 impl SeededRng {
     pub fn new(seed: u64) -> Self {
-        SeededRng(seed ^ 0x5DEE_CE66_D1CE_4E5B)
-    }
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        SeededRng(shoal_data::rng::SplitMix64::from_key(&[seed, 0x5EED_1417]))
     }
     /// Uniform in [0, 1).
     pub fn uniform(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
-    /// State, for checkpoints.
-    pub fn state(&self) -> u64 {
-        self.0
-    }
-    pub fn from_state(state: u64) -> Self {
-        SeededRng(state)
+        self.0.unit_f64()
     }
 }
 

@@ -44,7 +44,7 @@ impl Default for TrainerConfig {
 }
 
 /// Time spent in one [`Trainer::step`].
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct StepTimes {
     /// Waiting for gradient all-reduces that had not finished during backward.
     pub comm_s: f64,
@@ -52,6 +52,8 @@ pub struct StepTimes {
     pub optimizer_s: f64,
     /// Global gradient norm before clipping (when clipping is on).
     pub grad_norm: Option<f64>,
+    /// The scalars given to [`Trainer::attach_scalars`], summed over ranks.
+    pub scalars: Vec<f32>,
 }
 
 enum Bucket {
@@ -71,6 +73,8 @@ pub struct Trainer {
     buckets: Vec<(Vec<usize>, Bucket)>,
     /// Gradients kept as tensors when there is nothing to reduce.
     direct: Option<Vec<Tensor>>,
+    /// Scalars to sum over ranks with this step's last gradient bucket.
+    scalars: Vec<f32>,
 }
 
 /// Appends a tensor's values to `out` with one copy (straight from its storage
@@ -105,7 +109,7 @@ impl Trainer {
             params.load_flat(&flat)?;
         }
         let opt = Optimizer::new(cfg.optimizer, &params);
-        Ok(Trainer { params, comm, opt, cfg, acc: None, buckets: Vec::new(), direct: None })
+        Ok(Trainer { params, comm, opt, cfg, acc: None, buckets: Vec::new(), direct: None, scalars: Vec::new() })
     }
 
     pub fn params(&self) -> &Params {
@@ -122,6 +126,15 @@ impl Trainer {
 
     pub fn comm(&self) -> Option<&Communicator> {
         self.comm.as_ref()
+    }
+
+    /// Sums `values` over ranks along with this step's gradients (they ride in
+    /// the last bucket, so reporting e.g. the global loss costs no extra
+    /// collective); [`StepTimes::scalars`] gives them back. Call before the
+    /// `last` backward of the step.
+    pub fn attach_scalars(&mut self, values: &[f32]) {
+        self.scalars.clear();
+        self.scalars.extend_from_slice(values);
     }
 
     /// Back-propagates `loss` (already weighted by this rank's share of the
@@ -198,7 +211,8 @@ impl Trainer {
                 launch(&mut cur, &mut members, &mut self.buckets);
             }
         }
-        if !members.is_empty() {
+        cur.extend_from_slice(&self.scalars);
+        if !members.is_empty() || !self.scalars.is_empty() {
             launch(&mut cur, &mut members, &mut self.buckets);
         }
         Ok(())
@@ -214,10 +228,13 @@ impl Trainer {
                 None => None,
             };
             self.opt.step(&self.params, &grads, lr)?;
-            return Ok(StepTimes { comm_s: 0.0, optimizer_s: t0.elapsed().as_secs_f64(), grad_norm });
+            let scalars = std::mem::take(&mut self.scalars);
+            return Ok(StepTimes { comm_s: 0.0, optimizer_s: t0.elapsed().as_secs_f64(), grad_norm, scalars });
         }
         let mut grads: Vec<Option<Tensor>> = vec![None; vars.len()];
-        for (members, b) in self.buckets.drain(..) {
+        let mut scalars = Vec::new();
+        let last = self.buckets.len().saturating_sub(1);
+        for (k, (members, b)) in self.buckets.drain(..).enumerate() {
             let data = match b {
                 Bucket::Pending(p) => p.wait()?,
                 Bucket::Ready(d) => d,
@@ -232,7 +249,11 @@ impl Trainer {
                 grads[i] = Some(Tensor::from_slice(part, var.shape(), &Device::Cpu)?);
                 off += n;
             }
+            if k == last {
+                scalars = data.get(off..).unwrap_or_default().to_vec();
+            }
         }
+        self.scalars.clear();
         let comm_s = t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
         let mut grads: Vec<Tensor> = grads
@@ -249,6 +270,6 @@ impl Trainer {
             None => None,
         };
         self.opt.step(&self.params, &grads, lr)?;
-        Ok(StepTimes { comm_s, optimizer_s: t1.elapsed().as_secs_f64(), grad_norm })
+        Ok(StepTimes { comm_s, optimizer_s: t1.elapsed().as_secs_f64(), grad_norm, scalars })
     }
 }

@@ -36,6 +36,9 @@ pub struct StepTime {
     pub compute_s: f64,
     pub comm_s: f64,
     pub optimizer_s: f64,
+    /// The whole step, as the loop saw it.
+    #[serde(default)]
+    pub step_s: f64,
 }
 
 /// What `summary.json` holds.
@@ -331,7 +334,8 @@ pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
     } else {
         None
     };
-    let (mut data_t, mut compute_t, mut comm_t, mut opt_t) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut data_t, mut compute_t, mut comm_t, mut opt_t, mut step_t) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut last_loss = f64::NAN;
     let mut samples_seen = 0usize;
     let train_started = Instant::now();
@@ -358,23 +362,24 @@ pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
                 }
                 None => None,
             };
+            if k + 1 == t.grad_accum {
+                trainer.attach_scalars(&[local_loss as f32]);
+            }
             trainer.backward(loss.as_ref(), k + 1 == t.grad_accum)?;
             compute_s += c0.elapsed().as_secs_f64();
         }
         let lr = learning_rate(step, t.steps, t.lr, t.warmup_steps, t.min_lr, t.schedule == Schedule::Cosine);
         stall_s += submit_snapshot(&mut snapshot, saver.as_mut())?;
         let times = trainer.step(lr)?;
-        // The global loss: this rank's weighted share, summed over ranks.
-        let c1 = Instant::now();
-        let mut l = [local_loss];
-        comm.all_reduce(&mut l, ReduceOp::Sum)?;
-        let comm_s = times.comm_s + c1.elapsed().as_secs_f64();
-        last_loss = l[0];
+        // The global loss: every rank's weighted share, summed with the gradients.
+        let comm_s = times.comm_s;
+        last_loss = times.scalars.first().copied().map_or(f64::NAN, f64::from);
         samples_seen += global_samples;
         data_t.push(data_s);
         compute_t.push(compute_s);
         comm_t.push(comm_s);
         opt_t.push(times.optimizer_s);
+        step_t.push(step_started.elapsed().as_secs_f64());
         if let Some(f) = metrics.as_mut() {
             let m = StepMetrics {
                 step: step + 1,
@@ -462,6 +467,7 @@ pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
             compute_s: median(&mut compute_t),
             comm_s: median(&mut comm_t),
             optimizer_s: median(&mut opt_t),
+            step_s: median(&mut step_t),
         },
         elapsed_s: started.elapsed().as_secs_f64(),
         resumed_from: start_step as u64,
