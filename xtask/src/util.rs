@@ -193,18 +193,6 @@ pub fn du(path: &Path) -> String {
         .unwrap_or_else(|| "?".into())
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn civil_dates() {
-        assert_eq!(civil_from_days(0), (1970, 1, 1));
-        assert_eq!(civil_from_days(19_723), (2024, 1, 1));
-        assert_eq!(civil_from_days(19_782), (2024, 2, 29));
-    }
-}
-
 /// Ends a benchmark run: appends the summary rows to the raw results, writes the
 /// table to `txt`, and prints either the rows (one JSON object per line) or the table.
 pub fn finish_report(
@@ -226,4 +214,16 @@ pub fn finish_report(
         print!("{text}");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn civil_dates() {
+        assert_eq!(civil_from_days(0), (1970, 1, 1));
+        assert_eq!(civil_from_days(19_723), (2024, 1, 1));
+        assert_eq!(civil_from_days(19_782), (2024, 2, 29));
+    }
 }
