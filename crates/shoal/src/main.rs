@@ -2,6 +2,7 @@
 
 mod bench;
 mod launch;
+mod platform;
 mod run;
 
 use anyhow::Result;
@@ -26,8 +27,75 @@ enum Cmd {
     /// Start N processes of a command (or a job file) with the environment
     /// contract and supervise them, like torchrun.
     Run(run::RunArgs),
-    /// Show Shoal working end to end on this machine.
-    Demo,
+    /// Show Shoal working end to end on this machine: an embedded server runs a built-in
+    /// data-parallel training job on real data.
+    Demo {
+        /// Leave the server running afterwards (Ctrl-C stops it).
+        #[arg(long)]
+        keep: bool,
+    },
+    /// Run the platform: API, scheduler, local executor, state in SQLite (or PostgreSQL).
+    Server(platform::ServerArgs),
+    /// Submit a job spec to a server; prints the job id.
+    Submit {
+        job: std::path::PathBuf,
+        /// Print `{"id": ...}`.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        client: platform::ClientArgs,
+    },
+    /// List jobs (your team's; an admin's: all).
+    Jobs {
+        /// Only these states, comma-separated (pending, running, preempted, succeeded, failed, cancelled).
+        #[arg(long)]
+        state: Option<String>,
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        client: platform::ClientArgs,
+    },
+    /// A job's state, workers, events and result.
+    Status {
+        id: String,
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        client: platform::ClientArgs,
+    },
+    /// A worker's output.
+    Logs {
+        id: String,
+        #[arg(long, default_value_t = 0)]
+        rank: u32,
+        /// Keep streaming until the job ends.
+        #[arg(long, short)]
+        follow: bool,
+        #[command(flatten)]
+        client: platform::ClientArgs,
+    },
+    /// Cancel a job (its workers get SIGTERM, then SIGKILL).
+    Cancel {
+        id: String,
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        client: platform::ClientArgs,
+    },
+    /// Queues with their guarantees and what they hold.
+    Queues {
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        client: platform::ClientArgs,
+    },
+    /// Nodes with their capacity and allocation.
+    Nodes {
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        client: platform::ClientArgs,
+    },
     /// List the built-in datasets.
     Datasets {
         /// One JSON array of objects (name, kind, len, features, classes, description).
@@ -67,7 +135,25 @@ fn main() -> std::process::ExitCode {
         Cmd::Bench { op, args } => bench::run_bench(op, &args),
         Cmd::BenchRank { spec } => bench::run_rank(&spec).map(|()| true),
         Cmd::Worker { output, resume, job } => worker(&job, output, resume),
-        Cmd::Demo => demo(),
+        Cmd::Demo { keep } => platform::demo(keep),
+        Cmd::Server(args) => platform::server(&args),
+        Cmd::Submit { job, json, client } => {
+            platform::Client::from_args(&client).and_then(|c| platform::submit(&c, &job, json))
+        }
+        Cmd::Jobs { state, json, client } => {
+            platform::Client::from_args(&client).and_then(|c| platform::jobs(&c, state.as_deref(), json))
+        }
+        Cmd::Status { id, json, client } => {
+            platform::Client::from_args(&client).and_then(|c| platform::status(&c, &id, json))
+        }
+        Cmd::Logs { id, rank, follow, client } => {
+            platform::Client::from_args(&client).and_then(|c| platform::logs(&c, &id, rank, follow))
+        }
+        Cmd::Cancel { id, json, client } => {
+            platform::Client::from_args(&client).and_then(|c| platform::cancel(&c, &id, json))
+        }
+        Cmd::Queues { json, client } => platform::Client::from_args(&client).and_then(|c| platform::queues(&c, json)),
+        Cmd::Nodes { json, client } => platform::Client::from_args(&client).and_then(|c| platform::nodes(&c, json)),
         Cmd::Datasets { json } => datasets(json),
     };
     match result {
@@ -108,35 +194,3 @@ fn datasets(json: bool) -> Result<bool> {
     Ok(true)
 }
 
-/// The demo: all-reduce checked element by element over shared memory and TCP,
-/// then an MLP trained data-parallel on the handwritten digits by two workers.
-fn demo() -> Result<bool> {
-    let mut ok = true;
-    for transport in ["shm", "tcp"] {
-        let args = bench::BenchArgs {
-            ranks: 4,
-            transport: transport.into(),
-            algo: "auto".into(),
-            sizes: "4KiB,1MiB,16MiB".into(),
-            dtype: "f32".into(),
-            op: "sum".into(),
-            iters: None,
-            warmup: None,
-            timeout: "30s".into(),
-            check: true,
-            json: false,
-        };
-        ok &= bench::run_bench(bench::BenchOp::Allreduce, &args)?;
-    }
-    let dir = std::env::temp_dir().join(format!("shoal-demo-{}", std::process::id()));
-    let job = dir.join("mlp_digits.toml");
-    std::fs::create_dir_all(&dir)?;
-    std::fs::write(&job, DEMO_JOB)?;
-    println!();
-    let code = run::run_job(2, &job, Some(&dir.join("run")), false, false)?;
-    ok &= code == std::process::ExitCode::SUCCESS;
-    Ok(ok)
-}
-
-/// The demo's training job (the same as `examples/mlp_digits.toml`).
-const DEMO_JOB: &str = include_str!("../../../examples/mlp_digits.toml");

@@ -2,6 +2,8 @@
 //!
 //! ```toml
 //! name = "mlp-digits"            # [A-Za-z0-9._-], not starting with '.'
+//! queue = "default"              # on a platform: queue, priority, [workers], [resources], [restart]
+//!                                # (see the `platform` module; `shoal run` uses only workers.count)
 //!
 //! [train]
 //! dataset = "digits"             # a built-in dataset: digits, cicero, synthetic
@@ -83,6 +85,10 @@ use serde::de::{self, Deserializer, MapAccess, Visitor};
 use serde::{Deserialize, Serialize};
 use shoal_data::{Kind, Options, Split};
 
+mod platform;
+
+pub use platform::{ResourcesSpec, RestartSpec, WorkersSpec, parse_bytes, parse_milli};
+
 // ---------------------------------------------------------------------------------------------------------------
 // errors
 
@@ -147,9 +153,25 @@ type Result<T, E = SpecError> = std::result::Result<T, E>;
 pub struct JobSpec {
     /// The job's name: 1–128 characters of `[A-Za-z0-9._-]`, not starting with `.` (it names directories).
     pub name: String,
+    /// The queue it waits in on a platform (default `default`).
+    #[serde(default = "default_queue")]
+    pub queue: String,
+    /// Higher runs first and may preempt lower (default 0).
+    #[serde(default)]
+    pub priority: i32,
+    #[serde(default)]
+    pub workers: WorkersSpec,
+    #[serde(default)]
+    pub resources: ResourcesSpec,
+    #[serde(default)]
+    pub restart: RestartSpec,
     pub train: TrainSpec,
     #[serde(default)]
     pub checkpoint: CheckpointSpec,
+}
+
+fn default_queue() -> String {
+    "default".to_owned()
 }
 
 /// How work is spread over the workers.
@@ -442,11 +464,16 @@ pub fn parse_job(text: &str, origin: &str) -> Result<JobSpec> {
     Ok(spec)
 }
 
-/// Reads, parses and validates a TOML job spec file; errors name the file.
+/// Reads, parses and validates a job spec file: TOML, or JSON when the name ends in `.json`; errors name the file.
 pub fn load_job(path: &Path) -> Result<JobSpec> {
     let origin = path.display().to_string();
     let text = std::fs::read_to_string(path)
         .map_err(|e| SpecError::at("", format!("cannot read the job spec: {e}")).with_origin(&origin))?;
+    if path.extension().is_some_and(|e| e == "json") {
+        let spec = deserialize_json(&text).map_err(|e| e.with_origin(&origin))?;
+        spec.validate().map_err(|e| e.with_origin(&origin))?;
+        return Ok(spec);
+    }
     parse_job(&text, &origin)
 }
 
@@ -766,7 +793,14 @@ impl JobSpec {
     /// [`JobSpec::validate`] with an explicit memory budget in bytes (`None` skips the model-size check).
     pub fn validate_with_memory(&self, available: Option<u64>) -> Result<()> {
         validate_name(&self.name)?;
+        validate_queue(&self.queue)?;
+        self.workers.validate().map_err(|(p, m)| SpecError::at(p, m))?;
+        self.resources.validate().map_err(|(p, m)| SpecError::at(p, m))?;
         self.train.validate_numbers()?;
+        let (lo, _) = self.workers.range();
+        if self.workers.count.is_some() || self.workers.min.is_some() {
+            self.validate_world(lo as usize)?;
+        }
         self.train.validate_model_and_data(available)?;
         self.checkpoint.validate()
     }
@@ -796,6 +830,16 @@ impl JobSpec {
         }
         Ok(())
     }
+}
+
+fn validate_queue(queue: &str) -> Result<()> {
+    if queue.is_empty()
+        || queue.len() > 64
+        || !queue.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
+    {
+        return Err(SpecError::at("queue", format!("{queue:?}: 1-64 letters, digits, '.', '_' or '-'")));
+    }
+    Ok(())
 }
 
 fn validate_name(name: &str) -> Result<()> {

@@ -1,0 +1,477 @@
+//! The HTTP+JSON API under `/api/v1/`, and `GET /healthz`.
+//!
+//! Every error is JSON, `{"error": "...", "field": "train.steps" | null, "status": 400}`, with a 4xx status for
+//! anything the caller can fix (a bad spec names the key path; an oversized body is a 413; an unknown job a 404);
+//! a handler never panics on input.
+//!
+//! | method | path | what |
+//! |---|---|---|
+//! | GET | `/healthz` | liveness and the database in use |
+//! | GET | `/api/v1/whoami` | the caller's user, team and role |
+//! | POST | `/api/v1/tokens` | (admin) a new token for `{"user", "team", "admin"}` |
+//! | POST | `/api/v1/jobs` | submit a spec (JSON, or TOML with `Content-Type: application/toml`) → `{"id"}` |
+//! | GET | `/api/v1/jobs?state=&team=&limit=` | the caller's team's jobs (an admin's: all, or `team`) |
+//! | GET | `/api/v1/jobs/{id}` | status: state, restarts, workers (rank, pid, host, state), events, summary |
+//! | POST | `/api/v1/jobs/{id}/cancel` | cancel (a running job's workers get SIGTERM, then SIGKILL) |
+//! | GET | `/api/v1/jobs/{id}/logs?rank=&attempt=&offset=&follow=` | a worker's output; `follow=true` streams it |
+//! | GET | `/api/v1/jobs/{id}/events?after=` | transitions and notable facts, oldest first |
+//! | POST | `/api/v1/jobs/{id}/metrics` | ingest `{"metrics": [{"rank", "step", "time_ms", "data"}]}` |
+//! | GET | `/api/v1/jobs/{id}/metrics?rank=&after=&limit=` | stored per-step metrics |
+//! | GET | `/api/v1/queues` | queues with their guarantees and what they hold |
+//! | GET | `/api/v1/nodes` | nodes with capacity and allocation |
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::rejection::{BytesRejection, QueryRejection};
+use axum::extract::{DefaultBodyLimit, Path, Query, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use crate::auth::{Caller, hash_token, new_token};
+use crate::control::Control;
+use crate::db::{JobRow, JobState, MetricRow, Principal, now};
+use crate::error::{ControlError, Result};
+
+/// The largest request body accepted (a job spec or a metrics batch).
+pub const MAX_BODY: usize = 1 << 20;
+
+/// What every handler sees.
+#[derive(Debug, Clone)]
+pub struct AppState {
+    pub control: Arc<Control>,
+    /// Whether requests must carry a token (always, except a loopback server started without auth).
+    pub auth: bool,
+}
+
+pub fn router(state: AppState) -> Router {
+    Router::new()
+        .route("/healthz", get(healthz))
+        .route("/api/v1/whoami", get(whoami))
+        .route("/api/v1/tokens", post(create_token))
+        .route("/api/v1/jobs", post(submit).get(list_jobs))
+        .route("/api/v1/jobs/{id}", get(job_status))
+        .route("/api/v1/jobs/{id}/cancel", post(cancel))
+        .route("/api/v1/jobs/{id}/logs", get(logs))
+        .route("/api/v1/jobs/{id}/events", get(events))
+        .route("/api/v1/jobs/{id}/metrics", get(get_metrics).post(post_metrics))
+        .route("/api/v1/queues", get(queues))
+        .route("/api/v1/nodes", get(nodes))
+        .fallback(|| async { ControlError::NotFound("no such endpoint; the API lives under /api/v1/".into()) })
+        .layer(DefaultBodyLimit::max(MAX_BODY))
+        .with_state(state)
+}
+
+fn body(b: std::result::Result<Bytes, BytesRejection>) -> Result<Bytes> {
+    b.map_err(|e| {
+        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ControlError::TooLarge(format!("at most {MAX_BODY} bytes"))
+        } else {
+            ControlError::bad(format!("cannot read the request body: {e}"))
+        }
+    })
+}
+
+fn query<T>(q: std::result::Result<Query<T>, QueryRejection>) -> Result<T> {
+    q.map(|Query(t)| t).map_err(|e| ControlError::bad(format!("bad query string: {}", e.body_text())))
+}
+
+/// Job ids are `j-` and 8 hex digits; anything else is not a job (and never reaches a file path).
+fn valid_id(id: &str) -> Result<()> {
+    let ok = id.len() == 10 && id.starts_with("j-") && id[2..].bytes().all(|b| b.is_ascii_hexdigit());
+    if ok { Ok(()) } else { Err(ControlError::NotFound(format!("no job {id:?} (job ids look like j-0123abcd)"))) }
+}
+
+/// The job, if it exists and the caller may see it (another team's job is reported as missing).
+async fn visible_job(state: &AppState, caller: &Caller, id: &str) -> Result<JobRow> {
+    valid_id(id)?;
+    match state.control.db.job(id).await? {
+        Some(j) if caller.may_access(&j.team) => Ok(j),
+        _ => Err(ControlError::NotFound(format!("no job {id}"))),
+    }
+}
+
+async fn healthz(State(state): State<AppState>) -> Response {
+    Json(json!({ "ok": true, "database": state.control.db.backend() })).into_response()
+}
+
+use axum::Json;
+
+async fn whoami(caller: Caller) -> Json<Principal> {
+    Json(caller.0)
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct NewToken {
+    user: String,
+    team: String,
+    #[serde(default)]
+    admin: bool,
+}
+
+fn valid_label(field: &str, v: &str) -> Result<()> {
+    if v.is_empty() || v.len() > 64 || !v.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')) {
+        return Err(ControlError::bad_field(field, format!("{v:?}: 1-64 letters, digits, '.', '_' or '-'")));
+    }
+    Ok(())
+}
+
+async fn create_token(
+    State(state): State<AppState>,
+    caller: Caller,
+    b: std::result::Result<Bytes, BytesRejection>,
+) -> Result<Response> {
+    if !caller.0.admin {
+        return Err(ControlError::Forbidden("only an admin creates tokens".into()));
+    }
+    let b = body(b)?;
+    let req: NewToken = serde_json::from_slice(&b).map_err(|e| ControlError::bad(format!("token request: {e}")))?;
+    valid_label("user", &req.user)?;
+    valid_label("team", &req.team)?;
+    let token = new_token();
+    let p = Principal { user: req.user, team: req.team, admin: req.admin };
+    state.control.db.insert_token(&hash_token(&token), &p).await?;
+    Ok((StatusCode::CREATED, Json(json!({ "token": token, "user": p.user, "team": p.team, "admin": p.admin })))
+        .into_response())
+}
+
+async fn submit(
+    State(state): State<AppState>,
+    caller: Caller,
+    headers: HeaderMap,
+    b: std::result::Result<Bytes, BytesRejection>,
+) -> Result<Response> {
+    let b = body(b)?;
+    let text = std::str::from_utf8(&b).map_err(|_| ControlError::bad("the job spec is not UTF-8 text"))?;
+    let is_toml = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|ct| ct.contains("toml"));
+    let spec = if is_toml { shoal_spec::parse_job(text, "job.toml") } else { shoal_spec::parse_job_json(text) }
+        .map_err(|e| {
+            let field = (!e.path.is_empty()).then(|| e.path.clone());
+            ControlError::BadRequest { message: e.to_string(), field }
+        })?;
+    let control = &state.control;
+    if !control.queues.iter().any(|q| q.name == spec.queue) {
+        let names: Vec<&str> = control.queues.iter().map(|q| q.name.as_str()).collect();
+        return Err(ControlError::bad_field(
+            "queue",
+            format!("no queue {:?}; the queues are: {}", spec.queue, names.join(", ")),
+        ));
+    }
+    if let Some((field, why)) = control.never_fits(&spec) {
+        return Err(ControlError::bad_field(field, why));
+    }
+    let spec_json =
+        serde_json::to_string(&spec).map_err(|e| ControlError::Internal(format!("serializing the spec: {e}")))?;
+    let id = loop {
+        let token = new_token();
+        let id = format!("j-{}", &token[6..14]);
+        if control.db.job(&id).await?.is_none() {
+            break id;
+        }
+    };
+    let dir = control.job_dir(&id);
+    std::fs::create_dir_all(&dir)?;
+    std::fs::write(dir.join("job.json"), &spec_json)?;
+    let (lo, hi) = spec.workers.range();
+    let row = JobRow {
+        id: id.clone(),
+        name: spec.name.clone(),
+        user: caller.0.user.clone(),
+        team: caller.0.team.clone(),
+        queue: spec.queue.clone(),
+        priority: i64::from(spec.priority),
+        state: JobState::Pending,
+        spec: spec_json,
+        secret: new_token()[6..].to_owned(),
+        restarts: 0,
+        attempt: 0,
+        workers: i64::from(lo),
+        created_ms: now(),
+        started_ms: None,
+        finished_ms: None,
+        reason: format!(
+            "submitted by {} ({}) to queue {}: {} worker{} × {} CPU, {} MiB memory{}",
+            caller.0.user,
+            caller.0.team,
+            spec.queue,
+            if lo == hi { lo.to_string() } else { format!("{lo}-{hi}") },
+            if hi == 1 { "" } else { "s" },
+            spec.resources.cpus as f64 / 1000.0,
+            spec.resources.memory >> 20,
+            if spec.resources.gpus > 0 { format!(", {} GPU", spec.resources.gpus as f64 / 1000.0) } else { String::new() }
+        ),
+        cancel_requested: false,
+        summary: None,
+    };
+    control.db.insert_job(&row).await?;
+    control.wake.notify_one();
+    tracing::info!(job = %id, name = %spec.name, team = %caller.0.team, "job submitted");
+    Ok((StatusCode::CREATED, Json(json!({ "id": id, "state": "pending", "name": spec.name }))).into_response())
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ListQuery {
+    #[serde(default)]
+    state: Option<String>,
+    #[serde(default)]
+    team: Option<String>,
+    #[serde(default)]
+    limit: Option<i64>,
+}
+
+fn job_json(j: &JobRow) -> Value {
+    let mut v = serde_json::to_value(j).unwrap_or(Value::Null);
+    if let Some(obj) = v.as_object_mut() {
+        obj.insert("worker_count".into(), json!(j.workers));
+        obj.remove("workers");
+    }
+    v
+}
+
+async fn list_jobs(
+    State(state): State<AppState>,
+    caller: Caller,
+    q: std::result::Result<Query<ListQuery>, QueryRejection>,
+) -> Result<Json<Value>> {
+    let q = query(q)?;
+    let mut states = Vec::new();
+    for s in q.state.iter().flat_map(|s| s.split(',')).filter(|s| !s.is_empty()) {
+        states.push(JobState::parse(s).ok_or_else(|| {
+            ControlError::bad_field(
+                "state",
+                format!("no state {s:?}; one of pending, running, preempted, succeeded, failed, cancelled"),
+            )
+        })?);
+    }
+    let team = match (&q.team, caller.0.admin) {
+        (Some(t), true) => Some(t.clone()),
+        (None, true) => None,
+        (Some(t), false) if *t != caller.0.team => {
+            return Err(ControlError::Forbidden(format!("you are in team {}, not {t}", caller.0.team)));
+        }
+        (_, false) => Some(caller.0.team.clone()),
+    };
+    let limit = q.limit.unwrap_or(1000).clamp(1, 100_000);
+    let jobs = state.control.db.jobs(team.as_deref(), &states, limit).await?;
+    Ok(Json(json!({ "jobs": jobs.iter().map(job_json).collect::<Vec<_>>() })))
+}
+
+async fn job_status(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<Json<Value>> {
+    let job = visible_job(&state, &caller, &id).await?;
+    let db = &state.control.db;
+    let tasks = db.tasks(&job.id, job.attempt).await?;
+    let events = db.events(&job.id, 0).await?;
+    let last = db.metrics(&job.id, Some(0), db.last_metric_step(&job.id, 0).await? - 1, 1).await?;
+    let mut v = job_json(&job);
+    if let Some(obj) = v.as_object_mut() {
+        obj.insert("workers".into(), serde_json::to_value(&tasks).unwrap_or(Value::Null));
+        obj.insert("events".into(), serde_json::to_value(&events).unwrap_or(Value::Null));
+        obj.insert("spec".into(), serde_json::from_str(&job.spec).unwrap_or(Value::Null));
+        obj.insert(
+            "summary".into(),
+            job.summary.as_deref().and_then(|s| serde_json::from_str(s).ok()).unwrap_or(Value::Null),
+        );
+        obj.insert("last_metrics".into(), last.first().map_or(Value::Null, |m| m.data.clone()));
+    }
+    Ok(Json(v))
+}
+
+async fn cancel(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<Response> {
+    let job = visible_job(&state, &caller, &id).await?;
+    if job.state.is_final() {
+        return Err(ControlError::Conflict(format!("job {id} already {}", job.state.as_str())));
+    }
+    state.control.db.request_cancel(&id).await?;
+    state.control.db.event(&id, "cancel", job.state, &format!("cancel requested by {}", caller.0.user)).await?;
+    state.control.wake.notify_one();
+    Ok((StatusCode::ACCEPTED, Json(json!({ "id": id, "state": job.state, "cancel_requested": true }))).into_response())
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LogQuery {
+    #[serde(default)]
+    rank: Option<i64>,
+    #[serde(default)]
+    attempt: Option<i64>,
+    #[serde(default)]
+    offset: Option<u64>,
+    #[serde(default)]
+    follow: Option<bool>,
+}
+
+async fn logs(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+    q: std::result::Result<Query<LogQuery>, QueryRejection>,
+) -> Result<Response> {
+    let q = query(q)?;
+    let job = visible_job(&state, &caller, &id).await?;
+    let rank = q.rank.unwrap_or(0);
+    if rank < 0 || rank >= job.workers.max(1) {
+        return Err(ControlError::bad_field("rank", format!("job {id} has ranks 0..{}", job.workers.max(1) - 1)));
+    }
+    let attempt = q.attempt.unwrap_or(job.attempt);
+    if attempt < 0 || attempt > job.attempt {
+        return Err(ControlError::bad_field("attempt", format!("job {id} has attempts 1..={}", job.attempt)));
+    }
+    let path = state.control.exec.log_path(&id, attempt, rank);
+    let offset = q.offset.unwrap_or(0);
+    if !q.follow.unwrap_or(false) {
+        let data = match tokio::fs::read(&path).await {
+            Ok(d) => d,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+            Err(e) => return Err(e.into()),
+        };
+        let start = (offset as usize).min(data.len());
+        return Ok(([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], data[start..].to_vec()).into_response());
+    }
+    let control = state.control.clone();
+    let stream = futures_util::stream::unfold((offset, false), move |(pos, done)| {
+        let control = control.clone();
+        let path = path.clone();
+        let id = id.clone();
+        async move {
+            if done {
+                return None;
+            }
+            loop {
+                let data = tokio::fs::read(&path).await.unwrap_or_default();
+                if (pos as usize) < data.len() {
+                    let chunk = Bytes::copy_from_slice(&data[pos as usize..]);
+                    return Some((Ok::<Bytes, std::io::Error>(chunk), (data.len() as u64, false)));
+                }
+                let finished = match control.db.job(&id).await {
+                    Ok(Some(j)) => j.state.is_final() || j.attempt > attempt,
+                    _ => true,
+                };
+                if finished {
+                    return Some((Ok(Bytes::new()), (pos, true)));
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+            }
+        }
+    });
+    Ok(([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], Body::from_stream(stream)).into_response())
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AfterQuery {
+    #[serde(default)]
+    after: Option<i64>,
+}
+
+async fn events(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+    q: std::result::Result<Query<AfterQuery>, QueryRejection>,
+) -> Result<Json<Value>> {
+    let q = query(q)?;
+    let job = visible_job(&state, &caller, &id).await?;
+    let ev = state.control.db.events(&job.id, q.after.unwrap_or(0)).await?;
+    Ok(Json(json!({ "events": ev })))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct MetricsBatch {
+    metrics: Vec<MetricRow>,
+}
+
+async fn post_metrics(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+    b: std::result::Result<Bytes, BytesRejection>,
+) -> Result<Json<Value>> {
+    let b = body(b)?;
+    let job = visible_job(&state, &caller, &id).await?;
+    let batch: MetricsBatch =
+        serde_json::from_slice(&b).map_err(|e| ControlError::bad(format!("metrics batch: {e}")))?;
+    if let Some((i, m)) = batch.metrics.iter().enumerate().find(|(_, m)| m.rank < 0 || m.step < 0) {
+        return Err(ControlError::bad_field(format!("metrics[{i}]"), format!("rank {} step {}: must be >= 0", m.rank, m.step)));
+    }
+    let n = state.control.db.insert_metrics(&job.id, &batch.metrics).await?;
+    Ok(Json(json!({ "stored": n })))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct MetricsQuery {
+    #[serde(default)]
+    rank: Option<i64>,
+    #[serde(default)]
+    after: Option<i64>,
+    #[serde(default)]
+    limit: Option<i64>,
+}
+
+async fn get_metrics(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+    q: std::result::Result<Query<MetricsQuery>, QueryRejection>,
+) -> Result<Json<Value>> {
+    let q = query(q)?;
+    let job = visible_job(&state, &caller, &id).await?;
+    let m = state
+        .control
+        .db
+        .metrics(&job.id, q.rank, q.after.unwrap_or(-1), q.limit.unwrap_or(100_000).clamp(1, 1_000_000))
+        .await?;
+    Ok(Json(json!({ "metrics": m })))
+}
+
+async fn queues(State(state): State<AppState>, _caller: Caller) -> Result<Json<Value>> {
+    let c = &state.control;
+    let active = c.db.jobs_in(&[JobState::Pending, JobState::Running, JobState::Preempted]).await?;
+    let out: Vec<Value> = c
+        .queues
+        .iter()
+        .map(|q| {
+            let count = |s: JobState| active.iter().filter(|j| j.queue == q.name && j.state == s).count();
+            json!({
+                "name": q.name,
+                "guaranteed": { "cpus": q.guaranteed.cpus_milli as f64 / 1000.0, "memory_bytes": q.guaranteed.memory_bytes,
+                                "gpus": q.guaranteed.gpus_milli as f64 / 1000.0 },
+                "can_borrow": q.can_borrow,
+                "pending": count(JobState::Pending),
+                "running": count(JobState::Running),
+                "preempted": count(JobState::Preempted),
+            })
+        })
+        .collect();
+    Ok(Json(json!({ "queues": out })))
+}
+
+async fn nodes(State(state): State<AppState>, _caller: Caller) -> Result<Json<Value>> {
+    let c = &state.control;
+    let alloc = c.allocations();
+    let n = &c.node;
+    let a = alloc.iter().find(|a| a.node == n.id);
+    let node = json!({
+        "id": n.id,
+        "host": n.host,
+        "cpus": n.cpus_milli as f64 / 1000.0,
+        "memory_bytes": n.memory_bytes,
+        "gpus": n.gpus.iter().map(|g| json!({ "index": g.index, "kind": g.kind, "memory_bytes": g.memory_bytes })).collect::<Vec<_>>(),
+        "allocated": {
+            "cpus": a.map_or(0.0, |a| a.cpus_milli as f64 / 1000.0),
+            "memory_bytes": a.map_or(0, |a| a.memory_bytes),
+            "gpus": a.map_or(0.0, |a| a.gpus.iter().map(|(share, _)| f64::from(*share)).sum::<f64>() / 1000.0),
+        },
+    });
+    Ok(Json(json!({ "nodes": [node] })))
+}

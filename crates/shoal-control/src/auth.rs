@@ -1,0 +1,64 @@
+//! Bearer tokens: random, shown once, stored only as their SHA-256. A token maps to a user, a team and whether it
+//! is an admin; a user sees and acts on its own team's jobs only, an admin on all.
+
+use axum::extract::FromRequestParts;
+use axum::http::request::Parts;
+use rand::RngCore;
+use sha2::{Digest, Sha256};
+
+use crate::api::AppState;
+use crate::db::Principal;
+use crate::error::ControlError;
+
+/// A new token: `shoal_` and 32 random bytes in hex.
+pub fn new_token() -> String {
+    let mut b = [0u8; 32];
+    rand::rng().fill_bytes(&mut b);
+    format!("shoal_{}", hex(&b))
+}
+
+pub fn hash_token(token: &str) -> String {
+    hex(&Sha256::digest(token.as_bytes()))
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// The authenticated caller of a request.
+#[derive(Debug, Clone)]
+pub struct Caller(pub Principal);
+
+impl Caller {
+    /// Whether the caller may see and act on a job of `team`.
+    pub fn may_access(&self, team: &str) -> bool {
+        self.0.admin || self.0.team == team
+    }
+}
+
+impl FromRequestParts<AppState> for Caller {
+    type Rejection = ControlError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, Self::Rejection> {
+        if !state.auth {
+            return Ok(Caller(Principal { user: "local".into(), team: "default".into(), admin: true }));
+        }
+        let header = parts
+            .headers
+            .get(axum::http::header::AUTHORIZATION)
+            .ok_or_else(|| ControlError::Unauthorized("no `Authorization: Bearer TOKEN` header".into()))?;
+        let value =
+            header.to_str().map_err(|_| ControlError::Unauthorized("the Authorization header is not text".into()))?;
+        let token = value
+            .strip_prefix("Bearer ")
+            .ok_or_else(|| ControlError::Unauthorized("the Authorization header must be `Bearer TOKEN`".into()))?
+            .trim();
+        let principal = state
+            .control
+            .db
+            .find_token(&hash_token(token))
+            .await?
+            .ok_or_else(|| ControlError::Unauthorized("unknown token".into()))?;
+        Ok(Caller(principal))
+    }
+}

@@ -1,0 +1,768 @@
+//! The control loop: keeps the store, the scheduler and the processes in agreement.
+//!
+//! Every tick (and at once after a submission or a cancellation) it
+//! 1. probes the tasks of running jobs: a job whose tasks all exited 0 succeeded; one with a task that failed,
+//!    was lost or went over its memory is stopped whole, then restarted (pending again, `restarts + 1`) while its
+//!    restart budget lasts, else failed;
+//! 2. carries out cancellations (SIGTERM to every task's process group, SIGKILL after the grace period);
+//! 3. copies new lines of rank 0's `metrics.jsonl` into the store;
+//! 4. hands pending jobs to the scheduler and carries out its decisions (place: start every task; preempt: SIGTERM
+//!    and hold the resources for the grace period; requeue: make sure nothing runs, then pending again).
+//!
+//! **A job never runs twice at once**: it goes back to pending only after every process of its attempt is gone
+//! (probed dead), and the data directory is locked by one server.
+
+use std::collections::{HashMap, HashSet};
+use std::path::PathBuf;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use shoal_sched::{Decision, JobRequest, Node, PreemptReason, Queue, Resources, Scheduler, TaskPlacement};
+use shoal_spec::JobSpec;
+
+use crate::db::{Db, JobRow, JobState, MetricRow, TaskRow, Transition, now};
+use crate::error::{ControlError, Result};
+use crate::executor::{LocalExecutor, TaskLaunch, TaskStatus};
+
+/// How the control loop behaves.
+#[derive(Debug, Clone)]
+pub struct ControlConfig {
+    pub data_dir: PathBuf,
+    /// The `shoal` executable that runs built-in jobs (`shoal worker`).
+    pub worker_program: PathBuf,
+    pub tick: Duration,
+    /// Between SIGTERM and SIGKILL when stopping a job.
+    pub kill_grace: Duration,
+    /// Preempted jobs get this long to checkpoint and stop.
+    pub preempt_grace: Duration,
+}
+
+/// Why a running job is being stopped.
+#[derive(Debug, Clone)]
+enum StopWhy {
+    Cancel,
+    /// A task failed, was lost or broke a limit: restart or fail the job.
+    Failure(String),
+    /// The server could not place an adopted job again: requeue it.
+    Requeue(String),
+}
+
+#[derive(Debug)]
+struct Stop {
+    since: Instant,
+    killed: bool,
+    why: StopWhy,
+}
+
+/// The control plane's shared state.
+#[derive(Debug)]
+pub struct Control {
+    pub db: Db,
+    pub exec: LocalExecutor,
+    pub config: ControlConfig,
+    pub node: Node,
+    pub queues: Vec<Queue>,
+    sched: Mutex<Scheduler>,
+    pub wake: tokio::sync::Notify,
+    stopping: Mutex<HashMap<String, Stop>>,
+    /// Per job: bytes of rank 0's metrics.jsonl already read, and the newest step stored.
+    ingested: Mutex<HashMap<String, (u64, i64)>>,
+    /// Scheduling passes: count and total seconds (for /metrics).
+    pub passes: Mutex<(u64, f64)>,
+}
+
+/// The scheduler's view of a job's request.
+pub fn request_of(job: &JobRow, spec: &JobSpec) -> JobRequest {
+    let (lo, hi) = spec.workers.range();
+    JobRequest {
+        id: job.id.clone(),
+        team: job.team.clone(),
+        queue: job.queue.clone(),
+        priority: job.priority as i32,
+        tasks_min: lo,
+        tasks_max: hi,
+        per_task: resources_of(spec),
+        spread: spec.workers.spread,
+        submitted_at_ms: job.created_ms.max(0) as u64,
+        expected_runtime_ms: None,
+    }
+}
+
+pub fn resources_of(spec: &JobSpec) -> Resources {
+    Resources {
+        cpus_milli: spec.resources.cpus,
+        memory_bytes: spec.resources.memory,
+        gpus_milli: spec.resources.gpus,
+        gpu_memory_bytes: spec.resources.gpu_memory,
+    }
+}
+
+pub fn parse_stored_spec(job: &JobRow) -> Result<JobSpec> {
+    let path = format!("job {} (stored spec)", job.id);
+    let spec: JobSpec = serde_json::from_str(&job.spec).map_err(|e| ControlError::Internal(format!("{path}: {e}")))?;
+    Ok(spec)
+}
+
+fn mib(b: u64) -> String {
+    if b >= 1 << 30 { format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64) } else { format!("{} MiB", b >> 20) }
+}
+
+impl Control {
+    pub fn new(db: Db, config: ControlConfig, node: Node, queues: Vec<Queue>) -> Result<Control> {
+        let sched_cfg = shoal_sched::Config {
+            preempt_grace_ms: config.preempt_grace.as_millis() as u64,
+            ..shoal_sched::Config::default()
+        };
+        let sched = Scheduler::new(vec![node.clone()], queues.clone(), sched_cfg)
+            .map_err(|e| ControlError::Config(format!("cluster model: {e}")))?;
+        Ok(Control {
+            exec: LocalExecutor::new(&config.data_dir),
+            db,
+            config,
+            node,
+            queues,
+            sched: Mutex::new(sched),
+            wake: tokio::sync::Notify::new(),
+            stopping: Mutex::new(HashMap::new()),
+            ingested: Mutex::new(HashMap::new()),
+            passes: Mutex::new((0, 0.0)),
+        })
+    }
+
+    fn sched(&self) -> std::sync::MutexGuard<'_, Scheduler> {
+        self.sched.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn job_dir(&self, id: &str) -> PathBuf {
+        self.config.data_dir.join("jobs").join(id)
+    }
+
+    pub fn run_dir(&self, id: &str) -> PathBuf {
+        self.job_dir(id).join("run")
+    }
+
+    /// Allocations per node from the scheduler's books.
+    pub fn allocations(&self) -> Vec<shoal_sched::NodeAllocation> {
+        self.sched().allocations()
+    }
+
+    pub fn pending_in_scheduler(&self) -> usize {
+        self.sched().pending_count()
+    }
+
+    /// Why a job can never run here (asks more than any node, or than the whole cluster, has), if so.
+    pub fn never_fits(&self, spec: &JobSpec) -> Option<(String, String)> {
+        let r = resources_of(spec);
+        let n = &self.node;
+        let (lo, _) = spec.workers.range();
+        if r.cpus_milli > n.cpus_milli {
+            return Some((
+                "resources.cpus".into(),
+                format!(
+                    "can never run: asks {} CPUs per worker, the largest node has {}",
+                    r.cpus_milli as f64 / 1000.0,
+                    n.cpus_milli as f64 / 1000.0
+                ),
+            ));
+        }
+        if r.memory_bytes > n.memory_bytes {
+            return Some((
+                "resources.memory".into(),
+                format!(
+                    "can never run: asks {} per worker, the largest node has {}",
+                    mib(r.memory_bytes),
+                    mib(n.memory_bytes)
+                ),
+            ));
+        }
+        let gpus = n.gpus.len() as u64 * 1000;
+        if r.gpus_milli > gpus {
+            return Some((
+                "resources.gpus".into(),
+                format!(
+                    "can never run: asks {} GPUs per worker, the largest node has {}",
+                    r.gpus_milli as f64 / 1000.0,
+                    n.gpus.len()
+                ),
+            ));
+        }
+        let total = |per: u64| per.saturating_mul(u64::from(lo));
+        if total(r.cpus_milli) > n.cpus_milli && !spec.workers.spread {
+            return Some((
+                "workers".into(),
+                format!(
+                    "can never run: {lo} workers × {} CPUs = {} CPUs, the cluster has {}",
+                    r.cpus_milli as f64 / 1000.0,
+                    total(r.cpus_milli) as f64 / 1000.0,
+                    n.cpus_milli as f64 / 1000.0
+                ),
+            ));
+        }
+        if total(r.memory_bytes) > n.memory_bytes {
+            return Some((
+                "workers".into(),
+                format!(
+                    "can never run: {lo} workers × {} = {}, the cluster has {}",
+                    mib(r.memory_bytes),
+                    mib(total(r.memory_bytes)),
+                    mib(n.memory_bytes)
+                ),
+            ));
+        }
+        if r.gpus_milli > 0 && total(r.gpus_milli) > gpus {
+            return Some((
+                "workers".into(),
+                format!(
+                    "can never run: {lo} workers × {} GPUs, the cluster has {}",
+                    r.gpus_milli as f64 / 1000.0,
+                    n.gpus.len()
+                ),
+            ));
+        }
+        None
+    }
+
+    /// After a restart: adopt the tasks that still run, rebuild the scheduler's books, and requeue what cannot be
+    /// placed again.
+    pub async fn recover(&self) -> Result<()> {
+        let active = self.db.jobs_in(&[JobState::Running, JobState::Preempted]).await?;
+        for job in &active {
+            let tasks = self.db.tasks(&job.id, job.attempt).await?;
+            let alive: Vec<&TaskRow> =
+                tasks.iter().filter(|t| t.state == "running" && self.exec.probe(t) == TaskStatus::Running).collect();
+            for t in &alive {
+                self.exec.adopt(t);
+            }
+            if job.state == JobState::Preempted {
+                self.begin_stop(job, &tasks, StopWhy::Requeue("the server restarted during its preemption grace period".into()));
+                continue;
+            }
+            let pids: Vec<String> = alive.iter().filter_map(|t| t.pid.map(|p| p.to_string())).collect();
+            self.db
+                .event(
+                    &job.id,
+                    "adopted",
+                    job.state,
+                    &format!(
+                        "the server restarted; {} of {} workers still running (pids {}), taken over",
+                        alive.len(),
+                        tasks.len(),
+                        if pids.is_empty() { "none".into() } else { pids.join(", ") }
+                    ),
+                )
+                .await?;
+            let spec = parse_stored_spec(job)?;
+            let mut req = request_of(job, &spec);
+            req.tasks_min = job.workers.max(1) as u32;
+            req.tasks_max = req.tasks_min;
+            let submitted = self.sched().submit(req);
+            if let Err(e) = submitted {
+                self.begin_stop(job, &tasks, StopWhy::Requeue(format!("cannot re-register it with the scheduler: {e}")));
+            }
+        }
+        // Hold the adopted jobs' resources before anything pending is considered.
+        let decisions = self.sched().schedule(now() as u64);
+        let placed: HashSet<String> = decisions
+            .iter()
+            .filter_map(|d| if let Decision::Place { job, .. } = d { Some(job.clone()) } else { None })
+            .collect();
+        for job in active.iter().filter(|j| j.state == JobState::Running) {
+            if !placed.contains(&job.id) && !self.is_stopping(&job.id) {
+                let tasks = self.db.tasks(&job.id, job.attempt).await?;
+                let _ = self.sched().finish(&job.id);
+                self.begin_stop(job, &tasks, StopWhy::Requeue("it no longer fits this server's capacity".into()));
+            }
+        }
+        Ok(())
+    }
+
+    fn is_stopping(&self, id: &str) -> bool {
+        self.stopping.lock().unwrap_or_else(|p| p.into_inner()).contains_key(id)
+    }
+
+    fn begin_stop(&self, job: &JobRow, tasks: &[TaskRow], why: StopWhy) {
+        let mut stopping = self.stopping.lock().unwrap_or_else(|p| p.into_inner());
+        if stopping.contains_key(&job.id) {
+            return;
+        }
+        tracing::info!(job = %job.id, ?why, "stopping job");
+        for t in tasks.iter().filter(|t| t.state == "running") {
+            self.exec.signal(t, libc::SIGTERM);
+        }
+        stopping.insert(job.id.clone(), Stop { since: Instant::now(), killed: false, why });
+    }
+
+    /// Runs the loop until `shutdown` resolves.
+    pub async fn run(self: std::sync::Arc<Self>, mut shutdown: tokio::sync::watch::Receiver<bool>) {
+        loop {
+            if let Err(e) = self.tick().await {
+                tracing::error!(error = %e, "control loop tick failed");
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(self.config.tick) => {}
+                _ = self.wake.notified() => {}
+                _ = shutdown.changed() => return,
+            }
+        }
+    }
+
+    /// One pass of the loop.
+    pub async fn tick(&self) -> Result<()> {
+        let active = self.db.jobs_in(&[JobState::Pending, JobState::Running, JobState::Preempted]).await?;
+        for job in &active {
+            match job.state {
+                JobState::Pending => self.tick_pending(job).await?,
+                JobState::Running | JobState::Preempted => self.tick_running(job).await?,
+                _ => {}
+            }
+        }
+        let t0 = Instant::now();
+        let decisions = self.sched().schedule(now() as u64);
+        {
+            let mut p = self.passes.lock().unwrap_or_else(|p| p.into_inner());
+            p.0 += 1;
+            p.1 += t0.elapsed().as_secs_f64();
+        }
+        for d in decisions {
+            if let Err(e) = self.carry_out(d).await {
+                tracing::error!(error = %e, "carrying out a scheduling decision failed");
+            }
+        }
+        Ok(())
+    }
+
+    async fn tick_pending(&self, job: &JobRow) -> Result<()> {
+        if job.cancel_requested {
+            let _ = self.sched().finish(&job.id);
+            self.db
+                .transition(
+                    &job.id,
+                    &[JobState::Pending],
+                    JobState::Cancelled,
+                    Transition {
+                        kind: "cancelled",
+                        message: "cancelled before it started".into(),
+                        finished_ms: Some(now()),
+                        ..Default::default()
+                    },
+                )
+                .await?;
+            return Ok(());
+        }
+        if self.sched().status(&job.id).is_none() {
+            let spec = parse_stored_spec(job)?;
+            let submitted = self.sched().submit(request_of(job, &spec));
+            if let Err(e) = submitted {
+                self.db
+                    .transition(
+                        &job.id,
+                        &[JobState::Pending],
+                        JobState::Failed,
+                        Transition {
+                            kind: "failed",
+                            message: format!("the scheduler refused it: {e}"),
+                            finished_ms: Some(now()),
+                            ..Default::default()
+                        },
+                    )
+                    .await?;
+            }
+        }
+        Ok(())
+    }
+
+    async fn tick_running(&self, job: &JobRow) -> Result<()> {
+        let spec = parse_stored_spec(job)?;
+        let tasks = self.db.tasks(&job.id, job.attempt).await?;
+        let mut statuses = Vec::with_capacity(tasks.len());
+        for t in &tasks {
+            let st = if t.state == "running" { self.exec.probe(t) } else { TaskStatus::Exited(t.exit_code.unwrap_or(-1) as i32) };
+            if t.state == "running" && st != TaskStatus::Running {
+                let mut row = t.clone();
+                match &st {
+                    TaskStatus::Exited(c) => {
+                        row.state = "exited".into();
+                        row.exit_code = Some(i64::from(*c));
+                    }
+                    TaskStatus::Lost(why) => {
+                        row.state = "lost".into();
+                        row.reason = why.clone();
+                    }
+                    TaskStatus::Running => {}
+                }
+                self.db.upsert_task(&row).await?;
+            }
+            statuses.push((t, st));
+        }
+        self.ingest_metrics(&job.id).await;
+
+        let stop = {
+            let stopping = self.stopping.lock().unwrap_or_else(|p| p.into_inner());
+            stopping.get(&job.id).map(|s| (s.since, s.killed, s.why.clone()))
+        };
+        let any_running = statuses.iter().any(|(_, s)| *s == TaskStatus::Running);
+        if let Some((since, killed, why)) = stop {
+            if any_running {
+                if !killed && since.elapsed() >= self.config.kill_grace {
+                    for (t, s) in &statuses {
+                        if *s == TaskStatus::Running {
+                            self.exec.signal(t, libc::SIGKILL);
+                        }
+                    }
+                    if let Some(s) = self.stopping.lock().unwrap_or_else(|p| p.into_inner()).get_mut(&job.id) {
+                        s.killed = true;
+                    }
+                }
+                return Ok(());
+            }
+            // Every process of the attempt is gone: only now may the job change hands.
+            self.stopping.lock().unwrap_or_else(|p| p.into_inner()).remove(&job.id);
+            let _ = self.sched().finish(&job.id);
+            return self.stopped(job, &spec, why).await;
+        }
+
+        if job.cancel_requested {
+            self.begin_stop(job, &tasks, StopWhy::Cancel);
+            return Ok(());
+        }
+        if job.state == JobState::Preempted {
+            // Draining: the scheduler says when its grace is over (Requeue).
+            return Ok(());
+        }
+        // Memory limits.
+        for (t, s) in &statuses {
+            if *s == TaskStatus::Running
+                && let Some(rss) = self.exec.rss_bytes(t)
+                && rss > spec.resources.memory
+            {
+                let why = format!(
+                    "rank {} used {} of memory, over its request of {} (resources.memory): killed",
+                    t.rank,
+                    mib(rss),
+                    mib(spec.resources.memory)
+                );
+                self.db.event(&job.id, "warning", job.state, &why).await?;
+                self.begin_stop(job, &tasks, StopWhy::Failure(why));
+                return Ok(());
+            }
+        }
+        let failed = statuses.iter().find_map(|(t, s)| match s {
+            TaskStatus::Exited(c) if *c != 0 => Some(format!("rank {} exited with status {c}{}", t.rank, signal_note(*c))),
+            TaskStatus::Lost(why) => Some(format!("rank {} was lost: {why}", t.rank)),
+            _ => None,
+        });
+        if let Some(why) = failed {
+            self.begin_stop(job, &tasks, StopWhy::Failure(why));
+            return Ok(());
+        }
+        if !statuses.is_empty() && statuses.iter().all(|(_, s)| *s == TaskStatus::Exited(0)) {
+            let _ = self.sched().finish(&job.id);
+            let summary = std::fs::read_to_string(self.run_dir(&job.id).join("summary.json")).ok();
+            self.ingest_metrics(&job.id).await;
+            self.db
+                .transition(
+                    &job.id,
+                    &[JobState::Running],
+                    JobState::Succeeded,
+                    Transition {
+                        kind: "succeeded",
+                        message: format!("all {} workers exited 0", statuses.len()),
+                        finished_ms: Some(now()),
+                        summary,
+                        ..Default::default()
+                    },
+                )
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// A job whose processes are all gone: cancelled, restarted, failed or requeued.
+    async fn stopped(&self, job: &JobRow, spec: &JobSpec, why: StopWhy) -> Result<()> {
+        let from = [JobState::Running, JobState::Preempted];
+        match why {
+            StopWhy::Cancel => {
+                self.db
+                    .transition(
+                        &job.id,
+                        &from,
+                        JobState::Cancelled,
+                        Transition {
+                            kind: "cancelled",
+                            message: "cancelled; every worker stopped".into(),
+                            finished_ms: Some(now()),
+                            ..Default::default()
+                        },
+                    )
+                    .await?;
+            }
+            StopWhy::Failure(why) if (job.restarts as u64) < u64::from(spec.restart.max) => {
+                self.db
+                    .transition(
+                        &job.id,
+                        &from,
+                        JobState::Pending,
+                        Transition {
+                            kind: "restarted",
+                            message: format!(
+                                "{why}; restart {} of {} (resumes from its newest checkpoint)",
+                                job.restarts + 1,
+                                spec.restart.max
+                            ),
+                            restarts: Some(job.restarts + 1),
+                            ..Default::default()
+                        },
+                    )
+                    .await?;
+            }
+            StopWhy::Failure(why) => {
+                let message = if spec.restart.max == 0 {
+                    why
+                } else {
+                    format!("{why}; no restarts left ({} used)", job.restarts)
+                };
+                self.db
+                    .transition(
+                        &job.id,
+                        &from,
+                        JobState::Failed,
+                        Transition { kind: "failed", message, finished_ms: Some(now()), ..Default::default() },
+                    )
+                    .await?;
+            }
+            StopWhy::Requeue(why) => {
+                self.db
+                    .transition(
+                        &job.id,
+                        &from,
+                        JobState::Pending,
+                        Transition { kind: "requeued", message: why, ..Default::default() },
+                    )
+                    .await?;
+            }
+        }
+        self.wake.notify_one();
+        Ok(())
+    }
+
+    async fn carry_out(&self, d: Decision) -> Result<()> {
+        match d {
+            Decision::Place { job, assignments } => self.place(&job, &assignments).await,
+            Decision::Preempt { job, reason, grace_ms } => {
+                let Some(row) = self.db.job(&job).await? else { return Ok(()) };
+                let tasks = self.db.tasks(&row.id, row.attempt).await?;
+                for t in tasks.iter().filter(|t| t.state == "running") {
+                    self.exec.signal(t, libc::SIGTERM);
+                }
+                let why = match reason {
+                    PreemptReason::Priority { by } => format!("job {by} of higher priority needs the room"),
+                    PreemptReason::QuotaReclaim { owner_queue, by } => {
+                        format!("queue {owner_queue} reclaims its quota for job {by}")
+                    }
+                };
+                self.db
+                    .transition(
+                        &row.id,
+                        &[JobState::Running],
+                        JobState::Preempted,
+                        Transition {
+                            kind: "preempted",
+                            message: format!("{why}; {} s to checkpoint and stop", grace_ms / 1000),
+                            ..Default::default()
+                        },
+                    )
+                    .await?;
+                Ok(())
+            }
+            Decision::Requeue { job } => {
+                let Some(row) = self.db.job(&job).await? else { return Ok(()) };
+                let tasks = self.db.tasks(&row.id, row.attempt).await?;
+                // The scheduler already counts it pending; make sure nothing of it runs before it is placed again.
+                let mut stopping = self.stopping.lock().unwrap_or_else(|p| p.into_inner());
+                for t in tasks.iter().filter(|t| t.state == "running") {
+                    self.exec.signal(t, libc::SIGKILL);
+                }
+                stopping.insert(
+                    row.id.clone(),
+                    Stop {
+                        since: Instant::now(),
+                        killed: true,
+                        why: StopWhy::Requeue("preempted; back in the queue, resumes from its newest checkpoint".into()),
+                    },
+                );
+                drop(stopping);
+                // It is pending in the scheduler's books already; withdraw it until its processes are gone.
+                let _ = self.sched().finish(&row.id);
+                Ok(())
+            }
+            Decision::Grow { job, tasks } => {
+                if let Some(row) = self.db.job(&job).await? {
+                    self.db
+                        .event(
+                            &row.id,
+                            "elastic",
+                            row.state,
+                            &format!("could grow by {} workers; elastic resize is not carried out yet", tasks.len()),
+                        )
+                        .await?;
+                }
+                Ok(())
+            }
+            Decision::Shrink { job, by, for_job } => {
+                if let Some(row) = self.db.job(&job).await? {
+                    self.db
+                        .event(
+                            &row.id,
+                            "elastic",
+                            row.state,
+                            &format!("asked to shrink by {by} workers for job {for_job}; stopping it instead"),
+                        )
+                        .await?;
+                    let tasks = self.db.tasks(&row.id, row.attempt).await?;
+                    self.begin_stop(&row, &tasks, StopWhy::Requeue(format!("shrunk to make room for job {for_job}")));
+                }
+                Ok(())
+            }
+        }
+    }
+
+    async fn place(&self, id: &str, assignments: &[TaskPlacement]) -> Result<()> {
+        let Some(job) = self.db.job(id).await? else { return Ok(()) };
+        if job.state != JobState::Pending {
+            // Adopted jobs are placed again at recovery: their processes already run.
+            return Ok(());
+        }
+        let spec = parse_stored_spec(&job)?;
+        let attempt = job.attempt + 1;
+        let world = assignments.len();
+        let port = free_port()?;
+        let rendezvous = format!("127.0.0.1:{port}");
+        let run_dir = self.run_dir(id);
+        std::fs::create_dir_all(&run_dir)?;
+        let spec_path = self.job_dir(id).join("job.json");
+        let argv = vec![
+            self.config.worker_program.display().to_string(),
+            "worker".into(),
+            "--output".into(),
+            run_dir.display().to_string(),
+            "--resume".into(),
+            spec_path.display().to_string(),
+        ];
+        self.ingested.lock().unwrap_or_else(|p| p.into_inner()).remove(id);
+        let mut rows = Vec::with_capacity(world);
+        for (rank, a) in assignments.iter().enumerate() {
+            let launch = TaskLaunch {
+                job_id: id.to_owned(),
+                attempt,
+                rank,
+                world_size: world,
+                secret: job.secret.clone(),
+                rendezvous: rendezvous.clone(),
+                argv: argv.clone(),
+                cpus_milli: spec.resources.cpus,
+                memory_bytes: spec.resources.memory,
+                gpus: a.gpus.clone(),
+                node: a.node.clone(),
+            };
+            match self.exec.start(&launch) {
+                Ok(row) => rows.push(row),
+                Err(e) => {
+                    for r in &rows {
+                        self.exec.signal(r, libc::SIGKILL);
+                    }
+                    let _ = self.sched().finish(id);
+                    self.db
+                        .transition(
+                            id,
+                            &[JobState::Pending],
+                            JobState::Failed,
+                            Transition {
+                                kind: "failed",
+                                message: format!("could not start rank {rank}: {e}"),
+                                finished_ms: Some(now()),
+                                ..Default::default()
+                            },
+                        )
+                        .await?;
+                    return Ok(());
+                }
+            }
+        }
+        for r in &rows {
+            self.db.upsert_task(r).await?;
+        }
+        let pinned: Vec<String> = rows.iter().map(|r| format!("rank {} cpus {}", r.rank, r.cpus)).collect();
+        self.db
+            .transition(
+                id,
+                &[JobState::Pending],
+                JobState::Running,
+                Transition {
+                    kind: "started",
+                    message: format!(
+                        "attempt {attempt}: {world} workers on {} ({}); rendezvous {rendezvous}",
+                        assignments.first().map_or("?", |a| a.node.as_str()),
+                        pinned.join(", ")
+                    ),
+                    attempt: Some(attempt),
+                    workers: Some(world as i64),
+                    started_ms: Some(now()),
+                    ..Default::default()
+                },
+            )
+            .await?;
+        Ok(())
+    }
+
+    /// Copies new lines of rank 0's `metrics.jsonl` into the store.
+    async fn ingest_metrics(&self, id: &str) {
+        let path = self.run_dir(id).join("metrics.jsonl");
+        let known = self.ingested.lock().unwrap_or_else(|p| p.into_inner()).get(id).copied();
+        let (start, min_step) = match known {
+            Some(k) => k,
+            // First look (or after a restart): read from the top, skipping steps already stored.
+            None => (0, self.db.last_metric_step(id, 0).await.unwrap_or(-1)),
+        };
+        let Ok(bytes) = std::fs::read(&path) else { return };
+        let start = (start as usize).min(bytes.len());
+        let tail = &bytes[start..];
+        // Only whole lines.
+        let Some(end) = tail.iter().rposition(|&b| b == b'\n') else {
+            self.ingested.lock().unwrap_or_else(|p| p.into_inner()).insert(id.to_owned(), (start as u64, min_step));
+            return;
+        };
+        let mut rows = Vec::new();
+        for line in tail[..end].split(|&b| b == b'\n') {
+            let Ok(v) = serde_json::from_slice::<serde_json::Value>(line) else { continue };
+            let Some(step) = v.get("step").and_then(serde_json::Value::as_i64) else { continue };
+            if step <= min_step {
+                continue;
+            }
+            rows.push(MetricRow { rank: 0, step, time_ms: now(), data: v });
+        }
+        if !rows.is_empty()
+            && let Err(e) = self.db.insert_metrics(id, &rows).await
+        {
+            tracing::warn!(job = id, error = %e, "storing metrics failed");
+            return;
+        }
+        let last = rows.last().map_or(min_step, |r| r.step.max(min_step));
+        self.ingested.lock().unwrap_or_else(|p| p.into_inner()).insert(id.to_owned(), ((start + end + 1) as u64, last));
+    }
+}
+
+fn signal_note(code: i32) -> String {
+    match code {
+        137 => " (killed: SIGKILL)".into(),
+        143 => " (terminated: SIGTERM)".into(),
+        139 => " (segmentation fault)".into(),
+        134 => " (aborted)".into(),
+        c if c > 128 => format!(" (signal {})", c - 128),
+        _ => String::new(),
+    }
+}
+
+fn free_port() -> Result<u16> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+    Ok(l.local_addr()?.port())
+}

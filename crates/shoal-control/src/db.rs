@@ -1,0 +1,639 @@
+//! The state store: SQLite (the embedded default, WAL) or PostgreSQL, through sqlx's `Any` driver so that one
+//! set of SQL statements serves both.
+//!
+//! Rules that keep one SQL text valid on both: `$N` placeholders (SQLite reads them by number too), only `BIGINT`,
+//! `DOUBLE PRECISION` and `TEXT` columns, booleans as 0/1, times as milliseconds since the Unix epoch, JSON as
+//! text, `INSERT ... ON CONFLICT DO NOTHING` for idempotent inserts. Every state change of a job and its event are
+//! written in one transaction, conditional on the state it leaves (so two writers can never both move a job).
+
+use std::sync::atomic::{AtomicI64, Ordering};
+
+use serde::Serialize;
+use sqlx::any::{AnyPoolOptions, AnyRow};
+use sqlx::{AnyPool, Row};
+
+use crate::error::{ControlError, Result};
+
+/// Where a job stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum JobState {
+    Pending,
+    Running,
+    Preempted,
+    Succeeded,
+    Failed,
+    Cancelled,
+}
+
+impl JobState {
+    pub const ALL: [JobState; 6] = [
+        JobState::Pending,
+        JobState::Running,
+        JobState::Preempted,
+        JobState::Succeeded,
+        JobState::Failed,
+        JobState::Cancelled,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            JobState::Pending => "pending",
+            JobState::Running => "running",
+            JobState::Preempted => "preempted",
+            JobState::Succeeded => "succeeded",
+            JobState::Failed => "failed",
+            JobState::Cancelled => "cancelled",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<JobState> {
+        JobState::ALL.into_iter().find(|st| st.as_str() == s)
+    }
+
+    /// Succeeded, failed or cancelled: nothing will change it any more.
+    pub fn is_final(self) -> bool {
+        matches!(self, JobState::Succeeded | JobState::Failed | JobState::Cancelled)
+    }
+}
+
+/// One job as stored.
+#[derive(Debug, Clone, Serialize)]
+pub struct JobRow {
+    pub id: String,
+    pub name: String,
+    pub user: String,
+    pub team: String,
+    pub queue: String,
+    pub priority: i64,
+    pub state: JobState,
+    /// The validated spec, as JSON.
+    #[serde(skip)]
+    pub spec: String,
+    /// The job secret its workers authenticate with.
+    #[serde(skip)]
+    pub secret: String,
+    /// Times it was started again after a failure or a loss.
+    pub restarts: i64,
+    /// Starts so far (1 after the first placement); preemption counts as a new attempt but not as a restart.
+    pub attempt: i64,
+    /// Workers of the current (or last) attempt.
+    pub workers: i64,
+    pub created_ms: i64,
+    pub started_ms: Option<i64>,
+    pub finished_ms: Option<i64>,
+    /// Why it is in its state (the last transition's reason).
+    pub reason: String,
+    pub cancel_requested: bool,
+    /// The run's `summary.json` once it finished (JSON).
+    #[serde(skip)]
+    pub summary: Option<String>,
+}
+
+/// One worker process of one attempt.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TaskRow {
+    pub job_id: String,
+    pub attempt: i64,
+    pub rank: i64,
+    pub node: String,
+    pub host: String,
+    pub pid: Option<i64>,
+    /// The process' start time in clock ticks since boot (`/proc/PID/stat` field 22), so a reused PID is not
+    /// mistaken for it.
+    #[serde(skip)]
+    pub start_ticks: Option<i64>,
+    /// `running`, `exited`, `killed` or `lost`.
+    pub state: String,
+    pub exit_code: Option<i64>,
+    pub reason: String,
+    /// CPUs it is pinned to (`0-3,6`), empty when not pinned.
+    pub cpus: String,
+    /// `CUDA_VISIBLE_DEVICES` it got, empty for none.
+    pub gpus: String,
+}
+
+/// One transition or notable fact of a job.
+#[derive(Debug, Clone, Serialize)]
+pub struct EventRow {
+    pub id: i64,
+    pub job_id: String,
+    pub time_ms: i64,
+    /// `submitted`, `placed`, `started`, `succeeded`, `failed`, `cancelled`, `preempted`, `requeued`, `lost`,
+    /// `adopted`, `restarted`, `warning`, ...
+    pub kind: String,
+    /// The job's state after the event.
+    pub state: String,
+    pub message: String,
+}
+
+/// A bearer token's owner.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Principal {
+    pub user: String,
+    pub team: String,
+    pub admin: bool,
+}
+
+/// One metrics line of one rank.
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
+pub struct MetricRow {
+    pub rank: i64,
+    pub step: i64,
+    pub time_ms: i64,
+    /// The line as the worker wrote it (JSON object).
+    pub data: serde_json::Value,
+}
+
+/// The store.
+#[derive(Debug)]
+pub struct Db {
+    pool: AnyPool,
+    backend: Backend,
+    next_event: AtomicI64,
+}
+
+/// Which database is behind the store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    Sqlite,
+    Postgres,
+}
+
+/// Schema migrations, applied in order; `schema_version` holds how many ran.
+const MIGRATIONS: &[&str] = &[
+    "CREATE TABLE tokens (hash TEXT PRIMARY KEY, user_name TEXT NOT NULL, team TEXT NOT NULL, admin BIGINT NOT NULL, \
+     created_ms BIGINT NOT NULL)",
+    "CREATE TABLE jobs (id TEXT PRIMARY KEY, name TEXT NOT NULL, user_name TEXT NOT NULL, team TEXT NOT NULL, \
+     queue TEXT NOT NULL, priority BIGINT NOT NULL, state TEXT NOT NULL, spec TEXT NOT NULL, secret TEXT NOT NULL, \
+     restarts BIGINT NOT NULL, attempt BIGINT NOT NULL, workers BIGINT NOT NULL, created_ms BIGINT NOT NULL, \
+     started_ms BIGINT, finished_ms BIGINT, reason TEXT NOT NULL, cancel_requested BIGINT NOT NULL, summary TEXT)",
+    "CREATE INDEX jobs_state ON jobs (state)",
+    "CREATE TABLE tasks (job_id TEXT NOT NULL, attempt BIGINT NOT NULL, rank BIGINT NOT NULL, node TEXT NOT NULL, \
+     host TEXT NOT NULL, pid BIGINT, start_ticks BIGINT, state TEXT NOT NULL, exit_code BIGINT, reason TEXT NOT NULL, \
+     cpus TEXT NOT NULL, gpus TEXT NOT NULL, PRIMARY KEY (job_id, attempt, rank))",
+    "CREATE TABLE events (id BIGINT PRIMARY KEY, job_id TEXT NOT NULL, time_ms BIGINT NOT NULL, kind TEXT NOT NULL, \
+     state TEXT NOT NULL, message TEXT NOT NULL)",
+    "CREATE INDEX events_job ON events (job_id, id)",
+    "CREATE TABLE metrics (job_id TEXT NOT NULL, rank BIGINT NOT NULL, step BIGINT NOT NULL, time_ms BIGINT NOT NULL, \
+     data TEXT NOT NULL, PRIMARY KEY (job_id, rank, step))",
+];
+
+fn now_ms() -> i64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64)
+}
+
+const JOB_COLUMNS: &str = "id, name, user_name, team, queue, priority, state, spec, secret, restarts, attempt, \
+                           workers, created_ms, started_ms, finished_ms, reason, cancel_requested, summary";
+
+fn job_from(row: &AnyRow) -> Result<JobRow> {
+    let state: String = row.try_get("state")?;
+    Ok(JobRow {
+        id: row.try_get("id")?,
+        name: row.try_get("name")?,
+        user: row.try_get("user_name")?,
+        team: row.try_get("team")?,
+        queue: row.try_get("queue")?,
+        priority: row.try_get("priority")?,
+        state: JobState::parse(&state)
+            .ok_or_else(|| ControlError::Internal(format!("unknown job state {state:?} in the store")))?,
+        spec: row.try_get("spec")?,
+        secret: row.try_get("secret")?,
+        restarts: row.try_get("restarts")?,
+        attempt: row.try_get("attempt")?,
+        workers: row.try_get("workers")?,
+        created_ms: row.try_get("created_ms")?,
+        started_ms: row.try_get("started_ms")?,
+        finished_ms: row.try_get("finished_ms")?,
+        reason: row.try_get("reason")?,
+        cancel_requested: row.try_get::<i64, _>("cancel_requested")? != 0,
+        summary: row.try_get("summary")?,
+    })
+}
+
+fn task_from(row: &AnyRow) -> Result<TaskRow> {
+    Ok(TaskRow {
+        job_id: row.try_get("job_id")?,
+        attempt: row.try_get("attempt")?,
+        rank: row.try_get("rank")?,
+        node: row.try_get("node")?,
+        host: row.try_get("host")?,
+        pid: row.try_get("pid")?,
+        start_ticks: row.try_get("start_ticks")?,
+        state: row.try_get("state")?,
+        exit_code: row.try_get("exit_code")?,
+        reason: row.try_get("reason")?,
+        cpus: row.try_get("cpus")?,
+        gpus: row.try_get("gpus")?,
+    })
+}
+
+/// What a state change also writes.
+#[derive(Debug, Default, Clone)]
+pub struct Transition<'a> {
+    pub kind: &'a str,
+    pub message: String,
+    pub restarts: Option<i64>,
+    pub attempt: Option<i64>,
+    pub workers: Option<i64>,
+    pub started_ms: Option<i64>,
+    pub finished_ms: Option<i64>,
+    pub summary: Option<String>,
+}
+
+impl Db {
+    /// Opens (creating if needed) and migrates the store at `url`: `sqlite://PATH` or `postgres://...`.
+    pub async fn open(url: &str) -> Result<Db> {
+        sqlx::any::install_default_drivers();
+        let backend = if url.starts_with("sqlite:") {
+            Backend::Sqlite
+        } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            Backend::Postgres
+        } else {
+            return Err(ControlError::Config(format!(
+                "--database {url:?}: expected sqlite://PATH or postgres://USER:PASSWORD@HOST:PORT/DB"
+            )));
+        };
+        let url = if backend == Backend::Sqlite && !url.contains('?') { format!("{url}?mode=rwc") } else { url.into() };
+        let pool = AnyPoolOptions::new()
+            .max_connections(if backend == Backend::Sqlite { 4 } else { 8 })
+            .acquire_timeout(std::time::Duration::from_secs(10))
+            .after_connect(move |conn, _| {
+                Box::pin(async move {
+                    if backend == Backend::Sqlite {
+                        // WAL: readers never block the writer; NORMAL is durable across a process crash.
+                        sqlx::query("PRAGMA journal_mode=WAL").execute(&mut *conn).await?;
+                        sqlx::query("PRAGMA synchronous=NORMAL").execute(&mut *conn).await?;
+                        sqlx::query("PRAGMA busy_timeout=10000").execute(&mut *conn).await?;
+                    }
+                    Ok(())
+                })
+            })
+            .connect(&url)
+            .await
+            .map_err(|e| ControlError::Config(format!("cannot open the database {}: {e}", redact(&url))))?;
+        let db = Db { pool, backend, next_event: AtomicI64::new(0) };
+        db.migrate().await?;
+        let max: Option<i64> = sqlx::query("SELECT MAX(id) AS m FROM events").fetch_one(&db.pool).await?.try_get("m")?;
+        db.next_event.store(max.unwrap_or(0) + 1, Ordering::SeqCst);
+        Ok(db)
+    }
+
+    pub fn backend(&self) -> Backend {
+        self.backend
+    }
+
+    async fn migrate(&self) -> Result<()> {
+        sqlx::query("CREATE TABLE IF NOT EXISTS schema_version (version BIGINT NOT NULL)").execute(&self.pool).await?;
+        let mut tx = self.pool.begin().await?;
+        let row = sqlx::query("SELECT version FROM schema_version").fetch_optional(&mut *tx).await?;
+        let done = match row {
+            Some(r) => r.try_get::<i64, _>("version")?,
+            None => {
+                sqlx::query("INSERT INTO schema_version (version) VALUES (0)").execute(&mut *tx).await?;
+                0
+            }
+        };
+        if done as usize > MIGRATIONS.len() {
+            return Err(ControlError::Config(format!(
+                "the database has schema version {done}, newer than this server knows ({}): upgrade shoal",
+                MIGRATIONS.len()
+            )));
+        }
+        for m in &MIGRATIONS[done as usize..] {
+            sqlx::query(m).execute(&mut *tx).await?;
+        }
+        sqlx::query("UPDATE schema_version SET version = $1").bind(MIGRATIONS.len() as i64).execute(&mut *tx).await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    // ---- tokens
+
+    pub async fn insert_token(&self, hash: &str, p: &Principal) -> Result<()> {
+        sqlx::query("INSERT INTO tokens (hash, user_name, team, admin, created_ms) VALUES ($1, $2, $3, $4, $5)")
+            .bind(hash)
+            .bind(&p.user)
+            .bind(&p.team)
+            .bind(i64::from(p.admin))
+            .bind(now_ms())
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    pub async fn find_token(&self, hash: &str) -> Result<Option<Principal>> {
+        let row = sqlx::query("SELECT user_name, team, admin FROM tokens WHERE hash = $1")
+            .bind(hash)
+            .fetch_optional(&self.pool)
+            .await?;
+        row.map(|r| {
+            Ok(Principal {
+                user: r.try_get("user_name")?,
+                team: r.try_get("team")?,
+                admin: r.try_get::<i64, _>("admin")? != 0,
+            })
+        })
+        .transpose()
+    }
+
+    pub async fn has_admin_token(&self) -> Result<bool> {
+        Ok(sqlx::query("SELECT hash FROM tokens WHERE admin = 1").fetch_optional(&self.pool).await?.is_some())
+    }
+
+    // ---- jobs
+
+    /// Stores a new pending job and its `submitted` event.
+    pub async fn insert_job(&self, job: &JobRow) -> Result<()> {
+        let mut tx = self.pool.begin().await?;
+        sqlx::query(&format!(
+            "INSERT INTO jobs ({JOB_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, \
+             $15, $16, $17, $18)"
+        ))
+        .bind(&job.id)
+        .bind(&job.name)
+        .bind(&job.user)
+        .bind(&job.team)
+        .bind(&job.queue)
+        .bind(job.priority)
+        .bind(job.state.as_str())
+        .bind(&job.spec)
+        .bind(&job.secret)
+        .bind(job.restarts)
+        .bind(job.attempt)
+        .bind(job.workers)
+        .bind(job.created_ms)
+        .bind(job.started_ms)
+        .bind(job.finished_ms)
+        .bind(&job.reason)
+        .bind(i64::from(job.cancel_requested))
+        .bind(job.summary.as_deref())
+        .execute(&mut *tx)
+        .await?;
+        self.event_in(&mut tx, &job.id, "submitted", job.state, &job.reason).await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    pub async fn job(&self, id: &str) -> Result<Option<JobRow>> {
+        let row = sqlx::query(&format!("SELECT {JOB_COLUMNS} FROM jobs WHERE id = $1"))
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?;
+        row.as_ref().map(job_from).transpose()
+    }
+
+    /// Jobs, newest first, optionally of one team and in some states.
+    pub async fn jobs(&self, team: Option<&str>, states: &[JobState], limit: i64) -> Result<Vec<JobRow>> {
+        let rows = sqlx::query(&format!(
+            "SELECT {JOB_COLUMNS} FROM jobs WHERE ($1 = '' OR team = $1) ORDER BY created_ms DESC, id DESC LIMIT $2"
+        ))
+        .bind(team.unwrap_or(""))
+        .bind(limit)
+        .fetch_all(&self.pool)
+        .await?;
+        let mut out = Vec::new();
+        for r in &rows {
+            let j = job_from(r)?;
+            if states.is_empty() || states.contains(&j.state) {
+                out.push(j);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Jobs in any of `states`, oldest first.
+    pub async fn jobs_in(&self, states: &[JobState]) -> Result<Vec<JobRow>> {
+        let mut out = Vec::new();
+        for st in states {
+            let rows = sqlx::query(&format!("SELECT {JOB_COLUMNS} FROM jobs WHERE state = $1"))
+                .bind(st.as_str())
+                .fetch_all(&self.pool)
+                .await?;
+            for r in &rows {
+                out.push(job_from(r)?);
+            }
+        }
+        out.sort_by(|a, b| (a.created_ms, &a.id).cmp(&(b.created_ms, &b.id)));
+        Ok(out)
+    }
+
+    /// Moves a job from one of `from` to `to` with an event, in one transaction. Returns false (and changes
+    /// nothing) when the job is not in any of `from` any more.
+    pub async fn transition(&self, id: &str, from: &[JobState], to: JobState, t: Transition<'_>) -> Result<bool> {
+        let mut tx = self.pool.begin().await?;
+        let Some(row) = sqlx::query("SELECT state FROM jobs WHERE id = $1").bind(id).fetch_optional(&mut *tx).await?
+        else {
+            return Ok(false);
+        };
+        let state: String = row.try_get("state")?;
+        if !from.iter().any(|s| s.as_str() == state) {
+            return Ok(false);
+        }
+        let n = sqlx::query(
+            "UPDATE jobs SET state = $1, reason = $2, restarts = COALESCE($3, restarts), attempt = COALESCE($4, \
+             attempt), workers = COALESCE($5, workers), started_ms = COALESCE($6, started_ms), finished_ms = \
+             COALESCE($7, finished_ms), summary = COALESCE($8, summary) WHERE id = $9 AND state = $10",
+        )
+        .bind(to.as_str())
+        .bind(&t.message)
+        .bind(t.restarts)
+        .bind(t.attempt)
+        .bind(t.workers)
+        .bind(t.started_ms)
+        .bind(t.finished_ms)
+        .bind(t.summary.as_deref())
+        .bind(id)
+        .bind(&state)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        if n != 1 {
+            return Ok(false);
+        }
+        self.event_in(&mut tx, id, t.kind, to, &t.message).await?;
+        tx.commit().await?;
+        Ok(true)
+    }
+
+    pub async fn request_cancel(&self, id: &str) -> Result<()> {
+        sqlx::query("UPDATE jobs SET cancel_requested = 1 WHERE id = $1").bind(id).execute(&self.pool).await?;
+        Ok(())
+    }
+
+    // ---- events
+
+    async fn event_in(
+        &self,
+        tx: &mut sqlx::Transaction<'_, sqlx::Any>,
+        job: &str,
+        kind: &str,
+        state: JobState,
+        message: &str,
+    ) -> Result<()> {
+        let id = self.next_event.fetch_add(1, Ordering::SeqCst);
+        sqlx::query("INSERT INTO events (id, job_id, time_ms, kind, state, message) VALUES ($1, $2, $3, $4, $5, $6)")
+            .bind(id)
+            .bind(job)
+            .bind(now_ms())
+            .bind(kind)
+            .bind(state.as_str())
+            .bind(message)
+            .execute(&mut **tx)
+            .await?;
+        Ok(())
+    }
+
+    /// Records an event without a state change (`state` is the job's current one).
+    pub async fn event(&self, job: &str, kind: &str, state: JobState, message: &str) -> Result<()> {
+        let mut tx = self.pool.begin().await?;
+        self.event_in(&mut tx, job, kind, state, message).await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    pub async fn events(&self, job: &str, after: i64) -> Result<Vec<EventRow>> {
+        let rows = sqlx::query(
+            "SELECT id, job_id, time_ms, kind, state, message FROM events WHERE job_id = $1 AND id > $2 ORDER BY id",
+        )
+        .bind(job)
+        .bind(after)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter()
+            .map(|r| {
+                Ok(EventRow {
+                    id: r.try_get("id")?,
+                    job_id: r.try_get("job_id")?,
+                    time_ms: r.try_get("time_ms")?,
+                    kind: r.try_get("kind")?,
+                    state: r.try_get("state")?,
+                    message: r.try_get("message")?,
+                })
+            })
+            .collect()
+    }
+
+    // ---- tasks
+
+    pub async fn upsert_task(&self, t: &TaskRow) -> Result<()> {
+        let mut tx = self.pool.begin().await?;
+        sqlx::query("DELETE FROM tasks WHERE job_id = $1 AND attempt = $2 AND rank = $3")
+            .bind(&t.job_id)
+            .bind(t.attempt)
+            .bind(t.rank)
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query(
+            "INSERT INTO tasks (job_id, attempt, rank, node, host, pid, start_ticks, state, exit_code, reason, cpus, \
+             gpus) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
+        )
+        .bind(&t.job_id)
+        .bind(t.attempt)
+        .bind(t.rank)
+        .bind(&t.node)
+        .bind(&t.host)
+        .bind(t.pid)
+        .bind(t.start_ticks)
+        .bind(&t.state)
+        .bind(t.exit_code)
+        .bind(&t.reason)
+        .bind(&t.cpus)
+        .bind(&t.gpus)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// The tasks of one attempt, by rank.
+    pub async fn tasks(&self, job: &str, attempt: i64) -> Result<Vec<TaskRow>> {
+        let rows = sqlx::query(
+            "SELECT job_id, attempt, rank, node, host, pid, start_ticks, state, exit_code, reason, cpus, gpus FROM \
+             tasks WHERE job_id = $1 AND attempt = $2 ORDER BY rank",
+        )
+        .bind(job)
+        .bind(attempt)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(task_from).collect()
+    }
+
+    // ---- metrics
+
+    /// Stores metrics lines; a line already stored (same rank and step) is kept as it was.
+    pub async fn insert_metrics(&self, job: &str, rows: &[MetricRow]) -> Result<u64> {
+        let mut tx = self.pool.begin().await?;
+        let mut n = 0;
+        for m in rows {
+            n += sqlx::query(
+                "INSERT INTO metrics (job_id, rank, step, time_ms, data) VALUES ($1, $2, $3, $4, $5) ON CONFLICT \
+                 DO NOTHING",
+            )
+            .bind(job)
+            .bind(m.rank)
+            .bind(m.step)
+            .bind(m.time_ms)
+            .bind(m.data.to_string())
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+        }
+        tx.commit().await?;
+        Ok(n)
+    }
+
+    /// Metrics of a job after `after_step`, optionally of one rank, by step.
+    pub async fn metrics(&self, job: &str, rank: Option<i64>, after_step: i64, limit: i64) -> Result<Vec<MetricRow>> {
+        let rows = sqlx::query(
+            "SELECT rank, step, time_ms, data FROM metrics WHERE job_id = $1 AND ($2 < 0 OR rank = $2) AND step > $3 \
+             ORDER BY step, rank LIMIT $4",
+        )
+        .bind(job)
+        .bind(rank.unwrap_or(-1))
+        .bind(after_step)
+        .bind(limit)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter()
+            .map(|r| {
+                let data: String = r.try_get("data")?;
+                Ok(MetricRow {
+                    rank: r.try_get("rank")?,
+                    step: r.try_get("step")?,
+                    time_ms: r.try_get("time_ms")?,
+                    data: serde_json::from_str(&data).unwrap_or(serde_json::Value::Null),
+                })
+            })
+            .collect()
+    }
+
+    /// The newest step stored for a job and rank (-1 when none).
+    pub async fn last_metric_step(&self, job: &str, rank: i64) -> Result<i64> {
+        let row = sqlx::query("SELECT MAX(step) AS m FROM metrics WHERE job_id = $1 AND rank = $2")
+            .bind(job)
+            .bind(rank)
+            .fetch_one(&self.pool)
+            .await?;
+        Ok(row.try_get::<Option<i64>, _>("m")?.unwrap_or(-1))
+    }
+}
+
+/// The URL without its password, for messages.
+pub fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => {
+            let creds = &url[s + 3..at];
+            match creds.split_once(':') {
+                Some((user, _)) => format!("{}{user}:***{}", &url[..s + 3], &url[at..]),
+                None => url.to_owned(),
+            }
+        }
+        _ => url.to_owned(),
+    }
+}
+
+pub(crate) fn now() -> i64 {
+    now_ms()
+}

@@ -1,0 +1,393 @@
+//! The local executor: a job's tasks as child processes of the server, on this machine.
+//!
+//! - Every task runs in its own session (`setsid`), so a signal to its process group reaches whatever it started,
+//!   and it **outlives the server**: a server killed with `kill -9` finds its tasks again when it restarts
+//!   ([`LocalExecutor::probe`] checks the recorded PID *and* the process' start time, so a reused PID is never
+//!   mistaken for a task).
+//! - A tiny `sh` wrapper records the task's exit status in `rank-R.exit` next to its log, so the status of a task
+//!   that ended while the server was down is still known; a task that vanished without one is *lost*.
+//! - Isolation: the task is pinned to as many whole CPUs as it asked for (rounded up, least-loaded CPUs first, via
+//!   `sched_setaffinity` before `exec`), its tensor threads are told the same number (`RAYON_NUM_THREADS`,
+//!   `OMP_NUM_THREADS`), it sees only its GPUs (`CUDA_VISIBLE_DEVICES`), and its memory (the RSS of every process
+//!   of its session) is watched against its request: over the limit, it is killed with a reason that says so.
+//! - Output (stdout and stderr together) goes to `DATA/jobs/ID/attempt-A/rank-R.log`, written by the task itself,
+//!   so logs do not depend on the server being up.
+
+use std::collections::HashMap;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
+
+use crate::db::TaskRow;
+use crate::error::{ControlError, Result};
+
+/// Everything one task needs to start.
+#[derive(Debug, Clone)]
+pub struct TaskLaunch {
+    pub job_id: String,
+    pub attempt: i64,
+    pub rank: usize,
+    pub world_size: usize,
+    pub secret: String,
+    /// `host:port` that rank 0 hosts the job's rendezvous store at.
+    pub rendezvous: String,
+    /// The program and its arguments.
+    pub argv: Vec<String>,
+    pub cpus_milli: u64,
+    pub memory_bytes: u64,
+    /// `(gpu index, share in thousandths)`.
+    pub gpus: Vec<(u32, u32)>,
+    pub node: String,
+}
+
+/// What became of a task.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TaskStatus {
+    Running,
+    /// Exited with this status (128 + N when killed by signal N, as a shell reports it).
+    Exited(i32),
+    /// Gone without a recorded status.
+    Lost(String),
+}
+
+/// Runs tasks as local processes.
+#[derive(Debug)]
+pub struct LocalExecutor {
+    data_dir: PathBuf,
+    host: String,
+    /// CPUs this server may use (its own affinity).
+    cpus: Vec<usize>,
+    /// Children started by this server process, to reap them.
+    children: Mutex<HashMap<(String, i64, i64), Child>>,
+    /// How many running tasks are pinned to each CPU, by task.
+    pinned: Mutex<HashMap<(String, i64, i64), Vec<usize>>>,
+}
+
+fn key(t: &TaskRow) -> (String, i64, i64) {
+    (t.job_id.clone(), t.attempt, t.rank)
+}
+
+impl LocalExecutor {
+    pub fn new(data_dir: &Path) -> LocalExecutor {
+        LocalExecutor {
+            data_dir: data_dir.to_path_buf(),
+            host: hostname(),
+            cpus: own_cpus(),
+            children: Mutex::new(HashMap::new()),
+            pinned: Mutex::new(HashMap::new()),
+        }
+    }
+
+    pub fn host(&self) -> &str {
+        &self.host
+    }
+
+    /// The directory of one attempt's logs and exit files.
+    pub fn attempt_dir(&self, job: &str, attempt: i64) -> PathBuf {
+        self.data_dir.join("jobs").join(job).join(format!("attempt-{attempt}"))
+    }
+
+    pub fn log_path(&self, job: &str, attempt: i64, rank: i64) -> PathBuf {
+        self.attempt_dir(job, attempt).join(format!("rank-{rank}.log"))
+    }
+
+    fn exit_path(&self, job: &str, attempt: i64, rank: i64) -> PathBuf {
+        self.attempt_dir(job, attempt).join(format!("rank-{rank}.exit"))
+    }
+
+    /// Picks `n` CPUs, least loaded first.
+    fn pick_cpus(&self, n: usize) -> Vec<usize> {
+        let pinned = self.pinned.lock().unwrap_or_else(|p| p.into_inner());
+        let mut load: HashMap<usize, usize> = self.cpus.iter().map(|&c| (c, 0)).collect();
+        for cs in pinned.values() {
+            for c in cs {
+                *load.entry(*c).or_default() += 1;
+            }
+        }
+        let mut order: Vec<usize> = self.cpus.clone();
+        order.sort_by_key(|c| (load.get(c).copied().unwrap_or(0), *c));
+        order.truncate(n.min(self.cpus.len()));
+        order.sort_unstable();
+        order
+    }
+
+    /// Starts one task; returns its row (state `running`, PID and start time recorded).
+    pub fn start(&self, l: &TaskLaunch) -> Result<TaskRow> {
+        let dir = self.attempt_dir(&l.job_id, l.attempt);
+        std::fs::create_dir_all(&dir)?;
+        let rank = l.rank as i64;
+        let log_path = self.log_path(&l.job_id, l.attempt, rank);
+        let exit_path = self.exit_path(&l.job_id, l.attempt, rank);
+        let _ = std::fs::remove_file(&exit_path);
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(&log_path)?;
+        let err = log.try_clone()?;
+        let whole = l.cpus_milli.div_ceil(1000).max(1) as usize;
+        let cpus = self.pick_cpus(whole);
+        let Some(program) = l.argv.first() else {
+            return Err(ControlError::Internal(format!("job {}: empty command", l.job_id)));
+        };
+        let (host, port) = l.rendezvous.rsplit_once(':').unwrap_or((l.rendezvous.as_str(), ""));
+        let mut cmd = Command::new("/bin/sh");
+        cmd.arg("-c")
+            .arg(
+                "\"$@\"; c=$?; printf '%s' \"$c\" > \"$SHOAL_EXIT_FILE.tmp\" && mv \"$SHOAL_EXIT_FILE.tmp\" \
+                 \"$SHOAL_EXIT_FILE\"; exit $c",
+            )
+            .arg("shoal-task")
+            .arg(program)
+            .args(&l.argv[1..])
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(err)
+            .current_dir(&dir)
+            .env("SHOAL_EXIT_FILE", &exit_path)
+            .env("SHOAL_JOB_ID", &l.job_id)
+            .env("SHOAL_RANK", l.rank.to_string())
+            .env("SHOAL_WORLD_SIZE", l.world_size.to_string())
+            .env("SHOAL_LOCAL_RANK", l.rank.to_string())
+            .env("SHOAL_LOCAL_WORLD_SIZE", l.world_size.to_string())
+            .env("SHOAL_RENDEZVOUS", &l.rendezvous)
+            .env("SHOAL_RENDEZVOUS_HOST", "1")
+            .env("SHOAL_JOB_SECRET", &l.secret)
+            .env("SHOAL_ATTEMPT", l.attempt.to_string())
+            .env("MASTER_ADDR", host)
+            .env("MASTER_PORT", port)
+            .env("RANK", l.rank.to_string())
+            .env("WORLD_SIZE", l.world_size.to_string())
+            .env("LOCAL_RANK", l.rank.to_string())
+            .env("LOCAL_WORLD_SIZE", l.world_size.to_string())
+            .env("RAYON_NUM_THREADS", cpus.len().max(1).to_string())
+            .env("OMP_NUM_THREADS", cpus.len().max(1).to_string())
+            .env("CUDA_VISIBLE_DEVICES", l.gpus.iter().map(|(i, _)| i.to_string()).collect::<Vec<_>>().join(","));
+        let mask = cpus.clone();
+        // SAFETY: only async-signal-safe calls (setsid, sched_setaffinity) between fork and exec.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::setsid() < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                if !mask.is_empty() {
+                    let mut set: libc::cpu_set_t = std::mem::zeroed();
+                    for &c in &mask {
+                        libc::CPU_SET(c, &mut set);
+                    }
+                    // Pinning is best effort: a CPU the kernel refuses leaves the inherited mask.
+                    libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+                }
+                Ok(())
+            });
+        }
+        let child = cmd.spawn().map_err(|e| ControlError::Internal(format!("starting {program}: {e}")))?;
+        let pid = child.id() as i64;
+        let row = TaskRow {
+            job_id: l.job_id.clone(),
+            attempt: l.attempt,
+            rank,
+            node: l.node.clone(),
+            host: self.host.clone(),
+            pid: Some(pid),
+            start_ticks: start_ticks(pid),
+            state: "running".into(),
+            exit_code: None,
+            reason: String::new(),
+            cpus: cpu_list(&cpus),
+            gpus: l.gpus.iter().map(|(i, _)| i.to_string()).collect::<Vec<_>>().join(","),
+        };
+        self.children.lock().unwrap_or_else(|p| p.into_inner()).insert(key(&row), child);
+        self.pinned.lock().unwrap_or_else(|p| p.into_inner()).insert(key(&row), cpus);
+        Ok(row)
+    }
+
+    /// Takes over a task found in the store after a restart: its CPUs count as used again.
+    pub fn adopt(&self, t: &TaskRow) {
+        self.pinned.lock().unwrap_or_else(|p| p.into_inner()).insert(key(t), parse_cpu_list(&t.cpus));
+    }
+
+    /// Whether the task still runs, how it ended, or that it is lost.
+    pub fn probe(&self, t: &TaskRow) -> TaskStatus {
+        let k = key(t);
+        // Our own child: reap it (its status is the wrapper's, which is the task's).
+        let waited = {
+            let mut children = self.children.lock().unwrap_or_else(|p| p.into_inner());
+            match children.get_mut(&k).map(|c| c.try_wait()) {
+                Some(Ok(Some(st))) => {
+                    children.remove(&k);
+                    Some(st)
+                }
+                _ => None,
+            }
+        };
+        if let Some(code) = self.read_exit(t) {
+            self.release(&k);
+            return TaskStatus::Exited(code);
+        }
+        if let Some(st) = waited {
+            use std::os::unix::process::ExitStatusExt;
+            self.release(&k);
+            return TaskStatus::Exited(st.code().unwrap_or_else(|| 128 + st.signal().unwrap_or(0)));
+        }
+        let alive = match (t.pid, t.start_ticks) {
+            (Some(pid), Some(ticks)) => start_ticks(pid) == Some(ticks) && !is_zombie(pid),
+            (Some(pid), None) => Path::new(&format!("/proc/{pid}")).exists() && !is_zombie(pid),
+            _ => false,
+        };
+        if alive {
+            return TaskStatus::Running;
+        }
+        // The exit file may land just after the process is gone.
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        if let Some(code) = self.read_exit(t) {
+            self.release(&k);
+            return TaskStatus::Exited(code);
+        }
+        self.release(&k);
+        TaskStatus::Lost(format!(
+            "process {} ended without recording an exit status",
+            t.pid.map_or_else(|| "?".into(), |p| p.to_string())
+        ))
+    }
+
+    fn read_exit(&self, t: &TaskRow) -> Option<i32> {
+        std::fs::read_to_string(self.exit_path(&t.job_id, t.attempt, t.rank)).ok()?.trim().parse().ok()
+    }
+
+    fn release(&self, k: &(String, i64, i64)) {
+        self.pinned.lock().unwrap_or_else(|p| p.into_inner()).remove(k);
+    }
+
+    /// Sends `sig` to the task's whole session (its process group), if it is still the recorded process.
+    pub fn signal(&self, t: &TaskRow, sig: i32) {
+        let Some(pid) = t.pid else { return };
+        if pid <= 1 {
+            return;
+        }
+        if t.start_ticks.is_some() && start_ticks(pid) != t.start_ticks {
+            return;
+        }
+        // SAFETY: plain syscall; a negative pid addresses the process group the task leads.
+        unsafe {
+            libc::kill(-(pid as i32), sig);
+        }
+    }
+
+    /// Resident memory of every process in the task's session.
+    pub fn rss_bytes(&self, t: &TaskRow) -> Option<u64> {
+        let sid = t.pid?;
+        let page = 4096u64;
+        let mut total = 0u64;
+        let mut found = false;
+        for entry in std::fs::read_dir("/proc").ok()?.flatten() {
+            let name = entry.file_name();
+            let Some(pid) = name.to_str().and_then(|s| s.parse::<i64>().ok()) else { continue };
+            let Some(f) = stat_fields(pid) else { continue };
+            // fields after the comm: [0]=state, [3]=session, [21]=rss (pages)
+            if f.get(3).and_then(|s| s.parse::<i64>().ok()) == Some(sid) {
+                found = true;
+                total += f.get(21).and_then(|s| s.parse::<u64>().ok()).unwrap_or(0) * page;
+            }
+        }
+        found.then_some(total)
+    }
+}
+
+/// The fields of `/proc/PID/stat` after the command name.
+fn stat_fields(pid: i64) -> Option<Vec<String>> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = &s[s.rfind(')')? + 1..];
+    Some(rest.split_whitespace().map(str::to_owned).collect())
+}
+
+/// Field 22 of `/proc/PID/stat`: start time in clock ticks since boot.
+pub fn start_ticks(pid: i64) -> Option<i64> {
+    stat_fields(pid)?.get(19)?.parse().ok()
+}
+
+fn is_zombie(pid: i64) -> bool {
+    stat_fields(pid).and_then(|f| f.first().cloned()).is_some_and(|s| s == "Z" || s == "X")
+}
+
+fn own_cpus() -> Vec<usize> {
+    // SAFETY: sched_getaffinity writes into the set we own.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) == 0 {
+            let v: Vec<usize> = (0..libc::CPU_SETSIZE as usize).filter(|&c| libc::CPU_ISSET(c, &set)).collect();
+            if !v.is_empty() {
+                return v;
+            }
+        }
+    }
+    (0..std::thread::available_parallelism().map_or(1, |n| n.get())).collect()
+}
+
+/// `0-3,6` from `[0, 1, 2, 3, 6]`.
+pub fn cpu_list(cpus: &[usize]) -> String {
+    let mut out: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < cpus.len() {
+        let mut j = i;
+        while j + 1 < cpus.len() && cpus[j + 1] == cpus[j] + 1 {
+            j += 1;
+        }
+        out.push(if i == j { cpus[i].to_string() } else { format!("{}-{}", cpus[i], cpus[j]) });
+        i = j + 1;
+    }
+    out.join(",")
+}
+
+fn parse_cpu_list(s: &str) -> Vec<usize> {
+    let mut out = Vec::new();
+    for part in s.split(',').filter(|p| !p.is_empty()) {
+        match part.split_once('-') {
+            Some((a, b)) => {
+                if let (Ok(a), Ok(b)) = (a.parse::<usize>(), b.parse::<usize>()) {
+                    out.extend(a..=b);
+                }
+            }
+            None => out.extend(part.parse::<usize>().ok()),
+        }
+    }
+    out
+}
+
+pub fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname").map(|s| s.trim().to_owned()).unwrap_or_else(|_| "localhost".into())
+}
+
+/// The machine's memory in bytes (`MemTotal`).
+pub fn total_memory() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| {
+            s.lines().find(|l| l.starts_with("MemTotal:")).and_then(|l| {
+                l.split_whitespace().nth(1).and_then(|kb| kb.parse::<u64>().ok()).map(|kb| kb * 1024)
+            })
+        })
+        .unwrap_or(1 << 30)
+}
+
+/// The CPUs this process may run on.
+pub fn cpu_count() -> usize {
+    own_cpus().len()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_lists_round_trip() {
+        for v in [vec![], vec![0], vec![0, 1, 2, 3, 6], vec![1, 3, 4, 5, 9, 10]] {
+            assert_eq!(parse_cpu_list(&cpu_list(&v)), v);
+        }
+        assert_eq!(cpu_list(&[0, 1, 2, 3, 6]), "0-3,6");
+    }
+
+    #[test]
+    fn own_process_has_a_start_time() {
+        let me = std::process::id() as i64;
+        assert!(start_ticks(me).is_some());
+        assert!(!is_zombie(me));
+    }
+}

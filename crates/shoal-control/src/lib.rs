@@ -1,0 +1,31 @@
+//! `shoal-control`: Shoal's control plane — the server behind `shoal server` and `shoal demo`.
+//!
+//! - [`api`]: the HTTP+JSON API (axum) under `/api/v1/`, every error JSON and 4xx when the caller can fix it.
+//! - [`auth`]: bearer tokens stored hashed, mapped to a user and a team.
+//! - [`db`]: the state store, SQLite (default, WAL) or PostgreSQL through one set of SQL statements.
+//! - [`control`]: the loop that keeps store, scheduler (`shoal-sched`) and processes in agreement.
+//! - [`executor`]: tasks as local processes with the environment contract, pinned CPUs, a memory watch.
+//! - [`server`]: start-up (data-directory lock, admin token, recovery) and shutdown.
+//!
+//! Invariants:
+//! - The store is the truth: every job state change is one conditional transaction with its event, so a crash at
+//!   any point leaves a job in exactly one state, and a restarted server continues from it.
+//! - A job never runs twice at once: it is requeued only after every process of its attempt is probed dead
+//!   (PID and start time), and one server holds a data directory's lock.
+//! - Tasks outlive the server (their own sessions, exit status written by a wrapper), so a server restart adopts
+//!   them instead of killing work; a task that vanished is *lost* and its job restarted by its policy.
+//! - A user sees and acts on its own team's jobs only; another team's job is reported as not found.
+//! - No candle here: the control plane talks to workers only through processes, files and the wire.
+//!
+//! No feature flags.
+
+pub mod api;
+pub mod auth;
+pub mod control;
+pub mod db;
+pub mod error;
+pub mod executor;
+pub mod server;
+
+pub use error::{ControlError, Result};
+pub use server::{Server, ServerOptions, start};

@@ -1,0 +1,272 @@
+//! The platform's part of a job spec: where it queues, how many workers it needs and what each one asks for.
+//!
+//! ```toml
+//! queue = "default"          # default "default"
+//! priority = 0               # higher runs first and may preempt lower
+//!
+//! [workers]
+//! count = 2                  # or min = 1 and max = 4 for an elastic job (not both)
+//! spread = false             # pack on as few hosts as possible (default) or spread one per host
+//!
+//! [resources]                # per worker
+//! cpus = "500m"              # a number of CPUs (1, 0.5) or Kubernetes milli-CPUs ("500m"); default 1
+//! memory = "2GiB"            # bytes as an integer or with a unit (KiB MiB GiB TiB, KB MB GB TB); default 1GiB
+//! gpus = 0.5                 # whole or fractional GPUs; default 0
+//! gpu_memory = "10GiB"       # GPU memory per worker; default: none asked
+//!
+//! [restart]
+//! max = 3                    # times a failed or lost job is started again (from its newest checkpoint)
+//! ```
+
+use std::fmt;
+
+use serde::de::{self, Deserializer, Visitor};
+use serde::{Deserialize, Serialize, Serializer};
+
+/// `[workers]`: a fixed `count`, or `min..=max` for an elastic job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkersSpec {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub count: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max: Option<u32>,
+    /// One worker per host instead of packing.
+    #[serde(default)]
+    pub spread: bool,
+}
+
+impl WorkersSpec {
+    /// `(min, max)` workers; a fixed count gives `(count, count)`, nothing given gives `(1, 1)`.
+    pub fn range(&self) -> (u32, u32) {
+        match (self.count, self.min, self.max) {
+            (Some(n), _, _) => (n, n),
+            (None, Some(lo), Some(hi)) => (lo, hi),
+            (None, Some(lo), None) => (lo, lo),
+            (None, None, Some(hi)) => (1, hi),
+            (None, None, None) => (1, 1),
+        }
+    }
+
+    pub(crate) fn validate(&self) -> Result<(), (String, String)> {
+        let err = |p: &str, m: String| Err((p.to_owned(), m));
+        if self.count.is_some() && (self.min.is_some() || self.max.is_some()) {
+            return err("workers.count", "give either `count` or `min`/`max`, not both".into());
+        }
+        for (key, v) in [("workers.count", self.count), ("workers.min", self.min), ("workers.max", self.max)] {
+            if v == Some(0) {
+                return err(key, "must be at least 1".into());
+            }
+        }
+        if let (Some(lo), Some(hi)) = (self.min, self.max)
+            && lo > hi
+        {
+            return err("workers.min", format!("min {lo} is greater than max {hi}"));
+        }
+        Ok(())
+    }
+}
+
+/// `[resources]`, per worker. CPUs and GPUs are kept in thousandths, memory in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ResourcesSpec {
+    #[serde(default = "one_cpu", deserialize_with = "milli_de", serialize_with = "cpus_ser")]
+    pub cpus: u64,
+    #[serde(default = "one_gib", deserialize_with = "bytes_de")]
+    pub memory: u64,
+    #[serde(default, deserialize_with = "milli_de", serialize_with = "gpus_ser")]
+    pub gpus: u64,
+    #[serde(default, deserialize_with = "bytes_de")]
+    pub gpu_memory: u64,
+}
+
+fn one_cpu() -> u64 {
+    1000
+}
+fn one_gib() -> u64 {
+    1 << 30
+}
+
+impl Default for ResourcesSpec {
+    fn default() -> Self {
+        ResourcesSpec { cpus: one_cpu(), memory: one_gib(), gpus: 0, gpu_memory: 0 }
+    }
+}
+
+impl ResourcesSpec {
+    pub(crate) fn validate(&self) -> Result<(), (String, String)> {
+        if self.cpus == 0 {
+            return Err(("resources.cpus".into(), "must be more than 0".into()));
+        }
+        if self.memory == 0 {
+            return Err(("resources.memory".into(), "must be more than 0".into()));
+        }
+        if self.gpus > 1000 && !self.gpus.is_multiple_of(1000) {
+            return Err((
+                "resources.gpus".into(),
+                format!("{} GPUs: a share of a GPU must be less than one; more than one must be whole", milli(self.gpus)),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// `[restart]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RestartSpec {
+    /// How many times a failed job, or one whose workers were lost, is started again.
+    #[serde(default = "three")]
+    pub max: u32,
+}
+
+fn three() -> u32 {
+    3
+}
+
+impl Default for RestartSpec {
+    fn default() -> Self {
+        RestartSpec { max: three() }
+    }
+}
+
+fn milli(v: u64) -> String {
+    if v.is_multiple_of(1000) { (v / 1000).to_string() } else { format!("{}", v as f64 / 1000.0) }
+}
+
+fn cpus_ser<S: Serializer>(v: &u64, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&format!("{v}m"))
+}
+
+fn gpus_ser<S: Serializer>(v: &u64, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_f64(*v as f64 / 1000.0)
+}
+
+/// Parses a quantity of CPUs or GPUs into thousandths: `2`, `0.5`, `"1.5"`, `"500m"`.
+pub fn parse_milli(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    if let Some(m) = t.strip_suffix('m') {
+        return m.parse::<u64>().map_err(|_| format!("{s:?} is not a quantity (e.g. 2, 0.5 or \"500m\")"));
+    }
+    let f: f64 = t.parse().map_err(|_| format!("{s:?} is not a quantity (e.g. 2, 0.5 or \"500m\")"))?;
+    float_milli(f)
+}
+
+fn float_milli(f: f64) -> Result<u64, String> {
+    if !f.is_finite() || f < 0.0 {
+        return Err(format!("{f} must be a finite number >= 0"));
+    }
+    let m = (f * 1000.0).round();
+    if (m - f * 1000.0).abs() > 1e-6 {
+        return Err(format!("{f} is finer than a thousandth"));
+    }
+    if m > 1e15 {
+        return Err(format!("{f} is too large"));
+    }
+    Ok(m as u64)
+}
+
+/// Parses a byte size: an integer, or a number with a unit (`KiB`, `MiB`, `GiB`, `TiB`, `KB`, `MB`, `GB`, `TB`,
+/// `K`, `M`, `G`, `T` as binary, `Ki`, `Mi`, `Gi`, `Ti` as in Kubernetes).
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let unit = unit.trim();
+    let mult: f64 = match unit {
+        "" | "B" => 1.0,
+        "K" | "Ki" | "KiB" => 1024.0,
+        "M" | "Mi" | "MiB" => 1024.0 * 1024.0,
+        "G" | "Gi" | "GiB" => 1024.0 * 1024.0 * 1024.0,
+        "T" | "Ti" | "TiB" => 1024.0f64.powi(4),
+        "KB" | "kB" => 1e3,
+        "MB" => 1e6,
+        "GB" => 1e9,
+        "TB" => 1e12,
+        other => return Err(format!("{s:?}: unknown unit {other:?} (use B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)")),
+    };
+    let n: f64 = num.parse().map_err(|_| format!("{s:?} is not a size (e.g. 512MiB, 2GiB)"))?;
+    let v = n * mult;
+    if !v.is_finite() || v > 1e18 {
+        return Err(format!("{s:?} is too large"));
+    }
+    Ok(v.round() as u64)
+}
+
+struct QuantityVisitor {
+    bytes: bool,
+}
+
+impl Visitor<'_> for QuantityVisitor {
+    type Value = u64;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.bytes {
+            f.write_str("a size in bytes (an integer) or a string with a unit such as \"2GiB\"")
+        } else {
+            f.write_str("a number (1, 0.5) or a string such as \"500m\"")
+        }
+    }
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<u64, E> {
+        if self.bytes { Ok(v) } else { v.checked_mul(1000).ok_or_else(|| E::custom(format!("{v} is too large"))) }
+    }
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<u64, E> {
+        if v < 0 {
+            return Err(E::custom(format!("{v} is negative; must be >= 0")));
+        }
+        self.visit_u64(v as u64)
+    }
+    fn visit_f64<E: de::Error>(self, v: f64) -> Result<u64, E> {
+        if self.bytes {
+            if v < 0.0 || !v.is_finite() || v.fract() != 0.0 {
+                return Err(E::custom(format!("{v} is not a whole number of bytes >= 0")));
+            }
+            return Ok(v as u64);
+        }
+        float_milli(v).map_err(E::custom)
+    }
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<u64, E> {
+        if v.trim_start().starts_with('-') {
+            return Err(E::custom(format!("{v:?} is negative; must be >= 0")));
+        }
+        if self.bytes { parse_bytes(v) } else { parse_milli(v) }.map_err(E::custom)
+    }
+}
+
+fn milli_de<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+    d.deserialize_any(QuantityVisitor { bytes: false })
+}
+
+fn bytes_de<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+    d.deserialize_any(QuantityVisitor { bytes: true })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantities() {
+        assert_eq!(parse_milli("500m"), Ok(500));
+        assert_eq!(parse_milli("1.5"), Ok(1500));
+        assert_eq!(parse_milli("2"), Ok(2000));
+        assert!(parse_milli("abc").is_err());
+        assert!(parse_milli("0.0001").is_err());
+        assert_eq!(parse_bytes("2GiB"), Ok(2 << 30));
+        assert_eq!(parse_bytes("512Mi"), Ok(512 << 20));
+        assert_eq!(parse_bytes("1.5GB"), Ok(1_500_000_000));
+        assert_eq!(parse_bytes("4096"), Ok(4096));
+        assert!(parse_bytes("2 parsecs").is_err());
+    }
+
+    #[test]
+    fn worker_ranges() {
+        assert_eq!(WorkersSpec::default().range(), (1, 1));
+        assert_eq!(WorkersSpec { count: Some(4), ..Default::default() }.range(), (4, 4));
+        assert_eq!(WorkersSpec { min: Some(2), max: Some(6), ..Default::default() }.range(), (2, 6));
+        assert!(WorkersSpec { min: Some(3), max: Some(2), ..Default::default() }.validate().is_err());
+        assert!(WorkersSpec { count: Some(2), max: Some(2), ..Default::default() }.validate().is_err());
+    }
+}

@@ -1,0 +1,555 @@
+//! The platform commands: `shoal server`, and the client commands `submit`, `jobs`, `status`, `logs`, `cancel`,
+//! `queues`, `nodes`, plus `shoal demo` (an embedded server running a built-in job).
+//!
+//! Where the client finds its server and token, first found wins:
+//! 1. `--addr` / `--token`;
+//! 2. `SHOAL_ADDR` / `SHOAL_TOKEN`;
+//! 3. the config file (`--config`, `SHOAL_CONFIG`, or `~/.config/shoal/config.toml`) with `addr` and `token`;
+//! 4. a local server: `http://127.0.0.1:7733` and the token in its data directory's `admin.token`
+//!    (`SHOAL_DATA_DIR`, default `~/.local/share/shoal`).
+
+use std::io::{IsTerminal, Read, Write};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, anyhow, bail};
+use clap::Args;
+use serde_json::{Value, json};
+
+pub const DEFAULT_ADDR: &str = "127.0.0.1:7733";
+
+/// Where the server is and who we are.
+#[derive(Debug, Clone, Args)]
+pub struct ClientArgs {
+    /// Server address (`host:port` or `http://host:port`); default SHOAL_ADDR, the config file, 127.0.0.1:7733.
+    #[arg(long, global = true)]
+    pub addr: Option<String>,
+    /// Bearer token; default SHOAL_TOKEN, the config file, or a local server's admin.token.
+    #[arg(long, global = true)]
+    pub token: Option<String>,
+    /// Config file with `addr` and `token`; default SHOAL_CONFIG or ~/.config/shoal/config.toml.
+    #[arg(long, global = true)]
+    pub config: Option<PathBuf>,
+}
+
+pub fn default_data_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("SHOAL_DATA_DIR") {
+        return PathBuf::from(d);
+    }
+    let home = std::env::var_os("HOME").map_or_else(|| PathBuf::from("."), PathBuf::from);
+    home.join(".local/share/shoal")
+}
+
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ConfigFile {
+    addr: Option<String>,
+    token: Option<String>,
+}
+
+fn read_config(args: &ClientArgs) -> Result<ConfigFile> {
+    let explicit = args.config.clone().or_else(|| std::env::var_os("SHOAL_CONFIG").map(PathBuf::from));
+    let path = explicit.clone().or_else(|| {
+        std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".config/shoal/config.toml"))
+    });
+    let Some(path) = path else { return Ok(ConfigFile::default()) };
+    match std::fs::read_to_string(&path) {
+        Ok(text) => toml_config(&text).with_context(|| format!("config file {}", path.display())),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound && explicit.is_none() => Ok(ConfigFile::default()),
+        Err(e) => Err(anyhow!("config file {}: {e}", path.display())),
+    }
+}
+
+fn toml_config(text: &str) -> Result<ConfigFile> {
+    // `addr = "..."` and `token = "..."` lines; a tiny subset of TOML, strictly checked.
+    let mut c = ConfigFile::default();
+    for (i, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let (k, v) = line.split_once('=').ok_or_else(|| anyhow!("line {}: expected key = \"value\"", i + 1))?;
+        let v = v.trim().trim_matches('"').to_owned();
+        match k.trim() {
+            "addr" => c.addr = Some(v),
+            "token" => c.token = Some(v),
+            other => bail!("line {}: unknown key {other:?} (known: addr, token)", i + 1),
+        }
+    }
+    Ok(c)
+}
+
+/// A client of one server.
+#[derive(Debug, Clone)]
+pub struct Client {
+    base: String,
+    token: Option<String>,
+    agent: ureq::Agent,
+}
+
+impl Client {
+    pub fn new(addr: &str, token: Option<String>) -> Client {
+        let base = if addr.starts_with("http://") || addr.starts_with("https://") {
+            addr.trim_end_matches('/').to_owned()
+        } else {
+            format!("http://{addr}")
+        };
+        let agent: ureq::Agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .timeout_connect(Some(Duration::from_secs(5)))
+            .build()
+            .into();
+        Client { base, token, agent }
+    }
+
+    pub fn from_args(args: &ClientArgs) -> Result<Client> {
+        let cfg = read_config(args)?;
+        let addr = args
+            .addr
+            .clone()
+            .or_else(|| std::env::var("SHOAL_ADDR").ok())
+            .or(cfg.addr)
+            .unwrap_or_else(|| DEFAULT_ADDR.to_owned());
+        let token = args.token.clone().or_else(|| std::env::var("SHOAL_TOKEN").ok()).or(cfg.token).or_else(|| {
+            std::fs::read_to_string(default_data_dir().join("admin.token")).ok().map(|t| t.trim().to_owned())
+        });
+        Ok(Client::new(&addr, token))
+    }
+
+    fn auth(&self) -> Option<String> {
+        self.token.as_ref().map(|t| format!("Bearer {t}"))
+    }
+
+    fn check(&self, resp: ureq::http::Response<ureq::Body>, what: &str) -> Result<ureq::http::Response<ureq::Body>> {
+        let status = resp.status();
+        if status.is_success() {
+            return Ok(resp);
+        }
+        let mut resp = resp;
+        let text = resp.body_mut().read_to_string().unwrap_or_default();
+        let msg = serde_json::from_str::<Value>(&text)
+            .ok()
+            .and_then(|v| v.get("error").and_then(Value::as_str).map(str::to_owned))
+            .unwrap_or(text);
+        bail!("{what}: {} {}", status.as_u16(), msg.trim())
+    }
+
+    fn unreachable(&self, e: ureq::Error) -> anyhow::Error {
+        anyhow!(
+            "cannot reach the shoal server at {}: {e} (start one with `shoal server`, or point --addr / SHOAL_ADDR at it)",
+            self.base
+        )
+    }
+
+    pub fn get(&self, path: &str) -> Result<Value> {
+        let mut req = self.agent.get(format!("{}{path}", self.base)).config().timeout_global(Some(Duration::from_secs(30))).build();
+        if let Some(a) = self.auth() {
+            req = req.header("Authorization", a);
+        }
+        let resp = req.call().map_err(|e| self.unreachable(e))?;
+        let mut resp = self.check(resp, &format!("GET {path}"))?;
+        resp.body_mut().read_json().map_err(|e| anyhow!("GET {path}: bad JSON from the server: {e}"))
+    }
+
+    pub fn post(&self, path: &str, content_type: &str, body: &[u8]) -> Result<Value> {
+        let mut req = self
+            .agent
+            .post(format!("{}{path}", self.base))
+            .config()
+            .timeout_global(Some(Duration::from_secs(30)))
+            .build()
+            .header("Content-Type", content_type);
+        if let Some(a) = self.auth() {
+            req = req.header("Authorization", a);
+        }
+        let resp = req.send(body).map_err(|e| self.unreachable(e))?;
+        let mut resp = self.check(resp, &format!("POST {path}"))?;
+        resp.body_mut().read_json().map_err(|e| anyhow!("POST {path}: bad JSON from the server: {e}"))
+    }
+
+    /// Streams a text body to `out` until the server ends it.
+    pub fn stream(&self, path: &str, out: &mut dyn Write) -> Result<()> {
+        let mut req = self.agent.get(format!("{}{path}", self.base));
+        if let Some(a) = self.auth() {
+            req = req.header("Authorization", a);
+        }
+        let resp = req.call().map_err(|e| self.unreachable(e))?;
+        let resp = self.check(resp, &format!("GET {path}"))?;
+        let mut reader = resp.into_body().into_reader();
+        let mut buf = [0u8; 16 * 1024];
+        loop {
+            let n = reader.read(&mut buf).map_err(|e| anyhow!("reading {path}: {e}"))?;
+            if n == 0 {
+                return Ok(());
+            }
+            out.write_all(&buf[..n])?;
+            out.flush()?;
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// server
+
+#[derive(Debug, Clone, Args)]
+pub struct ServerArgs {
+    /// Where the state (SQLite), logs, checkpoints and the admin token live; default SHOAL_DATA_DIR or
+    /// ~/.local/share/shoal.
+    #[arg(long)]
+    pub data_dir: Option<PathBuf>,
+    /// Address to serve the API on.
+    #[arg(long, default_value = DEFAULT_ADDR)]
+    pub listen: SocketAddr,
+    /// PostgreSQL instead of SQLite: postgres://USER:PASSWORD@HOST:PORT/DB.
+    #[arg(long)]
+    pub database: Option<String>,
+    /// CPUs this node offers to jobs (default: all this process may use), e.g. 2 or 1.5.
+    #[arg(long)]
+    pub cpus: Option<String>,
+    /// Memory this node offers to jobs (default: all of it), e.g. 8GiB.
+    #[arg(long)]
+    pub memory: Option<String>,
+    /// GPUs this node offers (default 0).
+    #[arg(long, default_value_t = 0)]
+    pub gpus: u32,
+    /// Serve without tokens (only on a loopback address).
+    #[arg(long)]
+    pub no_auth: bool,
+}
+
+pub fn server_options(args: &ServerArgs) -> Result<shoal_control::ServerOptions> {
+    let data_dir = args.data_dir.clone().unwrap_or_else(default_data_dir);
+    let exe = std::env::current_exe().context("locating the shoal executable")?;
+    let mut o = shoal_control::ServerOptions::new(&data_dir, args.listen, &exe);
+    o.database = args.database.clone();
+    if let Some(c) = &args.cpus {
+        o.cpus_milli = Some(shoal_spec::parse_milli(c).map_err(|e| anyhow!("--cpus: {e}"))?);
+    }
+    if let Some(m) = &args.memory {
+        o.memory_bytes = Some(shoal_spec::parse_bytes(m).map_err(|e| anyhow!("--memory: {e}"))?);
+    }
+    o.gpus = args.gpus;
+    o.no_auth = args.no_auth;
+    Ok(o)
+}
+
+pub fn server(args: &ServerArgs) -> Result<bool> {
+    let opts = server_options(args)?;
+    let rt = tokio::runtime::Runtime::new()?;
+    rt.block_on(async {
+        let s = shoal_control::start(opts.clone()).await?;
+        eprintln!(
+            "shoal server on http://{} (data {}; admin token in {})",
+            s.addr,
+            opts.data_dir.display(),
+            opts.data_dir.join("admin.token").display()
+        );
+        s.wait_for_signal().await?;
+        Ok::<_, anyhow::Error>(())
+    })?;
+    Ok(true)
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// client commands
+
+pub fn submit(client: &Client, job: &Path, json_out: bool) -> Result<bool> {
+    let text = std::fs::read_to_string(job).with_context(|| format!("reading {}", job.display()))?;
+    // Check locally first: errors then name the file and line.
+    let spec = shoal_spec::parse_job(&text, &job.display().to_string()).map_err(|e| anyhow!("{e}"))?;
+    let v = client.post("/api/v1/jobs", "application/toml", text.as_bytes())?;
+    let id = v.get("id").and_then(Value::as_str).unwrap_or("?");
+    if json_out {
+        println!("{}", json!({ "id": id }));
+    } else {
+        println!("{id}");
+        eprintln!("submitted {} as {id}; follow it with `shoal status {id}` or `shoal logs {id} --follow`", spec.name);
+    }
+    Ok(true)
+}
+
+fn age(ms: Option<i64>) -> String {
+    let Some(ms) = ms else { return "-".into() };
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64);
+    let s = ((now - ms) / 1000).max(0);
+    if s < 120 {
+        format!("{s}s")
+    } else if s < 7200 {
+        format!("{}m", s / 60)
+    } else {
+        format!("{}h", s / 3600)
+    }
+}
+
+fn s<'a>(v: &'a Value, k: &str) -> &'a str {
+    v.get(k).and_then(Value::as_str).unwrap_or("")
+}
+
+fn i(v: &Value, k: &str) -> i64 {
+    v.get(k).and_then(Value::as_i64).unwrap_or(0)
+}
+
+pub fn jobs(client: &Client, state: Option<&str>, json_out: bool) -> Result<bool> {
+    let q = state.map(|s| format!("?state={s}")).unwrap_or_default();
+    let v = client.get(&format!("/api/v1/jobs{q}"))?;
+    if json_out {
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(true);
+    }
+    let empty = Vec::new();
+    let list = v.get("jobs").and_then(Value::as_array).unwrap_or(&empty);
+    println!("{:<11} {:<24} {:<10} {:<10} {:<9} {:>7} {:>8} {:>6}", "ID", "NAME", "STATE", "TEAM", "QUEUE", "WORKERS", "RESTARTS", "AGE");
+    for j in list {
+        println!(
+            "{:<11} {:<24} {:<10} {:<10} {:<9} {:>7} {:>8} {:>6}",
+            s(j, "id"),
+            s(j, "name"),
+            s(j, "state"),
+            s(j, "team"),
+            s(j, "queue"),
+            i(j, "worker_count"),
+            i(j, "restarts"),
+            age(j.get("created_ms").and_then(Value::as_i64))
+        );
+    }
+    Ok(true)
+}
+
+pub fn status(client: &Client, id: &str, json_out: bool) -> Result<bool> {
+    let v = client.get(&format!("/api/v1/jobs/{id}"))?;
+    if json_out {
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(true);
+    }
+    println!("{} {} — {}", s(&v, "id"), s(&v, "name"), s(&v, "state"));
+    println!("  team {} (user {}), queue {}, priority {}", s(&v, "team"), s(&v, "user"), s(&v, "queue"), i(&v, "priority"));
+    println!("  attempt {}, restarts {}; {}", i(&v, "attempt"), i(&v, "restarts"), s(&v, "reason"));
+    if let Some(m) = v.get("last_metrics").filter(|m| !m.is_null()) {
+        let steps = v.pointer("/spec/train/steps").and_then(Value::as_i64).unwrap_or(0);
+        println!(
+            "  step {}/{steps}, loss {:.4}",
+            m.get("step").and_then(Value::as_i64).unwrap_or(0),
+            m.get("loss").and_then(Value::as_f64).unwrap_or(f64::NAN)
+        );
+    }
+    if let Some(ws) = v.get("workers").and_then(Value::as_array) {
+        println!("  {:<5} {:<8} {:<16} {:<8} {:>5} {:<8}", "RANK", "PID", "HOST", "STATE", "EXIT", "CPUS");
+        for w in ws {
+            println!(
+                "  {:<5} {:<8} {:<16} {:<8} {:>5} {:<8}",
+                i(w, "rank"),
+                w.get("pid").and_then(Value::as_i64).map_or("-".into(), |p| p.to_string()),
+                s(w, "host"),
+                s(w, "state"),
+                w.get("exit_code").and_then(Value::as_i64).map_or("-".into(), |c| c.to_string()),
+                s(w, "cpus")
+            );
+        }
+    }
+    if let Some(sum) = v.get("summary").filter(|m| !m.is_null()) {
+        print_summary(sum);
+    }
+    if let Some(evs) = v.get("events").and_then(Value::as_array) {
+        println!("  events:");
+        for e in evs {
+            println!("    {:>6} {:<10} {}", age(e.get("time_ms").and_then(Value::as_i64)), s(e, "kind"), s(e, "message"));
+        }
+    }
+    Ok(true)
+}
+
+fn print_summary(sum: &Value) {
+    let f = |k: &str| sum.get(k).and_then(Value::as_f64);
+    println!(
+        "  result: {} steps, final loss {:.4}, eval loss {:.4}{}{}, {:.0} samples/s",
+        sum.get("steps").and_then(Value::as_u64).unwrap_or(0),
+        f("final_loss").unwrap_or(f64::NAN),
+        f("eval_loss").unwrap_or(f64::NAN),
+        f("eval_accuracy").map_or(String::new(), |a| format!(", eval accuracy {:.2}%", a * 100.0)),
+        f("eval_perplexity").map_or(String::new(), |p| format!(", eval perplexity {p:.2}")),
+        f("samples_per_s").unwrap_or(0.0)
+    );
+    if let Some(b) = f("baseline_loss") {
+        println!("  a unigram model of the same text: loss {b:.4}, perplexity {:.2}", b.exp());
+    }
+}
+
+pub fn logs(client: &Client, id: &str, rank: u32, follow: bool) -> Result<bool> {
+    let path = format!("/api/v1/jobs/{id}/logs?rank={rank}&follow={follow}");
+    let mut out = std::io::stdout().lock();
+    client.stream(&path, &mut out)?;
+    Ok(true)
+}
+
+pub fn cancel(client: &Client, id: &str, json_out: bool) -> Result<bool> {
+    let v = client.post(&format!("/api/v1/jobs/{id}/cancel"), "application/json", b"{}")?;
+    if json_out {
+        println!("{v}");
+    } else {
+        println!("cancelling {id}");
+    }
+    Ok(true)
+}
+
+pub fn queues(client: &Client, json_out: bool) -> Result<bool> {
+    let v = client.get("/api/v1/queues")?;
+    if json_out {
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(true);
+    }
+    println!("{:<12} {:>8} {:>12} {:>6} {:>7} {:>8} {:>8} {:>9}", "QUEUE", "CPUS", "MEMORY", "GPUS", "BORROW", "PENDING", "RUNNING", "PREEMPTED");
+    for q in v.get("queues").and_then(Value::as_array).into_iter().flatten() {
+        let g = q.get("guaranteed").cloned().unwrap_or(Value::Null);
+        println!(
+            "{:<12} {:>8} {:>12} {:>6} {:>7} {:>8} {:>8} {:>9}",
+            s(q, "name"),
+            g.get("cpus").and_then(Value::as_f64).unwrap_or(0.0),
+            bytes(g.get("memory_bytes").and_then(Value::as_u64).unwrap_or(0)),
+            g.get("gpus").and_then(Value::as_f64).unwrap_or(0.0),
+            q.get("can_borrow").and_then(Value::as_bool).unwrap_or(false),
+            i(q, "pending"),
+            i(q, "running"),
+            i(q, "preempted")
+        );
+    }
+    Ok(true)
+}
+
+fn bytes(b: u64) -> String {
+    format!("{:.1}GiB", b as f64 / (1u64 << 30) as f64)
+}
+
+pub fn nodes(client: &Client, json_out: bool) -> Result<bool> {
+    let v = client.get("/api/v1/nodes")?;
+    if json_out {
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(true);
+    }
+    println!("{:<8} {:<16} {:>11} {:>23} {:>9}", "NODE", "HOST", "CPUS", "MEMORY", "GPUS");
+    for n in v.get("nodes").and_then(Value::as_array).into_iter().flatten() {
+        let a = n.get("allocated").cloned().unwrap_or(Value::Null);
+        let gpus = n.get("gpus").and_then(Value::as_array).map_or(0, Vec::len);
+        println!(
+            "{:<8} {:<16} {:>11} {:>23} {:>9}",
+            s(n, "id"),
+            s(n, "host"),
+            format!("{}/{}", a.get("cpus").and_then(Value::as_f64).unwrap_or(0.0), n.get("cpus").and_then(Value::as_f64).unwrap_or(0.0)),
+            format!("{}/{}", bytes(a.get("memory_bytes").and_then(Value::as_u64).unwrap_or(0)), bytes(n.get("memory_bytes").and_then(Value::as_u64).unwrap_or(0))),
+            format!("{}/{gpus}", a.get("gpus").and_then(Value::as_f64).unwrap_or(0.0))
+        );
+    }
+    Ok(true)
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// demo
+
+/// The demo's job: a small GPT on Cicero's Latin, two workers (`examples/demo_gpt_cicero.toml`).
+const DEMO_JOB: &str = include_str!("../../../examples/demo_gpt_cicero.toml");
+
+/// `shoal demo`: an embedded server on a free loopback port with a temporary data directory, the built-in job
+/// submitted through the API like any client would, progress until it ends, the result, and where to look.
+pub fn demo(keep: bool) -> Result<bool> {
+    let dir = std::env::temp_dir().join(format!("shoal-demo-{}", std::process::id()));
+    let exe = std::env::current_exe().context("locating the shoal executable")?;
+    let listen: SocketAddr = "127.0.0.1:0".parse()?;
+    let mut opts = shoal_control::ServerOptions::new(&dir, listen, &exe);
+    opts.tick = Duration::from_millis(200);
+    let rt = tokio::runtime::Runtime::new()?;
+    let server = rt.block_on(shoal_control::start(opts))?;
+    let addr = server.addr;
+    println!("shoal demo: server on http://{addr} (data in {})", dir.display());
+    let client = Client::new(&addr.to_string(), Some(server.admin_token.clone()));
+    let v = client.post("/api/v1/jobs", "application/toml", DEMO_JOB.as_bytes())?;
+    let id = v.get("id").and_then(Value::as_str).ok_or_else(|| anyhow!("the server returned no job id: {v}"))?.to_owned();
+    println!("submitted the built-in job (a small GPT learning Cicero's Latin, 2 workers, data parallel) as {id}");
+    let ok = follow_job(&client, &id, Duration::from_secs(600))?;
+    let v = client.get(&format!("/api/v1/jobs/{id}"))?;
+    if let Some(sum) = v.get("summary").filter(|m| !m.is_null()) {
+        print_summary(sum);
+        if let Some(st) = sum.get("step_time") {
+            let f = |k: &str| st.get(k).and_then(Value::as_f64).unwrap_or(0.0) * 1e3;
+            println!(
+                "  step medians: data {:.2} ms, compute {:.2} ms, comm {:.2} ms, optimizer {:.2} ms",
+                f("data_s"),
+                f("compute_s"),
+                f("comm_s"),
+                f("optimizer_s")
+            );
+        }
+    }
+    println!("  events:");
+    for e in v.get("events").and_then(Value::as_array).into_iter().flatten() {
+        println!("    {:<10} {}", s(e, "kind"), s(e, "message"));
+    }
+    println!("dashboard and API: http://{addr}/ (try: shoal status {id} --addr {addr} --token $(cat {}/admin.token))", dir.display());
+    if keep {
+        println!("--keep: the server keeps running; Ctrl-C stops it");
+        rt.block_on(server.wait_for_signal())?;
+    } else {
+        rt.block_on(server.shutdown());
+    }
+    Ok(ok)
+}
+
+/// Shows a job's progress until it ends (a bar on a terminal, lines otherwise); true when it succeeded.
+pub fn follow_job(client: &Client, id: &str, limit: Duration) -> Result<bool> {
+    let t0 = Instant::now();
+    let tty = std::io::stderr().is_terminal();
+    let bar = indicatif::ProgressBar::new(0);
+    if tty {
+        bar.set_style(
+            indicatif::ProgressStyle::with_template("{spinner} {prefix} [{bar:30}] {pos}/{len} {msg}")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+    } else {
+        bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    let mut last_state = String::new();
+    let mut last_print = Instant::now() - Duration::from_secs(60);
+    loop {
+        let v = client.get(&format!("/api/v1/jobs/{id}"))?;
+        let state = s(&v, "state").to_owned();
+        if state != last_state {
+            bar.suspend(|| println!("  {id}: {state} — {}", s(&v, "reason")));
+            last_state = state.clone();
+        }
+        let steps = v.pointer("/spec/train/steps").and_then(Value::as_u64).unwrap_or(0);
+        if let Some(m) = v.get("last_metrics").filter(|m| !m.is_null()) {
+            let step = m.get("step").and_then(Value::as_u64).unwrap_or(0);
+            let loss = m.get("loss").and_then(Value::as_f64).unwrap_or(f64::NAN);
+            bar.set_length(steps);
+            bar.set_position(step);
+            bar.set_prefix(id.to_owned());
+            bar.set_message(format!("loss {loss:.4}"));
+            if !tty && last_print.elapsed() >= Duration::from_secs(5) {
+                println!("  step {step}/{steps} loss {loss:.4}");
+                last_print = Instant::now();
+            }
+        }
+        match state.as_str() {
+            "succeeded" => {
+                bar.finish_and_clear();
+                return Ok(true);
+            }
+            "failed" | "cancelled" => {
+                bar.finish_and_clear();
+                let tail = client
+                    .get(&format!("/api/v1/jobs/{id}/events"))
+                    .ok()
+                    .and_then(|e| e.get("events").and_then(Value::as_array).and_then(|a| a.last().cloned()));
+                if let Some(e) = tail {
+                    eprintln!("{id} {state}: {}", s(&e, "message"));
+                }
+                return Ok(false);
+            }
+            _ => {}
+        }
+        if t0.elapsed() > limit {
+            bar.finish_and_clear();
+            bail!("{id} did not finish within {} s (state {state})", limit.as_secs());
+        }
+        std::thread::sleep(Duration::from_millis(300));
+    }
+}
