@@ -148,10 +148,7 @@ async fn submit(
 ) -> Result<Response> {
     let b = body(b)?;
     let text = std::str::from_utf8(&b).map_err(|_| ControlError::bad("the job spec is not UTF-8 text"))?;
-    let is_toml = headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|ct| ct.contains("toml"));
+    let is_toml = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).is_some_and(|ct| ct.contains("toml"));
     let spec = if is_toml { shoal_spec::parse_job(text, "job.toml") } else { shoal_spec::parse_job_json(text) }
         .map_err(|e| {
             let field = (!e.path.is_empty()).then(|| e.path.clone());
@@ -206,7 +203,11 @@ async fn submit(
             if hi == 1 { "" } else { "s" },
             spec.resources.cpus as f64 / 1000.0,
             spec.resources.memory >> 20,
-            if spec.resources.gpus > 0 { format!(", {} GPU", spec.resources.gpus as f64 / 1000.0) } else { String::new() }
+            if spec.resources.gpus > 0 {
+                format!(", {} GPU", spec.resources.gpus as f64 / 1000.0)
+            } else {
+                String::new()
+            }
         ),
         cancel_requested: false,
         summary: None,
@@ -401,7 +402,10 @@ async fn post_metrics(
     let batch: MetricsBatch =
         serde_json::from_slice(&b).map_err(|e| ControlError::bad(format!("metrics batch: {e}")))?;
     if let Some((i, m)) = batch.metrics.iter().enumerate().find(|(_, m)| m.rank < 0 || m.step < 0) {
-        return Err(ControlError::bad_field(format!("metrics[{i}]"), format!("rank {} step {}: must be >= 0", m.rank, m.step)));
+        return Err(ControlError::bad_field(
+            format!("metrics[{i}]"),
+            format!("rank {} step {}: must be >= 0", m.rank, m.step),
+        ));
     }
     let n = state.control.db.insert_metrics(&job.id, &batch.metrics).await?;
     Ok(Json(json!({ "stored": n })))

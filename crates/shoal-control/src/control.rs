@@ -226,15 +226,21 @@ impl Control {
     /// placed again.
     pub async fn recover(&self) -> Result<()> {
         let active = self.db.jobs_in(&[JobState::Running, JobState::Preempted]).await?;
+        let mut adopted_sessions = HashSet::new();
         for job in &active {
             let tasks = self.db.tasks(&job.id, job.attempt).await?;
             let alive: Vec<&TaskRow> =
                 tasks.iter().filter(|t| t.state == "running" && self.exec.probe(t) == TaskStatus::Running).collect();
             for t in &alive {
                 self.exec.adopt(t);
+                adopted_sessions.extend(t.pid);
             }
             if job.state == JobState::Preempted {
-                self.begin_stop(job, &tasks, StopWhy::Requeue("the server restarted during its preemption grace period".into()));
+                self.begin_stop(
+                    job,
+                    &tasks,
+                    StopWhy::Requeue("the server restarted during its preemption grace period".into()),
+                );
                 continue;
             }
             let pids: Vec<String> = alive.iter().filter_map(|t| t.pid.map(|p| p.to_string())).collect();
@@ -257,7 +263,27 @@ impl Control {
             req.tasks_max = req.tasks_min;
             let submitted = self.sched().submit(req);
             if let Err(e) = submitted {
-                self.begin_stop(job, &tasks, StopWhy::Requeue(format!("cannot re-register it with the scheduler: {e}")));
+                self.begin_stop(
+                    job,
+                    &tasks,
+                    StopWhy::Requeue(format!("cannot re-register it with the scheduler: {e}")),
+                );
+            }
+        }
+        // Strays: processes of this server that belong to no task it knows to be running (started just before a
+        // crash, before their task was recorded). Nothing of a job may run beside its next attempt.
+        for (pid, sid, job) in self.exec.own_processes() {
+            if !adopted_sessions.contains(&sid) && pid != i64::from(std::process::id()) {
+                tracing::warn!(pid, job = %job, "killing a stray process of this server");
+                // SAFETY: plain syscall on a process whose environment names this server's data directory.
+                unsafe {
+                    libc::kill(pid as i32, libc::SIGKILL);
+                }
+                if let Ok(Some(j)) = self.db.job(&job).await {
+                    self.db
+                        .event(&j.id, "warning", j.state, &format!("killed stray process {pid} found after a restart"))
+                        .await?;
+                }
             }
         }
         // Hold the adopted jobs' resources before anything pending is considered.
@@ -376,7 +402,11 @@ impl Control {
         let tasks = self.db.tasks(&job.id, job.attempt).await?;
         let mut statuses = Vec::with_capacity(tasks.len());
         for t in &tasks {
-            let st = if t.state == "running" { self.exec.probe(t) } else { TaskStatus::Exited(t.exit_code.unwrap_or(-1) as i32) };
+            let st = if t.state == "running" {
+                self.exec.probe(t)
+            } else {
+                TaskStatus::Exited(t.exit_code.unwrap_or(-1) as i32)
+            };
             if t.state == "running" && st != TaskStatus::Running {
                 let mut row = t.clone();
                 match &st {
@@ -447,7 +477,9 @@ impl Control {
             }
         }
         let failed = statuses.iter().find_map(|(t, s)| match s {
-            TaskStatus::Exited(c) if *c != 0 => Some(format!("rank {} exited with status {c}{}", t.rank, signal_note(*c))),
+            TaskStatus::Exited(c) if *c != 0 => {
+                Some(format!("rank {} exited with status {c}{}", t.rank, signal_note(*c)))
+            }
             TaskStatus::Lost(why) => Some(format!("rank {} was lost: {why}", t.rank)),
             _ => None,
         });
@@ -587,7 +619,9 @@ impl Control {
                     Stop {
                         since: Instant::now(),
                         killed: true,
-                        why: StopWhy::Requeue("preempted; back in the queue, resumes from its newest checkpoint".into()),
+                        why: StopWhy::Requeue(
+                            "preempted; back in the queue, resumes from its newest checkpoint".into(),
+                        ),
                     },
                 );
                 drop(stopping);

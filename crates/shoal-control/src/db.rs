@@ -275,7 +275,8 @@ impl Db {
             .map_err(|e| ControlError::Config(format!("cannot open the database {}: {e}", redact(&url))))?;
         let db = Db { pool, backend, next_event: AtomicI64::new(0) };
         db.migrate().await?;
-        let max: Option<i64> = sqlx::query("SELECT MAX(id) AS m FROM events").fetch_one(&db.pool).await?.try_get("m")?;
+        let max: Option<i64> =
+            sqlx::query("SELECT MAX(id) AS m FROM events").fetch_one(&db.pool).await?.try_get("m")?;
         db.next_event.store(max.unwrap_or(0) + 1, Ordering::SeqCst);
         Ok(db)
     }

@@ -142,6 +142,7 @@ impl LocalExecutor {
             .stderr(err)
             .current_dir(&dir)
             .env("SHOAL_EXIT_FILE", &exit_path)
+            .env("SHOAL_SERVER_DATA", &self.data_dir)
             .env("SHOAL_JOB_ID", &l.job_id)
             .env("SHOAL_RANK", l.rank.to_string())
             .env("SHOAL_WORLD_SIZE", l.world_size.to_string())
@@ -291,6 +292,33 @@ impl LocalExecutor {
     }
 }
 
+impl LocalExecutor {
+    /// Processes started by a server of this data directory (their environment says so): `(pid, session, job id)`.
+    /// After a crash, those that belong to no adopted task are strays (e.g. started just before the crash, before
+    /// their task was recorded) and must not run on beside a new attempt.
+    pub fn own_processes(&self) -> Vec<(i64, i64, String)> {
+        let want = format!("SHOAL_SERVER_DATA={}", self.data_dir.display());
+        let mut out = Vec::new();
+        let Ok(dir) = std::fs::read_dir("/proc") else { return out };
+        for entry in dir.flatten() {
+            let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<i64>().ok()) else { continue };
+            let Ok(env) = std::fs::read(format!("/proc/{pid}/environ")) else { continue };
+            let vars: Vec<&[u8]> = env.split(|&b| b == 0).collect();
+            if !vars.iter().any(|v| *v == want.as_bytes()) {
+                continue;
+            }
+            let job = vars
+                .iter()
+                .find_map(|v| v.strip_prefix(b"SHOAL_JOB_ID="))
+                .map(|j| String::from_utf8_lossy(j).into_owned())
+                .unwrap_or_default();
+            let sid = stat_fields(pid).and_then(|f| f.get(3).and_then(|s| s.parse().ok())).unwrap_or(0);
+            out.push((pid, sid, job));
+        }
+        out
+    }
+}
+
 /// The fields of `/proc/PID/stat` after the command name.
 fn stat_fields(pid: i64) -> Option<Vec<String>> {
     let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
@@ -352,7 +380,9 @@ fn parse_cpu_list(s: &str) -> Vec<usize> {
 }
 
 pub fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname").map(|s| s.trim().to_owned()).unwrap_or_else(|_| "localhost".into())
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_owned())
+        .unwrap_or_else(|_| "localhost".into())
 }
 
 /// The machine's memory in bytes (`MemTotal`).
@@ -360,9 +390,9 @@ pub fn total_memory() -> u64 {
     std::fs::read_to_string("/proc/meminfo")
         .ok()
         .and_then(|s| {
-            s.lines().find(|l| l.starts_with("MemTotal:")).and_then(|l| {
-                l.split_whitespace().nth(1).and_then(|kb| kb.parse::<u64>().ok()).map(|kb| kb * 1024)
-            })
+            s.lines()
+                .find(|l| l.starts_with("MemTotal:"))
+                .and_then(|l| l.split_whitespace().nth(1).and_then(|kb| kb.parse::<u64>().ok()).map(|kb| kb * 1024))
         })
         .unwrap_or(1 << 30)
 }

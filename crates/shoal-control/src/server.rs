@@ -128,8 +128,19 @@ async fn admin_token(db: &Db, dir: &Path) -> Result<String> {
     Ok(t)
 }
 
-/// Starts a server; returns once it listens.
-pub async fn start(opts: ServerOptions) -> Result<Server> {
+/// A server's state, ready to serve: the data directory locked, the store open and migrated, the admin token in
+/// place, running tasks adopted. [`start`] serves it; tests drive it through [`crate::api::router`] and
+/// [`Control::tick`] without a socket.
+#[derive(Debug)]
+pub struct Prepared {
+    pub control: Arc<Control>,
+    pub admin_token: String,
+    pub database_url: String,
+    lock: std::fs::File,
+}
+
+/// Everything [`start`] does before it listens.
+pub async fn prepare(opts: &ServerOptions) -> Result<Prepared> {
     if opts.no_auth && !opts.listen.ip().is_loopback() {
         return Err(ControlError::Config(format!(
             "refusing to serve {} without authentication: only a loopback address may go without tokens",
@@ -139,10 +150,7 @@ pub async fn start(opts: ServerOptions) -> Result<Server> {
     std::fs::create_dir_all(&opts.data_dir)
         .map_err(|e| ControlError::Config(format!("data directory {}: {e}", opts.data_dir.display())))?;
     let lock = lock_data_dir(&opts.data_dir)?;
-    let url = opts
-        .database
-        .clone()
-        .unwrap_or_else(|| format!("sqlite://{}", opts.data_dir.join("shoal.db").display()));
+    let url = opts.database.clone().unwrap_or_else(|| format!("sqlite://{}", opts.data_dir.join("shoal.db").display()));
     let db = Db::open(&url).await?;
     let token = admin_token(&db, &opts.data_dir).await?;
     let host = executor::hostname();
@@ -174,6 +182,12 @@ pub async fn start(opts: ServerOptions) -> Result<Server> {
     };
     let control = Arc::new(Control::new(db, config, node, queues)?);
     control.recover().await?;
+    Ok(Prepared { control, admin_token: token, database_url: url, lock })
+}
+
+/// Starts a server; returns once it listens.
+pub async fn start(opts: ServerOptions) -> Result<Server> {
+    let Prepared { control, admin_token: token, database_url: url, lock } = prepare(&opts).await?;
     let listener = tokio::net::TcpListener::bind(opts.listen)
         .await
         .map_err(|e| ControlError::Config(format!("cannot listen on {}: {e}", opts.listen)))?;

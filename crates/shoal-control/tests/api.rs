@@ -1,0 +1,381 @@
+//! The API through the router (no socket), the control loop ticked by hand, real task processes, against both
+//! stores: SQLite in a temp directory and a real PostgreSQL server started for the test
+//! (`scripts/test-postgres.sh`).
+
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use http_body_util::BodyExt;
+use serde_json::{Value, json};
+use shoal_control::api::{AppState, router};
+use shoal_control::server::{Prepared, ServerOptions, prepare};
+use tower::ServiceExt;
+
+fn tmpdir(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("shoal-api-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).expect("temp dir");
+    d
+}
+
+/// A stand-in worker: its behaviour is read from `mode` next to it (`ok`, `fail`, `sleep`, `hog`).
+fn fake_worker(dir: &Path) -> PathBuf {
+    let p = dir.join("fake-worker.sh");
+    std::fs::write(
+        &p,
+        "#!/bin/sh\nd=$(dirname \"$0\")\necho \"rank $SHOAL_RANK of $SHOAL_WORLD_SIZE job $SHOAL_JOB_ID args $*\"\n\
+         echo \"step 1/1 loss 0.5\"\ncase $(cat \"$d/mode\") in\n  ok) exit 0 ;;\n  fail) exit 3 ;;\n  \
+         sleep) exec sleep 60 ;;\n  hog) head -c 400000000 /dev/zero | tail -c 300000000 > /dev/null; exit 0 ;;\nesac\n",
+    )
+    .expect("write fake worker");
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    p
+}
+
+fn set_mode(dir: &Path, mode: &str) {
+    std::fs::write(dir.join("mode"), mode).expect("write mode");
+}
+
+struct Env {
+    app: Router,
+    p: Prepared,
+    admin: String,
+    dir: PathBuf,
+}
+
+async fn env(tag: &str, database: Option<String>) -> Env {
+    let dir = tmpdir(tag);
+    let worker = fake_worker(&dir);
+    let mut opts = ServerOptions::new(&dir.join("data"), "127.0.0.1:0".parse().expect("addr"), &worker);
+    opts.database = database;
+    opts.cpus_milli = Some(4000);
+    opts.memory_bytes = Some(8 << 30);
+    opts.gpus = 8;
+    opts.kill_grace = Duration::from_millis(500);
+    let p = prepare(&opts).await.expect("prepare the server");
+    let app = router(AppState { control: p.control.clone(), auth: true });
+    let admin = p.admin_token.clone();
+    Env { app, p, admin, dir }
+}
+
+async fn call(
+    app: &Router,
+    method: &str,
+    path: &str,
+    token: Option<&str>,
+    ct: &str,
+    body: Vec<u8>,
+) -> (StatusCode, Value) {
+    let mut req = Request::builder().method(method).uri(path).header("content-type", ct);
+    if let Some(t) = token {
+        req = req.header("authorization", format!("Bearer {t}"));
+    }
+    let resp = app.clone().oneshot(req.body(Body::from(body)).expect("request")).await.expect("router answers");
+    let status = resp.status();
+    let bytes = resp.into_body().collect().await.expect("body").to_bytes();
+    let v = serde_json::from_slice(&bytes).unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into()));
+    (status, v)
+}
+
+async fn get(app: &Router, path: &str, token: &str) -> (StatusCode, Value) {
+    call(app, "GET", path, Some(token), "application/json", Vec::new()).await
+}
+
+async fn submit(app: &Router, token: &str, toml: &str) -> (StatusCode, Value) {
+    call(app, "POST", "/api/v1/jobs", Some(token), "application/toml", toml.as_bytes().to_vec()).await
+}
+
+const JOB: &str = r#"
+name = "tiny"
+[workers]
+count = 2
+[resources]
+cpus = 1
+memory = "256MiB"
+[restart]
+max = 1
+[train]
+model = "mlp"
+dataset = "digits"
+global_batch = 8
+steps = 2
+lr = 0.01
+"#;
+
+fn job_with(extra_top: &str, replace: &[(&str, &str)]) -> String {
+    let mut s = format!("{extra_top}\n{JOB}");
+    for (a, b) in replace {
+        s = s.replace(a, b);
+    }
+    s
+}
+
+async fn tick_until(e: &Env, id: &str, want: &str, limit: Duration) -> Value {
+    let t0 = Instant::now();
+    loop {
+        e.p.control.tick().await.expect("tick");
+        let (st, v) = get(&e.app, &format!("/api/v1/jobs/{id}"), &e.admin).await;
+        assert_eq!(st, StatusCode::OK, "{v}");
+        if v["state"] == want {
+            return v;
+        }
+        assert!(t0.elapsed() < limit, "job {id} did not reach {want} within {limit:?}: {v:#}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn pid_alive(pid: i64) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| s.rsplit_once(')').and_then(|(_, r)| r.trim_start().chars().next()))
+        .is_some_and(|c| c != 'Z' && c != 'X')
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+
+async fn bad_input_is_a_4xx_naming_the_field(e: &Env) {
+    let a = &e.app;
+    let t = e.admin.as_str();
+    let cases: Vec<(String, &str, StatusCode, Option<&str>, &str)> = vec![
+        (job_with("", &[("steps = 2", "stepz = 2")]), "application/toml", StatusCode::BAD_REQUEST, Some("train"), "stepz"),
+        (job_with("", &[("steps = 2", "steps = \"many\"")]), "application/toml", StatusCode::BAD_REQUEST, Some("train.steps"), ""),
+        (job_with("", &[("cpus = 1", "cpus = -1")]), "application/toml", StatusCode::BAD_REQUEST, Some("resources.cpus"), "negative"),
+        (job_with("", &[("count = 2", "min = 3\nmax = 2")]), "application/toml", StatusCode::BAD_REQUEST, Some("workers.min"), "greater than max"),
+        (job_with("", &[("memory = \"256MiB\"", "memory = \"256MiB\"\ngpus = 16")]), "application/toml", StatusCode::BAD_REQUEST, Some("resources.gpus"), "can never run: asks 16 GPUs per worker, the largest node has 8"),
+        (job_with("", &[("count = 2", "count = 5")]), "application/toml", StatusCode::BAD_REQUEST, Some("workers"), "can never run"),
+        (job_with("queue = \"gpu-big\"", &[]), "application/toml", StatusCode::BAD_REQUEST, Some("queue"), "no queue"),
+        (job_with("", &[("name = \"tiny\"", "name = \"../../etc/passwd\"")]), "application/toml", StatusCode::BAD_REQUEST, Some("name"), ""),
+        ("name = \"x\"\n[train\nmodel=".into(), "application/toml", StatusCode::BAD_REQUEST, None, "line"),
+        ("{\"name\": \"x\", \"train\": ".into(), "application/json", StatusCode::BAD_REQUEST, None, ""),
+        (r#"{"name": "x", "train": {"model": "mlp", "dataset": "digits", "global_batch": 8, "steps": 2, "lr": 0.1}, "bogus": 1}"#.into(), "application/json", StatusCode::BAD_REQUEST, None, "bogus"),
+        ("x".repeat(2 << 20), "application/json", StatusCode::PAYLOAD_TOO_LARGE, None, ""),
+    ];
+    for (body, ct, want, field, text) in cases {
+        let (st, v) = call(a, "POST", "/api/v1/jobs", Some(t), ct, body.clone().into_bytes()).await;
+        let head: String = body.chars().take(80).collect();
+        assert_eq!(st, want, "{head:?} -> {v}");
+        assert!(v["error"].is_string(), "not a JSON error: {v}");
+        if let Some(f) = field {
+            let got = v["field"].as_str().unwrap_or("");
+            assert!(got.starts_with(f), "{head:?}: field {got:?}, want {f:?} ({v})");
+        }
+        assert!(v["error"].as_str().unwrap_or("").contains(text), "{head:?}: {v}");
+    }
+    // Paths and queries.
+    for (path, want) in [
+        ("/api/v1/jobs/..%2F..%2Fetc%2Fpasswd", StatusCode::NOT_FOUND),
+        ("/api/v1/jobs/j-00000000", StatusCode::NOT_FOUND),
+        ("/api/v1/jobs/j-zz/logs", StatusCode::NOT_FOUND),
+        ("/api/v1/jobs?state=bogus", StatusCode::BAD_REQUEST),
+        ("/api/v1/jobs?limit=abc", StatusCode::BAD_REQUEST),
+        ("/api/v1/nowhere", StatusCode::NOT_FOUND),
+    ] {
+        let (st, v) = get(a, path, t).await;
+        assert_eq!(st, want, "{path}: {v}");
+        assert!(v["error"].is_string(), "{path}: {v}");
+    }
+    // The server still serves.
+    let (st, v) = get(a, "/healthz", t).await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+}
+
+async fn auth_isolates_teams(e: &Env) {
+    let a = &e.app;
+    let (st, v) = call(a, "GET", "/api/v1/jobs", None, "application/json", Vec::new()).await;
+    assert_eq!(st, StatusCode::UNAUTHORIZED, "{v}");
+    let (st, _) = call(a, "GET", "/api/v1/jobs", Some("shoal_not-a-token"), "application/json", Vec::new()).await;
+    assert_eq!(st, StatusCode::UNAUTHORIZED);
+    let mut tokens = Vec::new();
+    for (user, team) in [("alice", "vision"), ("bob", "nlp")] {
+        let body = json!({ "user": user, "team": team }).to_string().into_bytes();
+        let (st, v) = call(a, "POST", "/api/v1/tokens", Some(&e.admin), "application/json", body).await;
+        assert_eq!(st, StatusCode::CREATED, "{v}");
+        tokens.push(v["token"].as_str().expect("token").to_owned());
+    }
+    let (alice, bob) = (&tokens[0], &tokens[1]);
+    let body = json!({ "user": "mallory", "team": "nlp", "admin": true }).to_string().into_bytes();
+    let (st, _) = call(a, "POST", "/api/v1/tokens", Some(alice), "application/json", body).await;
+    assert_eq!(st, StatusCode::FORBIDDEN);
+    let (st, v) = get(a, "/api/v1/whoami", alice).await;
+    assert_eq!((st, v["team"].as_str()), (StatusCode::OK, Some("vision")));
+
+    let (st, v) = submit(a, alice, JOB).await;
+    assert_eq!(st, StatusCode::CREATED, "{v}");
+    let id = v["id"].as_str().expect("id").to_owned();
+    let (st, v) = get(a, &format!("/api/v1/jobs/{id}"), alice).await;
+    assert_eq!((st, v["team"].as_str(), v["user"].as_str()), (StatusCode::OK, Some("vision"), Some("alice")));
+    let (st, _) = get(a, &format!("/api/v1/jobs/{id}"), bob).await;
+    assert_eq!(st, StatusCode::NOT_FOUND, "another team's job must look missing");
+    let (st, _) =
+        call(a, "POST", &format!("/api/v1/jobs/{id}/cancel"), Some(bob), "application/json", Vec::new()).await;
+    assert_eq!(st, StatusCode::NOT_FOUND);
+    let (st, _) = get(a, &format!("/api/v1/jobs/{id}/logs"), bob).await;
+    assert_eq!(st, StatusCode::NOT_FOUND);
+    let (_, v) = get(a, "/api/v1/jobs", bob).await;
+    assert!(v["jobs"].as_array().expect("jobs").iter().all(|j| j["id"] != id.as_str()), "{v}");
+    let (st, _) = get(a, "/api/v1/jobs?team=vision", bob).await;
+    assert_eq!(st, StatusCode::FORBIDDEN);
+    for tok in [alice.as_str(), e.admin.as_str()] {
+        let (_, v) = get(a, "/api/v1/jobs", tok).await;
+        assert!(v["jobs"].as_array().expect("jobs").iter().any(|j| j["id"] == id.as_str()), "{v}");
+    }
+    // Alice cancels her own pending job.
+    let (st, v) =
+        call(a, "POST", &format!("/api/v1/jobs/{id}/cancel"), Some(alice), "application/json", Vec::new()).await;
+    assert_eq!(st, StatusCode::ACCEPTED, "{v}");
+    tick_until(e, &id, "cancelled", Duration::from_secs(30)).await;
+}
+
+async fn lifecycle_with_real_processes(e: &Env) {
+    let a = &e.app;
+    let t = e.admin.as_str();
+    // Success: both ranks exit 0.
+    set_mode(&e.dir, "ok");
+    let (st, v) = submit(a, t, JOB).await;
+    assert_eq!(st, StatusCode::CREATED, "{v}");
+    let id = v["id"].as_str().expect("id").to_owned();
+    let v = tick_until(e, &id, "succeeded", Duration::from_secs(60)).await;
+    let workers = v["workers"].as_array().expect("workers");
+    assert_eq!(workers.len(), 2, "{v}");
+    for (r, w) in workers.iter().enumerate() {
+        assert_eq!(w["rank"], r as i64);
+        assert_eq!(w["exit_code"], 0, "{w}");
+        assert!(w["pid"].as_i64().is_some_and(|p| p > 1), "{w}");
+    }
+    let kinds: Vec<&str> = v["events"].as_array().expect("events").iter().filter_map(|e| e["kind"].as_str()).collect();
+    assert_eq!(kinds, ["submitted", "started", "succeeded"], "{v:#}");
+    let (st, log) = get(a, &format!("/api/v1/jobs/{id}/logs?rank=1"), t).await;
+    assert_eq!(st, StatusCode::OK);
+    let log = log.as_str().unwrap_or_default().to_owned();
+    assert!(log.contains(&format!("rank 1 of 2 job {id} args worker --output")), "{log}");
+    let (st, v) = get(a, &format!("/api/v1/jobs/{id}/logs?rank=7"), t).await;
+    assert_eq!((st, v["field"].as_str()), (StatusCode::BAD_REQUEST, Some("rank")), "{v}");
+    let (st, v) = call(a, "POST", &format!("/api/v1/jobs/{id}/cancel"), Some(t), "application/json", Vec::new()).await;
+    assert_eq!(st, StatusCode::CONFLICT, "cancelling a finished job: {v}");
+
+    // Failure: restarted once by policy, then failed with the rank and status named.
+    set_mode(&e.dir, "fail");
+    let (_, v) = submit(a, t, JOB).await;
+    let id = v["id"].as_str().expect("id").to_owned();
+    let v = tick_until(e, &id, "failed", Duration::from_secs(60)).await;
+    assert_eq!(v["restarts"], 1, "{v:#}");
+    assert_eq!(v["attempt"], 2, "{v:#}");
+    let reason = v["reason"].as_str().unwrap_or_default();
+    assert!(reason.contains("exited with status 3") && reason.contains("no restarts left"), "{reason}");
+    let kinds: Vec<&str> = v["events"].as_array().expect("events").iter().filter_map(|e| e["kind"].as_str()).collect();
+    assert_eq!(kinds, ["submitted", "started", "restarted", "started", "failed"], "{v:#}");
+
+    // Cancel a running job: every process goes.
+    set_mode(&e.dir, "sleep");
+    let (_, v) = submit(a, t, JOB).await;
+    let id = v["id"].as_str().expect("id").to_owned();
+    let v = tick_until(e, &id, "running", Duration::from_secs(30)).await;
+    let pids: Vec<i64> = v["workers"].as_array().expect("workers").iter().filter_map(|w| w["pid"].as_i64()).collect();
+    assert_eq!(pids.len(), 2);
+    assert!(pids.iter().all(|&p| pid_alive(p)));
+    let (st, _) = call(a, "POST", &format!("/api/v1/jobs/{id}/cancel"), Some(t), "application/json", Vec::new()).await;
+    assert_eq!(st, StatusCode::ACCEPTED);
+    tick_until(e, &id, "cancelled", Duration::from_secs(30)).await;
+    assert!(pids.iter().all(|&p| !pid_alive(p)), "a cancelled job's process survived: {pids:?}");
+
+    // Over its memory: killed with a reason that says so.
+    set_mode(&e.dir, "hog");
+    let hog = job_with(
+        "",
+        &[("memory = \"256MiB\"", "memory = \"64MiB\""), ("max = 1", "max = 0"), ("count = 2", "count = 1")],
+    );
+    let (st, v) = submit(a, t, &hog).await;
+    assert_eq!(st, StatusCode::CREATED, "{v}");
+    let id = v["id"].as_str().expect("id").to_owned();
+    let v = tick_until(e, &id, "failed", Duration::from_secs(60)).await;
+    let reason = v["reason"].as_str().unwrap_or_default();
+    assert!(reason.contains("over its request") && reason.contains("resources.memory"), "{v:#}");
+
+    // Queues and nodes describe the one local node.
+    let (_, v) = get(a, "/api/v1/queues", t).await;
+    assert_eq!(v["queues"][0]["name"], "default", "{v}");
+    let (_, v) = get(a, "/api/v1/nodes", t).await;
+    assert_eq!(v["nodes"][0]["cpus"], 4.0, "{v}");
+    assert_eq!(v["nodes"][0]["gpus"].as_array().map(Vec::len), Some(8), "{v}");
+
+    // Metrics ingestion and reading back.
+    let batch = json!({ "metrics": [
+        { "rank": 0, "step": 1, "time_ms": 1, "data": { "step": 1, "loss": 2.5 } },
+        { "rank": 0, "step": 2, "time_ms": 2, "data": { "step": 2, "loss": 2.0 } },
+    ]});
+    let (st, v) = call(
+        a,
+        "POST",
+        &format!("/api/v1/jobs/{id}/metrics"),
+        Some(t),
+        "application/json",
+        batch.to_string().into_bytes(),
+    )
+    .await;
+    assert_eq!((st, v["stored"].as_i64()), (StatusCode::OK, Some(2)), "{v}");
+    let (st, v) = call(
+        a,
+        "POST",
+        &format!("/api/v1/jobs/{id}/metrics"),
+        Some(t),
+        "application/json",
+        batch.to_string().into_bytes(),
+    )
+    .await;
+    assert_eq!((st, v["stored"].as_i64()), (StatusCode::OK, Some(0)), "a repeated batch is stored once: {v}");
+    let (_, v) = get(a, &format!("/api/v1/jobs/{id}/metrics?after=1"), t).await;
+    assert_eq!(v["metrics"].as_array().map(Vec::len), Some(1), "{v}");
+    assert_eq!(v["metrics"][0]["data"]["loss"], 2.0, "{v}");
+}
+
+async fn suite(tag: &str, database: Option<String>) {
+    let e = env(tag, database).await;
+    let (st, v) = get(&e.app, "/healthz", &e.admin).await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    bad_input_is_a_4xx_naming_the_field(&e).await;
+    auth_isolates_teams(&e).await;
+    lifecycle_with_real_processes(&e).await;
+    let _ = std::fs::remove_dir_all(&e.dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_and_lifecycle_on_sqlite() {
+    suite("sqlite", None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_and_lifecycle_on_postgres() {
+    let pg = support::postgres::Postgres::start().expect("start a PostgreSQL server for the test");
+    suite("postgres", Some(pg.url.clone())).await;
+    // The state lives in PostgreSQL: a second server on a new data directory sees the jobs.
+    let e = env("postgres-2", Some(pg.url.clone())).await;
+    let (_, v) = get(&e.app, "/api/v1/jobs", &e.admin).await;
+    assert!(v["jobs"].as_array().map_or(0, Vec::len) >= 5, "{v}");
+    let _ = std::fs::remove_dir_all(&e.dir);
+}
+
+#[tokio::test]
+async fn a_data_directory_serves_one_server_at_a_time() {
+    let dir = tmpdir("lock");
+    let opts = ServerOptions::new(&dir, "127.0.0.1:0".parse().expect("addr"), Path::new("/bin/true"));
+    let first = prepare(&opts).await.expect("first server");
+    let err = prepare(&opts).await.expect_err("a second server on the same data directory");
+    assert!(err.to_string().contains(&dir.display().to_string()), "{err}");
+    let token = std::fs::read_to_string(dir.join("admin.token")).expect("admin.token");
+    assert_eq!(token.trim(), first.admin_token);
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(dir.join("admin.token")).expect("meta").permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600);
+    let mut bad = opts.clone();
+    bad.no_auth = true;
+    bad.listen = "0.0.0.0:0".parse().expect("addr");
+    drop(first);
+    let err = prepare(&bad).await.expect_err("no auth on a public address");
+    assert!(err.to_string().contains("without authentication"), "{err}");
+}
