@@ -107,7 +107,10 @@ impl ResourcesSpec {
         if self.gpus > 1000 && !self.gpus.is_multiple_of(1000) {
             return Err((
                 "resources.gpus".into(),
-                format!("{} GPUs: a share of a GPU must be less than one; more than one must be whole", milli(self.gpus)),
+                format!(
+                    "{} GPUs: a share of a GPU must be less than one; more than one must be whole",
+                    milli(self.gpus)
+                ),
             ));
         }
         Ok(())

@@ -193,4 +193,3 @@ fn datasets(json: bool) -> Result<bool> {
     }
     Ok(true)
 }
-

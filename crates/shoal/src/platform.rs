@@ -50,9 +50,9 @@ struct ConfigFile {
 
 fn read_config(args: &ClientArgs) -> Result<ConfigFile> {
     let explicit = args.config.clone().or_else(|| std::env::var_os("SHOAL_CONFIG").map(PathBuf::from));
-    let path = explicit.clone().or_else(|| {
-        std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".config/shoal/config.toml"))
-    });
+    let path = explicit
+        .clone()
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".config/shoal/config.toml")));
     let Some(path) = path else { return Ok(ConfigFile::default()) };
     match std::fs::read_to_string(&path) {
         Ok(text) => toml_config(&text).with_context(|| format!("config file {}", path.display())),
@@ -143,7 +143,12 @@ impl Client {
     }
 
     pub fn get(&self, path: &str) -> Result<Value> {
-        let mut req = self.agent.get(format!("{}{path}", self.base)).config().timeout_global(Some(Duration::from_secs(30))).build();
+        let mut req = self
+            .agent
+            .get(format!("{}{path}", self.base))
+            .config()
+            .timeout_global(Some(Duration::from_secs(30)))
+            .build();
         if let Some(a) = self.auth() {
             req = req.header("Authorization", a);
         }
@@ -299,7 +304,10 @@ pub fn jobs(client: &Client, state: Option<&str>, json_out: bool) -> Result<bool
     }
     let empty = Vec::new();
     let list = v.get("jobs").and_then(Value::as_array).unwrap_or(&empty);
-    println!("{:<11} {:<24} {:<10} {:<10} {:<9} {:>7} {:>8} {:>6}", "ID", "NAME", "STATE", "TEAM", "QUEUE", "WORKERS", "RESTARTS", "AGE");
+    println!(
+        "{:<11} {:<24} {:<10} {:<10} {:<9} {:>7} {:>8} {:>6}",
+        "ID", "NAME", "STATE", "TEAM", "QUEUE", "WORKERS", "RESTARTS", "AGE"
+    );
     for j in list {
         println!(
             "{:<11} {:<24} {:<10} {:<10} {:<9} {:>7} {:>8} {:>6}",
@@ -323,7 +331,13 @@ pub fn status(client: &Client, id: &str, json_out: bool) -> Result<bool> {
         return Ok(true);
     }
     println!("{} {} — {}", s(&v, "id"), s(&v, "name"), s(&v, "state"));
-    println!("  team {} (user {}), queue {}, priority {}", s(&v, "team"), s(&v, "user"), s(&v, "queue"), i(&v, "priority"));
+    println!(
+        "  team {} (user {}), queue {}, priority {}",
+        s(&v, "team"),
+        s(&v, "user"),
+        s(&v, "queue"),
+        i(&v, "priority")
+    );
     println!("  attempt {}, restarts {}; {}", i(&v, "attempt"), i(&v, "restarts"), s(&v, "reason"));
     if let Some(m) = v.get("last_metrics").filter(|m| !m.is_null()) {
         let steps = v.pointer("/spec/train/steps").and_then(Value::as_i64).unwrap_or(0);
@@ -353,7 +367,12 @@ pub fn status(client: &Client, id: &str, json_out: bool) -> Result<bool> {
     if let Some(evs) = v.get("events").and_then(Value::as_array) {
         println!("  events:");
         for e in evs {
-            println!("    {:>6} {:<10} {}", age(e.get("time_ms").and_then(Value::as_i64)), s(e, "kind"), s(e, "message"));
+            println!(
+                "    {:>6} {:<10} {}",
+                age(e.get("time_ms").and_then(Value::as_i64)),
+                s(e, "kind"),
+                s(e, "message")
+            );
         }
     }
     Ok(true)
@@ -398,7 +417,10 @@ pub fn queues(client: &Client, json_out: bool) -> Result<bool> {
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(true);
     }
-    println!("{:<12} {:>8} {:>12} {:>6} {:>7} {:>8} {:>8} {:>9}", "QUEUE", "CPUS", "MEMORY", "GPUS", "BORROW", "PENDING", "RUNNING", "PREEMPTED");
+    println!(
+        "{:<12} {:>8} {:>12} {:>6} {:>7} {:>8} {:>8} {:>9}",
+        "QUEUE", "CPUS", "MEMORY", "GPUS", "BORROW", "PENDING", "RUNNING", "PREEMPTED"
+    );
     for q in v.get("queues").and_then(Value::as_array).into_iter().flatten() {
         let g = q.get("guaranteed").cloned().unwrap_or(Value::Null);
         println!(
@@ -434,8 +456,16 @@ pub fn nodes(client: &Client, json_out: bool) -> Result<bool> {
             "{:<8} {:<16} {:>11} {:>23} {:>9}",
             s(n, "id"),
             s(n, "host"),
-            format!("{}/{}", a.get("cpus").and_then(Value::as_f64).unwrap_or(0.0), n.get("cpus").and_then(Value::as_f64).unwrap_or(0.0)),
-            format!("{}/{}", bytes(a.get("memory_bytes").and_then(Value::as_u64).unwrap_or(0)), bytes(n.get("memory_bytes").and_then(Value::as_u64).unwrap_or(0))),
+            format!(
+                "{}/{}",
+                a.get("cpus").and_then(Value::as_f64).unwrap_or(0.0),
+                n.get("cpus").and_then(Value::as_f64).unwrap_or(0.0)
+            ),
+            format!(
+                "{}/{}",
+                bytes(a.get("memory_bytes").and_then(Value::as_u64).unwrap_or(0)),
+                bytes(n.get("memory_bytes").and_then(Value::as_u64).unwrap_or(0))
+            ),
             format!("{}/{gpus}", a.get("gpus").and_then(Value::as_f64).unwrap_or(0.0))
         );
     }
@@ -462,7 +492,8 @@ pub fn demo(keep: bool) -> Result<bool> {
     println!("shoal demo: server on http://{addr} (data in {})", dir.display());
     let client = Client::new(&addr.to_string(), Some(server.admin_token.clone()));
     let v = client.post("/api/v1/jobs", "application/toml", DEMO_JOB.as_bytes())?;
-    let id = v.get("id").and_then(Value::as_str).ok_or_else(|| anyhow!("the server returned no job id: {v}"))?.to_owned();
+    let id =
+        v.get("id").and_then(Value::as_str).ok_or_else(|| anyhow!("the server returned no job id: {v}"))?.to_owned();
     println!("submitted the built-in job (a small GPT learning Cicero's Latin, 2 workers, data parallel) as {id}");
     let ok = follow_job(&client, &id, Duration::from_secs(600))?;
     let v = client.get(&format!("/api/v1/jobs/{id}"))?;
@@ -483,7 +514,10 @@ pub fn demo(keep: bool) -> Result<bool> {
     for e in v.get("events").and_then(Value::as_array).into_iter().flatten() {
         println!("    {:<10} {}", s(e, "kind"), s(e, "message"));
     }
-    println!("dashboard and API: http://{addr}/ (try: shoal status {id} --addr {addr} --token $(cat {}/admin.token))", dir.display());
+    println!(
+        "dashboard and API: http://{addr}/ (try: shoal status {id} --addr {addr} --token $(cat {}/admin.token))",
+        dir.display()
+    );
     if keep {
         println!("--keep: the server keeps running; Ctrl-C stops it");
         rt.block_on(server.wait_for_signal())?;
