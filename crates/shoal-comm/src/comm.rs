@@ -123,6 +123,9 @@ pub struct CommConfig {
     pub ring: RingConfig,
     /// Messages up to this many bytes use the latency-optimal algorithms under `Algo::Auto`.
     pub small_bytes: usize,
+    /// Fault injection: every collective first sleeps this long (a slowed transport, for testing diagnosis).
+    /// Zero in production; set from `SHOAL_FAULT_COMM_DELAY` by the environment contract.
+    pub fault_delay: Duration,
 }
 
 impl Default for CommConfig {
@@ -138,6 +141,7 @@ impl Default for CommConfig {
             shm_dir: "/dev/shm".into(),
             ring: RingConfig::default(),
             small_bytes: 64 << 10,
+            fault_delay: Duration::ZERO,
         }
     }
 }
@@ -585,6 +589,9 @@ impl Communicator {
                 for t in &inner.transports {
                     t.set_progress(seq);
                 }
+            }
+            if !inner.cfg.fault_delay.is_zero() && seq >> 63 == 0 {
+                std::thread::sleep(inner.cfg.fault_delay);
             }
             let op = OpCtx::new(name, seq, inner.rank, inner.cfg.timeout);
             let r = f(&op).map_err(|e| self.enrich(e, seq));

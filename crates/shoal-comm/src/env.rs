@@ -9,6 +9,7 @@
 //! | `SHOAL_JOB_ID` | names the job's communicators |
 //! | `SHOAL_TRANSPORT`, `SHOAL_ALGO` | optional: `auto`/`tcp`/`shm`, `auto`/`ring`/`tree`/`hier` |
 //! | `SHOAL_TIMEOUT` | optional: per-operation limit, e.g. `30s`, `500ms`, `2m` |
+//! | `SHOAL_FAULT_COMM_DELAY` | fault injection: every collective first sleeps this long (e.g. `20ms`), to test diagnosis |
 //! | `SHOAL_HOST_ID` | optional: overrides the host identity (tests of multi-host layouts) |
 //! | `SHOAL_RENDEZVOUS_HOST` | optional: `1` makes rank 0 host the store at `SHOAL_RENDEZVOUS` itself (for launchers that start no store, e.g. `srun` or `mpirun`) |
 
@@ -82,6 +83,10 @@ impl EnvContract {
         }
         if let Ok(t) = std::env::var("SHOAL_TIMEOUT") {
             cfg.timeout = parse_duration(&t).map_err(|e| Error::InvalidArgument(format!("SHOAL_TIMEOUT: {e}")))?;
+        }
+        if let Ok(t) = std::env::var("SHOAL_FAULT_COMM_DELAY") {
+            cfg.fault_delay =
+                parse_duration(&t).map_err(|e| Error::InvalidArgument(format!("SHOAL_FAULT_COMM_DELAY: {e}")))?;
         }
         if let Ok(h) = std::env::var("SHOAL_HOST_ID") {
             cfg.host_id = Some(h);

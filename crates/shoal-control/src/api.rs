@@ -61,8 +61,18 @@ pub fn router(state: AppState) -> Router {
         .route("/api/v1/jobs/{id}/metrics", get(get_metrics).post(post_metrics))
         .route("/api/v1/queues", get(queues))
         .route("/api/v1/nodes", get(nodes))
+        .route("/api/v1/overview", get(crate::observe::overview))
+        .route("/api/v1/overview/stream", get(crate::observe::overview_stream))
+        .route("/api/v1/jobs/{id}/samples", get(crate::observe::samples))
+        .route("/api/v1/jobs/{id}/stream", get(crate::observe::job_stream))
+        .route("/api/v1/jobs/{id}/diagnosis", get(crate::observe::diagnosis))
+        .route("/api/v1/cost", get(crate::observe::cost))
+        .route("/metrics", get(crate::observe::prometheus))
+        .route("/", get(crate::observe::index))
+        .route("/assets/{*path}", get(crate::observe::asset))
         .fallback(|| async { ControlError::NotFound("no such endpoint; the API lives under /api/v1/".into()) })
         .layer(DefaultBodyLimit::max(MAX_BODY))
+        .layer(axum::middleware::from_fn_with_state(state.clone(), crate::observe::count_requests))
         .with_state(state)
 }
 
@@ -76,7 +86,7 @@ fn body(b: std::result::Result<Bytes, BytesRejection>) -> Result<Bytes> {
     })
 }
 
-fn query<T>(q: std::result::Result<Query<T>, QueryRejection>) -> Result<T> {
+pub(crate) fn query<T>(q: std::result::Result<Query<T>, QueryRejection>) -> Result<T> {
     q.map(|Query(t)| t).map_err(|e| ControlError::bad(format!("bad query string: {}", e.body_text())))
 }
 
@@ -87,7 +97,7 @@ fn valid_id(id: &str) -> Result<()> {
 }
 
 /// The job, if it exists and the caller may see it (another team's job is reported as missing).
-async fn visible_job(state: &AppState, caller: &Caller, id: &str) -> Result<JobRow> {
+pub(crate) async fn visible_job(state: &AppState, caller: &Caller, id: &str) -> Result<JobRow> {
     valid_id(id)?;
     match state.control.db.job(id).await? {
         Some(j) if caller.may_access(&j.team) => Ok(j),
@@ -221,6 +231,9 @@ async fn submit(
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct ListQuery {
+    /// The token, for clients that cannot set headers (see [`Caller`]).
+    #[serde(default, rename = "access_token")]
+    _token: Option<String>,
     #[serde(default)]
     state: Option<String>,
     #[serde(default)]
@@ -268,11 +281,17 @@ async fn list_jobs(
 
 async fn job_status(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<Json<Value>> {
     let job = visible_job(&state, &caller, &id).await?;
-    let db = &state.control.db;
+    Ok(Json(job_view(&state.control, &job).await?))
+}
+
+/// A job as `GET /api/v1/jobs/{id}` shows it: the row, its current workers, its events, spec, summary and the
+/// newest metrics line.
+pub(crate) async fn job_view(control: &Control, job: &JobRow) -> Result<Value> {
+    let db = &control.db;
     let tasks = db.tasks(&job.id, job.attempt).await?;
     let events = db.events(&job.id, 0).await?;
     let last = db.metrics(&job.id, Some(0), db.last_metric_step(&job.id, 0).await? - 1, 1).await?;
-    let mut v = job_json(&job);
+    let mut v = job_json(job);
     if let Some(obj) = v.as_object_mut() {
         obj.insert("workers".into(), serde_json::to_value(&tasks).unwrap_or(Value::Null));
         obj.insert("events".into(), serde_json::to_value(&events).unwrap_or(Value::Null));
@@ -283,7 +302,7 @@ async fn job_status(State(state): State<AppState>, caller: Caller, Path(id): Pat
         );
         obj.insert("last_metrics".into(), last.first().map_or(Value::Null, |m| m.data.clone()));
     }
-    Ok(Json(v))
+    Ok(v)
 }
 
 async fn cancel(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<Response> {
@@ -300,6 +319,9 @@ async fn cancel(State(state): State<AppState>, caller: Caller, Path(id): Path<St
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct LogQuery {
+    /// The token, for clients that cannot set headers (see [`Caller`]).
+    #[serde(default, rename = "access_token")]
+    _token: Option<String>,
     #[serde(default)]
     rank: Option<i64>,
     #[serde(default)]
@@ -335,7 +357,12 @@ async fn logs(
             Err(e) => return Err(e.into()),
         };
         let start = (offset as usize).min(data.len());
-        return Ok(([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], data[start..].to_vec()).into_response());
+        let size = data.len().to_string();
+        return Ok((
+            [(header::CONTENT_TYPE, "text/plain; charset=utf-8".to_owned()), (header::HeaderName::from_static("x-log-size"), size)],
+            data[start..].to_vec(),
+        )
+            .into_response());
     }
     let control = state.control.clone();
     let stream = futures_util::stream::unfold((offset, false), move |(pos, done)| {
@@ -369,6 +396,9 @@ async fn logs(
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct AfterQuery {
+    /// The token, for clients that cannot set headers (see [`Caller`]).
+    #[serde(default, rename = "access_token")]
+    _token: Option<String>,
     #[serde(default)]
     after: Option<i64>,
 }
@@ -414,12 +444,17 @@ async fn post_metrics(
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct MetricsQuery {
+    /// The token, for clients that cannot set headers (see [`Caller`]).
+    #[serde(default, rename = "access_token")]
+    _token: Option<String>,
     #[serde(default)]
     rank: Option<i64>,
     #[serde(default)]
     after: Option<i64>,
     #[serde(default)]
     limit: Option<i64>,
+    #[serde(default)]
+    max_points: Option<usize>,
 }
 
 async fn get_metrics(
@@ -433,35 +468,52 @@ async fn get_metrics(
     let m = state
         .control
         .db
-        .metrics(&job.id, q.rank, q.after.unwrap_or(-1), q.limit.unwrap_or(100_000).clamp(1, 1_000_000))
+        .metrics(&job.id, q.rank, q.after.unwrap_or(-1), q.limit.unwrap_or(1_000_000).clamp(1, 10_000_000))
         .await?;
+    let m = match q.max_points {
+        Some(n) => crate::observe::downsample(m, n.max(2)),
+        None => m,
+    };
     Ok(Json(json!({ "metrics": m })))
 }
 
-async fn queues(State(state): State<AppState>, _caller: Caller) -> Result<Json<Value>> {
-    let c = &state.control;
+pub(crate) async fn queues_json(c: &Control) -> Result<Vec<Value>> {
     let active = c.db.jobs_in(&[JobState::Pending, JobState::Running, JobState::Preempted]).await?;
-    let out: Vec<Value> = c
-        .queues
-        .iter()
-        .map(|q| {
-            let count = |s: JobState| active.iter().filter(|j| j.queue == q.name && j.state == s).count();
-            json!({
-                "name": q.name,
-                "guaranteed": { "cpus": q.guaranteed.cpus_milli as f64 / 1000.0, "memory_bytes": q.guaranteed.memory_bytes,
-                                "gpus": q.guaranteed.gpus_milli as f64 / 1000.0 },
-                "can_borrow": q.can_borrow,
-                "pending": count(JobState::Pending),
-                "running": count(JobState::Running),
-                "preempted": count(JobState::Preempted),
-            })
-        })
-        .collect();
-    Ok(Json(json!({ "queues": out })))
+    let mut out = Vec::new();
+    for q in &c.queues {
+        let count = |s: JobState| active.iter().filter(|j| j.queue == q.name && j.state == s).count();
+        let (mut cpus, mut mem, mut gpus) = (0.0, 0u64, 0.0);
+        for j in active.iter().filter(|j| j.queue == q.name && matches!(j.state, JobState::Running | JobState::Preempted)) {
+            if let Ok(spec) = crate::control::parse_stored_spec(j) {
+                let n = j.workers as f64;
+                cpus += n * spec.resources.cpus as f64 / 1000.0;
+                mem += j.workers.max(0) as u64 * spec.resources.memory;
+                gpus += n * spec.resources.gpus as f64 / 1000.0;
+            }
+        }
+        out.push(json!({
+            "name": q.name,
+            "guaranteed": { "cpus": q.guaranteed.cpus_milli as f64 / 1000.0, "memory_bytes": q.guaranteed.memory_bytes,
+                            "gpus": q.guaranteed.gpus_milli as f64 / 1000.0 },
+            "can_borrow": q.can_borrow,
+            "pending": count(JobState::Pending),
+            "running": count(JobState::Running),
+            "preempted": count(JobState::Preempted),
+            "allocated": { "cpus": cpus, "memory_bytes": mem, "gpus": gpus },
+        }));
+    }
+    Ok(out)
+}
+
+async fn queues(State(state): State<AppState>, _caller: Caller) -> Result<Json<Value>> {
+    Ok(Json(json!({ "queues": queues_json(&state.control).await? })))
 }
 
 async fn nodes(State(state): State<AppState>, _caller: Caller) -> Result<Json<Value>> {
-    let c = &state.control;
+    Ok(Json(json!({ "nodes": [node_json(&state.control)] })))
+}
+
+pub(crate) fn node_json(c: &Control) -> Value {
     let alloc = c.allocations();
     let n = &c.node;
     let a = alloc.iter().find(|a| a.node == n.id);
@@ -477,5 +529,5 @@ async fn nodes(State(state): State<AppState>, _caller: Caller) -> Result<Json<Va
             "gpus": a.map_or(0.0, |a| a.gpus.iter().map(|(share, _)| f64::from(*share)).sum::<f64>() / 1000.0),
         },
     });
-    Ok(Json(json!({ "nodes": [node] })))
+    node
 }

@@ -43,16 +43,29 @@ impl FromRequestParts<AppState> for Caller {
         if !state.auth {
             return Ok(Caller(Principal { user: "local".into(), team: "default".into(), admin: true }));
         }
-        let header = parts
-            .headers
-            .get(axum::http::header::AUTHORIZATION)
-            .ok_or_else(|| ControlError::Unauthorized("no `Authorization: Bearer TOKEN` header".into()))?;
-        let value =
-            header.to_str().map_err(|_| ControlError::Unauthorized("the Authorization header is not text".into()))?;
-        let token = value
-            .strip_prefix("Bearer ")
-            .ok_or_else(|| ControlError::Unauthorized("the Authorization header must be `Bearer TOKEN`".into()))?
-            .trim();
+        // A browser's EventSource cannot set headers: it may pass `access_token` in the query instead.
+        let from_query = parts.uri.query().and_then(|q| {
+            q.split('&').find_map(|kv| kv.strip_prefix("access_token=")).map(str::to_owned)
+        });
+        let token = match (parts.headers.get(axum::http::header::AUTHORIZATION), from_query) {
+            (Some(header), _) => {
+                let value = header
+                    .to_str()
+                    .map_err(|_| ControlError::Unauthorized("the Authorization header is not text".into()))?;
+                value
+                    .strip_prefix("Bearer ")
+                    .ok_or_else(|| ControlError::Unauthorized("the Authorization header must be `Bearer TOKEN`".into()))?
+                    .trim()
+                    .to_owned()
+            }
+            (None, Some(t)) => t,
+            (None, None) => {
+                return Err(ControlError::Unauthorized(
+                    "no `Authorization: Bearer TOKEN` header (or `access_token` query parameter)".into(),
+                ));
+            }
+        };
+        let token = token.as_str();
         let principal = state
             .control
             .db

@@ -20,9 +20,9 @@ use std::time::{Duration, Instant};
 use shoal_sched::{Decision, JobRequest, Node, PreemptReason, Queue, Resources, Scheduler, TaskPlacement};
 use shoal_spec::JobSpec;
 
-use crate::db::{Db, JobRow, JobState, MetricRow, TaskRow, Transition, now};
+use crate::db::{ClusterSample, Db, JobRow, JobState, MetricRow, SampleRow, TaskRow, Transition, now};
 use crate::error::{ControlError, Result};
-use crate::executor::{LocalExecutor, TaskLaunch, TaskStatus};
+use crate::executor::{LocalExecutor, TaskLaunch, TaskStatus, Usage};
 
 /// How the control loop behaves.
 #[derive(Debug, Clone)]
@@ -35,6 +35,10 @@ pub struct ControlConfig {
     pub kill_grace: Duration,
     /// Preempted jobs get this long to checkpoint and stop.
     pub preempt_grace: Duration,
+    /// The price table for cost reports.
+    pub prices: crate::cost::Prices,
+    /// All-reduce bus bandwidth (bytes/s) `shoal bench` measured here, for diagnosis (from `DATA/bench.json`).
+    pub reference_busbw: Option<f64>,
 }
 
 /// Why a running job is being stopped.
@@ -65,10 +69,15 @@ pub struct Control {
     sched: Mutex<Scheduler>,
     pub wake: tokio::sync::Notify,
     stopping: Mutex<HashMap<String, Stop>>,
-    /// Per job: bytes of rank 0's metrics.jsonl already read, and the newest step stored.
-    ingested: Mutex<HashMap<String, (u64, i64)>>,
-    /// Scheduling passes: count and total seconds (for /metrics).
-    pub passes: Mutex<(u64, f64)>,
+    /// Per job and metrics file (rank; -1 = evaluations): bytes already read, and the newest step stored.
+    ingested: Mutex<HashMap<(String, i64), (u64, i64)>>,
+    /// Per task: when it was last sampled and its CPU seconds then.
+    sampled: Mutex<HashMap<(String, i64, i64), (i64, f64)>>,
+    net_prev: Mutex<Option<(Instant, u64, u64)>>,
+    net_last: Mutex<Option<(f64, f64)>>,
+    cluster_sampled: Mutex<i64>,
+    /// Accumulating metrics (API requests, scheduling passes) for `/metrics`.
+    pub metrics: crate::observe::Metrics,
 }
 
 /// The scheduler's view of a job's request.
@@ -125,7 +134,11 @@ impl Control {
             wake: tokio::sync::Notify::new(),
             stopping: Mutex::new(HashMap::new()),
             ingested: Mutex::new(HashMap::new()),
-            passes: Mutex::new((0, 0.0)),
+            sampled: Mutex::new(HashMap::new()),
+            net_prev: Mutex::new(None),
+            net_last: Mutex::new(None),
+            cluster_sampled: Mutex::new(0),
+            metrics: crate::observe::Metrics::new(),
         })
     }
 
@@ -335,6 +348,7 @@ impl Control {
     /// One pass of the loop.
     pub async fn tick(&self) -> Result<()> {
         let active = self.db.jobs_in(&[JobState::Pending, JobState::Running, JobState::Preempted]).await?;
+        self.sample_cluster(&active).await;
         for job in &active {
             match job.state {
                 JobState::Pending => self.tick_pending(job).await?,
@@ -344,11 +358,7 @@ impl Control {
         }
         let t0 = Instant::now();
         let decisions = self.sched().schedule(now() as u64);
-        {
-            let mut p = self.passes.lock().unwrap_or_else(|p| p.into_inner());
-            p.0 += 1;
-            p.1 += t0.elapsed().as_secs_f64();
-        }
+        self.metrics.scheduler_pass.with_label_values(&[] as &[&str]).observe(t0.elapsed().as_secs_f64());
         for d in decisions {
             if let Err(e) = self.carry_out(d).await {
                 tracing::error!(error = %e, "carrying out a scheduling decision failed");
@@ -401,7 +411,14 @@ impl Control {
         let spec = parse_stored_spec(job)?;
         let tasks = self.db.tasks(&job.id, job.attempt).await?;
         let mut statuses = Vec::with_capacity(tasks.len());
+        let mut usage: HashMap<i64, Usage> = HashMap::new();
+        let net = self.net_rates();
         for t in &tasks {
+            if t.state == "running"
+                && let Some(u) = self.sample(t, net).await
+            {
+                usage.insert(t.rank, u);
+            }
             let st = if t.state == "running" {
                 self.exec.probe(t)
             } else {
@@ -409,6 +426,11 @@ impl Control {
             };
             if t.state == "running" && st != TaskStatus::Running {
                 let mut row = t.clone();
+                row.ended_ms = Some(now());
+                let k = (t.job_id.clone(), t.attempt, t.rank);
+                if let Some((_, cpu)) = self.sampled.lock().unwrap_or_else(|p| p.into_inner()).remove(&k) {
+                    row.cpu_seconds = Some(cpu);
+                }
                 match &st {
                     TaskStatus::Exited(c) => {
                         row.state = "exited".into();
@@ -424,7 +446,7 @@ impl Control {
             }
             statuses.push((t, st));
         }
-        self.ingest_metrics(&job.id).await;
+        self.ingest_metrics(&job.id, job.workers).await;
 
         let stop = {
             let stopping = self.stopping.lock().unwrap_or_else(|p| p.into_inner());
@@ -462,7 +484,7 @@ impl Control {
         // Memory limits.
         for (t, s) in &statuses {
             if *s == TaskStatus::Running
-                && let Some(rss) = self.exec.rss_bytes(t)
+                && let Some(rss) = usage.get(&t.rank).map(|u| u.rss_bytes)
                 && rss > spec.resources.memory
             {
                 let why = format!(
@@ -490,7 +512,7 @@ impl Control {
         if !statuses.is_empty() && statuses.iter().all(|(_, s)| *s == TaskStatus::Exited(0)) {
             let _ = self.sched().finish(&job.id);
             let summary = std::fs::read_to_string(self.run_dir(&job.id).join("summary.json")).ok();
-            self.ingest_metrics(&job.id).await;
+            self.ingest_metrics(&job.id, job.workers).await;
             self.db
                 .transition(
                     &job.id,
@@ -682,7 +704,7 @@ impl Control {
             "--resume".into(),
             spec_path.display().to_string(),
         ];
-        self.ingested.lock().unwrap_or_else(|p| p.into_inner()).remove(id);
+        self.ingested.lock().unwrap_or_else(|p| p.into_inner()).retain(|k, _| k.0 != id);
         let mut rows = Vec::with_capacity(world);
         for (rank, a) in assignments.iter().enumerate() {
             let launch = TaskLaunch {
@@ -697,6 +719,7 @@ impl Control {
                 memory_bytes: spec.resources.memory,
                 gpus: a.gpus.clone(),
                 node: a.node.clone(),
+                env: spec.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
             };
             match self.exec.start(&launch) {
                 Ok(row) => rows.push(row),
@@ -748,21 +771,33 @@ impl Control {
         Ok(())
     }
 
-    /// Copies new lines of rank 0's `metrics.jsonl` into the store.
-    async fn ingest_metrics(&self, id: &str) {
-        let path = self.run_dir(id).join("metrics.jsonl");
-        let known = self.ingested.lock().unwrap_or_else(|p| p.into_inner()).get(id).copied();
+    /// Copies new lines of every rank's metrics file (and rank 0's `eval.jsonl`, stored as rank -1) into the store.
+    async fn ingest_metrics(&self, id: &str, world: i64) {
+        let dir = self.run_dir(id);
+        for rank in -1..world.max(1) {
+            let path = match rank {
+                -1 => dir.join("eval.jsonl"),
+                0 => dir.join("metrics.jsonl"),
+                r => dir.join(format!("metrics.rank-{r}.jsonl")),
+            };
+            self.ingest_file(id, rank, &path).await;
+        }
+    }
+
+    async fn ingest_file(&self, id: &str, rank: i64, path: &std::path::Path) {
+        let key = (id.to_owned(), rank);
+        let known = self.ingested.lock().unwrap_or_else(|p| p.into_inner()).get(&key).copied();
         let (start, min_step) = match known {
             Some(k) => k,
-            // First look (or after a restart): read from the top, skipping steps already stored.
-            None => (0, self.db.last_metric_step(id, 0).await.unwrap_or(-1)),
+            // First look (or after a restart or a new attempt): read from the top, skipping steps already stored.
+            None => (0, self.db.last_metric_step(id, rank).await.unwrap_or(-1)),
         };
-        let Ok(bytes) = std::fs::read(&path) else { return };
+        let Ok(bytes) = std::fs::read(path) else { return };
         let start = (start as usize).min(bytes.len());
         let tail = &bytes[start..];
         // Only whole lines.
         let Some(end) = tail.iter().rposition(|&b| b == b'\n') else {
-            self.ingested.lock().unwrap_or_else(|p| p.into_inner()).insert(id.to_owned(), (start as u64, min_step));
+            self.ingested.lock().unwrap_or_else(|p| p.into_inner()).insert(key, (start as u64, min_step));
             return;
         };
         let mut rows = Vec::new();
@@ -772,7 +807,7 @@ impl Control {
             if step <= min_step {
                 continue;
             }
-            rows.push(MetricRow { rank: 0, step, time_ms: now(), data: v });
+            rows.push(MetricRow { rank, step, time_ms: now(), data: v });
         }
         if !rows.is_empty()
             && let Err(e) = self.db.insert_metrics(id, &rows).await
@@ -781,9 +816,92 @@ impl Control {
             return;
         }
         let last = rows.last().map_or(min_step, |r| r.step.max(min_step));
-        self.ingested.lock().unwrap_or_else(|p| p.into_inner()).insert(id.to_owned(), ((start + end + 1) as u64, last));
+        self.ingested.lock().unwrap_or_else(|p| p.into_inner()).insert(key, ((start + end + 1) as u64, last));
+    }
+
+    /// Samples the CPU and memory of a running task (kept every [`SAMPLE_EVERY_MS`]); returns its usage now.
+    async fn sample(&self, t: &TaskRow, net: Option<(f64, f64)>) -> Option<Usage> {
+        let u = self.exec.usage(t)?;
+        let k = (t.job_id.clone(), t.attempt, t.rank);
+        let now_ms = now();
+        let prev = self.sampled.lock().unwrap_or_else(|p| p.into_inner()).get(&k).copied();
+        let due = prev.is_none_or(|(at, _)| now_ms - at >= SAMPLE_EVERY_MS);
+        if due {
+            let cpu_percent = prev.and_then(|(at, cpu)| {
+                let dt = (now_ms - at) as f64 / 1000.0;
+                (dt > 0.0).then(|| ((u.cpu_seconds - cpu) / dt * 100.0).max(0.0))
+            });
+            self.sampled.lock().unwrap_or_else(|p| p.into_inner()).insert(k, (now_ms, u.cpu_seconds));
+            let row = SampleRow {
+                rank: t.rank,
+                time_ms: now_ms,
+                cpu_percent,
+                rss_bytes: Some(u.rss_bytes as i64),
+                cpu_seconds: Some(u.cpu_seconds),
+                net_rx_bytes_per_s: net.map(|n| n.0),
+                net_tx_bytes_per_s: net.map(|n| n.1),
+                gpu_util_percent: None,
+                gpu_memory_bytes: None,
+                gpu_temperature_c: None,
+                gpu_power_w: None,
+            };
+            if cpu_percent.is_some() {
+                let _ = self.db.insert_samples(&t.job_id, std::slice::from_ref(&row)).await;
+            }
+            let _ = self.db.set_task_cpu(t, u.cpu_seconds).await;
+        }
+        Some(u)
+    }
+
+    /// The host's network rates since the previous call (bytes/s in, out).
+    fn net_rates(&self) -> Option<(f64, f64)> {
+        let (rx, tx) = crate::executor::host_net_bytes()?;
+        let now_t = Instant::now();
+        let mut prev = self.net_prev.lock().unwrap_or_else(|p| p.into_inner());
+        let out = prev.and_then(|(at, prx, ptx): (Instant, u64, u64)| {
+            let dt = now_t.duration_since(at).as_secs_f64();
+            (dt >= 0.5).then(|| (rx.saturating_sub(prx) as f64 / dt, tx.saturating_sub(ptx) as f64 / dt))
+        });
+        if prev.is_none() || out.is_some() {
+            *prev = Some((now_t, rx, tx));
+        }
+        drop(prev);
+        let mut last = self.net_last.lock().unwrap_or_else(|p| p.into_inner());
+        if out.is_some() {
+            *last = out;
+        }
+        *last
+    }
+
+    /// Records the cluster's allocation (every [`CLUSTER_SAMPLE_EVERY_MS`]).
+    async fn sample_cluster(&self, active: &[JobRow]) {
+        let now_ms = now();
+        {
+            let mut last = self.cluster_sampled.lock().unwrap_or_else(|p| p.into_inner());
+            if now_ms - *last < CLUSTER_SAMPLE_EVERY_MS {
+                return;
+            }
+            *last = now_ms;
+        }
+        let alloc = self.allocations();
+        let c = ClusterSample {
+            time_ms: now_ms,
+            cpus_allocated: alloc.iter().map(|a| a.cpus_milli as f64 / 1000.0).sum(),
+            memory_allocated_bytes: alloc.iter().map(|a| a.memory_bytes as i64).sum(),
+            gpus_allocated: alloc.iter().flat_map(|a| a.gpus.iter().map(|g| f64::from(g.0) / 1000.0)).sum(),
+            pending: active.iter().filter(|j| j.state == JobState::Pending).count() as i64,
+            running: active.iter().filter(|j| j.state == JobState::Running).count() as i64,
+        };
+        if let Err(e) = self.db.insert_cluster_sample(&c).await {
+            tracing::warn!(error = %e, "storing a cluster sample failed");
+        }
     }
 }
+
+/// How often a running task's resources are stored.
+pub const SAMPLE_EVERY_MS: i64 = 2000;
+/// How often the cluster's allocation is stored.
+pub const CLUSTER_SAMPLE_EVERY_MS: i64 = 5000;
 
 fn signal_note(code: i32) -> String {
     match code {

@@ -111,6 +111,38 @@ pub struct TaskRow {
     pub cpus: String,
     /// `CUDA_VISIBLE_DEVICES` it got, empty for none.
     pub gpus: String,
+    pub started_ms: Option<i64>,
+    pub ended_ms: Option<i64>,
+    /// CPU time its processes used (user + system), as last sampled.
+    pub cpu_seconds: Option<f64>,
+}
+
+/// One resource sample of one task.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SampleRow {
+    pub rank: i64,
+    pub time_ms: i64,
+    pub cpu_percent: Option<f64>,
+    pub rss_bytes: Option<i64>,
+    pub cpu_seconds: Option<f64>,
+    /// The host's network, all interfaces (bytes/s).
+    pub net_rx_bytes_per_s: Option<f64>,
+    pub net_tx_bytes_per_s: Option<f64>,
+    pub gpu_util_percent: Option<f64>,
+    pub gpu_memory_bytes: Option<i64>,
+    pub gpu_temperature_c: Option<f64>,
+    pub gpu_power_w: Option<f64>,
+}
+
+/// Cluster-wide allocation at one time.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ClusterSample {
+    pub time_ms: i64,
+    pub cpus_allocated: f64,
+    pub memory_allocated_bytes: i64,
+    pub gpus_allocated: f64,
+    pub pending: i64,
+    pub running: i64,
 }
 
 /// One transition or notable fact of a job.
@@ -178,6 +210,15 @@ const MIGRATIONS: &[&str] = &[
     "CREATE INDEX events_job ON events (job_id, id)",
     "CREATE TABLE metrics (job_id TEXT NOT NULL, rank BIGINT NOT NULL, step BIGINT NOT NULL, time_ms BIGINT NOT NULL, \
      data TEXT NOT NULL, PRIMARY KEY (job_id, rank, step))",
+    "ALTER TABLE tasks ADD COLUMN started_ms BIGINT",
+    "ALTER TABLE tasks ADD COLUMN ended_ms BIGINT",
+    "ALTER TABLE tasks ADD COLUMN cpu_seconds DOUBLE PRECISION",
+    "CREATE TABLE samples (job_id TEXT NOT NULL, rank BIGINT NOT NULL, time_ms BIGINT NOT NULL, cpu_percent DOUBLE \
+     PRECISION, rss_bytes BIGINT, cpu_seconds DOUBLE PRECISION, net_rx DOUBLE PRECISION, net_tx DOUBLE PRECISION, \
+     gpu_util DOUBLE PRECISION, gpu_memory BIGINT, gpu_temperature DOUBLE PRECISION, gpu_power DOUBLE PRECISION, \
+     PRIMARY KEY (job_id, rank, time_ms))",
+    "CREATE TABLE cluster_samples (time_ms BIGINT PRIMARY KEY, cpus DOUBLE PRECISION NOT NULL, memory_bytes BIGINT \
+     NOT NULL, gpus DOUBLE PRECISION NOT NULL, pending BIGINT NOT NULL, running BIGINT NOT NULL)",
 ];
 
 fn now_ms() -> i64 {
@@ -226,8 +267,14 @@ fn task_from(row: &AnyRow) -> Result<TaskRow> {
         reason: row.try_get("reason")?,
         cpus: row.try_get("cpus")?,
         gpus: row.try_get("gpus")?,
+        started_ms: row.try_get("started_ms")?,
+        ended_ms: row.try_get("ended_ms")?,
+        cpu_seconds: un_nan(row.try_get("cpu_seconds")?),
     })
 }
+
+const TASK_COLUMNS: &str = "job_id, attempt, rank, node, host, pid, start_ticks, state, exit_code, reason, cpus, gpus, \
+                            started_ms, ended_ms, cpu_seconds";
 
 /// What a state change also writes.
 #[derive(Debug, Default, Clone)]
@@ -526,10 +573,9 @@ impl Db {
             .bind(t.rank)
             .execute(&mut *tx)
             .await?;
-        sqlx::query(
-            "INSERT INTO tasks (job_id, attempt, rank, node, host, pid, start_ticks, state, exit_code, reason, cpus, \
-             gpus) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
-        )
+        sqlx::query(&format!(
+            "INSERT INTO tasks ({TASK_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)"
+        ))
         .bind(&t.job_id)
         .bind(t.attempt)
         .bind(t.rank)
@@ -542,6 +588,9 @@ impl Db {
         .bind(&t.reason)
         .bind(&t.cpus)
         .bind(&t.gpus)
+        .bind(t.started_ms)
+        .bind(t.ended_ms)
+        .bind(nan(t.cpu_seconds))
         .execute(&mut *tx)
         .await?;
         tx.commit().await?;
@@ -550,15 +599,149 @@ impl Db {
 
     /// The tasks of one attempt, by rank.
     pub async fn tasks(&self, job: &str, attempt: i64) -> Result<Vec<TaskRow>> {
+        let rows =
+            sqlx::query(&format!("SELECT {TASK_COLUMNS} FROM tasks WHERE job_id = $1 AND attempt = $2 ORDER BY rank"))
+                .bind(job)
+                .bind(attempt)
+                .fetch_all(&self.pool)
+                .await?;
+        rows.iter().map(task_from).collect()
+    }
+
+    /// Every task of a job, all attempts.
+    pub async fn all_tasks(&self, job: &str) -> Result<Vec<TaskRow>> {
+        let rows =
+            sqlx::query(&format!("SELECT {TASK_COLUMNS} FROM tasks WHERE job_id = $1 ORDER BY attempt, rank"))
+                .bind(job)
+                .fetch_all(&self.pool)
+                .await?;
+        rows.iter().map(task_from).collect()
+    }
+
+    /// Sets a running task's sampled CPU time.
+    pub async fn set_task_cpu(&self, t: &TaskRow, cpu_seconds: f64) -> Result<()> {
+        sqlx::query("UPDATE tasks SET cpu_seconds = $1 WHERE job_id = $2 AND attempt = $3 AND rank = $4")
+            .bind(cpu_seconds)
+            .bind(&t.job_id)
+            .bind(t.attempt)
+            .bind(t.rank)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    // ---- resource samples
+
+    pub async fn insert_samples(&self, job: &str, rows: &[SampleRow]) -> Result<()> {
+        let mut tx = self.pool.begin().await?;
+        for r in rows {
+            sqlx::query(
+                "INSERT INTO samples (job_id, rank, time_ms, cpu_percent, rss_bytes, cpu_seconds, net_rx, net_tx, \
+                 gpu_util, gpu_memory, gpu_temperature, gpu_power) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, \
+                 $11, $12) ON CONFLICT DO NOTHING",
+            )
+            .bind(job)
+            .bind(r.rank)
+            .bind(r.time_ms)
+            .bind(nan(r.cpu_percent))
+            .bind(r.rss_bytes)
+            .bind(nan(r.cpu_seconds))
+            .bind(nan(r.net_rx_bytes_per_s))
+            .bind(nan(r.net_tx_bytes_per_s))
+            .bind(nan(r.gpu_util_percent))
+            .bind(r.gpu_memory_bytes)
+            .bind(nan(r.gpu_temperature_c))
+            .bind(nan(r.gpu_power_w))
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Samples of a job after `after_ms`, oldest first.
+    pub async fn samples(&self, job: &str, after_ms: i64, limit: i64) -> Result<Vec<SampleRow>> {
         let rows = sqlx::query(
-            "SELECT job_id, attempt, rank, node, host, pid, start_ticks, state, exit_code, reason, cpus, gpus FROM \
-             tasks WHERE job_id = $1 AND attempt = $2 ORDER BY rank",
+            "SELECT rank, time_ms, cpu_percent, rss_bytes, cpu_seconds, net_rx, net_tx, gpu_util, gpu_memory, \
+             gpu_temperature, gpu_power FROM samples WHERE job_id = $1 AND time_ms > $2 ORDER BY time_ms, rank LIMIT $3",
         )
         .bind(job)
-        .bind(attempt)
+        .bind(after_ms)
+        .bind(limit)
         .fetch_all(&self.pool)
         .await?;
-        rows.iter().map(task_from).collect()
+        rows.iter()
+            .map(|r| {
+                Ok(SampleRow {
+                    rank: r.try_get("rank")?,
+                    time_ms: r.try_get("time_ms")?,
+                    cpu_percent: un_nan(r.try_get("cpu_percent")?),
+                    rss_bytes: r.try_get("rss_bytes")?,
+                    cpu_seconds: un_nan(r.try_get("cpu_seconds")?),
+                    net_rx_bytes_per_s: un_nan(r.try_get("net_rx")?),
+                    net_tx_bytes_per_s: un_nan(r.try_get("net_tx")?),
+                    gpu_util_percent: un_nan(r.try_get("gpu_util")?),
+                    gpu_memory_bytes: r.try_get("gpu_memory")?,
+                    gpu_temperature_c: un_nan(r.try_get("gpu_temperature")?),
+                    gpu_power_w: un_nan(r.try_get("gpu_power")?),
+                })
+            })
+            .collect()
+    }
+
+    pub async fn insert_cluster_sample(&self, c: &ClusterSample) -> Result<()> {
+        sqlx::query(
+            "INSERT INTO cluster_samples (time_ms, cpus, memory_bytes, gpus, pending, running) VALUES ($1, $2, $3, $4, \
+             $5, $6) ON CONFLICT DO NOTHING",
+        )
+        .bind(c.time_ms)
+        .bind(c.cpus_allocated)
+        .bind(c.memory_allocated_bytes)
+        .bind(c.gpus_allocated)
+        .bind(c.pending)
+        .bind(c.running)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// Cluster samples after `after_ms`, oldest first, at most `limit` (the newest ones).
+    pub async fn cluster_samples(&self, after_ms: i64, limit: i64) -> Result<Vec<ClusterSample>> {
+        let rows = sqlx::query(
+            "SELECT time_ms, cpus, memory_bytes, gpus, pending, running FROM cluster_samples WHERE time_ms > $1 ORDER \
+             BY time_ms DESC LIMIT $2",
+        )
+        .bind(after_ms)
+        .bind(limit)
+        .fetch_all(&self.pool)
+        .await?;
+        let mut out = rows
+            .iter()
+            .map(|r| {
+                Ok(ClusterSample {
+                    time_ms: r.try_get("time_ms")?,
+                    cpus_allocated: r.try_get("cpus")?,
+                    memory_allocated_bytes: r.try_get("memory_bytes")?,
+                    gpus_allocated: r.try_get("gpus")?,
+                    pending: r.try_get("pending")?,
+                    running: r.try_get("running")?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        out.reverse();
+        Ok(out)
+    }
+
+    /// Every job created since `since_ms`, optionally of one team (for cost reports).
+    pub async fn jobs_since(&self, team: Option<&str>, since_ms: i64) -> Result<Vec<JobRow>> {
+        let rows = sqlx::query(&format!(
+            "SELECT {JOB_COLUMNS} FROM jobs WHERE ($1 = '' OR team = $1) AND created_ms >= $2 ORDER BY created_ms, id"
+        ))
+        .bind(team.unwrap_or(""))
+        .bind(since_ms)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(job_from).collect()
     }
 
     // ---- metrics
@@ -619,6 +802,16 @@ impl Db {
             .await?;
         Ok(row.try_get::<Option<i64>, _>("m")?.unwrap_or(-1))
     }
+}
+
+/// An absent double as NaN. sqlx's `Any` driver binds a `None::<f64>` as a 4-byte float, which PostgreSQL
+/// rejects for a `DOUBLE PRECISION` column; NaN is a valid double in PostgreSQL and SQLite stores it as NULL.
+fn nan(v: Option<f64>) -> f64 {
+    v.unwrap_or(f64::NAN)
+}
+
+fn un_nan(v: Option<f64>) -> Option<f64> {
+    v.filter(|x| !x.is_nan())
 }
 
 /// The URL without its password, for messages.

@@ -39,6 +39,8 @@ pub struct TaskLaunch {
     /// `(gpu index, share in thousandths)`.
     pub gpus: Vec<(u32, u32)>,
     pub node: String,
+    /// The job's own `[env]`.
+    pub env: Vec<(String, String)>,
 }
 
 /// What became of a task.
@@ -161,6 +163,8 @@ impl LocalExecutor {
             .env("RAYON_NUM_THREADS", cpus.len().max(1).to_string())
             .env("OMP_NUM_THREADS", cpus.len().max(1).to_string())
             .env("CUDA_VISIBLE_DEVICES", l.gpus.iter().map(|(i, _)| i.to_string()).collect::<Vec<_>>().join(","));
+        // The job's own variables may override the thread counts; the contract's names are refused by the spec.
+        cmd.envs(l.env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
         let mask = cpus.clone();
         // SAFETY: only async-signal-safe calls (setsid, sched_setaffinity) between fork and exec.
         unsafe {
@@ -194,6 +198,9 @@ impl LocalExecutor {
             reason: String::new(),
             cpus: cpu_list(&cpus),
             gpus: l.gpus.iter().map(|(i, _)| i.to_string()).collect::<Vec<_>>().join(","),
+            started_ms: Some(crate::db::now()),
+            ended_ms: None,
+            cpu_seconds: None,
         };
         self.children.lock().unwrap_or_else(|p| p.into_inner()).insert(key(&row), child);
         self.pinned.lock().unwrap_or_else(|p| p.into_inner()).insert(key(&row), cpus);
@@ -274,21 +281,31 @@ impl LocalExecutor {
 
     /// Resident memory of every process in the task's session.
     pub fn rss_bytes(&self, t: &TaskRow) -> Option<u64> {
+        self.usage(t).map(|u| u.rss_bytes)
+    }
+
+    /// Memory and CPU time of every process in the task's session (CPU time of processes that already ended and
+    /// were reaped is included through their parents' `cutime`/`cstime`).
+    pub fn usage(&self, t: &TaskRow) -> Option<Usage> {
         let sid = t.pid?;
         let page = 4096u64;
-        let mut total = 0u64;
+        // SAFETY: sysconf has no preconditions.
+        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+        let mut u = Usage::default();
         let mut found = false;
         for entry in std::fs::read_dir("/proc").ok()?.flatten() {
             let name = entry.file_name();
             let Some(pid) = name.to_str().and_then(|s| s.parse::<i64>().ok()) else { continue };
             let Some(f) = stat_fields(pid) else { continue };
-            // fields after the comm: [0]=state, [3]=session, [21]=rss (pages)
+            // fields after the comm: [0]=state, [3]=session, [11..=14]=utime stime cutime cstime, [21]=rss (pages)
             if f.get(3).and_then(|s| s.parse::<i64>().ok()) == Some(sid) {
                 found = true;
-                total += f.get(21).and_then(|s| s.parse::<u64>().ok()).unwrap_or(0) * page;
+                let n = |i: usize| f.get(i).and_then(|s| s.parse::<u64>().ok()).unwrap_or(0);
+                u.rss_bytes += n(21) * page;
+                u.cpu_seconds += (n(11) + n(12) + n(13) + n(14)) as f64 / hz;
             }
         }
-        found.then_some(total)
+        found.then_some(u)
     }
 }
 
@@ -317,6 +334,28 @@ impl LocalExecutor {
         }
         out
     }
+}
+
+/// What a task's processes use now.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Usage {
+    pub rss_bytes: u64,
+    pub cpu_seconds: f64,
+}
+
+/// Bytes received and sent by the host, all interfaces (`/proc/net/dev`).
+pub fn host_net_bytes() -> Option<(u64, u64)> {
+    let s = std::fs::read_to_string("/proc/net/dev").ok()?;
+    let (mut rx, mut tx) = (0u64, 0u64);
+    for line in s.lines().skip(2) {
+        let Some((_, rest)) = line.split_once(':') else { continue };
+        let f: Vec<u64> = rest.split_whitespace().filter_map(|x| x.parse().ok()).collect();
+        if f.len() >= 9 {
+            rx += f[0];
+            tx += f[8];
+        }
+    }
+    Some((rx, tx))
 }
 
 /// The fields of `/proc/PID/stat` after the command name.

@@ -6,6 +6,8 @@
 //! - [`control`]: the loop that keeps store, scheduler (`shoal-sched`) and processes in agreement.
 //! - [`executor`]: tasks as local processes with the environment contract, pinned CPUs, a memory watch.
 //! - [`server`]: start-up (data-directory lock, admin token, recovery) and shutdown.
+//! - [`observe`]: the dashboard (assets embedded from `assets/` by `build.rs`), overview, live streams (SSE),
+//!   resource samples, `/metrics` for Prometheus; [`diagnose`]: what holds a job back; [`cost`]: what it costs.
 //!
 //! Invariants:
 //! - The store is the truth: every job state change is one conditional transaction with its event, so a crash at
@@ -22,9 +24,12 @@
 pub mod api;
 pub mod auth;
 pub mod control;
+pub mod cost;
 pub mod db;
+pub mod diagnose;
 pub mod error;
 pub mod executor;
+pub mod observe;
 pub mod server;
 
 pub use error::{ControlError, Result};

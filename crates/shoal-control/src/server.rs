@@ -37,6 +37,7 @@ pub struct ServerOptions {
     pub tick: Duration,
     pub kill_grace: Duration,
     pub preempt_grace: Duration,
+    pub prices: crate::cost::Prices,
 }
 
 impl ServerOptions {
@@ -54,6 +55,7 @@ impl ServerOptions {
             tick: Duration::from_millis(500),
             kill_grace: Duration::from_secs(10),
             preempt_grace: Duration::from_secs(30),
+            prices: crate::cost::Prices::default(),
         }
     }
 }
@@ -108,6 +110,19 @@ fn lock_data_dir(dir: &Path) -> Result<std::fs::File> {
     f.set_len(0)?;
     write!(f, "{}", std::process::id())?;
     Ok(f)
+}
+
+/// The best all-reduce bus bandwidth in a saved `shoal bench allreduce --json` report, in bytes/s.
+fn bench_reference(path: &Path) -> Option<f64> {
+    let text = std::fs::read_to_string(path).ok()?;
+    let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+    let rows = v.as_array().cloned().or_else(|| v.get("results").and_then(|r| r.as_array().cloned()))?;
+    let best = rows
+        .iter()
+        .filter(|r| r.get("op").and_then(|o| o.as_str()).is_none_or(|o| o == "allreduce"))
+        .filter_map(|r| r.get("busbw_GBps").and_then(serde_json::Value::as_f64))
+        .fold(0.0, f64::max);
+    (best > 0.0).then_some(best * 1e9)
 }
 
 /// Reads or creates the admin token, making sure the store knows it.
@@ -179,6 +194,8 @@ pub async fn prepare(opts: &ServerOptions) -> Result<Prepared> {
         tick: opts.tick,
         kill_grace: opts.kill_grace,
         preempt_grace: opts.preempt_grace,
+        prices: opts.prices.clone(),
+        reference_busbw: bench_reference(&opts.data_dir.join("bench.json")),
     };
     let control = Arc::new(Control::new(db, config, node, queues)?);
     control.recover().await?;

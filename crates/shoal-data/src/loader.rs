@@ -26,11 +26,13 @@ pub struct LoaderConfig {
     pub threads: usize,
     /// Longest wait for one batch before [`Error::Timeout`].
     pub timeout: Duration,
+    /// Fault injection: each batch takes this much longer to load (a slow data source, for testing diagnosis).
+    pub delay: Duration,
 }
 
 impl Default for LoaderConfig {
     fn default() -> Self {
-        LoaderConfig { prefetch: 2, threads: 1, timeout: Duration::from_secs(60) }
+        LoaderConfig { prefetch: 2, threads: 1, timeout: Duration::from_secs(60), delay: Duration::ZERO }
     }
 }
 
@@ -112,6 +114,7 @@ struct Shared {
     state: Mutex<State>,
     cv: Condvar,
     prefetch: u64,
+    delay: Duration,
 }
 
 impl Shared {
@@ -175,6 +178,7 @@ impl Loader {
             }),
             cv: Condvar::new(),
             prefetch: cfg.prefetch as u64,
+            delay: cfg.delay,
         });
         let mut threads = Vec::with_capacity(cfg.threads);
         for t in 0..cfg.threads {
@@ -265,6 +269,9 @@ fn fetch_loop(alive: &Alive, dataset: &dyn Dataset) {
         };
         g.next_dispatch += 1;
         drop(g);
+        if !shared.delay.is_zero() {
+            std::thread::sleep(shared.delay);
+        }
         let samples: Result<Vec<Sample>> = plan
             .indices
             .iter()

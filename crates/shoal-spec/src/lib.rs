@@ -4,6 +4,8 @@
 //! name = "mlp-digits"            # [A-Za-z0-9._-], not starting with '.'
 //! queue = "default"              # on a platform: queue, priority, [workers], [resources], [restart]
 //!                                # (see the `platform` module; `shoal run` uses only workers.count)
+//! [env]                          # extra environment for every worker (not the contract's own names)
+//! NCCL_DEBUG = "INFO"
 //!
 //! [train]
 //! dataset = "digits"             # a built-in dataset: digits, cicero, synthetic
@@ -165,6 +167,9 @@ pub struct JobSpec {
     pub resources: ResourcesSpec,
     #[serde(default)]
     pub restart: RestartSpec,
+    /// `[env]`: extra environment variables for every worker (names of the environment contract are refused).
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub env: std::collections::BTreeMap<String, String>,
     pub train: TrainSpec,
     #[serde(default)]
     pub checkpoint: CheckpointSpec,
@@ -794,6 +799,7 @@ impl JobSpec {
     pub fn validate_with_memory(&self, available: Option<u64>) -> Result<()> {
         validate_name(&self.name)?;
         validate_queue(&self.queue)?;
+        validate_env(&self.env)?;
         self.workers.validate().map_err(|(p, m)| SpecError::at(p, m))?;
         self.resources.validate().map_err(|(p, m)| SpecError::at(p, m))?;
         self.train.validate_numbers()?;
@@ -830,6 +836,48 @@ impl JobSpec {
         }
         Ok(())
     }
+}
+
+/// Variables the launcher sets for every task; a job may not override them.
+pub const RESERVED_ENV: [&str; 18] = [
+    "SHOAL_JOB_ID",
+    "SHOAL_RANK",
+    "SHOAL_WORLD_SIZE",
+    "SHOAL_LOCAL_RANK",
+    "SHOAL_LOCAL_WORLD_SIZE",
+    "SHOAL_RENDEZVOUS",
+    "SHOAL_RENDEZVOUS_HOST",
+    "SHOAL_JOB_SECRET",
+    "SHOAL_ATTEMPT",
+    "SHOAL_EXIT_FILE",
+    "SHOAL_SERVER_DATA",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "CUDA_VISIBLE_DEVICES",
+];
+
+fn validate_env(env: &std::collections::BTreeMap<String, String>) -> Result<()> {
+    for (k, v) in env {
+        let path = format!("env.{k}");
+        let ok = !k.is_empty()
+            && k.len() <= 128
+            && !k.starts_with(|c: char| c.is_ascii_digit())
+            && k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+        if !ok {
+            return Err(SpecError::at(path, "a variable name is letters, digits and '_', not starting with a digit"));
+        }
+        if RESERVED_ENV.contains(&k.as_str()) {
+            return Err(SpecError::at(path, "is set by Shoal for every worker (the environment contract)"));
+        }
+        if v.contains('\0') || v.len() > 32 * 1024 {
+            return Err(SpecError::at(path, "values must be under 32 KiB and contain no NUL"));
+        }
+    }
+    Ok(())
 }
 
 fn validate_queue(queue: &str) -> Result<()> {

@@ -82,6 +82,42 @@ pub struct StepMetrics {
     pub comm_s: f64,
     pub optimizer_s: f64,
     pub step_s: f64,
+    /// The rank that measured this line.
+    #[serde(default)]
+    pub rank: usize,
+    /// Bytes this rank has sent in collectives so far (cumulative).
+    #[serde(default)]
+    pub comm_bytes: u64,
+}
+
+/// The metrics file of a rank: `metrics.jsonl` for rank 0 (the job's curve), `metrics.rank-R.jsonl` for the others.
+pub fn metrics_file(output: &std::path::Path, rank: usize) -> std::path::PathBuf {
+    if rank == 0 { output.join("metrics.jsonl") } else { output.join(format!("metrics.rank-{rank}.jsonl")) }
+}
+
+/// One line of `eval.jsonl` (rank 0): an evaluation pass.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct EvalMetrics {
+    pub step: usize,
+    pub eval_loss: f64,
+    pub eval_accuracy: Option<f64>,
+    pub eval_perplexity: Option<f64>,
+}
+
+/// Keeps the lines of a JSON-lines file whose `step` is at most `max_step`.
+fn truncate_jsonl(path: &std::path::Path, max_step: u64) -> Result<()> {
+    let kept: String = std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| {
+            serde_json::from_str::<serde_json::Value>(l)
+                .ok()
+                .and_then(|v| v.get("step").and_then(|s| s.as_u64()))
+                .is_some_and(|st| st <= max_step)
+        })
+        .map(|l| format!("{l}\n"))
+        .collect();
+    std::fs::write(path, kept).map_err(|e| Error::io(format!("rewriting {}", path.display()), e))
 }
 
 /// The model of a job and the parameters behind it.
@@ -297,32 +333,26 @@ pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
         trainer.optimizer_mut().load_state(&params, opt_t, &named)?;
         start_step = l.manifest.step as usize;
     }
-    let mut loader = Loader::new(train.clone(), sampler.cycling_batches(), LoaderConfig::default())?;
+    // Fault injection for testing diagnosis: a slow data source.
+    let delay = match std::env::var("SHOAL_FAULT_DATA_DELAY") {
+        Ok(v) => shoal_comm::env::parse_duration(&v)
+            .map_err(|e| Error::InvalidArgument(format!("SHOAL_FAULT_DATA_DELAY: {e}")))?,
+        Err(_) => std::time::Duration::ZERO,
+    };
+    let mut loader =
+        Loader::new(train.clone(), sampler.cycling_batches(), LoaderConfig { delay, ..LoaderConfig::default() })?;
     let mut saver = (rank == 0).then(|| AsyncSaver::new(ckpt_dir.clone(), spec.checkpoint.keep.max(1)));
     let (mut checkpoints, mut stall_s, mut last_mb_s) = (0usize, 0f64, None);
     let mut sampler_state = sampler.state();
     let mut snapshot: Option<Snapshot> = None;
 
-    if rank == 0 {
-        std::fs::create_dir_all(&opts.output)
-            .map_err(|e| Error::io(format!("creating {}", opts.output.display()), e))?;
-    }
-    let mut metrics = if rank == 0 {
-        let path = opts.output.join("metrics.jsonl");
+    std::fs::create_dir_all(&opts.output).map_err(|e| Error::io(format!("creating {}", opts.output.display()), e))?;
+    // Every rank keeps its own step timings (for the per-rank breakdown and straggler detection); rank 0's file is
+    // the job's curve. After a resume, the steps after the checkpoint are redone: drop what was logged for them.
+    let mut metrics = {
+        let path = metrics_file(&opts.output, rank);
         if start_step > 0 {
-            // Steps after the checkpoint are redone: drop what the interrupted run logged for them.
-            let kept: String = std::fs::read_to_string(&path)
-                .unwrap_or_default()
-                .lines()
-                .filter(|l| {
-                    serde_json::from_str::<serde_json::Value>(l)
-                        .ok()
-                        .and_then(|v| v.get("step").and_then(|s| s.as_u64()))
-                        .is_some_and(|st| st <= start_step as u64)
-                })
-                .map(|l| format!("{l}\n"))
-                .collect();
-            std::fs::write(&path, kept).map_err(|e| Error::io(format!("rewriting {}", path.display()), e))?;
+            truncate_jsonl(&path, start_step as u64)?;
         }
         let f = std::fs::OpenOptions::new()
             .create(true)
@@ -331,8 +361,33 @@ pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
             .truncate(start_step == 0)
             .open(&path);
         Some(f.map_err(|e| Error::io(format!("creating {}", path.display()), e))?)
-    } else {
-        None
+    };
+    let eval_path = opts.output.join("eval.jsonl");
+    if rank == 0 {
+        if start_step > 0 {
+            truncate_jsonl(&eval_path, start_step as u64)?;
+        } else {
+            let _ = std::fs::remove_file(&eval_path);
+        }
+    }
+    let text_model = t.model.kind == ModelKind::Gpt;
+    let log_eval = |step: usize, loss: f64, acc: f64| -> Result<()> {
+        if rank != 0 {
+            return Ok(());
+        }
+        let e = EvalMetrics {
+            step,
+            eval_loss: loss,
+            eval_accuracy: (!text_model).then_some(acc),
+            eval_perplexity: text_model.then(|| loss.exp()),
+        };
+        let line = serde_json::to_string(&e).map_err(|e| Error::InvalidArgument(e.to_string()))?;
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&eval_path)
+            .map_err(|e| Error::io(format!("opening {}", eval_path.display()), e))?;
+        writeln!(f, "{line}").map_err(|e| Error::io("writing eval.jsonl", e))
     };
     let (mut data_t, mut compute_t, mut comm_t, mut opt_t, mut step_t) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
@@ -391,10 +446,12 @@ pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
                 comm_s,
                 optimizer_s: times.optimizer_s,
                 step_s: step_started.elapsed().as_secs_f64(),
+                rank,
+                comm_bytes: trainer.comm().map_or(0, |c| c.bytes_sent()),
             };
             let line = serde_json::to_string(&m).map_err(|e| Error::InvalidArgument(e.to_string()))?;
             writeln!(f, "{line}").map_err(|e| Error::io("writing metrics.jsonl", e))?;
-            if t.log_every > 0 && ((step + 1) % t.log_every == 0 || step + 1 == t.steps) {
+            if rank == 0 && t.log_every > 0 && ((step + 1) % t.log_every == 0 || step + 1 == t.steps) {
                 eprintln!(
                     "step {:>6}/{} loss {:.4} lr {:.2e} {:.1} ms",
                     step + 1,
@@ -434,6 +491,7 @@ pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
             if rank == 0 {
                 eprintln!("eval at step {}: loss {el:.4} accuracy {ea:.4}", step + 1);
             }
+            log_eval(step + 1, el, ea)?;
         }
     }
     stall_s += submit_snapshot(&mut snapshot, saver.as_mut())?;
@@ -445,6 +503,7 @@ pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
         last_mb_s = Some(stats.mb_per_s);
     }
     let (eval_loss, eval_acc) = evaluate(model.as_ref(), eval.as_ref(), &comm, micro, t.eval_batches)?;
+    log_eval(t.steps, eval_loss, eval_acc)?;
     let text = t.model.kind == ModelKind::Gpt;
     let baseline_loss =
         if text && rank == 0 { Some(unigram_baseline(train.as_ref(), eval.as_ref(), t.model.vocab())?) } else { None };

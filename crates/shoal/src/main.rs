@@ -89,6 +89,28 @@ enum Cmd {
         #[command(flatten)]
         client: platform::ClientArgs,
     },
+    /// What holds a job back (data loading, communication, a straggler, idle or short resources), with the
+    /// evidence and what to do.
+    Diagnose {
+        id: String,
+        /// Print `{"findings": [{"kind", "rank", "evidence", "action"}]}`.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        client: platform::ClientArgs,
+    },
+    /// What jobs cost: resource-hours allocated and used, queue time, money; per job and per team.
+    Cost {
+        #[arg(long)]
+        team: Option<String>,
+        /// Only jobs submitted since then: 90m, 24h, 7d, or epoch milliseconds.
+        #[arg(long)]
+        since: Option<String>,
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        client: platform::ClientArgs,
+    },
     /// Nodes with their capacity and allocation.
     Nodes {
         #[arg(long)]
@@ -153,6 +175,11 @@ fn main() -> std::process::ExitCode {
             platform::Client::from_args(&client).and_then(|c| platform::cancel(&c, &id, json))
         }
         Cmd::Queues { json, client } => platform::Client::from_args(&client).and_then(|c| platform::queues(&c, json)),
+        Cmd::Diagnose { id, json, client } => {
+            platform::Client::from_args(&client).and_then(|c| platform::diagnose(&c, &id, json))
+        }
+        Cmd::Cost { team, since, json, client } => platform::Client::from_args(&client)
+            .and_then(|c| platform::cost(&c, team.as_deref(), since.as_deref(), json)),
         Cmd::Nodes { json, client } => platform::Client::from_args(&client).and_then(|c| platform::nodes(&c, json)),
         Cmd::Datasets { json } => datasets(json),
     };

@@ -221,6 +221,9 @@ pub struct ServerArgs {
     /// Serve without tokens (only on a loopback address).
     #[arg(long)]
     pub no_auth: bool,
+    /// Price table for cost reports (TOML: currency, cpu_hour, gib_hour, gpu_hour, kwh).
+    #[arg(long)]
+    pub prices: Option<PathBuf>,
 }
 
 pub fn server_options(args: &ServerArgs) -> Result<shoal_control::ServerOptions> {
@@ -236,6 +239,10 @@ pub fn server_options(args: &ServerArgs) -> Result<shoal_control::ServerOptions>
     }
     o.gpus = args.gpus;
     o.no_auth = args.no_auth;
+    if let Some(p) = &args.prices {
+        let text = std::fs::read_to_string(p).with_context(|| format!("--prices {}", p.display()))?;
+        o.prices = shoal_control::cost::Prices::parse(&text).map_err(|e| anyhow!("--prices {}: {e}", p.display()))?;
+    }
     Ok(o)
 }
 
@@ -469,6 +476,79 @@ pub fn nodes(client: &Client, json_out: bool) -> Result<bool> {
             format!("{}/{gpus}", a.get("gpus").and_then(Value::as_f64).unwrap_or(0.0))
         );
     }
+    Ok(true)
+}
+
+pub fn diagnose(client: &Client, id: &str, json_out: bool) -> Result<bool> {
+    let v = client.get(&format!("/api/v1/jobs/{id}/diagnosis"))?;
+    if json_out {
+        println!("{}", serde_json::to_string_pretty(&json!({ "findings": v["findings"] }))?);
+        return Ok(true);
+    }
+    println!("{id} ({}):", s(&v, "state"));
+    for f in v.get("findings").and_then(Value::as_array).into_iter().flatten() {
+        let rank = f.get("rank").and_then(Value::as_i64).map_or(String::new(), |r| format!(" (rank {r})"));
+        println!("  {}{rank}", s(f, "kind"));
+        println!("    evidence: {}", s(f, "evidence"));
+        println!("    action:   {}", s(f, "action"));
+    }
+    Ok(true)
+}
+
+/// Parses `--since`: a duration back from now (`90m`, `24h`, `7d`) or milliseconds since the epoch.
+fn since_ms(since: &str) -> Result<i64> {
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64);
+    let t = since.trim();
+    let (num, unit) = t.split_at(t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len()));
+    let n: i64 = num.parse().map_err(|_| anyhow!("--since {since:?}: expected e.g. 90m, 24h, 7d or epoch milliseconds"))?;
+    let ms = match unit {
+        "" => return Ok(n),
+        "s" => n * 1000,
+        "m" => n * 60_000,
+        "h" => n * 3_600_000,
+        "d" => n * 86_400_000,
+        u => bail!("--since {since:?}: unknown unit {u:?} (s, m, h, d)"),
+    };
+    Ok(now - ms)
+}
+
+pub fn cost(client: &Client, team: Option<&str>, since: Option<&str>, json_out: bool) -> Result<bool> {
+    let mut q = Vec::new();
+    if let Some(t) = team {
+        q.push(format!("team={t}"));
+    }
+    if let Some(s) = since {
+        q.push(format!("since={}", since_ms(s)?));
+    }
+    let path = if q.is_empty() { "/api/v1/cost".to_owned() } else { format!("/api/v1/cost?{}", q.join("&")) };
+    let v = client.get(&path)?;
+    if json_out {
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(true);
+    }
+    let cur = s(&v, "currency").to_owned();
+    let h = |x: &Value, k: &str| x.pointer(k).and_then(Value::as_f64).unwrap_or(0.0);
+    println!("{:<11} {:<20} {:<8} {:<10} {:>8} {:>9} {:>9} {:>8} {:>9} {:>10}", "JOB", "NAME", "TEAM", "STATE", "QUEUED", "CPU-H", "USED", "GIB-H", "GPU-H", "COST");
+    for j in v.get("jobs").and_then(Value::as_array).into_iter().flatten() {
+        println!(
+            "{:<11} {:<20} {:<8} {:<10} {:>7.0}s {:>9.4} {:>9.4} {:>8.4} {:>9.4} {:>10}",
+            s(j, "id"),
+            s(j, "name"),
+            s(j, "team"),
+            s(j, "state"),
+            h(j, "/queue_s"),
+            h(j, "/allocated/cpu_hours"),
+            h(j, "/used/cpu_hours"),
+            h(j, "/allocated/gib_hours"),
+            h(j, "/allocated/gpu_hours"),
+            format!("{:.4} {cur}", h(j, "/cost"))
+        );
+    }
+    println!();
+    for t in v.get("teams").and_then(Value::as_array).into_iter().flatten() {
+        println!("team {:<12} {:>4} jobs  {:.4} CPU-h  {:.4} GPU-h  {:.4} {cur}", s(t, "team"), i(t, "jobs"), h(t, "/allocated/cpu_hours"), h(t, "/allocated/gpu_hours"), h(t, "/cost"));
+    }
+    println!("total {:.4} {cur}", h(&v, "/total_cost"));
     Ok(true)
 }
 

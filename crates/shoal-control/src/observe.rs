@@ -1,0 +1,506 @@
+//! Seeing what happens: the dashboard's assets, the overview, resource samples, live streams (server-sent events),
+//! diagnosis, cost, and `/metrics` in the Prometheus text format.
+//!
+//! Metric names follow Prometheus' conventions: the `shoal_` prefix, base units in the name (`_seconds`,
+//! `_bytes`), `_total` for counters.
+
+use std::convert::Infallible;
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{MatchedPath, Path, Query, Request, State};
+use axum::http::{StatusCode, header};
+use axum::middleware::Next;
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use futures_util::{Stream, StreamExt};
+use prometheus::{Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, Opts, Registry, TextEncoder};
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use crate::api::{AppState, job_view, node_json, query, queues_json, visible_job};
+use crate::auth::Caller;
+use crate::control::{Control, parse_stored_spec};
+use crate::db::{JobRow, JobState, MetricRow, now};
+use crate::diagnose::{Context, diagnose};
+use crate::error::{ControlError, Result};
+
+include!(concat!(env!("OUT_DIR"), "/assets.rs"));
+
+/// Process-wide metrics that accumulate (the rest is computed at each scrape).
+#[derive(Debug, Clone)]
+pub struct Metrics {
+    pub registry: Registry,
+    pub api_requests: IntCounterVec,
+    pub api_latency: HistogramVec,
+    pub scheduler_pass: HistogramVec,
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        let registry = Registry::new();
+        let api_requests = IntCounterVec::new(
+            Opts::new("shoal_api_requests_total", "HTTP requests served, by method, route and status"),
+            &["method", "route", "status"],
+        )
+        .expect("valid metric");
+        let api_latency = HistogramVec::new(
+            HistogramOpts::new("shoal_api_request_duration_seconds", "HTTP request latency, by route")
+                .buckets(vec![0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0]),
+            &["route"],
+        )
+        .expect("valid metric");
+        let scheduler_pass = HistogramVec::new(
+            HistogramOpts::new("shoal_scheduler_pass_seconds", "Duration of one scheduling pass")
+                .buckets(vec![0.00001, 0.0001, 0.001, 0.01, 0.1, 1.0]),
+            &[],
+        )
+        .expect("valid metric");
+        for c in [
+            Box::new(api_requests.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(api_latency.clone()),
+            Box::new(scheduler_pass.clone()),
+        ] {
+            registry.register(c).expect("distinct metric names");
+        }
+        Metrics { registry, api_requests, api_latency, scheduler_pass }
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}
+
+/// Counts every request by route and status.
+pub async fn count_requests(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    let route = req.extensions().get::<MatchedPath>().map_or_else(|| "unmatched".to_owned(), |p| p.as_str().to_owned());
+    let method = req.method().to_string();
+    let t0 = std::time::Instant::now();
+    let resp = next.run(req).await;
+    let m = &state.control.metrics;
+    m.api_requests.with_label_values(&[method.as_str(), route.as_str(), resp.status().as_str()]).inc();
+    m.api_latency.with_label_values(&[route.as_str()]).observe(t0.elapsed().as_secs_f64());
+    resp
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// assets
+
+pub async fn index() -> Response {
+    asset_response("index.html")
+}
+
+pub async fn asset(Path(path): Path<String>) -> Response {
+    asset_response(&path)
+}
+
+fn asset_response(path: &str) -> Response {
+    let Some((_, body)) = ASSETS.iter().find(|(p, _)| *p == path) else {
+        return ControlError::NotFound(format!("no asset {path:?}")).into_response();
+    };
+    let ct = match path.rsplit('.').next() {
+        Some("html") => "text/html; charset=utf-8",
+        Some("js" | "mjs") => "text/javascript; charset=utf-8",
+        Some("css") => "text/css; charset=utf-8",
+        Some("svg") => "image/svg+xml",
+        Some("png") => "image/png",
+        Some("json") => "application/json",
+        _ => "text/plain; charset=utf-8",
+    };
+    ([(header::CONTENT_TYPE, ct), (header::CACHE_CONTROL, "no-cache")], Bytes::from_static(body)).into_response()
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// overview
+
+async fn overview_json(c: &Control) -> Result<Value> {
+    let mut counts = serde_json::Map::new();
+    for st in JobState::ALL {
+        counts.insert(st.as_str().into(), json!(0));
+    }
+    for j in c.db.jobs(None, &[], 100_000).await? {
+        if let Some(v) = counts.get_mut(j.state.as_str()) {
+            *v = json!(v.as_i64().unwrap_or(0) + 1);
+        }
+    }
+    let node = node_json(c);
+    let history = c.db.cluster_samples(0, 2000).await?;
+    Ok(json!({
+        "cluster": {
+            "cpus": node["cpus"], "memory_bytes": node["memory_bytes"],
+            "gpus": node["gpus"].as_array().map_or(0, Vec::len),
+            "allocated": node["allocated"],
+        },
+        "jobs": counts,
+        "queues": queues_json(c).await?,
+        "history": history,
+    }))
+}
+
+pub async fn overview(State(state): State<AppState>, _caller: Caller) -> Result<Json<Value>> {
+    Ok(Json(overview_json(&state.control).await?))
+}
+
+pub async fn overview_stream(
+    State(state): State<AppState>,
+    _caller: Caller,
+) -> Sse<impl Stream<Item = std::result::Result<Event, Infallible>>> {
+    let control = state.control.clone();
+    let s = futures_util::stream::unfold(true, move |first| {
+        let control = control.clone();
+        async move {
+            if !first {
+                tokio::time::sleep(Duration::from_secs(2)).await;
+            }
+            let ev = match overview_json(&control).await {
+                Ok(v) => Event::default().event("overview").data(v.to_string()),
+                Err(e) => Event::default().event("error").data(json!({ "error": e.to_string() }).to_string()),
+            };
+            Some((Ok(ev), false))
+        }
+    });
+    Sse::new(s).keep_alive(KeepAlive::default())
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// samples and metrics
+
+/// Bucket means over steps, per rank, to about `max_points` rows each; the last row of each rank is kept as is.
+pub fn downsample(rows: Vec<MetricRow>, max_points: usize) -> Vec<MetricRow> {
+    let mut ranks: Vec<i64> = rows.iter().map(|r| r.rank).collect();
+    ranks.sort_unstable();
+    ranks.dedup();
+    let mut out = Vec::new();
+    for rank in ranks {
+        let mine: Vec<&MetricRow> = rows.iter().filter(|r| r.rank == rank).collect();
+        if mine.len() <= max_points {
+            out.extend(mine.into_iter().cloned());
+            continue;
+        }
+        let per = mine.len().div_ceil(max_points - 1);
+        let (body, last) = mine.split_at(mine.len() - 1);
+        for chunk in body.chunks(per) {
+            let Some(tail) = chunk.last() else { continue };
+            let mut data = serde_json::Map::new();
+            if let Some(obj) = tail.data.as_object() {
+                for (k, v) in obj {
+                    let mean = if k == "step" || k == "comm_bytes" || !v.is_f64() {
+                        None
+                    } else {
+                        let vals: Vec<f64> = chunk.iter().filter_map(|r| r.data.get(k).and_then(Value::as_f64)).collect();
+                        (!vals.is_empty()).then(|| vals.iter().sum::<f64>() / vals.len() as f64)
+                    };
+                    data.insert(k.clone(), mean.map_or_else(|| v.clone(), |m| json!(m)));
+                }
+            }
+            out.push(MetricRow { rank, step: tail.step, time_ms: tail.time_ms, data: Value::Object(data) });
+        }
+        out.extend(last.iter().map(|r| (*r).clone()));
+    }
+    out.sort_by_key(|r| (r.step, r.rank));
+    out
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SamplesQuery {
+    #[serde(default, rename = "access_token")]
+    _token: Option<String>,
+    #[serde(default)]
+    after: Option<i64>,
+    #[serde(default)]
+    max_points: Option<usize>,
+}
+
+pub async fn samples(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+    q: std::result::Result<Query<SamplesQuery>, QueryRejection>,
+) -> Result<Json<Value>> {
+    let q = query(q)?;
+    let job = visible_job(&state, &caller, &id).await?;
+    let mut rows = state.control.db.samples(&job.id, q.after.unwrap_or(0), 1_000_000).await?;
+    if let Some(n) = q.max_points.filter(|n| *n >= 2) {
+        let ranks = rows.iter().map(|r| r.rank).collect::<std::collections::BTreeSet<_>>().len().max(1);
+        let keep = (n * ranks).max(2);
+        if rows.len() > keep {
+            let stride = rows.len().div_ceil(keep);
+            let last = rows.len() - 1;
+            rows = rows.into_iter().enumerate().filter(|(i, _)| i % stride == 0 || *i == last).map(|(_, r)| r).collect();
+        }
+    }
+    Ok(Json(json!({ "samples": rows })))
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// the job's live stream
+
+struct StreamState {
+    control: std::sync::Arc<Control>,
+    id: String,
+    first: bool,
+    done: bool,
+    last_job: String,
+    after_step: std::collections::HashMap<i64, i64>,
+    after_sample: i64,
+    log_offset: u64,
+    log_attempt: i64,
+}
+
+async fn stream_round(st: &mut StreamState) -> Vec<Event> {
+    let mut events = Vec::new();
+    let job = match st.control.db.job(&st.id).await {
+        Ok(Some(j)) => j,
+        _ => {
+            st.done = true;
+            return events;
+        }
+    };
+    if let Ok(v) = job_view(&st.control, &job).await {
+        let text = v.to_string();
+        if text != st.last_job {
+            events.push(Event::default().event("job").data(text.clone()));
+            st.last_job = text;
+        }
+    }
+    // New metrics of every rank (and evaluations, rank -1).
+    let min_after = st.after_step.values().copied().min().unwrap_or(-1);
+    let rows = if st.after_step.is_empty() { -1 } else { min_after };
+    if let Ok(rows) = st.control.db.metrics(&st.id, None, rows, 1_000_000).await {
+        let fresh: Vec<MetricRow> =
+            rows.into_iter().filter(|r| r.step > st.after_step.get(&r.rank).copied().unwrap_or(-1)).collect();
+        for r in &fresh {
+            let e = st.after_step.entry(r.rank).or_insert(-1);
+            *e = (*e).max(r.step);
+        }
+        if !fresh.is_empty() {
+            let fresh = if st.first { downsample(fresh, 2000) } else { fresh };
+            events.push(Event::default().event("metrics").data(json!({ "metrics": fresh }).to_string()));
+        }
+    }
+    if let Ok(s) = st.control.db.samples(&st.id, st.after_sample, 100_000).await
+        && let Some(last) = s.last()
+    {
+        st.after_sample = last.time_ms;
+        events.push(Event::default().event("samples").data(json!({ "samples": s }).to_string()));
+    }
+    // New output of rank 0 of the current attempt (at most 64 KiB per round).
+    if job.attempt != st.log_attempt {
+        st.log_attempt = job.attempt;
+        st.log_offset = 0;
+    }
+    let path = st.control.exec.log_path(&st.id, job.attempt, 0);
+    if let Ok(data) = tokio::fs::read(&path).await {
+        let start = (st.log_offset as usize).min(data.len());
+        let end = data.len().min(start + (64 << 10));
+        if end > start {
+            st.log_offset = end as u64;
+            let text = String::from_utf8_lossy(&data[start..end]).into_owned();
+            events.push(Event::default().event("log").data(json!({ "rank": 0, "text": text }).to_string()));
+        }
+    }
+    st.first = false;
+    if job.state.is_final() {
+        st.done = true;
+    }
+    events
+}
+
+pub async fn job_stream(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+) -> Result<Sse<impl Stream<Item = std::result::Result<Event, Infallible>>>> {
+    let job = visible_job(&state, &caller, &id).await?;
+    let st = StreamState {
+        control: state.control.clone(),
+        id: job.id.clone(),
+        first: true,
+        done: false,
+        last_job: String::new(),
+        after_step: Default::default(),
+        after_sample: 0,
+        log_offset: 0,
+        log_attempt: job.attempt,
+    };
+    let s = futures_util::stream::unfold(st, |mut st| async move {
+        if st.done {
+            return None;
+        }
+        if !st.first {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+        let evs = stream_round(&mut st).await;
+        Some((futures_util::stream::iter(evs.into_iter().map(Ok)), st))
+    })
+    .flatten();
+    Ok(Sse::new(s).keep_alive(KeepAlive::default()))
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// diagnosis and cost
+
+/// The findings for one job.
+pub async fn diagnosis_of(c: &Control, job: &JobRow) -> Result<Vec<crate::diagnose::Finding>> {
+    let spec = parse_stored_spec(job)?;
+    let rows = c.db.metrics(&job.id, None, -1, 10_000_000).await?;
+    let rows: Vec<MetricRow> = rows.into_iter().filter(|r| r.rank >= 0).collect();
+    let samples = c.db.samples(&job.id, 0, 1_000_000).await?;
+    let ctx = Context {
+        world_size: job.workers,
+        cpus_per_worker: spec.resources.cpus as f64 / 1000.0,
+        memory_per_worker: spec.resources.memory,
+        reference_busbw: c.config.reference_busbw,
+    };
+    Ok(diagnose(&rows, &samples, &ctx))
+}
+
+pub async fn diagnosis(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<Json<Value>> {
+    let job = visible_job(&state, &caller, &id).await?;
+    let findings = diagnosis_of(&state.control, &job).await?;
+    Ok(Json(json!({ "id": job.id, "state": job.state, "findings": findings })))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CostQuery {
+    #[serde(default, rename = "access_token")]
+    _token: Option<String>,
+    #[serde(default)]
+    team: Option<String>,
+    /// Jobs created at or after this time (ms since the epoch).
+    #[serde(default)]
+    since: Option<i64>,
+}
+
+pub async fn cost(
+    State(state): State<AppState>,
+    caller: Caller,
+    q: std::result::Result<Query<CostQuery>, QueryRejection>,
+) -> Result<Json<Value>> {
+    let q = query(q)?;
+    let team = match (q.team, caller.0.admin) {
+        (t, true) => t,
+        (Some(t), false) if t != caller.0.team => {
+            return Err(ControlError::Forbidden(format!("you are in team {}, not {t}", caller.0.team)));
+        }
+        (_, false) => Some(caller.0.team.clone()),
+    };
+    let c = &state.control;
+    let jobs = c.db.jobs_since(team.as_deref(), q.since.unwrap_or(0)).await?;
+    let now_ms = now();
+    let mut costs = Vec::with_capacity(jobs.len());
+    for j in &jobs {
+        let Ok(spec) = parse_stored_spec(j) else { continue };
+        let tasks = c.db.all_tasks(&j.id).await?;
+        let samples = c.db.samples(&j.id, 0, 1_000_000).await?;
+        let per_worker =
+            (spec.resources.cpus as f64 / 1000.0, spec.resources.memory, spec.resources.gpus as f64 / 1000.0);
+        costs.push(crate::cost::job_cost(j, per_worker, &tasks, &samples, &c.config.prices, now_ms));
+    }
+    let report = crate::cost::report(costs, &c.config.prices);
+    Ok(Json(serde_json::to_value(report).unwrap_or(Value::Null)))
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Prometheus
+
+fn gauge(reg: &Registry, name: &str, help: &str, labels: &[&str]) -> Option<GaugeVec> {
+    let g = GaugeVec::new(Opts::new(name, help), labels).ok()?;
+    reg.register(Box::new(g.clone())).ok()?;
+    Some(g)
+}
+
+async fn scrape(c: &Control) -> Result<String> {
+    let reg = Registry::new();
+    let jobs = c.db.jobs(None, &[], 100_000).await?;
+    if let Some(g) = gauge(&reg, "shoal_jobs", "Jobs by state", &["state"]) {
+        for st in JobState::ALL {
+            g.with_label_values(&[st.as_str()]).set(jobs.iter().filter(|j| j.state == st).count() as f64);
+        }
+    }
+    if let (Some(p), Some(r)) = (
+        gauge(&reg, "shoal_queue_pending_jobs", "Jobs waiting in a queue", &["queue"]),
+        gauge(&reg, "shoal_queue_running_jobs", "Jobs running from a queue", &["queue"]),
+    ) {
+        for q in &c.queues {
+            let n = |s: JobState| jobs.iter().filter(|j| j.queue == q.name && j.state == s).count() as f64;
+            p.with_label_values(&[q.name.as_str()]).set(n(JobState::Pending));
+            r.with_label_values(&[q.name.as_str()]).set(n(JobState::Running));
+        }
+    }
+    let node = node_json(c);
+    let id = node["id"].as_str().unwrap_or("local").to_owned();
+    for (name, help, v) in [
+        ("shoal_node_cpus", "CPUs a node offers", node["cpus"].as_f64()),
+        ("shoal_node_cpus_allocated", "CPUs allocated to jobs", node["allocated"]["cpus"].as_f64()),
+        ("shoal_node_memory_bytes", "Memory a node offers", node["memory_bytes"].as_f64()),
+        ("shoal_node_memory_allocated_bytes", "Memory allocated to jobs", node["allocated"]["memory_bytes"].as_f64()),
+        ("shoal_node_gpus", "GPUs a node offers", node["gpus"].as_array().map(|a| a.len() as f64)),
+        ("shoal_node_gpus_allocated", "GPUs allocated to jobs", node["allocated"]["gpus"].as_f64()),
+    ] {
+        if let Some(g) = gauge(&reg, name, help, &["node"]) {
+            g.with_label_values(&[id.as_str()]).set(v.unwrap_or(0.0));
+        }
+    }
+    let loss = gauge(&reg, "shoal_job_loss", "Newest training loss of a running job", &["job", "name"]);
+    let step = gauge(&reg, "shoal_job_step", "Newest step of a running job", &["job", "name"]);
+    let tput = gauge(&reg, "shoal_job_samples_per_second", "Training throughput of a running job", &["job", "name"]);
+    let restarts = gauge(&reg, "shoal_job_restarts", "Times a job was started again", &["job", "name"]);
+    let cpu = gauge(&reg, "shoal_task_cpu_usage_ratio", "CPUs a worker used (1 = one CPU busy)", &["job", "rank"]);
+    let rss = gauge(&reg, "shoal_task_resident_memory_bytes", "Resident memory of a worker", &["job", "rank"]);
+    let cpu_s = gauge(&reg, "shoal_task_cpu_seconds", "CPU time a worker used so far", &["job", "rank"]);
+    for j in jobs.iter().filter(|j| matches!(j.state, JobState::Running | JobState::Preempted)) {
+        let labels = [j.id.as_str(), j.name.as_str()];
+        if let Some(g) = &restarts {
+            g.with_label_values(&labels).set(j.restarts as f64);
+        }
+        let last = c.db.last_metric_step(&j.id, 0).await?;
+        if let Some(m) = c.db.metrics(&j.id, Some(0), last - 1, 1).await?.first() {
+            let f = |k: &str| m.data.get(k).and_then(Value::as_f64);
+            if let (Some(g), Some(v)) = (&loss, f("loss")) {
+                g.with_label_values(&labels).set(v);
+            }
+            if let Some(g) = &step {
+                g.with_label_values(&labels).set(m.step as f64);
+            }
+            if let (Some(g), Some(n), Some(t)) = (&tput, f("samples"), f("step_s"))
+                && t > 0.0
+            {
+                g.with_label_values(&labels).set(n / t);
+            }
+        }
+        let recent = c.db.samples(&j.id, now() - 10_000, 10_000).await?;
+        for s in &recent {
+            let rank = s.rank.to_string();
+            let l = [j.id.as_str(), rank.as_str()];
+            if let (Some(g), Some(v)) = (&cpu, s.cpu_percent) {
+                g.with_label_values(&l).set(v / 100.0);
+            }
+            if let (Some(g), Some(v)) = (&rss, s.rss_bytes) {
+                g.with_label_values(&l).set(v as f64);
+            }
+            if let (Some(g), Some(v)) = (&cpu_s, s.cpu_seconds) {
+                g.with_label_values(&l).set(v);
+            }
+        }
+    }
+    let mut families = c.metrics.registry.gather();
+    families.extend(reg.gather());
+    let mut buf = Vec::new();
+    TextEncoder::new()
+        .encode(&families, &mut buf)
+        .map_err(|e| ControlError::Internal(format!("encoding metrics: {e}")))?;
+    String::from_utf8(buf).map_err(|e| ControlError::Internal(format!("metrics text: {e}")))
+}
+
+/// `GET /metrics`: needs a token like the API (Prometheus sends it with `authorization: {credentials: ...}`).
+pub async fn prometheus(State(state): State<AppState>, _caller: Caller) -> Result<Response> {
+    let text = scrape(&state.control).await?;
+    Ok((StatusCode::OK, [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response())
+}
