@@ -37,8 +37,9 @@ pub struct ControlConfig {
     pub preempt_grace: Duration,
     /// The price table for cost reports.
     pub prices: crate::cost::Prices,
-    /// All-reduce bus bandwidth (bytes/s) `shoal bench` measured here, for diagnosis (from `DATA/bench.json`).
-    pub reference_busbw: Option<f64>,
+    /// All-reduce `(bytes, bus bandwidth in bytes/s)` that `shoal bench` measured here (`DATA/bench.json`), the
+    /// reference diagnosis compares a job's communication against; measured on first need when absent.
+    pub bench: Vec<(u64, f64)>,
 }
 
 /// Why a running job is being stopped.
@@ -76,6 +77,8 @@ pub struct Control {
     net_prev: Mutex<Option<(Instant, u64, u64)>>,
     net_last: Mutex<Option<(f64, f64)>>,
     cluster_sampled: Mutex<i64>,
+    /// The all-reduce reference, once measured or loaded (see [`ControlConfig::bench`]).
+    pub bench: tokio::sync::Mutex<Vec<(u64, f64)>>,
     /// Accumulating metrics (API requests, scheduling passes) for `/metrics`.
     pub metrics: crate::observe::Metrics,
 }
@@ -124,6 +127,7 @@ impl Control {
         };
         let sched = Scheduler::new(vec![node.clone()], queues.clone(), sched_cfg)
             .map_err(|e| ControlError::Config(format!("cluster model: {e}")))?;
+        let bench = config.bench.clone();
         Ok(Control {
             exec: LocalExecutor::new(&config.data_dir),
             db,
@@ -138,6 +142,7 @@ impl Control {
             net_prev: Mutex::new(None),
             net_last: Mutex::new(None),
             cluster_sampled: Mutex::new(0),
+            bench: tokio::sync::Mutex::new(bench),
             metrics: crate::observe::Metrics::new(),
         })
     }

@@ -1,9 +1,9 @@
 //! What holds a job back, decided from its per-rank step-time breakdown and its resource samples, with the evidence
 //! and an action. Pure: the inputs are rows from the store, so the rules are tested on their own.
 //!
-//! The rules, over the last [`WINDOW`] steps of every rank (medians, so a checkpoint or an evaluation step does not
-//! sway them):
-//! - **straggler**: one rank's own work (data + compute + optimizer) is ≥ [`STRAGGLER_RATIO`]× the median of the
+//! The rules, over the last [`WINDOW`] steps of every rank (means, so that stalls of a few steps, such as a process
+//! stopped now and then, count with their whole weight):
+//! - **straggler**: one rank's own work (compute + optimizer) is ≥ [`STRAGGLER_RATIO`]× the median of the
 //!   others' (the others then wait for it in communication);
 //! - **data_loading**: waiting for the next batch is ≥ [`DATA_SHARE`] of the step on some rank;
 //! - **communication**: collectives take ≥ [`COMM_SHARE`] of the step (with no straggler to explain it); the
@@ -44,7 +44,7 @@ pub struct Context {
     pub reference_busbw: Option<f64>,
 }
 
-/// Per-rank medians of the step-time parts.
+/// Per-rank means of the step-time parts.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Breakdown {
     pub rank: i64,
@@ -59,10 +59,16 @@ pub struct Breakdown {
 }
 
 impl Breakdown {
-    /// The rank's own work: everything but waiting in collectives.
+    /// The rank's own work: computing and updating. Waiting is left out: for data (a loader slow on every rank
+    /// shows on whichever rank asks first, the others wait in the collective meanwhile and find their batch ready)
+    /// and for collectives (which wait for the slowest).
     pub fn own_s(&self) -> f64 {
-        self.data_s + self.compute_s + self.optimizer_s
+        self.compute_s + self.optimizer_s
     }
+}
+
+fn mean(v: Vec<f64>) -> f64 {
+    if v.is_empty() { 0.0 } else { v.iter().sum::<f64>() / v.len() as f64 }
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -74,7 +80,7 @@ fn median(mut v: Vec<f64>) -> f64 {
     if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 }
 }
 
-/// Medians over the last [`WINDOW`] training rows of each rank.
+/// Means over the last [`WINDOW`] training rows of each rank.
 pub fn breakdowns(rows: &[MetricRow]) -> Vec<Breakdown> {
     let mut ranks: Vec<i64> = rows.iter().map(|r| r.rank).filter(|r| *r >= 0).collect();
     ranks.sort_unstable();
@@ -97,11 +103,11 @@ pub fn breakdowns(rows: &[MetricRow]) -> Vec<Breakdown> {
         out.push(Breakdown {
             rank,
             steps: mine.len(),
-            data_s: median(field("data_s")),
-            compute_s: median(field("compute_s")),
-            comm_s: median(field("comm_s")),
-            optimizer_s: median(field("optimizer_s")),
-            step_s: median(field("step_s")),
+            data_s: mean(field("data_s")),
+            compute_s: mean(field("compute_s")),
+            comm_s: mean(field("comm_s")),
+            optimizer_s: mean(field("optimizer_s")),
+            step_s: mean(field("step_s")),
             comm_bytes_per_step,
         });
     }
@@ -157,7 +163,7 @@ pub fn diagnose(rows: &[MetricRow], samples: &[SampleRow], ctx: &Context) -> Vec
             kind: "straggler",
             rank: Some(rank),
             evidence: format!(
-                "rank {rank} takes {} per step for its own work (data + compute + optimizer) against a median of {} \
+                "rank {rank} takes {} per step on average for its own work (compute + optimizer) against {} \
                  on the other ranks: {ratio:.1}x slower; the others wait for it in communication ({} per step)",
                 ms(x.own_s()),
                 ms(others),
@@ -172,13 +178,12 @@ pub fn diagnose(rows: &[MetricRow], samples: &[SampleRow], ctx: &Context) -> Vec
     // Data loading.
     if let Some(x) = b.iter().filter(|x| x.step_s > 0.0).max_by(|a, c| (a.data_s / a.step_s).total_cmp(&(c.data_s / c.step_s)))
         && x.data_s / x.step_s >= DATA_SHARE
-        && straggler.is_none_or(|(r, _)| r != x.rank || b.iter().all(|o| o.data_s / o.step_s.max(1e-12) >= DATA_SHARE))
     {
         out.push(Finding {
             kind: "data_loading",
             rank: Some(x.rank),
             evidence: format!(
-                "waiting for the next batch is {} of the step on rank {} (median {} of {})",
+                "waiting for the next batch is {} of the step on rank {} (mean {} of {})",
                 pct(x.data_s / x.step_s),
                 x.rank,
                 ms(x.data_s),
@@ -203,7 +208,7 @@ pub fn diagnose(rows: &[MetricRow], samples: &[SampleRow], ctx: &Context) -> Vec
             kind: "communication",
             rank: Some(x.rank),
             evidence: format!(
-                "collectives take {} of the step on rank {} (median {} of {}); {:.0} KB sent per step at {} achieved \
+                "collectives take {} of the step on rank {} (mean {} of {}); {:.0} KB sent per step at {} achieved \
                  bus bandwidth{versus}",
                 pct(x.comm_s / x.step_s),
                 x.rank,

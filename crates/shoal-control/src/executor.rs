@@ -64,6 +64,8 @@ pub struct LocalExecutor {
     children: Mutex<HashMap<(String, i64, i64), Child>>,
     /// How many running tasks are pinned to each CPU, by task.
     pinned: Mutex<HashMap<(String, i64, i64), Vec<usize>>>,
+    /// Exit statuses of reaped wrappers whose sessions still had processes.
+    reaped: Mutex<HashMap<(String, i64, i64), i32>>,
 }
 
 fn key(t: &TaskRow) -> (String, i64, i64) {
@@ -78,6 +80,7 @@ impl LocalExecutor {
             cpus: own_cpus(),
             children: Mutex::new(HashMap::new()),
             pinned: Mutex::new(HashMap::new()),
+            reaped: Mutex::new(HashMap::new()),
         }
     }
 
@@ -213,47 +216,57 @@ impl LocalExecutor {
     }
 
     /// Whether the task still runs, how it ended, or that it is lost.
+    ///
+    /// A task is over only when every process of its session is gone: when the wrapper has ended but something it
+    /// started lingers (a worker that ignored SIGTERM, a stray child), the leftovers get SIGKILL and the task counts
+    /// as running until they are gone, so nothing of an attempt outlives it.
     pub fn probe(&self, t: &TaskRow) -> TaskStatus {
         let k = key(t);
-        // Our own child: reap it (its status is the wrapper's, which is the task's).
-        let waited = {
+        // Our own child: reap it (its status is the wrapper's, which is the task's) and remember the status.
+        {
             let mut children = self.children.lock().unwrap_or_else(|p| p.into_inner());
-            match children.get_mut(&k).map(|c| c.try_wait()) {
-                Some(Ok(Some(st))) => {
-                    children.remove(&k);
-                    Some(st)
-                }
-                _ => None,
+            if let Some(Ok(Some(st))) = children.get_mut(&k).map(|c| c.try_wait()) {
+                use std::os::unix::process::ExitStatusExt;
+                children.remove(&k);
+                let code = st.code().unwrap_or_else(|| 128 + st.signal().unwrap_or(0));
+                self.reaped.lock().unwrap_or_else(|p| p.into_inner()).insert(k.clone(), code);
             }
-        };
-        if let Some(code) = self.read_exit(t) {
-            self.release(&k);
-            return TaskStatus::Exited(code);
         }
-        if let Some(st) = waited {
-            use std::os::unix::process::ExitStatusExt;
-            self.release(&k);
-            return TaskStatus::Exited(st.code().unwrap_or_else(|| 128 + st.signal().unwrap_or(0)));
-        }
-        let alive = match (t.pid, t.start_ticks) {
+        let wrapper_alive = match (t.pid, t.start_ticks) {
             (Some(pid), Some(ticks)) => start_ticks(pid) == Some(ticks) && !is_zombie(pid),
             (Some(pid), None) => Path::new(&format!("/proc/{pid}")).exists() && !is_zombie(pid),
             _ => false,
         };
-        if alive {
+        if wrapper_alive {
+            return TaskStatus::Running;
+        }
+        if let Some(sid) = t.pid
+            && session_alive(sid)
+        {
+            // SAFETY: plain syscall; the session's processes are in the group the wrapper led.
+            unsafe {
+                libc::kill(-(sid as i32), libc::SIGKILL);
+            }
             return TaskStatus::Running;
         }
         // The exit file may land just after the process is gone.
-        std::thread::sleep(std::time::Duration::from_millis(20));
-        if let Some(code) = self.read_exit(t) {
-            self.release(&k);
-            return TaskStatus::Exited(code);
+        let mut code = self.read_exit(t);
+        if code.is_none() {
+            code = self.reaped.lock().unwrap_or_else(|p| p.into_inner()).get(&k).copied();
+        }
+        if code.is_none() {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            code = self.read_exit(t);
         }
         self.release(&k);
-        TaskStatus::Lost(format!(
-            "process {} ended without recording an exit status",
-            t.pid.map_or_else(|| "?".into(), |p| p.to_string())
-        ))
+        self.reaped.lock().unwrap_or_else(|p| p.into_inner()).remove(&k);
+        match code {
+            Some(c) => TaskStatus::Exited(c),
+            None => TaskStatus::Lost(format!(
+                "process {} ended without recording an exit status",
+                t.pid.map_or_else(|| "?".into(), |p| p.to_string())
+            )),
+        }
     }
 
     fn read_exit(&self, t: &TaskRow) -> Option<i32> {
@@ -368,6 +381,17 @@ fn stat_fields(pid: i64) -> Option<Vec<String>> {
 /// Field 22 of `/proc/PID/stat`: start time in clock ticks since boot.
 pub fn start_ticks(pid: i64) -> Option<i64> {
     stat_fields(pid)?.get(19)?.parse().ok()
+}
+
+/// Whether any live (not zombie) process belongs to session `sid`.
+fn session_alive(sid: i64) -> bool {
+    let Ok(dir) = std::fs::read_dir("/proc") else { return false };
+    dir.flatten().any(|e| {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i64>().ok()) else { return false };
+        stat_fields(pid).is_some_and(|f| {
+            f.get(3).and_then(|s| s.parse::<i64>().ok()) == Some(sid) && !matches!(f.first().map(String::as_str), Some("Z" | "X"))
+        })
+    })
 }
 
 fn is_zombie(pid: i64) -> bool {

@@ -351,13 +351,57 @@ pub async fn diagnosis_of(c: &Control, job: &JobRow) -> Result<Vec<crate::diagno
     let rows = c.db.metrics(&job.id, None, -1, 10_000_000).await?;
     let rows: Vec<MetricRow> = rows.into_iter().filter(|r| r.rank >= 0).collect();
     let samples = c.db.samples(&job.id, 0, 1_000_000).await?;
-    let ctx = Context {
+    let mut ctx = Context {
         world_size: job.workers,
         cpus_per_worker: spec.resources.cpus as f64 / 1000.0,
         memory_per_worker: spec.resources.memory,
-        reference_busbw: c.config.reference_busbw,
+        reference_busbw: None,
     };
+    let first = diagnose(&rows, &samples, &ctx);
+    if !first.iter().any(|f| f.kind == "communication") {
+        return Ok(first);
+    }
+    // Communication: compare with what the transport does here, for the bytes this job sends per step.
+    let per_step = crate::diagnose::breakdowns(&rows).iter().map(|b| b.comm_bytes_per_step).fold(0.0, f64::max);
+    let reference = bench_reference(c).await;
+    ctx.reference_busbw = reference
+        .iter()
+        .min_by(|a, b| ((a.0 as f64).ln() - per_step.max(1.0).ln()).abs().total_cmp(&((b.0 as f64).ln() - per_step.max(1.0).ln()).abs()))
+        .map(|r| r.1);
     Ok(diagnose(&rows, &samples, &ctx))
+}
+
+/// The all-reduce reference of this machine: loaded from `DATA/bench.json`, or measured once with `shoal bench`
+/// (2 ranks, 64 KiB to 16 MiB) and saved there.
+async fn bench_reference(c: &Control) -> Vec<(u64, f64)> {
+    let mut cached = c.bench.lock().await;
+    if !cached.is_empty() {
+        return cached.clone();
+    }
+    let program = c.config.worker_program.clone();
+    let out = tokio::time::timeout(
+        Duration::from_secs(120),
+        tokio::process::Command::new(&program)
+            .args(["bench", "allreduce", "--ranks", "2", "--sizes", "64KiB,1MiB,16MiB", "--iters", "20"])
+            .args(["--warmup", "5", "--timeout", "30s", "--json"])
+            .stdin(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await;
+    match out {
+        Ok(Ok(o)) if o.status.success() => {
+            let text = String::from_utf8_lossy(&o.stdout).into_owned();
+            let rows = crate::server::parse_bench(&text);
+            if !rows.is_empty() {
+                let _ = std::fs::write(c.config.data_dir.join("bench.json"), &text);
+                tracing::info!(rows = rows.len(), "measured the all-reduce reference for diagnosis");
+            }
+            *cached = rows;
+        }
+        other => tracing::warn!(?other, "could not measure the all-reduce reference; diagnosis goes without it"),
+    }
+    cached.clone()
 }
 
 pub async fn diagnosis(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<Json<Value>> {

@@ -112,17 +112,26 @@ fn lock_data_dir(dir: &Path) -> Result<std::fs::File> {
     Ok(f)
 }
 
-/// The best all-reduce bus bandwidth in a saved `shoal bench allreduce --json` report, in bytes/s.
-fn bench_reference(path: &Path) -> Option<f64> {
-    let text = std::fs::read_to_string(path).ok()?;
-    let v: serde_json::Value = serde_json::from_str(&text).ok()?;
-    let rows = v.as_array().cloned().or_else(|| v.get("results").and_then(|r| r.as_array().cloned()))?;
-    let best = rows
-        .iter()
+/// `(bytes, bus bandwidth in bytes/s)` of the all-reduce rows of a saved `shoal bench allreduce --json` report
+/// (JSON lines, or one array).
+pub fn bench_reference(path: &Path) -> Vec<(u64, f64)> {
+    let Ok(text) = std::fs::read_to_string(path) else { return Vec::new() };
+    parse_bench(&text)
+}
+
+pub fn parse_bench(text: &str) -> Vec<(u64, f64)> {
+    let rows: Vec<serde_json::Value> = match serde_json::from_str::<serde_json::Value>(text) {
+        Ok(serde_json::Value::Array(a)) => a,
+        _ => text.lines().filter_map(|l| serde_json::from_str(l).ok()).collect(),
+    };
+    rows.iter()
         .filter(|r| r.get("op").and_then(|o| o.as_str()).is_none_or(|o| o == "allreduce"))
-        .filter_map(|r| r.get("busbw_GBps").and_then(serde_json::Value::as_f64))
-        .fold(0.0, f64::max);
-    (best > 0.0).then_some(best * 1e9)
+        .filter_map(|r| {
+            let bytes = r.get("bytes")?.as_u64()?;
+            let bw = r.get("busbw_GBps")?.as_f64()?;
+            (bw > 0.0).then_some((bytes, bw * 1e9))
+        })
+        .collect()
 }
 
 /// Reads or creates the admin token, making sure the store knows it.
@@ -195,7 +204,7 @@ pub async fn prepare(opts: &ServerOptions) -> Result<Prepared> {
         kill_grace: opts.kill_grace,
         preempt_grace: opts.preempt_grace,
         prices: opts.prices.clone(),
-        reference_busbw: bench_reference(&opts.data_dir.join("bench.json")),
+        bench: bench_reference(&opts.data_dir.join("bench.json")),
     };
     let control = Arc::new(Control::new(db, config, node, queues)?);
     control.recover().await?;

@@ -2,5 +2,7 @@
 //! shared memory.
 
 mod bench;
+mod diagnose;
+mod platform;
 mod run;
 mod train;
