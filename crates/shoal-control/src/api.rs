@@ -526,7 +526,7 @@ pub(crate) fn node_json(c: &Control) -> Value {
         "allocated": {
             "cpus": a.map_or(0.0, |a| a.cpus_milli as f64 / 1000.0),
             "memory_bytes": a.map_or(0, |a| a.memory_bytes),
-            "gpus": a.map_or(0.0, |a| a.gpus.iter().map(|(share, _)| f64::from(*share)).sum::<f64>() / 1000.0),
+            "gpus": a.map_or(0.0, |a| a.gpus.iter().map(|(share, _)| f64::from(*share)).sum::<f64>() / 1000.0 + 0.0),
         },
     });
     node

@@ -636,24 +636,40 @@ impl Control {
             Decision::Requeue { job } => {
                 let Some(row) = self.db.job(&job).await? else { return Ok(()) };
                 let tasks = self.db.tasks(&row.id, row.attempt).await?;
-                // The scheduler already counts it pending; make sure nothing of it runs before it is placed again.
-                let mut stopping = self.stopping.lock().unwrap_or_else(|p| p.into_inner());
+                // The scheduler counts its resources free from now on: nothing of it may run any more. SIGKILL
+                // and wait (briefly) until every process is confirmed gone before anything else is placed.
                 for t in tasks.iter().filter(|t| t.state == "running") {
                     self.exec.signal(t, libc::SIGKILL);
                 }
-                stopping.insert(
-                    row.id.clone(),
-                    Stop {
-                        since: Instant::now(),
-                        killed: true,
-                        why: StopWhy::Requeue(
-                            "preempted; back in the queue, resumes from its newest checkpoint".into(),
-                        ),
-                    },
-                );
-                drop(stopping);
-                // It is pending in the scheduler's books already; withdraw it until its processes are gone.
-                let _ = self.sched().finish(&row.id);
+                let t0 = Instant::now();
+                let mut gone = false;
+                while t0.elapsed() < Duration::from_secs(5) {
+                    gone = tasks.iter().filter(|t| t.state == "running").all(|t| self.exec.probe(t) != TaskStatus::Running);
+                    if gone {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                if !gone {
+                    // Still there after SIGKILL: hold it back from the queue until its processes are gone.
+                    tracing::error!(job = %row.id, "preempted job's processes survive SIGKILL; requeue deferred");
+                    let _ = self.sched().finish(&row.id);
+                    self.begin_stop(&row, &tasks, StopWhy::Requeue("preempted; back in the queue".into()));
+                    return Ok(());
+                }
+                self.settle_tasks(&tasks).await?;
+                self.db
+                    .transition(
+                        &row.id,
+                        &[JobState::Preempted],
+                        JobState::Pending,
+                        Transition {
+                            kind: "requeued",
+                            message: "preempted; back in the queue, resumes from its newest checkpoint".into(),
+                            ..Default::default()
+                        },
+                    )
+                    .await?;
                 Ok(())
             }
             Decision::Grow { job, tasks } => {
@@ -685,6 +701,27 @@ impl Control {
                 Ok(())
             }
         }
+    }
+
+    /// Records the end of every task of `tasks` still marked running (after they were confirmed gone).
+    async fn settle_tasks(&self, tasks: &[TaskRow]) -> Result<()> {
+        for t in tasks.iter().filter(|t| t.state == "running") {
+            let mut row = t.clone();
+            match self.exec.probe(t) {
+                TaskStatus::Exited(c) => {
+                    row.state = "exited".into();
+                    row.exit_code = Some(i64::from(c));
+                }
+                TaskStatus::Lost(why) => {
+                    row.state = "lost".into();
+                    row.reason = why;
+                }
+                TaskStatus::Running => continue,
+            }
+            row.ended_ms = Some(now());
+            self.db.upsert_task(&row).await?;
+        }
+        Ok(())
     }
 
     async fn place(&self, id: &str, assignments: &[TaskPlacement]) -> Result<()> {
@@ -893,7 +930,7 @@ impl Control {
             time_ms: now_ms,
             cpus_allocated: alloc.iter().map(|a| a.cpus_milli as f64 / 1000.0).sum(),
             memory_allocated_bytes: alloc.iter().map(|a| a.memory_bytes as i64).sum(),
-            gpus_allocated: alloc.iter().flat_map(|a| a.gpus.iter().map(|g| f64::from(g.0) / 1000.0)).sum(),
+            gpus_allocated: alloc.iter().flat_map(|a| a.gpus.iter().map(|g| f64::from(g.0) / 1000.0)).sum::<f64>() + 0.0,
             pending: active.iter().filter(|j| j.state == JobState::Pending).count() as i64,
             running: active.iter().filter(|j| j.state == JobState::Running).count() as i64,
         };

@@ -768,14 +768,15 @@ impl Db {
         Ok(n)
     }
 
-    /// Metrics of a job after `after_step`, optionally of one rank, by step.
+    /// Metrics of a job after `after_step`, optionally of one rank (-1: the evaluations), by step.
     pub async fn metrics(&self, job: &str, rank: Option<i64>, after_step: i64, limit: i64) -> Result<Vec<MetricRow>> {
         let rows = sqlx::query(
-            "SELECT rank, step, time_ms, data FROM metrics WHERE job_id = $1 AND ($2 < 0 OR rank = $2) AND step > $3 \
-             ORDER BY step, rank LIMIT $4",
+            "SELECT rank, step, time_ms, data FROM metrics WHERE job_id = $1 AND ($2 = 0 OR rank = $3) AND step > $4 \
+             ORDER BY step, rank LIMIT $5",
         )
         .bind(job)
-        .bind(rank.unwrap_or(-1))
+        .bind(i64::from(rank.is_some()))
+        .bind(rank.unwrap_or(0))
         .bind(after_step)
         .bind(limit)
         .fetch_all(&self.pool)

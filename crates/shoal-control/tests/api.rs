@@ -58,6 +58,7 @@ async fn env(tag: &str, database: Option<String>) -> Env {
     opts.memory_bytes = Some(8 << 30);
     opts.gpus = 8;
     opts.kill_grace = Duration::from_millis(500);
+    opts.preempt_grace = Duration::from_secs(1);
     let p = prepare(&opts).await.expect("prepare the server");
     let app = router(AppState { control: p.control.clone(), auth: true });
     let admin = p.admin_token.clone();
@@ -334,6 +335,43 @@ async fn lifecycle_with_real_processes(e: &Env) {
     assert_eq!(v["metrics"][0]["data"]["loss"], 2.0, "{v}");
 }
 
+/// A job of higher priority preempts a running one: the victim gets SIGTERM and its grace period, goes back to the
+/// queue (`preempted`, then `requeued`), and starts again once the room is free.
+async fn preemption_by_priority(e: &Env) {
+    let a = &e.app;
+    let t = e.admin.as_str();
+    set_mode(&e.dir, "sleep");
+    let low = job_with("priority = 0", &[("count = 2", "count = 4"), ("name = \"tiny\"", "name = \"low\"")]);
+    let (st, v) = submit(a, t, &low).await;
+    assert_eq!(st, StatusCode::CREATED, "{v}");
+    let low_id = v["id"].as_str().expect("id").to_owned();
+    let v = tick_until(e, &low_id, "running", Duration::from_secs(30)).await;
+    let low_pids: Vec<i64> = v["workers"].as_array().expect("workers").iter().filter_map(|w| w["pid"].as_i64()).collect();
+    let high = job_with("priority = 10", &[("name = \"tiny\"", "name = \"high\"")]);
+    let (st, v) = submit(a, t, &high).await;
+    assert_eq!(st, StatusCode::CREATED, "{v}");
+    let high_id = v["id"].as_str().expect("id").to_owned();
+    let v = tick_until(e, &high_id, "running", Duration::from_secs(60)).await;
+    assert_eq!(v["workers"].as_array().map(Vec::len), Some(2), "{v:#}");
+    assert!(low_pids.iter().all(|&p| !pid_alive(p)), "the preempted job's workers must be gone before the other starts");
+    let (_, v) = get(a, &format!("/api/v1/jobs/{low_id}"), t).await;
+    assert_eq!(v["state"], "pending", "{v:#}");
+    let kinds: Vec<&str> = v["events"].as_array().expect("events").iter().filter_map(|e| e["kind"].as_str()).collect();
+    assert_eq!(kinds, ["submitted", "started", "preempted", "requeued"], "{v:#}");
+    let why = v["events"][2]["message"].as_str().unwrap_or_default();
+    assert!(why.contains(&high_id) && why.contains("higher priority"), "{why}");
+    // When the high-priority job ends, the victim runs again (attempt 2, not counted as a restart).
+    for id in [&high_id, &low_id] {
+        let (st, _) = call(a, "POST", &format!("/api/v1/jobs/{id}/cancel"), Some(t), "application/json", Vec::new()).await;
+        assert_eq!(st, StatusCode::ACCEPTED);
+        if id == &high_id {
+            tick_until(e, id, "cancelled", Duration::from_secs(30)).await;
+        }
+    }
+    let v = tick_until(e, &low_id, "cancelled", Duration::from_secs(30)).await;
+    assert_eq!(v["restarts"], 0, "{v:#}");
+}
+
 async fn suite(tag: &str, database: Option<String>) {
     let e = env(tag, database).await;
     let (st, v) = get(&e.app, "/healthz", &e.admin).await;
@@ -341,6 +379,9 @@ async fn suite(tag: &str, database: Option<String>) {
     bad_input_is_a_4xx_naming_the_field(&e).await;
     auth_isolates_teams(&e).await;
     lifecycle_with_real_processes(&e).await;
+    if tag == "sqlite" {
+        preemption_by_priority(&e).await;
+    }
     let _ = std::fs::remove_dir_all(&e.dir);
 }
 

@@ -2,6 +2,7 @@
 //! shared memory.
 
 mod bench;
+mod dashboard;
 mod diagnose;
 mod platform;
 mod run;
