@@ -79,6 +79,8 @@ pub struct Control {
     cluster_sampled: Mutex<i64>,
     /// The all-reduce reference, once measured or loaded (see [`ControlConfig::bench`]).
     pub bench: tokio::sync::Mutex<Vec<(u64, f64)>>,
+    /// GPU telemetry (NVML with the `nvml` feature).
+    pub gpus: crate::gpu::Gpus,
     /// Accumulating metrics (API requests, scheduling passes) for `/metrics`.
     pub metrics: crate::observe::Metrics,
 }
@@ -143,6 +145,7 @@ impl Control {
             net_last: Mutex::new(None),
             cluster_sampled: Mutex::new(0),
             bench: tokio::sync::Mutex::new(bench),
+            gpus: crate::gpu::Gpus::new(),
             metrics: crate::observe::Metrics::new(),
         })
     }
@@ -874,6 +877,7 @@ impl Control {
                 (dt > 0.0).then(|| ((u.cpu_seconds - cpu) / dt * 100.0).max(0.0))
             });
             self.sampled.lock().unwrap_or_else(|p| p.into_inner()).insert(k, (now_ms, u.cpu_seconds));
+            let gpu = if t.gpus.is_empty() { None } else { self.gpus.read(&crate::gpu::indices(&t.gpus)) };
             let row = SampleRow {
                 rank: t.rank,
                 time_ms: now_ms,
@@ -882,10 +886,10 @@ impl Control {
                 cpu_seconds: Some(u.cpu_seconds),
                 net_rx_bytes_per_s: net.map(|n| n.0),
                 net_tx_bytes_per_s: net.map(|n| n.1),
-                gpu_util_percent: None,
-                gpu_memory_bytes: None,
-                gpu_temperature_c: None,
-                gpu_power_w: None,
+                gpu_util_percent: gpu.map(|g| g.util_percent),
+                gpu_memory_bytes: gpu.map(|g| g.memory_bytes as i64),
+                gpu_temperature_c: gpu.map(|g| g.temperature_c),
+                gpu_power_w: gpu.map(|g| g.power_w),
             };
             if cpu_percent.is_some() {
                 let _ = self.db.insert_samples(&t.job_id, std::slice::from_ref(&row)).await;

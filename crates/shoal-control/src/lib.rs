@@ -19,7 +19,8 @@
 //! - A user sees and acts on its own team's jobs only; another team's job is reported as not found.
 //! - No candle here: the control plane talks to workers only through processes, files and the wire.
 //!
-//! No feature flags.
+//! Feature `nvml`: GPU discovery and per-task GPU telemetry through NVML ([`gpu`]); without it, GPUs are what
+//! `--gpus` declares and their samples are empty.
 
 pub mod api;
 pub mod auth;
@@ -29,6 +30,7 @@ pub mod db;
 pub mod diagnose;
 pub mod error;
 pub mod executor;
+pub mod gpu;
 pub mod observe;
 pub mod server;
 

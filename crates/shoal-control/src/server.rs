@@ -183,9 +183,16 @@ pub async fn prepare(opts: &ServerOptions) -> Result<Prepared> {
         host: host.clone(),
         cpus_milli: opts.cpus_milli.unwrap_or(executor::cpu_count() as u64 * 1000),
         memory_bytes: opts.memory_bytes.unwrap_or_else(executor::total_memory),
-        gpus: (0..opts.gpus)
-            .map(|i| Gpu { index: i, memory_bytes: opts.gpu_memory_bytes, kind: "gpu".into() })
-            .collect(),
+        gpus: if opts.gpus > 0 {
+            (0..opts.gpus).map(|i| Gpu { index: i, memory_bytes: opts.gpu_memory_bytes, kind: "gpu".into() }).collect()
+        } else {
+            // Discovered through NVML (feature `nvml`); none otherwise.
+            crate::gpu::Gpus::new()
+                .list()
+                .into_iter()
+                .map(|g| Gpu { index: g.index, memory_bytes: g.memory_bytes, kind: g.name })
+                .collect()
+        },
         labels: Default::default(),
     };
     let queues = vec![Queue {
@@ -193,7 +200,7 @@ pub async fn prepare(opts: &ServerOptions) -> Result<Prepared> {
         guaranteed: Quota {
             cpus_milli: node.cpus_milli,
             memory_bytes: node.memory_bytes,
-            gpus_milli: u64::from(opts.gpus) * 1000,
+            gpus_milli: node.gpus.len() as u64 * 1000,
         },
         can_borrow: true,
     }];
