@@ -6,7 +6,8 @@
 //! - **straggler**: one rank's own work (compute + optimizer) is ≥ [`STRAGGLER_RATIO`]× the median of the
 //!   others' (the others then wait for it in communication);
 //! - **data_loading**: waiting for the next batch is ≥ [`DATA_SHARE`] of the step on some rank;
-//! - **communication**: collectives take ≥ [`COMM_SHARE`] of the step (with no straggler to explain it); the
+//! - **communication**: collectives take ≥ [`COMM_SHARE`] of the step even on the rank that waits least there
+//!   (with no straggler to explain it); the
 //!   evidence gives the bytes per step and the achieved bus bandwidth, against what `shoal bench` measured for
 //!   the transport when a reference is known;
 //! - **memory_pressure**: a worker's peak resident memory is ≥ [`MEMORY_SHARE`] of its request;
@@ -194,9 +195,14 @@ pub fn diagnose(rows: &[MetricRow], samples: &[SampleRow], ctx: &Context) -> Vec
                 .into(),
         });
     }
-    // Communication, when no straggler explains it.
+    // Communication, when no straggler explains it. Judged on the rank that spends the least time in collectives:
+    // the others may also be waiting there for a slower peer, but the last to arrive waits for no one, so what it
+    // spends is the transfer itself.
     if straggler.is_none()
-        && let Some(x) = b.iter().filter(|x| x.step_s > 0.0).max_by(|a, c| (a.comm_s / a.step_s).total_cmp(&(c.comm_s / c.step_s)))
+        && let Some(x) = b
+            .iter()
+            .filter(|x| x.step_s > 0.0)
+            .min_by(|a, c| (a.comm_s / a.step_s).total_cmp(&(c.comm_s / c.step_s)))
         && x.comm_s / x.step_s >= COMM_SHARE
     {
         let achieved = if x.comm_s > 0.0 { x.comm_bytes_per_step / x.comm_s } else { 0.0 };
@@ -206,10 +212,10 @@ pub fn diagnose(rows: &[MetricRow], samples: &[SampleRow], ctx: &Context) -> Vec
         };
         out.push(Finding {
             kind: "communication",
-            rank: Some(x.rank),
+            rank: None,
             evidence: format!(
-                "collectives take {} of the step on rank {} (mean {} of {}); {:.0} KB sent per step at {} achieved \
-                 bus bandwidth{versus}",
+                "collectives take {} of the step even on rank {}, the one that waits least (mean {} of {}); {:.0} KB \
+                 sent per step at {} achieved bus bandwidth{versus}",
                 pct(x.comm_s / x.step_s),
                 x.rank,
                 ms(x.comm_s),

@@ -99,6 +99,12 @@ pub enum CheckpointError {
         /// What happened.
         why: String,
     },
+    /// Mirroring to the object store failed (the local checkpoint is whole).
+    #[error("checkpoint mirror: {why}")]
+    Remote {
+        /// What failed, naming the object URL.
+        why: String,
+    },
 }
 
 impl CheckpointError {
@@ -106,7 +112,7 @@ impl CheckpointError {
     pub fn path(&self) -> Option<&Path> {
         match self {
             Self::Io { path, .. } | Self::Missing { path } | Self::Corrupt { path, .. } => Some(path),
-            Self::InvalidInput { .. } | Self::Timeout { .. } | Self::SaverGone { .. } => None,
+            Self::InvalidInput { .. } | Self::Timeout { .. } | Self::SaverGone { .. } | Self::Remote { .. } => None,
         }
     }
 }
@@ -248,6 +254,8 @@ pub struct SaveStats {
     pub pruned: Vec<PathBuf>,
     /// Wall time of that prune (AsyncSaver only).
     pub prune_seconds: f64,
+    /// Seconds spent uploading to the object store mirror (AsyncSaver with a mirror only).
+    pub upload_seconds: f64,
 }
 
 // ---------------------------------------------------------------------------
@@ -258,7 +266,7 @@ fn step_dir_name(step: u64) -> String {
 }
 
 /// `step-<digits>` -> the step.
-fn parse_step_name(name: &str) -> Option<u64> {
+pub(crate) fn parse_step_name(name: &str) -> Option<u64> {
     let digits = name.strip_prefix("step-")?;
     if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
         return None;
@@ -747,6 +755,7 @@ impl CheckpointDir {
             mb_per_s: mb_per_s(bytes, seconds),
             pruned: Vec::new(),
             prune_seconds: 0.0,
+            upload_seconds: 0.0,
         })
     }
 
@@ -962,6 +971,8 @@ pub struct AsyncSaver {
     wait_timeout: Duration,
     last_wait: Duration,
     last_stats: Option<SaveStats>,
+    /// The object store every saved checkpoint is mirrored to.
+    mirror: Option<Arc<crate::remote::RemoteStore>>,
     #[cfg(test)]
     gate: Arc<Gate>,
 }
@@ -986,9 +997,16 @@ impl AsyncSaver {
             wait_timeout: DEFAULT_WAIT_TIMEOUT,
             last_wait: Duration::ZERO,
             last_stats: None,
+            mirror: None,
             #[cfg(test)]
             gate: Arc::default(),
         }
+    }
+
+    /// Also uploads every saved checkpoint to `remote` (on the saver thread) and prunes it to `keep` there.
+    pub fn with_mirror(mut self, remote: Arc<crate::remote::RemoteStore>) -> Self {
+        self.mirror = Some(remote);
+        self
     }
 
     /// Bound on how long `submit` (and drop) waits for a save still running
@@ -1026,6 +1044,7 @@ impl AsyncSaver {
         let (res_tx, res_rx) = mpsc::channel::<Result<SaveStats>>();
         let dir = self.dir.clone();
         let keep = self.keep;
+        let mirror = self.mirror.clone();
         #[cfg(test)]
         let gate = Arc::clone(&self.gate);
         let handle = thread::Builder::new()
@@ -1044,6 +1063,14 @@ impl AsyncSaver {
                             Err(e) => tracing::warn!("pruning checkpoints failed: {e}"),
                         }
                         stats.prune_seconds = t.elapsed().as_secs_f64();
+                    }
+                    if let (Ok(stats), Some(m)) = (&mut res, &mirror) {
+                        let t = Instant::now();
+                        let up = m.upload_step(&stats.dir).and_then(|_| m.prune(keep));
+                        stats.upload_seconds = t.elapsed().as_secs_f64();
+                        if let Err(e) = up {
+                            res = Err(CheckpointError::Remote { why: e.to_string() });
+                        }
                     }
                     if res_tx.send(res).is_err() {
                         break;

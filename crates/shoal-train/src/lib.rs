@@ -19,6 +19,7 @@ pub mod error;
 pub mod models;
 pub mod optim;
 pub mod params;
+pub mod remote;
 pub use shoal_spec as spec;
 pub mod trainer;
 pub mod worker;

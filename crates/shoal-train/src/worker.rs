@@ -193,14 +193,24 @@ fn evaluate(
 }
 
 /// Where checkpoints go: `checkpoint.url` (a path or `file://` URL), else the output directory.
+/// Where checkpoints are written locally: the `checkpoint.url` directory, or the output directory (also the staging
+/// directory of an object-store URL, whose checkpoints are mirrored there by [`crate::remote`]).
 pub fn checkpoint_root(spec: &JobSpec, output: &Path) -> Result<PathBuf> {
     match spec.checkpoint.url.as_deref() {
         None => Ok(output.to_path_buf()),
         Some(u) if u.starts_with("file://") => Ok(PathBuf::from(&u["file://".len()..])),
         Some(u) if !u.contains("://") => Ok(PathBuf::from(u)),
-        Some(u) => Err(Error::Spec(format!(
-            "checkpoint.url: {u:?}: only local paths and file:// URLs are supported by this build"
-        ))),
+        Some(_) => Ok(output.to_path_buf()),
+    }
+}
+
+/// The object store a job's checkpoints are mirrored to, when `checkpoint.url` names one.
+pub fn checkpoint_remote(spec: &JobSpec) -> Result<Option<Arc<crate::remote::RemoteStore>>> {
+    match spec.checkpoint.url.as_deref() {
+        Some(u) if crate::remote::is_remote(u) => crate::remote::RemoteStore::open(u)
+            .map(|r| Some(Arc::new(r)))
+            .map_err(|e| Error::Checkpoint(format!("checkpoint.url: {e}"))),
+        _ => Ok(None),
     }
 }
 
@@ -269,6 +279,21 @@ pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
     let (params, model) = build_model(spec, &mut rng)?;
     let parameters = params.count();
     let ckpt_dir = CheckpointDir::new(checkpoint_root(spec, &opts.output)?);
+    let remote = if rank == 0 { checkpoint_remote(spec)? } else { None };
+    if opts.resume && spec.checkpoint.url.as_deref().is_some_and(crate::remote::is_remote) {
+        // Rank 0 brings the newest valid remote checkpoint into the local staging directory; the others wait.
+        if let Some(r) = &remote {
+            let (step, skipped) = r.fetch_latest_valid(&ckpt_dir).map_err(|e| Error::Checkpoint(e.to_string()))?;
+            for (url, why) in &skipped {
+                eprintln!("warning: skipped checkpoint object {url}: {why}");
+            }
+            match step {
+                Some(s) => eprintln!("fetched checkpoint step {s} from {}", r.url()),
+                None => eprintln!("no valid checkpoint in {}; starting from scratch", r.url()),
+            }
+        }
+        comm.barrier()?;
+    }
     let resumed = if opts.resume {
         let loaded = ckpt_dir.latest_valid().map_err(|e| Error::Checkpoint(e.to_string()))?;
         if let Some(l) = &loaded {
@@ -341,7 +366,13 @@ pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
     };
     let mut loader =
         Loader::new(train.clone(), sampler.cycling_batches(), LoaderConfig { delay, ..LoaderConfig::default() })?;
-    let mut saver = (rank == 0).then(|| AsyncSaver::new(ckpt_dir.clone(), spec.checkpoint.keep.max(1)));
+    let mut saver = (rank == 0).then(|| {
+        let s = AsyncSaver::new(ckpt_dir.clone(), spec.checkpoint.keep.max(1));
+        match &remote {
+            Some(r) => s.with_mirror(r.clone()),
+            None => s,
+        }
+    });
     let (mut checkpoints, mut stall_s, mut last_mb_s) = (0usize, 0f64, None);
     let mut sampler_state = sampler.state();
     let mut snapshot: Option<Snapshot> = None;

@@ -167,15 +167,15 @@ fn diagnosis_names_injected_problems_and_calls_a_healthy_run_healthy() {
     let f = s.diagnose(&id);
     assert_eq!(kinds(&f), ["healthy"], "{f:#?}");
 
-    // A slow data source: every batch takes 15 ms more to load than the prefetcher can hide.
-    let id = s.submit(&job("slow-data", 150, "SHOAL_FAULT_DATA_DELAY = \"15ms\""));
+    // A slow data source: every batch takes 60 ms to load, longer than a step, so the prefetcher cannot hide it.
+    let id = s.submit(&job("slow-data", 120, "SHOAL_FAULT_DATA_DELAY = \"60ms\""));
     s.wait(&id, succeeded, "success", limit);
     let f = s.diagnose(&id);
     assert_eq!(f.first().and_then(|x| x["kind"].as_str()), Some("data_loading"), "{f:#?}");
     assert!(f[0]["evidence"].as_str().unwrap_or("").contains("waiting for the next batch"), "{f:#?}");
 
     // Slowed collectives.
-    let id = s.submit(&job("slow-comm", 150, "SHOAL_FAULT_COMM_DELAY = \"15ms\""));
+    let id = s.submit(&job("slow-comm", 120, "SHOAL_FAULT_COMM_DELAY = \"40ms\""));
     s.wait(&id, succeeded, "success", limit);
     let f = s.diagnose(&id);
     assert_eq!(f.first().and_then(|x| x["kind"].as_str()), Some("communication"), "{f:#?}");

@@ -5,5 +5,7 @@ mod bench;
 mod dashboard;
 mod diagnose;
 mod platform;
+mod remote;
 mod run;
+mod support_s3;
 mod train;
