@@ -23,7 +23,9 @@ fn main() {
     println!("cargo:rerun-if-changed={}", assets.display());
     let mut files = Vec::new();
     walk(&assets, &assets, &mut files);
-    let mut code = String::from("/// The dashboard's files: (path under assets/, contents).\npub static ASSETS: &[(&str, &[u8])] = &[\n");
+    let mut code = String::from(
+        "/// The dashboard's files: (path under assets/, contents).\npub static ASSETS: &[(&str, &[u8])] = &[\n",
+    );
     for (rel, abs) in files {
         code.push_str(&format!("    ({rel:?}, include_bytes!({:?})),\n", abs.display().to_string()));
     }

@@ -359,7 +359,10 @@ async fn logs(
         let start = (offset as usize).min(data.len());
         let size = data.len().to_string();
         return Ok((
-            [(header::CONTENT_TYPE, "text/plain; charset=utf-8".to_owned()), (header::HeaderName::from_static("x-log-size"), size)],
+            [
+                (header::CONTENT_TYPE, "text/plain; charset=utf-8".to_owned()),
+                (header::HeaderName::from_static("x-log-size"), size),
+            ],
             data[start..].to_vec(),
         )
             .into_response());
@@ -483,7 +486,9 @@ pub(crate) async fn queues_json(c: &Control) -> Result<Vec<Value>> {
     for q in &c.queues {
         let count = |s: JobState| active.iter().filter(|j| j.queue == q.name && j.state == s).count();
         let (mut cpus, mut mem, mut gpus) = (0.0, 0u64, 0.0);
-        for j in active.iter().filter(|j| j.queue == q.name && matches!(j.state, JobState::Running | JobState::Preempted)) {
+        for j in
+            active.iter().filter(|j| j.queue == q.name && matches!(j.state, JobState::Running | JobState::Preempted))
+        {
             if let Ok(spec) = crate::control::parse_stored_spec(j) {
                 let n = j.workers as f64;
                 cpus += n * spec.resources.cpus as f64 / 1000.0;

@@ -44,9 +44,10 @@ impl FromRequestParts<AppState> for Caller {
             return Ok(Caller(Principal { user: "local".into(), team: "default".into(), admin: true }));
         }
         // A browser's EventSource cannot set headers: it may pass `access_token` in the query instead.
-        let from_query = parts.uri.query().and_then(|q| {
-            q.split('&').find_map(|kv| kv.strip_prefix("access_token=")).map(str::to_owned)
-        });
+        let from_query = parts
+            .uri
+            .query()
+            .and_then(|q| q.split('&').find_map(|kv| kv.strip_prefix("access_token=")).map(str::to_owned));
         let token = match (parts.headers.get(axum::http::header::AUTHORIZATION), from_query) {
             (Some(header), _) => {
                 let value = header
@@ -54,7 +55,9 @@ impl FromRequestParts<AppState> for Caller {
                     .map_err(|_| ControlError::Unauthorized("the Authorization header is not text".into()))?;
                 value
                     .strip_prefix("Bearer ")
-                    .ok_or_else(|| ControlError::Unauthorized("the Authorization header must be `Bearer TOKEN`".into()))?
+                    .ok_or_else(|| {
+                        ControlError::Unauthorized("the Authorization header must be `Bearer TOKEN`".into())
+                    })?
                     .trim()
                     .to_owned()
             }

@@ -647,7 +647,10 @@ impl Control {
                 let t0 = Instant::now();
                 let mut gone = false;
                 while t0.elapsed() < Duration::from_secs(5) {
-                    gone = tasks.iter().filter(|t| t.state == "running").all(|t| self.exec.probe(t) != TaskStatus::Running);
+                    gone = tasks
+                        .iter()
+                        .filter(|t| t.state == "running")
+                        .all(|t| self.exec.probe(t) != TaskStatus::Running);
                     if gone {
                         break;
                     }
@@ -934,7 +937,8 @@ impl Control {
             time_ms: now_ms,
             cpus_allocated: alloc.iter().map(|a| a.cpus_milli as f64 / 1000.0).sum(),
             memory_allocated_bytes: alloc.iter().map(|a| a.memory_bytes as i64).sum(),
-            gpus_allocated: alloc.iter().flat_map(|a| a.gpus.iter().map(|g| f64::from(g.0) / 1000.0)).sum::<f64>() + 0.0,
+            gpus_allocated: alloc.iter().flat_map(|a| a.gpus.iter().map(|g| f64::from(g.0) / 1000.0)).sum::<f64>()
+                + 0.0,
             pending: active.iter().filter(|j| j.state == JobState::Pending).count() as i64,
             running: active.iter().filter(|j| j.state == JobState::Running).count() as i64,
         };

@@ -610,11 +610,10 @@ impl Db {
 
     /// Every task of a job, all attempts.
     pub async fn all_tasks(&self, job: &str) -> Result<Vec<TaskRow>> {
-        let rows =
-            sqlx::query(&format!("SELECT {TASK_COLUMNS} FROM tasks WHERE job_id = $1 ORDER BY attempt, rank"))
-                .bind(job)
-                .fetch_all(&self.pool)
-                .await?;
+        let rows = sqlx::query(&format!("SELECT {TASK_COLUMNS} FROM tasks WHERE job_id = $1 ORDER BY attempt, rank"))
+            .bind(job)
+            .fetch_all(&self.pool)
+            .await?;
         rows.iter().map(task_from).collect()
     }
 

@@ -92,7 +92,8 @@ pub fn breakdowns(rows: &[MetricRow]) -> Vec<Breakdown> {
         mine.sort_by_key(|r| r.step);
         let skip = mine.len().saturating_sub(WINDOW);
         let mine = &mine[skip..];
-        let field = |k: &str| -> Vec<f64> { mine.iter().filter_map(|r| r.data.get(k).and_then(|v| v.as_f64())).collect() };
+        let field =
+            |k: &str| -> Vec<f64> { mine.iter().filter_map(|r| r.data.get(k).and_then(|v| v.as_f64())).collect() };
         let bytes: Vec<(i64, f64)> = mine
             .iter()
             .filter_map(|r| r.data.get("comm_bytes").and_then(|v| v.as_f64()).map(|b| (r.step, b)))
@@ -124,11 +125,7 @@ fn pct(x: f64) -> String {
 }
 
 fn rate(bps: f64) -> String {
-    if bps >= 1e9 {
-        format!("{:.2} GB/s", bps / 1e9)
-    } else {
-        format!("{:.1} MB/s", bps / 1e6)
-    }
+    if bps >= 1e9 { format!("{:.2} GB/s", bps / 1e9) } else { format!("{:.1} MB/s", bps / 1e6) }
 }
 
 /// The findings, most important first; `healthy` alone when nothing holds the job back.
@@ -177,7 +174,8 @@ pub fn diagnose(rows: &[MetricRow], samples: &[SampleRow], ctx: &Context) -> Vec
         });
     }
     // Data loading.
-    if let Some(x) = b.iter().filter(|x| x.step_s > 0.0).max_by(|a, c| (a.data_s / a.step_s).total_cmp(&(c.data_s / c.step_s)))
+    if let Some(x) =
+        b.iter().filter(|x| x.step_s > 0.0).max_by(|a, c| (a.data_s / a.step_s).total_cmp(&(c.data_s / c.step_s)))
         && x.data_s / x.step_s >= DATA_SHARE
     {
         out.push(Finding {
@@ -199,15 +197,15 @@ pub fn diagnose(rows: &[MetricRow], samples: &[SampleRow], ctx: &Context) -> Vec
     // the others may also be waiting there for a slower peer, but the last to arrive waits for no one, so what it
     // spends is the transfer itself.
     if straggler.is_none()
-        && let Some(x) = b
-            .iter()
-            .filter(|x| x.step_s > 0.0)
-            .min_by(|a, c| (a.comm_s / a.step_s).total_cmp(&(c.comm_s / c.step_s)))
+        && let Some(x) =
+            b.iter().filter(|x| x.step_s > 0.0).min_by(|a, c| (a.comm_s / a.step_s).total_cmp(&(c.comm_s / c.step_s)))
         && x.comm_s / x.step_s >= COMM_SHARE
     {
         let achieved = if x.comm_s > 0.0 { x.comm_bytes_per_step / x.comm_s } else { 0.0 };
         let versus = match ctx.reference_busbw {
-            Some(r) if r > 0.0 => format!("; `shoal bench` measured {} on this transport ({} of it)", rate(r), pct(achieved / r)),
+            Some(r) if r > 0.0 => {
+                format!("; `shoal bench` measured {} on this transport ({} of it)", rate(r), pct(achieved / r))
+            }
             _ => String::new(),
         };
         out.push(Finding {
@@ -223,10 +221,11 @@ pub fn diagnose(rows: &[MetricRow], samples: &[SampleRow], ctx: &Context) -> Vec
                 x.comm_bytes_per_step / 1e3,
                 rate(achieved)
             ),
-            action: "overlap more: larger gradient buckets (train.bucket_mb) or gradient accumulation (train.grad_accum) \
+            action:
+                "overlap more: larger gradient buckets (train.bucket_mb) or gradient accumulation (train.grad_accum) \
                      to all-reduce less often; keep the workers on one host (shared memory); compress gradients; check \
                      the network"
-                .into(),
+                    .into(),
         });
     }
     // Memory pressure.
@@ -349,7 +348,11 @@ mod tests {
         let comm = diagnose(&rows(&[(0.0001, 0.010, 0.020, 0.001), (0.0001, 0.010, 0.020, 0.001)]), &[], &ctx());
         assert_eq!(kinds(&comm), ["communication"], "{comm:?}");
         // 1 MB per step in 20 ms = 50 MB/s, 2.5% of the 2 GB/s reference.
-        assert!(comm[0].evidence.contains("50.0 MB/s") && comm[0].evidence.contains("(2% of it)"), "{}", comm[0].evidence);
+        assert!(
+            comm[0].evidence.contains("50.0 MB/s") && comm[0].evidence.contains("(2% of it)"),
+            "{}",
+            comm[0].evidence
+        );
     }
 
     #[test]

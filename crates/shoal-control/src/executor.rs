@@ -389,7 +389,8 @@ fn session_alive(sid: i64) -> bool {
     dir.flatten().any(|e| {
         let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i64>().ok()) else { return false };
         stat_fields(pid).is_some_and(|f| {
-            f.get(3).and_then(|s| s.parse::<i64>().ok()) == Some(sid) && !matches!(f.first().map(String::as_str), Some("Z" | "X"))
+            f.get(3).and_then(|s| s.parse::<i64>().ok()) == Some(sid)
+                && !matches!(f.first().map(String::as_str), Some("Z" | "X"))
         })
     })
 }

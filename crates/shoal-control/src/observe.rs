@@ -7,6 +7,7 @@
 use std::convert::Infallible;
 use std::time::Duration;
 
+use axum::Json;
 use axum::body::Bytes;
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{MatchedPath, Path, Query, Request, State};
@@ -14,7 +15,6 @@ use axum::http::{StatusCode, header};
 use axum::middleware::Next;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
-use axum::Json;
 use futures_util::{Stream, StreamExt};
 use prometheus::{Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, Opts, Registry, TextEncoder};
 use serde::Deserialize;
@@ -191,7 +191,8 @@ pub fn downsample(rows: Vec<MetricRow>, max_points: usize) -> Vec<MetricRow> {
                     let mean = if k == "step" || k == "comm_bytes" || !v.is_f64() {
                         None
                     } else {
-                        let vals: Vec<f64> = chunk.iter().filter_map(|r| r.data.get(k).and_then(Value::as_f64)).collect();
+                        let vals: Vec<f64> =
+                            chunk.iter().filter_map(|r| r.data.get(k).and_then(Value::as_f64)).collect();
                         (!vals.is_empty()).then(|| vals.iter().sum::<f64>() / vals.len() as f64)
                     };
                     data.insert(k.clone(), mean.map_or_else(|| v.clone(), |m| json!(m)));
@@ -231,7 +232,8 @@ pub async fn samples(
         if rows.len() > keep {
             let stride = rows.len().div_ceil(keep);
             let last = rows.len() - 1;
-            rows = rows.into_iter().enumerate().filter(|(i, _)| i % stride == 0 || *i == last).map(|(_, r)| r).collect();
+            rows =
+                rows.into_iter().enumerate().filter(|(i, _)| i % stride == 0 || *i == last).map(|(_, r)| r).collect();
         }
     }
     Ok(Json(json!({ "samples": rows })))
@@ -366,7 +368,11 @@ pub async fn diagnosis_of(c: &Control, job: &JobRow) -> Result<Vec<crate::diagno
     let reference = bench_reference(c).await;
     ctx.reference_busbw = reference
         .iter()
-        .min_by(|a, b| ((a.0 as f64).ln() - per_step.max(1.0).ln()).abs().total_cmp(&((b.0 as f64).ln() - per_step.max(1.0).ln()).abs()))
+        .min_by(|a, b| {
+            ((a.0 as f64).ln() - per_step.max(1.0).ln())
+                .abs()
+                .total_cmp(&((b.0 as f64).ln() - per_step.max(1.0).ln()).abs())
+        })
         .map(|r| r.1);
     Ok(diagnose(&rows, &samples, &ctx))
 }

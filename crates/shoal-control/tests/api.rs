@@ -346,14 +346,18 @@ async fn preemption_by_priority(e: &Env) {
     assert_eq!(st, StatusCode::CREATED, "{v}");
     let low_id = v["id"].as_str().expect("id").to_owned();
     let v = tick_until(e, &low_id, "running", Duration::from_secs(30)).await;
-    let low_pids: Vec<i64> = v["workers"].as_array().expect("workers").iter().filter_map(|w| w["pid"].as_i64()).collect();
+    let low_pids: Vec<i64> =
+        v["workers"].as_array().expect("workers").iter().filter_map(|w| w["pid"].as_i64()).collect();
     let high = job_with("priority = 10", &[("name = \"tiny\"", "name = \"high\"")]);
     let (st, v) = submit(a, t, &high).await;
     assert_eq!(st, StatusCode::CREATED, "{v}");
     let high_id = v["id"].as_str().expect("id").to_owned();
     let v = tick_until(e, &high_id, "running", Duration::from_secs(60)).await;
     assert_eq!(v["workers"].as_array().map(Vec::len), Some(2), "{v:#}");
-    assert!(low_pids.iter().all(|&p| !pid_alive(p)), "the preempted job's workers must be gone before the other starts");
+    assert!(
+        low_pids.iter().all(|&p| !pid_alive(p)),
+        "the preempted job's workers must be gone before the other starts"
+    );
     let (_, v) = get(a, &format!("/api/v1/jobs/{low_id}"), t).await;
     assert_eq!(v["state"], "pending", "{v:#}");
     let kinds: Vec<&str> = v["events"].as_array().expect("events").iter().filter_map(|e| e["kind"].as_str()).collect();
@@ -362,7 +366,8 @@ async fn preemption_by_priority(e: &Env) {
     assert!(why.contains(&high_id) && why.contains("higher priority"), "{why}");
     // When the high-priority job ends, the victim runs again (attempt 2, not counted as a restart).
     for id in [&high_id, &low_id] {
-        let (st, _) = call(a, "POST", &format!("/api/v1/jobs/{id}/cancel"), Some(t), "application/json", Vec::new()).await;
+        let (st, _) =
+            call(a, "POST", &format!("/api/v1/jobs/{id}/cancel"), Some(t), "application/json", Vec::new()).await;
         assert_eq!(st, StatusCode::ACCEPTED);
         if id == &high_id {
             tick_until(e, id, "cancelled", Duration::from_secs(30)).await;

@@ -84,7 +84,8 @@ impl RemoteStore {
         for f in files {
             let file = f.file_name().and_then(|n| n.to_str()).unwrap_or_default().to_owned();
             let rel = format!("checkpoints/{name}/{file}");
-            let data = std::fs::read(&f).map_err(|e| RemoteError { url: f.display().to_string(), why: e.to_string() })?;
+            let data =
+                std::fs::read(&f).map_err(|e| RemoteError { url: f.display().to_string(), why: e.to_string() })?;
             bytes += data.len() as u64;
             let key = self.key(&rel);
             self.rt
@@ -124,9 +125,10 @@ impl RemoteStore {
             });
             objects.sort_by_key(|p| p.filename() != Some(crate::checkpoint::MANIFEST_FILE));
             for o in objects {
-                self.rt
-                    .block_on(self.store.delete(&o))
-                    .map_err(|e| RemoteError { url: format!("{}/{o}", self.url), why: format!("delete failed: {e}") })?;
+                self.rt.block_on(self.store.delete(&o)).map_err(|e| RemoteError {
+                    url: format!("{}/{o}", self.url),
+                    why: format!("delete failed: {e}"),
+                })?;
             }
             removed.push(self.object_url(&format!("checkpoints/{name}")));
         }
@@ -140,7 +142,8 @@ impl RemoteStore {
         for (step, name) in self.steps()? {
             let dir = local.step_dir(step);
             let _ = std::fs::remove_dir_all(&dir);
-            std::fs::create_dir_all(&dir).map_err(|e| RemoteError { url: dir.display().to_string(), why: e.to_string() })?;
+            std::fs::create_dir_all(&dir)
+                .map_err(|e| RemoteError { url: dir.display().to_string(), why: e.to_string() })?;
             let prefix = self.key(&format!("checkpoints/{name}"));
             let objects: Vec<ObjPath> = self.rt.block_on(async {
                 self.store.list(Some(&prefix)).filter_map(|m| async move { m.ok().map(|m| m.location) }).collect().await

@@ -500,7 +500,8 @@ fn since_ms(since: &str) -> Result<i64> {
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64);
     let t = since.trim();
     let (num, unit) = t.split_at(t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len()));
-    let n: i64 = num.parse().map_err(|_| anyhow!("--since {since:?}: expected e.g. 90m, 24h, 7d or epoch milliseconds"))?;
+    let n: i64 =
+        num.parse().map_err(|_| anyhow!("--since {since:?}: expected e.g. 90m, 24h, 7d or epoch milliseconds"))?;
     let ms = match unit {
         "" => return Ok(n),
         "s" => n * 1000,
@@ -528,7 +529,10 @@ pub fn cost(client: &Client, team: Option<&str>, since: Option<&str>, json_out: 
     }
     let cur = s(&v, "currency").to_owned();
     let h = |x: &Value, k: &str| x.pointer(k).and_then(Value::as_f64).unwrap_or(0.0);
-    println!("{:<11} {:<20} {:<8} {:<10} {:>8} {:>9} {:>9} {:>8} {:>9} {:>10}", "JOB", "NAME", "TEAM", "STATE", "QUEUED", "CPU-H", "USED", "GIB-H", "GPU-H", "COST");
+    println!(
+        "{:<11} {:<20} {:<8} {:<10} {:>8} {:>9} {:>9} {:>8} {:>9} {:>10}",
+        "JOB", "NAME", "TEAM", "STATE", "QUEUED", "CPU-H", "USED", "GIB-H", "GPU-H", "COST"
+    );
     for j in v.get("jobs").and_then(Value::as_array).into_iter().flatten() {
         println!(
             "{:<11} {:<20} {:<8} {:<10} {:>7.0}s {:>9.4} {:>9.4} {:>8.4} {:>9.4} {:>10}",
@@ -546,7 +550,14 @@ pub fn cost(client: &Client, team: Option<&str>, since: Option<&str>, json_out: 
     }
     println!();
     for t in v.get("teams").and_then(Value::as_array).into_iter().flatten() {
-        println!("team {:<12} {:>4} jobs  {:.4} CPU-h  {:.4} GPU-h  {:.4} {cur}", s(t, "team"), i(t, "jobs"), h(t, "/allocated/cpu_hours"), h(t, "/allocated/gpu_hours"), h(t, "/cost"));
+        println!(
+            "team {:<12} {:>4} jobs  {:.4} CPU-h  {:.4} GPU-h  {:.4} {cur}",
+            s(t, "team"),
+            i(t, "jobs"),
+            h(t, "/allocated/cpu_hours"),
+            h(t, "/allocated/gpu_hours"),
+            h(t, "/cost")
+        );
     }
     println!("total {:.4} {cur}", h(&v, "/total_cost"));
     Ok(true)
@@ -594,10 +605,13 @@ pub fn demo(keep: bool) -> Result<bool> {
     for e in v.get("events").and_then(Value::as_array).into_iter().flatten() {
         println!("    {:<10} {}", s(e, "kind"), s(e, "message"));
     }
-    println!(
-        "dashboard and API: http://{addr}/ (try: shoal status {id} --addr {addr} --token $(cat {}/admin.token))",
-        dir.display()
-    );
+    if let Ok(d) = client.get(&format!("/api/v1/jobs/{id}/diagnosis")) {
+        for f in d.get("findings").and_then(Value::as_array).into_iter().flatten() {
+            println!("  diagnosis: {} — {}", s(f, "kind"), s(f, "evidence"));
+        }
+    }
+    println!("dashboard: http://{addr}/#token={}&/jobs/{id}", server.admin_token);
+    println!("  (or: shoal status {id} --addr {addr} --token $(cat {}/admin.token))", dir.display());
     if keep {
         println!("--keep: the server keeps running; Ctrl-C stops it");
         rt.block_on(server.wait_for_signal())?;

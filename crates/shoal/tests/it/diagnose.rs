@@ -258,8 +258,11 @@ fn check_metrics_with_promtool(s: &Server) {
     sock.read_to_string(&mut resp).expect("response");
     let (head, body) = resp.split_once("\r\n\r\n").expect("http response");
     assert!(head.starts_with("HTTP/1.1 200"), "{head}");
-    let body = if head.to_ascii_lowercase().contains("transfer-encoding: chunked") { dechunk(body) } else { body.into() };
-    for name in ["shoal_jobs", "shoal_queue_pending_jobs", "shoal_node_cpus", "shoal_job_loss", "shoal_api_requests_total"] {
+    let body =
+        if head.to_ascii_lowercase().contains("transfer-encoding: chunked") { dechunk(body) } else { body.into() };
+    for name in
+        ["shoal_jobs", "shoal_queue_pending_jobs", "shoal_node_cpus", "shoal_job_loss", "shoal_api_requests_total"]
+    {
         assert!(body.contains(&format!("\n{name}")) || body.starts_with(name), "no {name} in:\n{body}");
     }
     let mut child = Command::new(&promtool)

@@ -49,9 +49,13 @@ fn checkpoints_go_to_s3_and_a_fresh_run_resumes_from_there_past_a_corrupt_one() 
     let spec = dir.join("job.toml");
     std::fs::write(&spec, job(60)).expect("job file");
     let out1 = dir.join("first");
-    let (v, _) = run(&s3, &["run", "-n", "2", "--json", "--output", out1.to_str().expect("utf-8"), spec.to_str().expect("utf-8")]);
+    let (v, _) = run(
+        &s3,
+        &["run", "-n", "2", "--json", "--output", out1.to_str().expect("utf-8"), spec.to_str().expect("utf-8")],
+    );
     assert_eq!(v["steps"], 60, "{v}");
-    let key = |step: u64, file: &str| s3.object_path("checkpoints", &format!("run-1/checkpoints/step-{step:06}/{file}"));
+    let key =
+        |step: u64, file: &str| s3.object_path("checkpoints", &format!("run-1/checkpoints/step-{step:06}/{file}"));
     // Mirrored and pruned to keep = 2 in the bucket.
     for step in [40, 60] {
         for file in ["manifest.json", "model.safetensors", "optimizer.safetensors"] {
@@ -70,7 +74,16 @@ fn checkpoints_go_to_s3_and_a_fresh_run_resumes_from_there_past_a_corrupt_one() 
     let out2 = dir.join("second");
     let (v, stderr) = run(
         &s3,
-        &["run", "-n", "2", "--json", "--resume", "--output", out2.to_str().expect("utf-8"), spec.to_str().expect("utf-8")],
+        &[
+            "run",
+            "-n",
+            "2",
+            "--json",
+            "--resume",
+            "--output",
+            out2.to_str().expect("utf-8"),
+            spec.to_str().expect("utf-8"),
+        ],
     );
     assert!(
         stderr.contains("skipped checkpoint object s3://checkpoints/run-1/checkpoints/step-000060/model.safetensors"),
