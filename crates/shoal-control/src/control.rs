@@ -73,7 +73,7 @@ pub struct Control {
     /// Per job and metrics file (rank; -1 = evaluations): bytes already read, and the newest step stored.
     ingested: Mutex<HashMap<(String, i64), (u64, i64)>>,
     /// Per task: when it was last sampled and its CPU seconds then.
-    sampled: Mutex<HashMap<(String, i64, i64), (i64, f64)>>,
+    sampled: Mutex<HashMap<TaskKey, (i64, f64)>>,
     net_prev: Mutex<Option<(Instant, u64, u64)>>,
     net_last: Mutex<Option<(f64, f64)>>,
     cluster_sampled: Mutex<i64>,
@@ -947,6 +947,9 @@ impl Control {
         }
     }
 }
+
+/// A task: job id, attempt, rank.
+type TaskKey = (String, i64, i64);
 
 /// How often a running task's resources are stored.
 pub const SAMPLE_EVERY_MS: i64 = 2000;

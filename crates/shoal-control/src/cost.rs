@@ -291,7 +291,7 @@ mod tests {
     #[test]
     fn price_tables_are_checked() {
         assert!(Prices::parse("cpu_hour = 0.1\ngpu_hour = 2").is_ok());
-        assert!(Prices::parse("cpu_hour = -1").unwrap_err().contains("cpu_hour"));
+        assert!(Prices::parse("cpu_hour = -1").is_err_and(|e| e.contains("cpu_hour")));
         assert!(Prices::parse("cpu_hours = 1").is_err());
     }
 }

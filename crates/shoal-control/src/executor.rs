@@ -334,7 +334,7 @@ impl LocalExecutor {
             let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<i64>().ok()) else { continue };
             let Ok(env) = std::fs::read(format!("/proc/{pid}/environ")) else { continue };
             let vars: Vec<&[u8]> = env.split(|&b| b == 0).collect();
-            if !vars.iter().any(|v| *v == want.as_bytes()) {
+            if !vars.contains(&want.as_bytes()) {
                 continue;
             }
             let job = vars

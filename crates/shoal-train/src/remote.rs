@@ -27,6 +27,9 @@ pub struct RemoteError {
 
 type Result<T> = std::result::Result<T, RemoteError>;
 
+/// The step fetched (if any) and the newer checkpoints skipped, each as (object URL at fault, why).
+pub type Fetched = (Option<u64>, Vec<(String, String)>);
+
 /// A checkpoint location in an object store.
 #[derive(Debug)]
 pub struct RemoteStore {
@@ -110,7 +113,7 @@ impl RemoteStore {
                 crate::checkpoint::parse_step_name(&name).map(|s| (s, name))
             })
             .collect();
-        out.sort_by(|a, b| b.0.cmp(&a.0));
+        out.sort_by_key(|x| std::cmp::Reverse(x.0));
         Ok(out)
     }
 
@@ -137,7 +140,7 @@ impl RemoteStore {
 
     /// Downloads the newest remote checkpoint that verifies into `local` (its step directory is replaced).
     /// Returns its step and the newer ones skipped, each with the object URL at fault and why.
-    pub fn fetch_latest_valid(&self, local: &CheckpointDir) -> Result<(Option<u64>, Vec<(String, String)>)> {
+    pub fn fetch_latest_valid(&self, local: &CheckpointDir) -> Result<Fetched> {
         let mut skipped = Vec::new();
         for (step, name) in self.steps()? {
             let dir = local.step_dir(step);
