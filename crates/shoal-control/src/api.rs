@@ -351,19 +351,13 @@ async fn logs(
     let path = state.control.exec.log_path(&id, attempt, rank);
     let offset = q.offset.unwrap_or(0);
     if !q.follow.unwrap_or(false) {
-        let data = match tokio::fs::read(&path).await {
-            Ok(d) => d,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
-            Err(e) => return Err(e.into()),
-        };
-        let start = (offset as usize).min(data.len());
-        let size = data.len().to_string();
+        let (data, size) = crate::executor::read_from(&path, offset, usize::MAX)?;
         return Ok((
             [
                 (header::CONTENT_TYPE, "text/plain; charset=utf-8".to_owned()),
-                (header::HeaderName::from_static("x-log-size"), size),
+                (header::HeaderName::from_static("x-log-size"), size.to_string()),
             ],
-            data[start..].to_vec(),
+            data,
         )
             .into_response());
     }
@@ -377,10 +371,10 @@ async fn logs(
                 return None;
             }
             loop {
-                let data = tokio::fs::read(&path).await.unwrap_or_default();
-                if (pos as usize) < data.len() {
-                    let chunk = Bytes::copy_from_slice(&data[pos as usize..]);
-                    return Some((Ok::<Bytes, std::io::Error>(chunk), (data.len() as u64, false)));
+                let (data, _) = crate::executor::read_from(&path, pos, 1 << 20).unwrap_or_default();
+                if !data.is_empty() {
+                    let next = pos + data.len() as u64;
+                    return Some((Ok::<Bytes, std::io::Error>(Bytes::from(data)), (next, false)));
                 }
                 let finished = match control.db.job(&id).await {
                     Ok(Some(j)) => j.state.is_final() || j.attempt > attempt,

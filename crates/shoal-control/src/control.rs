@@ -433,24 +433,7 @@ impl Control {
                 TaskStatus::Exited(t.exit_code.unwrap_or(-1) as i32)
             };
             if t.state == "running" && st != TaskStatus::Running {
-                let mut row = t.clone();
-                row.ended_ms = Some(now());
-                let k = (t.job_id.clone(), t.attempt, t.rank);
-                if let Some((_, cpu)) = self.sampled.lock().unwrap_or_else(|p| p.into_inner()).remove(&k) {
-                    row.cpu_seconds = Some(cpu);
-                }
-                match &st {
-                    TaskStatus::Exited(c) => {
-                        row.state = "exited".into();
-                        row.exit_code = Some(i64::from(*c));
-                    }
-                    TaskStatus::Lost(why) => {
-                        row.state = "lost".into();
-                        row.reason = why.clone();
-                    }
-                    TaskStatus::Running => {}
-                }
-                self.db.upsert_task(&row).await?;
+                self.record_end(t, &st).await?;
             }
             statuses.push((t, st));
         }
@@ -644,26 +627,34 @@ impl Control {
                 for t in tasks.iter().filter(|t| t.state == "running") {
                     self.exec.signal(t, libc::SIGKILL);
                 }
+                let running: Vec<&TaskRow> = tasks.iter().filter(|t| t.state == "running").collect();
+                let mut ended: HashMap<i64, TaskStatus> = HashMap::new();
                 let t0 = Instant::now();
-                let mut gone = false;
-                while t0.elapsed() < Duration::from_secs(5) {
-                    gone = tasks
-                        .iter()
-                        .filter(|t| t.state == "running")
-                        .all(|t| self.exec.probe(t) != TaskStatus::Running);
-                    if gone {
-                        break;
+                while ended.len() < running.len() && t0.elapsed() < Duration::from_secs(5) {
+                    for t in &running {
+                        if let std::collections::hash_map::Entry::Vacant(slot) = ended.entry(t.rank) {
+                            let st = self.exec.probe(t);
+                            if st != TaskStatus::Running {
+                                slot.insert(st);
+                            }
+                        }
                     }
-                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    if ended.len() < running.len() {
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
                 }
-                if !gone {
+                if ended.len() < running.len() {
                     // Still there after SIGKILL: hold it back from the queue until its processes are gone.
                     tracing::error!(job = %row.id, "preempted job's processes survive SIGKILL; requeue deferred");
                     let _ = self.sched().finish(&row.id);
                     self.begin_stop(&row, &tasks, StopWhy::Requeue("preempted; back in the queue".into()));
                     return Ok(());
                 }
-                self.settle_tasks(&tasks).await?;
+                for t in &running {
+                    if let Some(st) = ended.get(&t.rank) {
+                        self.record_end(t, st).await?;
+                    }
+                }
                 self.db
                     .transition(
                         &row.id,
@@ -709,25 +700,27 @@ impl Control {
         }
     }
 
-    /// Records the end of every task of `tasks` still marked running (after they were confirmed gone).
-    async fn settle_tasks(&self, tasks: &[TaskRow]) -> Result<()> {
-        for t in tasks.iter().filter(|t| t.state == "running") {
-            let mut row = t.clone();
-            match self.exec.probe(t) {
-                TaskStatus::Exited(c) => {
-                    row.state = "exited".into();
-                    row.exit_code = Some(i64::from(c));
-                }
-                TaskStatus::Lost(why) => {
-                    row.state = "lost".into();
-                    row.reason = why;
-                }
-                TaskStatus::Running => continue,
+    /// Stores how a task ended (its end time and last sampled CPU time with it). Probing is not repeated here:
+    /// a probe that reported the end has already released the task, so `status` is the only record of it.
+    async fn record_end(&self, t: &TaskRow, status: &TaskStatus) -> Result<()> {
+        let mut row = t.clone();
+        match status {
+            TaskStatus::Exited(c) => {
+                row.state = "exited".into();
+                row.exit_code = Some(i64::from(*c));
             }
-            row.ended_ms = Some(now());
-            self.db.upsert_task(&row).await?;
+            TaskStatus::Lost(why) => {
+                row.state = "lost".into();
+                row.reason = why.clone();
+            }
+            TaskStatus::Running => return Ok(()),
         }
-        Ok(())
+        row.ended_ms = Some(now());
+        let k = (t.job_id.clone(), t.attempt, t.rank);
+        if let Some((_, cpu)) = self.sampled.lock().unwrap_or_else(|p| p.into_inner()).remove(&k) {
+            row.cpu_seconds = Some(cpu);
+        }
+        self.db.upsert_task(&row).await
     }
 
     async fn place(&self, id: &str, assignments: &[TaskPlacement]) -> Result<()> {
@@ -840,9 +833,10 @@ impl Control {
             // First look (or after a restart or a new attempt): read from the top, skipping steps already stored.
             None => (0, self.db.last_metric_step(id, rank).await.unwrap_or(-1)),
         };
-        let Ok(bytes) = std::fs::read(path) else { return };
-        let start = (start as usize).min(bytes.len());
-        let tail = &bytes[start..];
+        let Ok((tail, len)) = crate::executor::read_from(path, start, usize::MAX) else { return };
+        // A file rewritten shorter (a resumed run drops the steps it redoes) is read again from where it ends now.
+        let start = start.min(len) as usize;
+        let tail = tail.as_slice();
         // Only whole lines.
         let Some(end) = tail.iter().rposition(|&b| b == b'\n') else {
             self.ingested.lock().unwrap_or_else(|p| p.into_inner()).insert(key, (start as u64, min_step));

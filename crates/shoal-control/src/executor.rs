@@ -349,6 +349,24 @@ impl LocalExecutor {
     }
 }
 
+/// Reads at most `max` bytes of `path` from byte `from` on (clamped to its length), without reading what comes
+/// before: logs and metrics files are followed by offset every tick and grow for the whole run. Returns the bytes
+/// and the file's length. A missing file is empty.
+pub fn read_from(path: &Path, from: u64, max: usize) -> std::io::Result<(Vec<u8>, u64)> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut f = match std::fs::File::open(path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok((Vec::new(), 0)),
+        Err(e) => return Err(e),
+    };
+    let len = f.metadata()?.len();
+    let start = from.min(len);
+    f.seek(SeekFrom::Start(start))?;
+    let mut buf = Vec::with_capacity(((len - start) as usize).min(max));
+    f.take(max as u64).read_to_end(&mut buf)?;
+    Ok((buf, len))
+}
+
 /// What a task's processes use now.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Usage {
@@ -476,6 +494,18 @@ mod tests {
             assert_eq!(parse_cpu_list(&cpu_list(&v)), v);
         }
         assert_eq!(cpu_list(&[0, 1, 2, 3, 6]), "0-3,6");
+    }
+
+    #[test]
+    fn read_from_reads_only_the_tail() -> std::io::Result<()> {
+        let p = std::env::temp_dir().join(format!("shoal-read-from-{}", std::process::id()));
+        std::fs::write(&p, b"0123456789")?;
+        assert_eq!(read_from(&p, 4, 3)?, (b"456".to_vec(), 10));
+        assert_eq!(read_from(&p, 8, 100)?, (b"89".to_vec(), 10));
+        assert_eq!(read_from(&p, 50, 100)?, (Vec::new(), 10));
+        std::fs::remove_file(&p)?;
+        assert_eq!(read_from(&p, 0, 100)?, (Vec::new(), 0));
+        Ok(())
     }
 
     #[test]

@@ -297,14 +297,12 @@ async fn stream_round(st: &mut StreamState) -> Vec<Event> {
         st.log_offset = 0;
     }
     let path = st.control.exec.log_path(&st.id, job.attempt, 0);
-    if let Ok(data) = tokio::fs::read(&path).await {
-        let start = (st.log_offset as usize).min(data.len());
-        let end = data.len().min(start + (64 << 10));
-        if end > start {
-            st.log_offset = end as u64;
-            let text = String::from_utf8_lossy(&data[start..end]).into_owned();
-            events.push(Event::default().event("log").data(json!({ "rank": 0, "text": text }).to_string()));
-        }
+    if let Ok((data, _)) = crate::executor::read_from(&path, st.log_offset, 64 << 10)
+        && !data.is_empty()
+    {
+        st.log_offset += data.len() as u64;
+        let text = String::from_utf8_lossy(&data).into_owned();
+        events.push(Event::default().event("log").data(json!({ "rank": 0, "text": text }).to_string()));
     }
     st.first = false;
     if job.state.is_final() {
