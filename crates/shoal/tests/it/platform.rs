@@ -30,7 +30,7 @@ fn tmpdir(tag: &str) -> PathBuf {
     d
 }
 
-fn text(b: &[u8]) -> String {
+pub(crate) fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
 }
 
@@ -109,10 +109,10 @@ impl Drop for KillOnDrop {
 // raw HTTP (no client library: std::net only)
 
 #[derive(Debug)]
-struct Resp {
-    status: u16,
-    headers: String,
-    body: Vec<u8>,
+pub(crate) struct Resp {
+    pub(crate) status: u16,
+    pub(crate) headers: String,
+    pub(crate) body: Vec<u8>,
 }
 
 impl Resp {
@@ -183,12 +183,15 @@ fn http(
 // a platform under test
 
 /// One test's data directory and the server serving it; kills everything of it on drop.
-struct Platform {
+/// A real `shoal server` on a free loopback port for one test, with helpers to drive it; everything it started is
+/// killed on drop. Shared by the platform and diagnosis tests.
+pub(crate) struct Platform {
     root: PathBuf,
     data: PathBuf,
     server: Option<Child>,
     addr: String,
-    token: String,
+    /// The admin token.
+    pub(crate) token: String,
     /// Every server's output file, in start order.
     server_logs: Vec<PathBuf>,
     /// Jobs submitted in this test (for the diagnostics).
@@ -196,7 +199,7 @@ struct Platform {
 }
 
 impl Platform {
-    fn new(tag: &str) -> Platform {
+    pub(crate) fn new(tag: &str) -> Platform {
         let root = tmpdir(tag);
         let data = root.join("data");
         let mut p = Platform {
@@ -309,7 +312,7 @@ impl Platform {
     }
 
     /// The CLI as admin; must succeed and print JSON.
-    fn cli_json(&self, args: &[&str]) -> Value {
+    pub(crate) fn cli_json(&self, args: &[&str]) -> Value {
         self.cli_json_as(&self.token, args)
     }
 
@@ -326,7 +329,7 @@ impl Platform {
             .unwrap_or_else(|e| panic!("shoal {args:?} did not print JSON ({e}):\n{}", text(&out.stdout)))
     }
 
-    fn request(&self, method: &str, path: &str, token: Option<&str>, body: Option<(&str, &[u8])>) -> Resp {
+    pub(crate) fn request(&self, method: &str, path: &str, token: Option<&str>, body: Option<(&str, &[u8])>) -> Resp {
         http(&self.addr, method, path, token, body).unwrap_or_else(|e| panic!("{method} {path}: {e}"))
     }
 
@@ -359,7 +362,7 @@ impl Platform {
         id
     }
 
-    fn submit(&self, name: &str, spec: &str) -> String {
+    pub(crate) fn submit(&self, name: &str, spec: &str) -> String {
         self.submit_as(&self.token.clone(), name, spec)
     }
 
@@ -376,7 +379,7 @@ impl Platform {
     }
 
     /// Waits until the job is in `state`; a job that ends in another final state fails the test at once.
-    fn wait_state(&self, id: &str, state: &str) -> Value {
+    pub(crate) fn wait_state(&self, id: &str, state: &str) -> Value {
         self.wait(&format!("job {id} to be {state}"), || {
             let v = self.try_status(id)?;
             let now = v["state"].as_str().unwrap_or("");
@@ -405,7 +408,7 @@ impl Platform {
         v
     }
 
-    fn wait_state_where(&self, id: &str, what: &str, ok: impl Fn(&Value) -> bool) -> Value {
+    pub(crate) fn wait_state_where(&self, id: &str, what: &str, ok: impl Fn(&Value) -> bool) -> Value {
         self.wait(&format!("job {id}: {what}"), || {
             let v = self.try_status(id)?;
             if ok(&v) {
