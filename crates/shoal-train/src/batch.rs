@@ -14,14 +14,29 @@ pub struct Tensors {
     pub rows: usize,
 }
 
-/// Dense features with class labels (`[rows, features]` f32, `[rows]` u32), or
-/// token windows (`[rows, context]` u32 inputs, `[rows*context]` u32 targets).
+/// A batch as plain buffers: dense features `[rows, width]` with class labels
+/// `[rows]`, or token windows `[rows, width]` with one target per token.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Flat {
+    pub rows: usize,
+    pub width: usize,
+    pub input: FlatInput,
+    pub target: Vec<u32>,
+}
+
+/// The inputs of a [`Flat`] batch.
+#[derive(Debug, Clone, PartialEq)]
+pub enum FlatInput {
+    Dense(Vec<f32>),
+    Tokens(Vec<u32>),
+}
+
+/// Copies a batch's samples into plain buffers, checking they agree in shape.
 /// `None` for an empty batch.
-pub fn to_tensors(samples: &[Sample]) -> Result<Option<Tensors>> {
+pub fn to_flat(samples: &[Sample]) -> Result<Option<Flat>> {
     let Some(first) = samples.first() else { return Ok(None) };
     let rows = samples.len();
     let width = first.features.len();
-    let dev = &Device::Cpu;
     if first.features.as_tokens().is_some() {
         let (mut xs, mut ys) = (Vec::with_capacity(rows * width), Vec::with_capacity(rows * width));
         for (i, s) in samples.iter().enumerate() {
@@ -38,11 +53,7 @@ pub fn to_tensors(samples: &[Sample]) -> Result<Option<Tensors>> {
             xs.extend_from_slice(x);
             ys.extend_from_slice(y);
         }
-        return Ok(Some(Tensors {
-            input: Tensor::from_vec(xs, (rows, width), dev)?,
-            target: Tensor::from_vec(ys, rows * width, dev)?,
-            rows,
-        }));
+        return Ok(Some(Flat { rows, width, input: FlatInput::Tokens(xs), target: ys }));
     }
     let mut xs = Vec::with_capacity(rows * width);
     let mut ys = Vec::with_capacity(rows);
@@ -55,9 +66,26 @@ pub fn to_tensors(samples: &[Sample]) -> Result<Option<Tensors>> {
         xs.extend_from_slice(x);
         ys.push(y);
     }
-    Ok(Some(Tensors {
-        input: Tensor::from_vec(xs, (rows, width), dev)?,
-        target: Tensor::from_vec(ys, rows, dev)?,
-        rows,
-    }))
+    Ok(Some(Flat { rows, width, input: FlatInput::Dense(xs), target: ys }))
+}
+
+impl Flat {
+    /// The batch as tensors (moves the buffers, no copy).
+    pub fn into_tensors(self) -> Result<Tensors> {
+        let dev = &Device::Cpu;
+        let (rows, width) = (self.rows, self.width);
+        let input = match self.input {
+            FlatInput::Dense(x) => Tensor::from_vec(x, (rows, width), dev)?,
+            FlatInput::Tokens(x) => Tensor::from_vec(x, (rows, width), dev)?,
+        };
+        let n = self.target.len();
+        Ok(Tensors { input, target: Tensor::from_vec(self.target, n, dev)?, rows })
+    }
+}
+
+/// Dense features with class labels (`[rows, features]` f32, `[rows]` u32), or
+/// token windows (`[rows, context]` u32 inputs, `[rows*context]` u32 targets).
+/// `None` for an empty batch.
+pub fn to_tensors(samples: &[Sample]) -> Result<Option<Tensors>> {
+    to_flat(samples)?.map(Flat::into_tensors).transpose()
 }

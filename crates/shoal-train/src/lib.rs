@@ -16,6 +16,7 @@
 pub mod batch;
 pub mod checkpoint;
 pub mod error;
+pub mod kernels;
 pub mod models;
 pub mod optim;
 pub mod params;
@@ -25,7 +26,7 @@ pub mod trainer;
 pub mod worker;
 
 pub use error::{Error, Result};
-pub use models::{Cnn, Gpt, GptConfig, Mlp, Model};
+pub use models::{Cnn, Gpt, GptConfig, HandBackward, Mlp, Model};
 pub use optim::{OptimConfig, Optimizer};
 pub use params::{Params, SeededRng};
-pub use trainer::{StepTimes, Trainer, TrainerConfig};
+pub use trainer::{GradSink, StepTimes, Trainer, TrainerConfig};

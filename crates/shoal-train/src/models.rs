@@ -4,12 +4,30 @@
 
 use candle_core::{D, DType, Device, Tensor};
 
+use crate::batch::{Flat, FlatInput};
 use crate::error::{Error, Result};
+use crate::kernels::{Mat, cpu_f32, matmul};
 use crate::params::{Params, SeededRng};
+use crate::trainer::GradSink;
 
 /// A model maps an input batch to logits of shape `[rows, classes]`.
 pub trait Model: Send + Sync {
     fn forward(&self, input: &Tensor) -> candle_core::Result<Tensor>;
+
+    /// The model's hand-written loss and backward pass, when it has one; the
+    /// worker then trains through it instead of candle's autograd.
+    fn hand_backward(&self) -> Option<&dyn HandBackward> {
+        None
+    }
+}
+
+/// A loss and backward pass written by hand on plain buffers: no graph, no
+/// temporary tensors, no gradient for the inputs, and each gradient written
+/// straight into the trainer's buckets as soon as its layer is done.
+pub trait HandBackward {
+    /// Cross-entropy of `batch` (mean over rows, times `weight`) and its
+    /// gradients, put into `sink` in reverse parameter order; returns the loss.
+    fn loss_and_grads(&self, batch: &Flat, weight: f32, sink: &mut dyn GradSink) -> Result<f32>;
 }
 
 fn linear(p: &mut Params, rng: &mut SeededRng, name: &str, fan_in: usize, fan_out: usize) -> Result<(Tensor, Tensor)> {
@@ -27,6 +45,8 @@ fn apply_linear(x: &Tensor, (w, b): &(Tensor, Tensor)) -> candle_core::Result<Te
 #[derive(Debug)]
 pub struct Mlp {
     layers: Vec<(Tensor, Tensor)>,
+    /// Index of the first layer's weight in the [`Params`] it was built in.
+    first: usize,
 }
 
 impl Mlp {
@@ -34,12 +54,13 @@ impl Mlp {
         let mut dims = vec![features];
         dims.extend_from_slice(hidden);
         dims.push(classes);
+        let first = p.vars().len();
         let layers = dims
             .windows(2)
             .enumerate()
             .map(|(i, w)| linear(p, rng, &format!("mlp.{i}"), w[0], w[1]))
             .collect::<Result<Vec<_>>>()?;
-        Ok(Mlp { layers })
+        Ok(Mlp { layers, first })
     }
 }
 
@@ -53,6 +74,98 @@ impl Model for Mlp {
             }
         }
         Ok(h)
+    }
+
+    fn hand_backward(&self) -> Option<&dyn HandBackward> {
+        Some(self)
+    }
+}
+
+impl HandBackward for Mlp {
+    fn loss_and_grads(&self, batch: &Flat, weight: f32, sink: &mut dyn GradSink) -> Result<f32> {
+        let FlatInput::Dense(x) = &batch.input else {
+            return Err(Error::InvalidArgument("the MLP takes dense features, not tokens".into()));
+        };
+        let rows = batch.rows;
+        let dims: Vec<(usize, usize)> = self.layers.iter().map(|(w, _)| (w.dims()[0], w.dims()[1])).collect();
+        let (Some(&(features, _)), Some(&(_, classes))) = (dims.first(), dims.last()) else {
+            return Err(Error::InvalidArgument("an MLP with no layers".into()));
+        };
+        if batch.width != features || batch.target.len() != rows {
+            return Err(Error::InvalidArgument(format!(
+                "batch of {rows} rows × {} features with {} targets for an MLP of {features} features",
+                batch.width,
+                batch.target.len()
+            )));
+        }
+        // Read access to every weight and bias for the whole pass (no copies).
+        let guards: Vec<_> =
+            self.layers.iter().flat_map(|(w, b)| [w.storage_and_layout(), b.storage_and_layout()]).collect();
+        let p = guards.iter().map(|(s, l)| cpu_f32(s, l)).collect::<Result<Vec<_>>>()?;
+
+        // Forward: outs[l] = relu(in · W + b) for hidden layers, the logits for the last.
+        let layers = dims.len();
+        let mut outs: Vec<Vec<f32>> = Vec::with_capacity(layers);
+        for (l, &(fan_in, fan_out)) in dims.iter().enumerate() {
+            let input: &[f32] = if l == 0 { x } else { &outs[l - 1] };
+            let mut z = Vec::with_capacity(rows * fan_out);
+            for _ in 0..rows {
+                z.extend_from_slice(p[2 * l + 1]);
+            }
+            matmul(&mut z, Mat::new(input, rows, fan_in)?, Mat::new(p[2 * l], fan_in, fan_out)?, true)?;
+            if l + 1 < layers {
+                z.iter_mut().for_each(|v| *v = v.max(0.0));
+            }
+            outs.push(z);
+        }
+
+        // Softmax cross-entropy; the logits become their gradient, d(loss)/d(logits).
+        let mut dz = outs.pop().unwrap_or_default();
+        let scale = weight / rows as f32;
+        let mut nll = 0f64;
+        for (r, (row, &y)) in dz.chunks_exact_mut(classes).zip(&batch.target).enumerate() {
+            let y = y as usize;
+            let Some(&logit_y) = row.get(y) else {
+                return Err(Error::InvalidArgument(format!("label {y} of row {r} is not a class of 0..{classes}")));
+            };
+            let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+            let mut sum = 0f32;
+            for v in row.iter_mut() {
+                *v = (*v - max).exp();
+                sum += *v;
+            }
+            nll += f64::from(max + sum.ln() - logit_y);
+            let k = scale / sum;
+            row.iter_mut().for_each(|v| *v *= k);
+            row[y] -= scale;
+        }
+
+        // Backward, last layer first: bias, weight, then the gradient of the layer's input.
+        for l in (0..layers).rev() {
+            let (fan_in, fan_out) = dims[l];
+            let input: &[f32] = if l == 0 { x } else { &outs[l - 1] };
+            let (w_index, b_index) = (self.first + 2 * l, self.first + 2 * l + 1);
+            sink.put(b_index, &mut |g| {
+                for row in dz.chunks_exact(fan_out) {
+                    g.iter_mut().zip(row).for_each(|(g, d)| *g += d);
+                }
+                Ok(())
+            })?;
+            sink.put(w_index, &mut |g| {
+                matmul(g, Mat::new(input, rows, fan_in)?.t(), Mat::new(&dz, rows, fan_out)?, false)
+            })?;
+            if l > 0 {
+                let mut dh = vec![0f32; rows * fan_in];
+                matmul(&mut dh, Mat::new(&dz, rows, fan_out)?, Mat::new(p[2 * l], fan_in, fan_out)?.t(), false)?;
+                dh.iter_mut().zip(&outs[l - 1]).for_each(|(d, &h)| {
+                    if h <= 0.0 {
+                        *d = 0.0;
+                    }
+                });
+                dz = dh;
+            }
+        }
+        Ok((nll * f64::from(weight) / rows.max(1) as f64) as f32)
     }
 }
 
@@ -218,5 +331,71 @@ impl Model for Gpt {
         }
         let x = layer_norm(&x, &self.ln_f)?;
         apply_linear(&x, &self.head)?.reshape((b * t, self.cfg.vocab))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Records what a backward pass puts, in order.
+    struct Capture {
+        sizes: Vec<usize>,
+        got: Vec<(usize, Vec<f32>)>,
+    }
+
+    impl Capture {
+        fn new(params: &Params) -> Capture {
+            Capture { sizes: params.vars().iter().map(|(_, v)| v.elem_count()).collect(), got: Vec::new() }
+        }
+    }
+
+    impl GradSink for Capture {
+        fn put(&mut self, index: usize, fill: &mut dyn FnMut(&mut [f32]) -> Result<()>) -> Result<()> {
+            let mut buf = vec![0f32; self.sizes[index]];
+            fill(&mut buf)?;
+            self.got.push((index, buf));
+            Ok(())
+        }
+
+        fn attach_scalars(&mut self, _values: &[f32]) {}
+    }
+
+    #[test]
+    fn hand_backward_gives_autograds_loss_and_gradients() -> Result<()> {
+        let mut params = Params::default();
+        let mlp = Mlp::new(&mut params, &mut SeededRng::new(3), 6, &[5, 4], 3)?;
+        let rows = 7;
+        let x: Vec<f32> = (0..rows * 6).map(|i| ((i * 37 % 17) as f32 - 8.0) / 5.0).collect();
+        let y: Vec<u32> = (0..rows as u32).map(|r| r % 3).collect();
+        let weight = 0.75f32;
+
+        let xt = Tensor::from_vec(x.clone(), (rows, 6), &Device::Cpu)?;
+        let yt = Tensor::from_vec(y.clone(), rows, &Device::Cpu)?;
+        let loss = (candle_nn::loss::cross_entropy(&mlp.forward(&xt)?, &yt)? * f64::from(weight))?;
+        let grads = loss.backward()?;
+
+        let flat = Flat { rows, width: 6, input: FlatInput::Dense(x), target: y };
+        let mut got = Capture::new(&params);
+        let hand_loss = mlp.loss_and_grads(&flat, weight, &mut got)?;
+        assert!((hand_loss - loss.to_scalar::<f32>()?).abs() < 1e-5, "loss {hand_loss} vs {loss}");
+        // Reverse parameter order, bias before weight.
+        assert_eq!(got.got.iter().map(|(i, _)| *i).collect::<Vec<_>>(), vec![5, 4, 3, 2, 1, 0]);
+        for (i, g) in &got.got {
+            let (name, var) = &params.vars()[*i];
+            let want = grads.get(var.as_tensor()).map(|g| g.flatten_all()?.to_vec1::<f32>()).transpose()?;
+            let want = want.unwrap_or_default();
+            assert_eq!(want.len(), g.len(), "{name}");
+            for (a, b) in want.iter().zip(g) {
+                assert!((a - b).abs() < 1e-5, "{name}: autograd {a}, hand {b}");
+            }
+        }
+
+        let bad = Flat { rows: 1, width: 6, input: FlatInput::Dense(vec![0.0; 6]), target: vec![3] };
+        let err = mlp.loss_and_grads(&bad, 1.0, &mut Capture::new(&params)).err().map(|e| e.to_string());
+        assert!(err.is_some_and(|e| e.contains("label 3 of row 0")));
+        let tokens = Flat { rows: 1, width: 6, input: FlatInput::Tokens(vec![0; 6]), target: vec![0] };
+        assert!(mlp.loss_and_grads(&tokens, 1.0, &mut Capture::new(&params)).is_err());
+        Ok(())
     }
 }

@@ -5,6 +5,7 @@
 use candle_core::Tensor;
 
 use crate::error::{Error, Result};
+use crate::kernels::{cpu_f32, with_slice, with_slice_mut};
 use crate::params::Params;
 
 /// Which optimizer, with its hyper-parameters.
@@ -34,6 +35,15 @@ impl Optimizer {
 
     /// Applies one update with learning rate `lr` from gradients aligned with `params`.
     pub fn step(&mut self, params: &Params, grads: &[Tensor], lr: f64) -> Result<()> {
+        let guards: Vec<_> = grads.iter().map(|g| g.storage_and_layout()).collect();
+        let slices = guards.iter().map(|(s, l)| cpu_f32(s, l)).collect::<Result<Vec<_>>>()?;
+        self.step_slices(params, &slices, lr)
+    }
+
+    /// Applies one update with learning rate `lr` from plain gradient buffers
+    /// aligned with `params`, in place: one pass over each parameter, its
+    /// gradient and its state, with no temporary tensors.
+    pub fn step_slices(&mut self, params: &Params, grads: &[&[f32]], lr: f64) -> Result<()> {
         if grads.len() != params.vars().len() {
             return Err(Error::InvalidArgument(format!(
                 "{} gradients for {} parameters",
@@ -41,37 +51,75 @@ impl Optimizer {
                 params.vars().len()
             )));
         }
+        for ((name, var), g) in params.vars().iter().zip(grads) {
+            if g.len() != var.elem_count() {
+                return Err(Error::InvalidArgument(format!(
+                    "gradient of {name} has {} values, the parameter {}",
+                    g.len(),
+                    var.elem_count()
+                )));
+            }
+        }
         self.t += 1;
+        let lr32 = lr as f32;
         for (i, ((_, var), g)) in params.vars().iter().zip(grads).enumerate() {
             let p = var.as_tensor();
             match self.cfg {
                 OptimConfig::Sgd { momentum, weight_decay } => {
-                    let g = if weight_decay != 0.0 { (g + (p * weight_decay)?)? } else { g.clone() };
-                    let buf = match self.m[i].take() {
-                        Some(b) if momentum != 0.0 => ((b * momentum)? + &g)?,
-                        _ => g,
-                    };
-                    var.set(&(p - (&buf * lr)?)?)?;
-                    self.m[i] = Some(buf);
+                    let (mu, wd) = (momentum as f32, weight_decay as f32);
+                    if momentum == 0.0 {
+                        with_slice_mut(p, |p| {
+                            for (p, &g) in p.iter_mut().zip(*g) {
+                                *p -= lr32 * (g + wd * *p);
+                            }
+                        })?;
+                        continue;
+                    }
+                    match &self.m[i] {
+                        // The first step's buffer is the gradient itself (PyTorch's convention).
+                        None => {
+                            let mut buf = g.to_vec();
+                            with_slice_mut(p, |p| {
+                                for (p, b) in p.iter_mut().zip(buf.iter_mut()) {
+                                    *b += wd * *p;
+                                    *p -= lr32 * *b;
+                                }
+                            })?;
+                            self.m[i] = Some(Tensor::from_vec(buf, var.shape(), p.device())?);
+                        }
+                        Some(m) => with_slice_mut(p, |p| {
+                            with_slice_mut(m, |m| {
+                                for ((p, b), &g) in p.iter_mut().zip(m.iter_mut()).zip(*g) {
+                                    *b = mu * *b + (g + wd * *p);
+                                    *p -= lr32 * *b;
+                                }
+                            })
+                        })??,
+                    }
                 }
                 OptimConfig::AdamW { beta1, beta2, eps, weight_decay } => {
-                    let m = match self.m[i].take() {
-                        Some(m) => ((m * beta1)? + (g * (1.0 - beta1))?)?,
-                        None => (g * (1.0 - beta1))?,
-                    };
-                    let v = match self.v[i].take() {
-                        Some(v) => ((v * beta2)? + (g.sqr()? * (1.0 - beta2))?)?,
-                        None => (g.sqr()? * (1.0 - beta2))?,
-                    };
-                    let c1 = 1.0 - beta1.powi(self.t as i32);
-                    let c2 = 1.0 - beta2.powi(self.t as i32);
-                    let mhat = (&m / c1)?;
-                    let vhat = (&v / c2)?;
-                    let update = (mhat / (vhat.sqrt()? + eps)?)?;
-                    let decayed = (p * (1.0 - lr * weight_decay))?;
-                    var.set(&(decayed - (update * lr)?)?)?;
-                    self.m[i] = Some(m);
-                    self.v[i] = Some(v);
+                    let c1 = (1.0 - beta1.powi(self.t as i32)) as f32;
+                    let c2 = (1.0 - beta2.powi(self.t as i32)) as f32;
+                    let (b1, b2, eps) = (beta1 as f32, beta2 as f32, eps as f32);
+                    let decay = (1.0 - lr * weight_decay) as f32;
+                    for slot in [&mut self.m[i], &mut self.v[i]] {
+                        if slot.is_none() {
+                            *slot = Some(p.zeros_like()?);
+                        }
+                    }
+                    let (Some(m), Some(v)) = (&self.m[i], &self.v[i]) else { continue };
+                    with_slice_mut(p, |p| {
+                        with_slice_mut(m, |m| {
+                            with_slice_mut(v, |v| {
+                                for (((p, m), v), &g) in p.iter_mut().zip(m.iter_mut()).zip(v.iter_mut()).zip(*g) {
+                                    *m = b1 * *m + (1.0 - b1) * g;
+                                    *v = b2 * *v + (1.0 - b2) * g * g;
+                                    let update = (*m / c1) / ((*v / c2).sqrt() + eps);
+                                    *p = *p * decay - lr32 * update;
+                                }
+                            })
+                        })
+                    })???;
                 }
             }
         }
@@ -79,6 +127,8 @@ impl Optimizer {
     }
 
     /// The state as named tensors (`<param>.m`, `<param>.v`), for checkpoints.
+    /// They share storage with the optimizer, whose next step updates them in
+    /// place: copy them out before that step if they must stay as they are.
     pub fn state(&self, params: &Params) -> Vec<(String, Tensor)> {
         let mut out = Vec::new();
         for (i, (name, _)) in params.vars().iter().enumerate() {
@@ -136,7 +186,7 @@ pub fn learning_rate(step: usize, total: usize, lr: f64, warmup: usize, min_lr: 
 pub fn clip_grad_norm(grads: &mut [Tensor], max_norm: f64) -> Result<f64> {
     let mut sq = 0f64;
     for g in grads.iter() {
-        sq += g.sqr()?.sum_all()?.to_scalar::<f32>()? as f64;
+        sq += with_slice(g, sum_sq)?;
     }
     let norm = sq.sqrt();
     if norm > max_norm && norm > 0.0 {
@@ -146,6 +196,21 @@ pub fn clip_grad_norm(grads: &mut [Tensor], max_norm: f64) -> Result<f64> {
         }
     }
     Ok(norm)
+}
+
+/// Sum of squares, accumulated in f64.
+pub fn sum_sq(v: &[f32]) -> f64 {
+    v.iter().map(|&x| f64::from(x) * f64::from(x)).sum()
+}
+
+/// [`clip_grad_norm`] over plain buffers, scaled in place.
+pub fn clip_grad_norm_slices(grads: &mut [&mut [f32]], max_norm: f64) -> f64 {
+    let norm = grads.iter().map(|g| sum_sq(g)).sum::<f64>().sqrt();
+    if norm > max_norm && norm > 0.0 {
+        let s = (max_norm / norm) as f32;
+        grads.iter_mut().for_each(|g| g.iter_mut().for_each(|x| *x *= s));
+    }
+    norm
 }
 
 #[cfg(test)]

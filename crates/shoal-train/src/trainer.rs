@@ -9,18 +9,22 @@
 //!   (`local samples / global samples`), so summing gradients across ranks gives
 //!   exactly the gradient of the global-batch mean loss, whatever the shares;
 //! - on the last micro-batch, gradients are flattened in reverse parameter order
-//!   (the order backward produces them in frameworks with hooks) into buckets of
-//!   `bucket_bytes`; each full bucket's all-reduce starts at once, on the
-//!   communicator's worker thread, while the next bucket is being flattened;
+//!   (the order backward produces them) into buckets of `bucket_bytes` (the
+//!   first one `first_bucket_bytes`); each full bucket's all-reduce starts at
+//!   once, on the communicator's worker thread. With a hand-written backward
+//!   ([`Trainer::backward_with`]) the gradients are written straight into the
+//!   buckets as each layer finishes, so communication overlaps the backward
+//!   pass of the earlier layers;
 //! - `step` waits for the buckets, clips, and applies the same update on every rank.
 
 use std::time::Instant;
 
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
 use shoal_comm::{Communicator, Pending, ReduceOp};
 
 use crate::error::{Error, Result};
-use crate::optim::{OptimConfig, Optimizer, clip_grad_norm};
+use crate::kernels::with_slice;
+use crate::optim::{OptimConfig, Optimizer, clip_grad_norm, clip_grad_norm_slices};
 use crate::params::Params;
 
 /// How a [`Trainer`] trains.
@@ -29,6 +33,9 @@ pub struct TrainerConfig {
     pub optimizer: OptimConfig,
     /// Gradient bucket size for the all-reduce (default 25 MiB).
     pub bucket_bytes: usize,
+    /// Size of the first bucket (default 1 MiB, at most `bucket_bytes`): the
+    /// last layers' gradients start their all-reduce early in backward.
+    pub first_bucket_bytes: usize,
     /// Clip the global gradient norm to this value.
     pub clip_grad_norm: Option<f64>,
 }
@@ -38,6 +45,7 @@ impl Default for TrainerConfig {
         TrainerConfig {
             optimizer: OptimConfig::AdamW { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 },
             bucket_bytes: 25 << 20,
+            first_bucket_bytes: 1 << 20,
             clip_grad_norm: None,
         }
     }
@@ -61,12 +69,30 @@ enum Bucket {
     Ready(Vec<f32>),
 }
 
+/// Where a backward pass puts its gradients: one buffer per parameter, handed
+/// out in reverse parameter order (the order backward produces them). Each
+/// buffer is zeroed and as long as its parameter; once `fill` returns, the
+/// trainer owns it, and a full gradient bucket starts its all-reduce at once,
+/// while the backward pass goes on with earlier layers.
+pub trait GradSink {
+    /// Gives `fill` the gradient buffer of parameter `index`. Indices must
+    /// strictly decrease from one call to the next; a parameter left out has a
+    /// zero gradient.
+    fn put(&mut self, index: usize, fill: &mut dyn FnMut(&mut [f32]) -> Result<()>) -> Result<()>;
+
+    /// Like [`Trainer::attach_scalars`], for values only known once the
+    /// backward pass has run (the micro-batch's loss); the last call wins.
+    fn attach_scalars(&mut self, values: &[f32]);
+}
+
 /// Data-parallel trainer over a set of parameters.
 pub struct Trainer {
     params: Params,
     comm: Option<Communicator>,
     opt: Optimizer,
     cfg: TrainerConfig,
+    /// Flat offset of each parameter (parameter order).
+    offsets: Vec<usize>,
     /// Gradients accumulated over earlier micro-batches, flat in parameter order.
     acc: Option<Vec<f32>>,
     /// Buckets of the current step, each with the parameter indices it holds (reverse order).
@@ -75,21 +101,133 @@ pub struct Trainer {
     direct: Option<Vec<Tensor>>,
     /// Scalars to sum over ranks with this step's last gradient bucket.
     scalars: Vec<f32>,
+    /// Bucket buffers of the last step, reused by the next (no allocation, no page faults).
+    spare: Vec<Vec<f32>>,
 }
 
-/// Appends a tensor's values to `out` with one copy (straight from its storage
-/// when it is a contiguous f32 CPU tensor).
-fn append_f32(out: &mut Vec<f32>, t: &Tensor) -> Result<()> {
-    let t = t.contiguous()?;
-    let (storage, layout) = t.storage_and_layout();
-    if let (candle_core::Storage::Cpu(cpu), Some((a, b))) = (&*storage, layout.contiguous_offsets())
-        && let Ok(s) = cpu.as_slice::<f32>()
-    {
-        out.extend_from_slice(&s[a..b]);
-        return Ok(());
+/// The [`GradSink`] of one micro-batch: accumulates (`acc`) or fills buckets.
+struct Collector<'a> {
+    vars: &'a [(String, candle_core::Var)],
+    offsets: &'a [usize],
+    /// Next index allowed (every index below it, and it, may still come).
+    next: Option<usize>,
+    /// Scalars that ride in the last bucket.
+    scalars: Vec<f32>,
+    mode: Mode<'a>,
+}
+
+enum Mode<'a> {
+    /// Not the last micro-batch: add into the accumulator.
+    Accumulate { acc: &'a mut Vec<f32>, tmp: Vec<f32> },
+    /// The last micro-batch: bucket, add what earlier micro-batches accumulated, launch.
+    Reduce {
+        comm: Option<Communicator>,
+        acc: Option<Vec<f32>>,
+        cur: Vec<f32>,
+        members: Vec<usize>,
+        limit: usize,
+        bucket_bytes: usize,
+        buckets: &'a mut Vec<(Vec<usize>, Bucket)>,
+        spare: &'a mut Vec<Vec<f32>>,
+    },
+}
+
+impl Collector<'_> {
+    fn zero_down_to(&mut self, stop: Option<usize>) -> Result<()> {
+        // Parameters between the last one put and `stop` got no gradient: zeros.
+        while let Some(i) = self.next {
+            if stop.is_some_and(|s| i <= s) {
+                break;
+            }
+            self.put_inner(i, &mut |_| Ok(()))?;
+        }
+        Ok(())
     }
-    drop(storage);
-    out.extend(t.flatten_all()?.to_vec1::<f32>()?);
+
+    fn put_inner(&mut self, index: usize, fill: &mut dyn FnMut(&mut [f32]) -> Result<()>) -> Result<()> {
+        let n = self.vars[index].1.elem_count();
+        let off = self.offsets[index];
+        self.next = index.checked_sub(1);
+        match &mut self.mode {
+            Mode::Accumulate { acc, tmp } => {
+                tmp.clear();
+                tmp.resize(n, 0.0);
+                fill(tmp)?;
+                for (a, x) in acc[off..off + n].iter_mut().zip(tmp.iter()) {
+                    *a += *x;
+                }
+            }
+            Mode::Reduce { comm, acc, cur, members, limit, bucket_bytes, buckets, spare } => {
+                let start = cur.len();
+                cur.resize(start + n, 0.0);
+                fill(&mut cur[start..])?;
+                if let Some(acc) = acc {
+                    for (x, a) in cur[start..].iter_mut().zip(&acc[off..off + n]) {
+                        *x += *a;
+                    }
+                }
+                members.push(index);
+                if cur.len() >= *limit {
+                    let data = std::mem::replace(cur, spare.pop().unwrap_or_default());
+                    launch(comm.as_ref(), data, std::mem::take(members), buckets);
+                    *limit = (*bucket_bytes / 4).max(1);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Zero-fills what was left out and launches the last bucket with the scalars.
+    fn finish(mut self) -> Result<Vec<f32>> {
+        self.zero_down_to(None)?;
+        let scalars = self.scalars;
+        if let Mode::Reduce { comm, cur, members, buckets, .. } = self.mode {
+            let mut data = cur;
+            data.extend_from_slice(&scalars);
+            if !members.is_empty() || !scalars.is_empty() {
+                launch(comm.as_ref(), data, members, buckets);
+            }
+        }
+        Ok(scalars)
+    }
+}
+
+impl GradSink for Collector<'_> {
+    fn put(&mut self, index: usize, fill: &mut dyn FnMut(&mut [f32]) -> Result<()>) -> Result<()> {
+        if index >= self.vars.len() || self.next.is_none_or(|n| index > n) {
+            return Err(Error::InvalidArgument(format!(
+                "gradient of parameter {index} given out of order (parameters must come in reverse order, each once)"
+            )));
+        }
+        self.zero_down_to(Some(index))?;
+        self.put_inner(index, fill)
+    }
+
+    fn attach_scalars(&mut self, values: &[f32]) {
+        self.scalars.clear();
+        self.scalars.extend_from_slice(values);
+    }
+}
+
+fn launch(comm: Option<&Communicator>, data: Vec<f32>, members: Vec<usize>, buckets: &mut Vec<(Vec<usize>, Bucket)>) {
+    let b = match comm {
+        Some(c) => Bucket::Pending(c.all_reduce_async(data, ReduceOp::Sum)),
+        None => Bucket::Ready(data),
+    };
+    buckets.push((members, b));
+}
+
+/// Copies a tensor's values into `out`, which must be exactly as long.
+fn copy_f32(out: &mut [f32], t: &Tensor) -> Result<()> {
+    let t = t.contiguous()?;
+    let n = with_slice(&t, |s| {
+        let n = s.len().min(out.len());
+        out[..n].copy_from_slice(&s[..n]);
+        s.len()
+    })?;
+    if n != out.len() {
+        return Err(Error::InvalidArgument(format!("gradient has {n} values, its parameter {}", out.len())));
+    }
     Ok(())
 }
 
@@ -109,7 +247,27 @@ impl Trainer {
             params.load_flat(&flat)?;
         }
         let opt = Optimizer::new(cfg.optimizer, &params);
-        Ok(Trainer { params, comm, opt, cfg, acc: None, buckets: Vec::new(), direct: None, scalars: Vec::new() })
+        let offsets = params
+            .vars()
+            .iter()
+            .scan(0usize, |off, (_, v)| {
+                let o = *off;
+                *off += v.elem_count();
+                Some(o)
+            })
+            .collect();
+        Ok(Trainer {
+            params,
+            comm,
+            opt,
+            cfg,
+            offsets,
+            acc: None,
+            buckets: Vec::new(),
+            direct: None,
+            scalars: Vec::new(),
+            spare: Vec::new(),
+        })
     }
 
     pub fn params(&self) -> &Params {
@@ -143,37 +301,12 @@ impl Trainer {
     /// flattened into buckets whose all-reduces start as each bucket fills.
     pub fn backward(&mut self, loss: Option<&Tensor>, last: bool) -> Result<()> {
         let grads = loss.map(Tensor::backward).transpose()?;
-        let vars = self.params.vars();
-        let grad_of = |i: usize| -> Result<Vec<f32>> {
-            let (_, var) = &vars[i];
-            match grads.as_ref().and_then(|g| g.get(var.as_tensor())) {
-                Some(g) => Ok(g.flatten_all()?.to_vec1::<f32>()?),
-                None => Ok(vec![0.0; var.elem_count()]),
-            }
-        };
-        let offsets: Vec<usize> = vars
-            .iter()
-            .scan(0usize, |off, (_, v)| {
-                let o = *off;
-                *off += v.elem_count();
-                Some(o)
-            })
-            .collect();
-        if !last {
-            let acc = self.acc.get_or_insert_with(|| vec![0.0; self.params.count()]);
-            for i in 0..vars.len() {
-                let g = grad_of(i)?;
-                for (a, x) in acc[offsets[i]..offsets[i] + g.len()].iter_mut().zip(&g) {
-                    *a += *x;
-                }
-            }
-            return Ok(());
-        }
-        let acc = self.acc.take();
-        let comm = self.comm.clone().filter(|c| c.size() > 1);
-        if comm.is_none() && acc.is_none() {
+        let reduce = self.comm.as_ref().is_some_and(|c| c.size() > 1);
+        if last && !reduce && self.acc.is_none() {
             // One worker, one micro-batch: nothing to reduce, keep the tensors.
-            let direct = vars
+            let direct = self
+                .params
+                .vars()
                 .iter()
                 .map(|(_, v)| match grads.as_ref().and_then(|g| g.get(v.as_tensor())) {
                     Some(g) => Ok(g.detach().contiguous()?),
@@ -183,45 +316,68 @@ impl Trainer {
             self.direct = Some(direct);
             return Ok(());
         }
-        let per_bucket = (self.cfg.bucket_bytes / 4).max(1);
-        let mut cur: Vec<f32> = Vec::new();
-        let mut members: Vec<usize> = Vec::new();
-        let launch = |cur: &mut Vec<f32>, members: &mut Vec<usize>, buckets: &mut Vec<(Vec<usize>, Bucket)>| {
-            let data = std::mem::take(cur);
-            let m = std::mem::take(members);
-            let b = match &comm {
-                Some(c) => Bucket::Pending(c.all_reduce_async(data, ReduceOp::Sum)),
-                None => Bucket::Ready(data),
-            };
-            buckets.push((m, b));
-        };
-        for i in (0..vars.len()).rev() {
-            let start = cur.len();
-            match grads.as_ref().and_then(|g| g.get(vars[i].1.as_tensor())) {
-                Some(g) => append_f32(&mut cur, g)?,
-                None => cur.resize(start + vars[i].1.elem_count(), 0.0),
-            }
-            if let Some(acc) = &acc {
-                for (x, a) in cur[start..].iter_mut().zip(&acc[offsets[i]..]) {
-                    *x += *a;
+        let vars = self.params.vars().to_vec();
+        self.backward_with(last, |sink| {
+            let Some(grads) = &grads else { return Ok(()) };
+            for i in (0..vars.len()).rev() {
+                if let Some(g) = grads.get(vars[i].1.as_tensor()) {
+                    sink.put(i, &mut |out| copy_f32(out, g))?;
                 }
             }
-            members.push(i);
-            if cur.len() >= per_bucket {
-                launch(&mut cur, &mut members, &mut self.buckets);
-            }
+            Ok(())
+        })
+    }
+
+    /// Runs a hand-written backward pass `f`, which puts each parameter's
+    /// gradient (already weighted like [`Self::backward`]'s loss) into the
+    /// sink in reverse parameter order. With `last`, full buckets start their
+    /// all-reduce while `f` is still computing the earlier layers.
+    pub fn backward_with(&mut self, last: bool, f: impl FnOnce(&mut dyn GradSink) -> Result<()>) -> Result<()> {
+        let n = self.params.vars().len();
+        let total = self.params.count();
+        if !last {
+            let acc = self.acc.get_or_insert_with(|| vec![0.0; total]);
+            let mut c = Collector {
+                vars: self.params.vars(),
+                offsets: &self.offsets,
+                next: n.checked_sub(1),
+                scalars: Vec::new(),
+                mode: Mode::Accumulate { acc, tmp: Vec::new() },
+            };
+            f(&mut c)?;
+            c.finish()?;
+            return Ok(());
         }
-        cur.extend_from_slice(&self.scalars);
-        if !members.is_empty() || !self.scalars.is_empty() {
-            launch(&mut cur, &mut members, &mut self.buckets);
-        }
+        let comm = self.comm.clone().filter(|c| c.size() > 1);
+        let bucket_bytes = self.cfg.bucket_bytes;
+        // The first bucket is small, so communication starts early in backward (as in PyTorch's DDP).
+        let limit = (self.cfg.first_bucket_bytes.min(bucket_bytes) / 4).max(1);
+        let cur = self.spare.pop().unwrap_or_default();
+        let mut c = Collector {
+            vars: self.params.vars(),
+            offsets: &self.offsets,
+            next: n.checked_sub(1),
+            scalars: std::mem::take(&mut self.scalars),
+            mode: Mode::Reduce {
+                comm,
+                acc: self.acc.take(),
+                cur,
+                members: Vec::new(),
+                limit,
+                bucket_bytes,
+                buckets: &mut self.buckets,
+                spare: &mut self.spare,
+            },
+        };
+        f(&mut c)?;
+        // Kept until `step`, which takes them back out of the bucket.
+        self.scalars = c.finish()?;
         Ok(())
     }
 
     /// Waits for the gradient all-reduces, clips, and applies the optimizer with `lr`.
     pub fn step(&mut self, lr: f64) -> Result<StepTimes> {
         let t0 = Instant::now();
-        let vars = self.params.vars();
         if let Some(mut grads) = self.direct.take() {
             let grad_norm = match self.cfg.clip_grad_norm {
                 Some(max) => Some(clip_grad_norm(&mut grads, max)?),
@@ -231,32 +387,38 @@ impl Trainer {
             let scalars = std::mem::take(&mut self.scalars);
             return Ok(StepTimes { comm_s: 0.0, optimizer_s: t0.elapsed().as_secs_f64(), grad_norm, scalars });
         }
-        let mut grads: Vec<Option<Tensor>> = vec![None; vars.len()];
-        let mut scalars = Vec::new();
-        let last = self.buckets.len().saturating_sub(1);
-        for (k, (members, b)) in self.buckets.drain(..).enumerate() {
+        let vars = self.params.vars();
+        let mut datas: Vec<(Vec<usize>, Vec<f32>)> = Vec::with_capacity(self.buckets.len());
+        for (members, b) in self.buckets.drain(..) {
             let data = match b {
                 Bucket::Pending(p) => p.wait()?,
                 Bucket::Ready(d) => d,
             };
-            let mut off = 0;
-            for i in members {
-                let (name, var) = &vars[i];
-                let n = var.elem_count();
-                let part = data
-                    .get(off..off + n)
-                    .ok_or_else(|| Error::InvalidArgument(format!("gradient bucket too short for {name}")))?;
-                grads[i] = Some(Tensor::from_slice(part, var.shape(), &Device::Cpu)?);
-                off += n;
-            }
-            if k == last {
-                scalars = data.get(off..).unwrap_or_default().to_vec();
-            }
+            datas.push((members, data));
         }
         self.scalars.clear();
         let comm_s = t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
-        let mut grads: Vec<Tensor> = grads
+        let mut grads: Vec<Option<&mut [f32]>> = (0..vars.len()).map(|_| None).collect();
+        let mut scalars = Vec::new();
+        let last = datas.len().saturating_sub(1);
+        for (k, (members, data)) in datas.iter_mut().enumerate() {
+            let mut rest: &mut [f32] = data;
+            for &i in members.iter() {
+                let (name, var) = &vars[i];
+                let n = var.elem_count();
+                if rest.len() < n {
+                    return Err(Error::InvalidArgument(format!("gradient bucket too short for {name}")));
+                }
+                let (part, tail) = rest.split_at_mut(n);
+                grads[i] = Some(part);
+                rest = tail;
+            }
+            if k == last {
+                scalars = rest.to_vec();
+            }
+        }
+        let mut grads: Vec<&mut [f32]> = grads
             .into_iter()
             .enumerate()
             .map(|(i, g)| {
@@ -265,11 +427,13 @@ impl Trainer {
                 })
             })
             .collect::<Result<_>>()?;
-        let grad_norm = match self.cfg.clip_grad_norm {
-            Some(max) => Some(clip_grad_norm(&mut grads, max)?),
-            None => None,
-        };
-        self.opt.step(&self.params, &grads, lr)?;
+        let grad_norm = self.cfg.clip_grad_norm.map(|max| clip_grad_norm_slices(&mut grads, max));
+        let grads: Vec<&[f32]> = grads.into_iter().map(|g| &*g).collect();
+        self.opt.step_slices(&self.params, &grads, lr)?;
+        for (_, mut data) in datas {
+            data.clear();
+            self.spare.push(data);
+        }
         Ok(StepTimes { comm_s, optimizer_s: t1.elapsed().as_secs_f64(), grad_norm, scalars })
     }
 }

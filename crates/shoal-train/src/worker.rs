@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 use shoal_comm::{Communicator, ReduceOp};
 use shoal_data::{Dataset, DistributedSampler, Loader, LoaderConfig, SamplerConfig, Split};
 
-use crate::batch::to_tensors;
+use crate::batch::{Flat, to_flat, to_tensors};
 use crate::checkpoint::{AsyncSaver, CheckpointDir, ManifestMeta, TensorData};
 use crate::error::{Error, Result};
 use crate::models::{Cnn, Gpt, GptConfig, Mlp, Model};
@@ -335,7 +335,12 @@ pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
             OptimConfig::AdamW { beta1, beta2, eps: t.eps(), weight_decay: t.weight_decay() }
         }
     };
-    let cfg = TrainerConfig { optimizer, bucket_bytes: t.bucket_bytes(), clip_grad_norm: t.clip_grad_norm };
+    let cfg = TrainerConfig {
+        optimizer,
+        bucket_bytes: t.bucket_bytes(),
+        clip_grad_norm: t.clip_grad_norm,
+        ..TrainerConfig::default()
+    };
     let mut trainer = Trainer::new(params, Some(comm.clone()), cfg)?;
 
     let micro = t.micro_batch();
@@ -424,6 +429,8 @@ pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
         (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut last_loss = f64::NAN;
     let mut samples_seen = 0usize;
+    // The model's hand-written backward pass, unless SHOAL_AUTOGRAD=1 asks for candle's autograd.
+    let hand = model.hand_backward().filter(|_| std::env::var("SHOAL_AUTOGRAD").map_or(true, |v| v != "1"));
     let train_started = Instant::now();
     for step in start_step..t.steps {
         let step_started = Instant::now();
@@ -439,19 +446,29 @@ pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
             let weight = batch.samples.len() as f64 / (batch.global_size * t.grad_accum) as f64;
             global_samples += batch.global_size;
             sampler_state = batch.next;
-            let loss = match to_tensors(&batch.samples)? {
-                Some(x) => {
-                    let logits = model.forward(&x.input)?;
-                    let l = (candle_nn::loss::cross_entropy(&logits, &x.target)? * weight)?;
-                    local_loss += l.to_scalar::<f32>()? as f64;
-                    Some(l)
+            let last = k + 1 == t.grad_accum;
+            match (to_flat(&batch.samples)?, hand) {
+                (Some(flat), Some(hand)) => trainer.backward_with(last, |sink| {
+                    local_loss += f64::from(hand.loss_and_grads(&flat, weight as f32, sink)?);
+                    sink.attach_scalars(&[local_loss as f32]);
+                    Ok(())
+                })?,
+                (flat, _) => {
+                    let loss = match flat.map(Flat::into_tensors).transpose()? {
+                        Some(x) => {
+                            let logits = model.forward(&x.input)?;
+                            let l = (candle_nn::loss::cross_entropy(&logits, &x.target)? * weight)?;
+                            local_loss += l.to_scalar::<f32>()? as f64;
+                            Some(l)
+                        }
+                        None => None,
+                    };
+                    if last {
+                        trainer.attach_scalars(&[local_loss as f32]);
+                    }
+                    trainer.backward(loss.as_ref(), last)?;
                 }
-                None => None,
-            };
-            if k + 1 == t.grad_accum {
-                trainer.attach_scalars(&[local_loss as f32]);
             }
-            trainer.backward(loss.as_ref(), k + 1 == t.grad_accum)?;
             compute_s += c0.elapsed().as_secs_f64();
         }
         let lr = learning_rate(step, t.steps, t.lr, t.warmup_steps, t.min_lr, t.schedule == Schedule::Cosine);
