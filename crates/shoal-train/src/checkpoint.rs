@@ -152,6 +152,13 @@ impl TensorData {
     pub fn new(name: impl Into<String>, shape: Vec<usize>, data: Vec<f32>) -> Self {
         Self { name: name.into(), shape, data }
     }
+
+    /// A copy of `values` into `buf` (reusing its allocation when it is large enough).
+    pub fn copy_from(name: impl Into<String>, shape: Vec<usize>, values: &[f32], mut buf: Vec<f32>) -> Self {
+        buf.clear();
+        buf.extend_from_slice(values);
+        Self::new(name, shape, buf)
+    }
 }
 
 /// Size and checksum of one file of a checkpoint.
@@ -424,31 +431,152 @@ fn hash_safetensors(header: &[u8], tensors: &[TensorData]) -> String {
     format!("{:x}", hasher.finalize())
 }
 
+/// Alignment of direct I/O: buffer address, file offset and length (the
+/// largest logical block size of common devices).
+const DIRECT_ALIGN: usize = 4096;
+
+/// A `CHUNK_BYTES` buffer whose start is `DIRECT_ALIGN`-aligned.
+struct AlignedBuf {
+    raw: Vec<u8>,
+    start: usize,
+}
+
+impl AlignedBuf {
+    fn new() -> AlignedBuf {
+        let raw = vec![0u8; CHUNK_BYTES + DIRECT_ALIGN];
+        let start = raw.as_ptr().align_offset(DIRECT_ALIGN).min(DIRECT_ALIGN);
+        AlignedBuf { raw, start }
+    }
+
+    fn get(&mut self) -> &mut [u8] {
+        &mut self.raw[self.start..self.start + CHUNK_BYTES]
+    }
+}
+
+/// Streams bytes to a file a chunk at a time. With `direct`, the file was
+/// opened with `O_DIRECT`: chunks go from the aligned buffer straight to the
+/// device, with no copy into the page cache and no page-cache pages to
+/// allocate; the last partial chunk is padded to the alignment and the file
+/// cut back to its length.
+struct ChunkWriter<'a> {
+    path: &'a Path,
+    file: File,
+    direct: bool,
+    buf: AlignedBuf,
+    len: usize,
+    written: u64,
+}
+
+impl ChunkWriter<'_> {
+    fn push(&mut self, mut bytes: &[u8]) -> Result<()> {
+        while !bytes.is_empty() {
+            let n = (CHUNK_BYTES - self.len).min(bytes.len());
+            let at = self.len;
+            self.buf.get()[at..at + n].copy_from_slice(&bytes[..n]);
+            self.len += n;
+            bytes = &bytes[n..];
+            if self.len == CHUNK_BYTES {
+                self.flush_full()?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Appends `values` as little-endian bytes, converting straight into the buffer.
+    fn push_f32(&mut self, mut values: &[f32]) -> Result<()> {
+        while !values.is_empty() {
+            if !self.len.is_multiple_of(4) {
+                // Only after an odd-sized header: go through bytes until aligned to a value.
+                let (head, rest) = values.split_at(1);
+                self.push(&head[0].to_le_bytes())?;
+                values = rest;
+                continue;
+            }
+            let n = ((CHUNK_BYTES - self.len) / 4).min(values.len());
+            let at = self.len;
+            for (d, x) in self.buf.get()[at..at + 4 * n].chunks_exact_mut(4).zip(&values[..n]) {
+                d.copy_from_slice(&x.to_le_bytes());
+            }
+            self.len += 4 * n;
+            values = &values[n..];
+            if self.len == CHUNK_BYTES {
+                self.flush_full()?;
+            }
+        }
+        Ok(())
+    }
+
+    fn flush_full(&mut self) -> Result<()> {
+        let len = self.len;
+        let path = self.path;
+        self.file.write_all(&self.buf.get()[..len]).map_err(|e| io_err(path, e))?;
+        self.written += len as u64;
+        self.len = 0;
+        Ok(())
+    }
+
+    /// Writes what is left, fixes the length, fsyncs; returns the file's size.
+    fn finish(mut self) -> Result<u64> {
+        let path = self.path;
+        if self.len > 0 {
+            let len = self.len;
+            let padded = if self.direct { len.div_ceil(DIRECT_ALIGN) * DIRECT_ALIGN } else { len };
+            self.buf.get()[len..padded].fill(0);
+            self.file.write_all(&self.buf.get()[..padded]).map_err(|e| io_err(path, e))?;
+            self.written += len as u64;
+            if padded != len {
+                self.file.set_len(self.written).map_err(|e| io_err(path, e))?;
+            }
+        }
+        self.file.sync_all().map_err(|e| io_err(path, e))?;
+        Ok(self.written)
+    }
+}
+
+/// Opens `path` for writing, with `O_DIRECT` when asked and the filesystem allows it.
+fn create_for_write(path: &Path, direct: bool) -> Result<(File, bool)> {
+    let mut opts = fs::OpenOptions::new();
+    opts.write(true).create(true).truncate(true);
+    if direct {
+        use std::os::unix::fs::OpenOptionsExt;
+        let mut d = opts.clone();
+        d.custom_flags(libc::O_DIRECT);
+        if let Ok(f) = d.open(path) {
+            return Ok((f, true));
+        }
+    }
+    Ok((opts.open(path).map_err(|e| io_err(path, e))?, false))
+}
+
+/// Writes header + tensors to `path` and fsyncs; returns the bytes written.
+/// Direct I/O first; if the device refuses it mid-way (`EINVAL` on a
+/// filesystem without it), the file is written again through the page cache.
+fn write_file(path: &Path, header: &[u8], tensors: &[TensorData]) -> Result<u64> {
+    let attempt = |direct: bool| -> Result<u64> {
+        let (file, direct) = create_for_write(path, direct)?;
+        let mut w = ChunkWriter { path, file, direct, buf: AlignedBuf::new(), len: 0, written: 0 };
+        w.push(header)?;
+        for t in tensors {
+            w.push_f32(&t.data)?;
+        }
+        w.finish()
+    };
+    match attempt(true) {
+        Err(CheckpointError::Io { source, .. }) if source.raw_os_error() == Some(libc::EINVAL) => attempt(false),
+        other => other,
+    }
+}
+
 /// Writes `tensors` as a safetensors file and fsyncs it. The sha256 is
 /// computed on a second thread while the file is written (the two overlap;
 /// each converts its own chunks, so neither holds a full copy).
 fn write_safetensors(path: &Path, tensors: &[TensorData]) -> Result<FileEntry> {
     let header = safetensors_header(path, tensors)?;
-    let mut file = File::create(path).map_err(|e| io_err(path, e))?;
-    let write = |file: &mut File| -> Result<u64> {
-        file.write_all(&header).map_err(|e| io_err(path, e))?;
-        let mut written = header.len() as u64;
-        let mut buf = Vec::with_capacity(CHUNK_BYTES);
-        for t in tensors {
-            for chunk in t.data.chunks(CHUNK_BYTES / 4) {
-                to_le_into(chunk, &mut buf);
-                file.write_all(&buf).map_err(|e| io_err(path, e))?;
-                written += buf.len() as u64;
-            }
-        }
-        file.sync_all().map_err(|e| io_err(path, e))?;
-        Ok(written)
-    };
     let (written, sha256) = thread::scope(|s| {
         let hasher = thread::Builder::new()
             .name("shoal-ckpt-hash".to_string())
             .spawn_scoped(s, || hash_safetensors(&header, tensors));
-        let written = write(&mut file);
+        let written = write_file(path, &header, tensors);
         let sha256 = match hasher {
             Ok(h) => h.join().ok(),
             Err(_) => None, // no thread: hash here instead
@@ -683,9 +811,23 @@ impl CheckpointDir {
             fs::remove_dir_all(&tmp_dir).map_err(|e| io_err(&tmp_dir, e))?;
         }
         fs::create_dir(&tmp_dir).map_err(|e| io_err(&tmp_dir, e))?;
+        // The two files are written (and hashed) at the same time: hashing is
+        // the slowest part, and each file's hash runs on its own thread.
         let written = (|| -> Result<(FileEntry, FileEntry)> {
-            let m = write_safetensors(&tmp_dir.join(MODEL_FILE), model)?;
-            let o = write_safetensors(&tmp_dir.join(OPTIMIZER_FILE), optimizer)?;
+            let (m, o) = thread::scope(|s| {
+                let model_writer = thread::Builder::new()
+                    .name("shoal-ckpt-model".to_string())
+                    .spawn_scoped(s, || write_safetensors(&tmp_dir.join(MODEL_FILE), model));
+                let o = write_safetensors(&tmp_dir.join(OPTIMIZER_FILE), optimizer);
+                let m = match model_writer {
+                    Ok(h) => h.join().unwrap_or_else(|_| {
+                        Err(CheckpointError::InvalidInput { why: "the model file's writer thread panicked".into() })
+                    }),
+                    Err(_) => write_safetensors(&tmp_dir.join(MODEL_FILE), model),
+                };
+                (m, o)
+            });
+            let (m, o) = (m?, o?);
             fsync_dir(&tmp_dir)?;
             Ok((m, o))
         })();
@@ -973,6 +1115,11 @@ pub struct AsyncSaver {
     last_stats: Option<SaveStats>,
     /// The object store every saved checkpoint is mirrored to.
     mirror: Option<Arc<crate::remote::RemoteStore>>,
+    /// Buffers of saved checkpoints, handed back for the next snapshot (their
+    /// pages are already mapped, so copying into them costs no page faults).
+    spare: Arc<Mutex<Vec<Vec<f32>>>>,
+    /// Seconds the finished saves took, in total.
+    saved_seconds: f64,
     #[cfg(test)]
     gate: Arc<Gate>,
 }
@@ -998,8 +1145,47 @@ impl AsyncSaver {
             last_wait: Duration::ZERO,
             last_stats: None,
             mirror: None,
+            spare: Arc::default(),
+            saved_seconds: 0.0,
             #[cfg(test)]
             gate: Arc::default(),
+        }
+    }
+
+    /// Seconds the saves finished so far took (writing, hashing, fsync), in total.
+    pub fn total_save_seconds(&self) -> f64 {
+        self.saved_seconds
+    }
+
+    /// The tensor buffers of finished saves, in the order they were
+    /// submitted, for [`TensorData::copy_from`] into the next snapshot.
+    pub fn spare_buffers(&self) -> Vec<Vec<f32>> {
+        std::mem::take(&mut *self.spare.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// Allocates buffers of `sizes` (the snapshot's tensors, in order) on a
+    /// background thread and writes every page once, so that the first
+    /// snapshot copies into mapped memory instead of paying a page fault
+    /// every 4 KiB inside the training loop's window. Buffers already handed
+    /// back by a save take precedence.
+    pub fn prefault(&self, sizes: Vec<usize>) {
+        let spare = Arc::clone(&self.spare);
+        let spawned = thread::Builder::new().name("shoal-ckpt-prefault".to_string()).spawn(move || {
+            let bufs: Vec<Vec<f32>> = sizes
+                .into_iter()
+                .map(|n| {
+                    let mut v = Vec::with_capacity(n);
+                    v.resize(n, 0.0);
+                    v
+                })
+                .collect();
+            let mut spare = spare.lock().unwrap_or_else(|e| e.into_inner());
+            if spare.is_empty() {
+                *spare = bufs;
+            }
+        });
+        if let Err(e) = spawned {
+            tracing::debug!("no prefault thread: {e}");
         }
     }
 
@@ -1045,6 +1231,7 @@ impl AsyncSaver {
         let dir = self.dir.clone();
         let keep = self.keep;
         let mirror = self.mirror.clone();
+        let spare = Arc::clone(&self.spare);
         #[cfg(test)]
         let gate = Arc::clone(&self.gate);
         let handle = thread::Builder::new()
@@ -1055,7 +1242,11 @@ impl AsyncSaver {
                     gate.wait_open(Duration::from_secs(60));
                     let Job { step, model, optimizer, meta } = job;
                     let mut res = dir.save_with_stats(step, &model, &optimizer, meta);
-                    drop((model, optimizer));
+                    {
+                        let mut spare = spare.lock().unwrap_or_else(|e| e.into_inner());
+                        spare.clear();
+                        spare.extend(model.into_iter().chain(optimizer).map(|t| t.data));
+                    }
                     if let Ok(stats) = &mut res {
                         let t = Instant::now();
                         match dir.prune(keep) {
@@ -1105,6 +1296,7 @@ impl AsyncSaver {
             Ok(res) => {
                 self.pending = None;
                 let stats = res?;
+                self.saved_seconds += stats.seconds;
                 self.last_stats = Some(stats.clone());
                 Ok(Some(stats))
             }
@@ -1184,20 +1376,29 @@ impl Drop for AsyncSaver {
     }
 }
 
-/// Measures the disk's sequential write speed in `dir`: writes `bytes` to a
-/// temp file, fsyncs it, removes it. Returns MB/s (10^6 bytes per second),
-/// comparable to [`SaveStats::mb_per_s`].
+/// Sequential write speed of the disk under `dir`, MB/s: `bytes` of
+/// incompressible data in 4 MiB writes, then fsync — through the page cache,
+/// as `dd conv=fsync` does. See [`measure_disk_write_direct`] for the other way.
 pub fn measure_disk_write(dir: impl AsRef<Path>, bytes: u64) -> Result<f64> {
-    let dir = dir.as_ref();
+    probe_disk(dir.as_ref(), bytes, false)
+}
+
+/// Like [`measure_disk_write`], with `O_DIRECT` (as `dd oflag=direct`) where
+/// the filesystem allows it (else through the page cache).
+pub fn measure_disk_write_direct(dir: impl AsRef<Path>, bytes: u64) -> Result<f64> {
+    probe_disk(dir.as_ref(), bytes, true)
+}
+
+fn probe_disk(dir: &Path, bytes: u64, direct: bool) -> Result<f64> {
     if bytes == 0 {
         return Err(CheckpointError::InvalidInput { why: "measure_disk_write of 0 bytes".into() });
     }
     fs::create_dir_all(dir).map_err(|e| io_err(dir, e))?;
     let path = dir.join(format!(".shoal-disk-probe-{}-{}", std::process::id(), now_unix_ms()));
     // Incompressible-looking data (xorshift), generated once.
-    let mut buf = vec![0u8; CHUNK_BYTES];
+    let mut data = vec![0u8; CHUNK_BYTES];
     let mut x = 0x9E37_79B9_7F4A_7C15u64;
-    for c in buf.chunks_exact_mut(8) {
+    for c in data.chunks_exact_mut(8) {
         x ^= x << 13;
         x ^= x >> 7;
         x ^= x << 17;
@@ -1205,14 +1406,15 @@ pub fn measure_disk_write(dir: impl AsRef<Path>, bytes: u64) -> Result<f64> {
     }
     let result = (|| -> Result<f64> {
         let start = Instant::now();
-        let mut f = File::create(&path).map_err(|e| io_err(&path, e))?;
+        let (file, direct) = create_for_write(&path, direct)?;
+        let mut w = ChunkWriter { path: &path, file, direct, buf: AlignedBuf::new(), len: 0, written: 0 };
         let mut left = bytes;
         while left > 0 {
-            let n = usize::try_from(left.min(buf.len() as u64)).unwrap_or(buf.len());
-            f.write_all(&buf[..n]).map_err(|e| io_err(&path, e))?;
+            let n = usize::try_from(left.min(data.len() as u64)).unwrap_or(data.len());
+            w.push(&data[..n])?;
             left -= n as u64;
         }
-        f.sync_all().map_err(|e| io_err(&path, e))?;
+        w.finish()?;
         Ok(mb_per_s(bytes, start.elapsed().as_secs_f64()))
     })();
     let _ = fs::remove_file(&path);

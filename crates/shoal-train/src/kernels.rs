@@ -99,11 +99,7 @@ fn parallelism() -> gemm::Parallelism {
 pub fn matmul(dst: &mut [f32], a: Mat<'_>, b: Mat<'_>, accumulate: bool) -> Result<()> {
     let (m, k, n) = (a.rows, a.cols, b.cols);
     if b.rows != k || dst.len() < m * n {
-        return Err(Error::InvalidArgument(format!(
-            "matmul of {m}×{k} by {}×{n} into {} values",
-            b.rows,
-            dst.len()
-        )));
+        return Err(Error::InvalidArgument(format!("matmul of {m}×{k} by {}×{n} into {} values", b.rows, dst.len())));
     }
     if m == 0 || n == 0 {
         return Ok(());

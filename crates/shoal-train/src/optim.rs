@@ -126,6 +126,16 @@ impl Optimizer {
         Ok(())
     }
 
+    /// Sizes of the tensors [`Self::state`] will hold once every parameter has been updated, in its order.
+    pub fn state_sizes(&self, params: &Params) -> Vec<usize> {
+        let per = match self.cfg {
+            OptimConfig::Sgd { momentum: 0.0, .. } => 0,
+            OptimConfig::Sgd { .. } => 1,
+            OptimConfig::AdamW { .. } => 2,
+        };
+        params.vars().iter().flat_map(|(_, v)| std::iter::repeat_n(v.elem_count(), per)).collect()
+    }
+
     /// The state as named tensors (`<param>.m`, `<param>.v`), for checkpoints.
     /// They share storage with the optimizer, whose next step updates them in
     /// place: copy them out before that step if they must stay as they are.

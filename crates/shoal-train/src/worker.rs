@@ -68,6 +68,9 @@ pub struct Summary {
     pub checkpoints: usize,
     pub checkpoint_mb_per_s: Option<f64>,
     pub checkpoint_stall_s: f64,
+    /// Seconds the saves took in the background, in total (the stall is what the loop paid of it).
+    #[serde(default)]
+    pub checkpoint_save_s: f64,
 }
 
 /// One line of `metrics.jsonl`.
@@ -214,10 +217,21 @@ pub fn checkpoint_remote(spec: &JobSpec) -> Result<Option<Arc<crate::remote::Rem
     }
 }
 
-fn tensors_of(named: impl IntoIterator<Item = (String, Tensor)>) -> Result<Vec<TensorData>> {
+/// Copies tensors out for a checkpoint, into `spare` buffers of earlier checkpoints when there are any.
+fn tensors_of(
+    named: impl IntoIterator<Item = (String, Tensor)>,
+    spare: &mut impl Iterator<Item = Vec<f32>>,
+) -> Result<Vec<TensorData>> {
     named
         .into_iter()
-        .map(|(n, t)| Ok(TensorData::new(n, t.dims().to_vec(), t.flatten_all()?.to_vec1::<f32>()?)))
+        .map(|(n, t)| {
+            let buf = spare.next().unwrap_or_default();
+            let dims = t.dims().to_vec();
+            match crate::kernels::with_slice(&t, |v| TensorData::copy_from(n.clone(), dims.clone(), v, buf)) {
+                Ok(td) => Ok(td),
+                Err(_) => Ok(TensorData::new(n, dims, t.flatten_all()?.to_vec1::<f32>()?)),
+            }
+        })
         .collect()
 }
 
@@ -378,7 +392,13 @@ pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
             None => s,
         }
     });
-    let (mut checkpoints, mut stall_s, mut last_mb_s) = (0usize, 0f64, None);
+    if let Some(s) = &saver {
+        let p = trainer.params();
+        let mut sizes: Vec<usize> = p.vars().iter().map(|(_, v)| v.elem_count()).collect();
+        sizes.extend(trainer.optimizer().state_sizes(p));
+        s.prefault(sizes);
+    }
+    let (mut checkpoints, mut stall_s, mut last_mb_s, mut save_s) = (0usize, 0f64, None, 0f64);
     let mut sampler_state = sampler.state();
     let mut snapshot: Option<Snapshot> = None;
 
@@ -530,7 +550,10 @@ pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
                 extra: serde_json::json!({ "optimizer_t": trainer.optimizer().t, "loss": last_loss }),
             };
             let at = (step + 1) as u64;
-            snapshot = Some(std::thread::spawn(move || Ok((at, tensors_of(model_h)?, tensors_of(opt_h)?, meta))));
+            let mut spare = saver.as_ref().map(|s| s.spare_buffers()).unwrap_or_default().into_iter();
+            snapshot = Some(std::thread::spawn(move || {
+                Ok((at, tensors_of(model_h, &mut spare)?, tensors_of(opt_h, &mut spare)?, meta))
+            }));
             stall_s += s0.elapsed().as_secs_f64();
             checkpoints += 1;
         }
@@ -549,6 +572,9 @@ pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
             saver.flush(std::time::Duration::from_secs(600)).map_err(|e| Error::Checkpoint(e.to_string()))?
     {
         last_mb_s = Some(stats.mb_per_s);
+    }
+    if let Some(saver) = &saver {
+        save_s = saver.total_save_seconds();
     }
     let (eval_loss, eval_acc) = evaluate(model.as_ref(), eval.as_ref(), &comm, micro, t.eval_batches)?;
     log_eval(t.steps, eval_loss, eval_acc)?;
@@ -581,6 +607,7 @@ pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
         checkpoints,
         checkpoint_mb_per_s: last_mb_s,
         checkpoint_stall_s: stall_s,
+        checkpoint_save_s: save_s,
     };
     comm.barrier()?;
     if rank == 0 {

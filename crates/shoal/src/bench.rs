@@ -25,6 +25,30 @@ pub enum BenchOp {
     Reducescatter,
 }
 
+/// What `shoal bench` measures: a collective, or checkpoint saving.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum BenchWhat {
+    Allreduce,
+    Broadcast,
+    Allgather,
+    Reducescatter,
+    /// Checkpoint save speed against the disk's (see `bench_ckpt`).
+    Checkpoint,
+}
+
+impl BenchWhat {
+    /// The collective, or `None` for the checkpoint benchmark.
+    pub fn collective(self) -> Option<BenchOp> {
+        match self {
+            BenchWhat::Allreduce => Some(BenchOp::Allreduce),
+            BenchWhat::Broadcast => Some(BenchOp::Broadcast),
+            BenchWhat::Allgather => Some(BenchOp::Allgather),
+            BenchWhat::Reducescatter => Some(BenchOp::Reducescatter),
+            BenchWhat::Checkpoint => None,
+        }
+    }
+}
+
 impl BenchOp {
     pub fn name(self) -> &'static str {
         match self {
@@ -82,6 +106,15 @@ pub struct BenchArgs {
     /// One JSON object per size instead of the table.
     #[arg(long)]
     pub json: bool,
+    /// checkpoint: parameters of the model saved, with AdamW's two moments (12 bytes each); K, M, G suffixes.
+    #[arg(long, default_value = "100M")]
+    pub params: String,
+    /// checkpoint: rounds, each probing the disk both ways and saving once.
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
+    /// checkpoint: directory to write in (default: the system temp directory).
+    #[arg(long)]
+    pub dir: Option<std::path::PathBuf>,
 }
 
 /// One result row.
@@ -150,7 +183,8 @@ fn default_iters(bytes: usize) -> (usize, usize) {
 
 /// The parent: launches the ranks, prints the table; exit status non-zero on
 /// any failure or wrong value.
-pub fn run_bench(op: BenchOp, args: &BenchArgs) -> Result<bool> {
+pub fn run_bench(what: BenchWhat, args: &BenchArgs) -> Result<bool> {
+    let Some(op) = what.collective() else { return crate::bench_ckpt::run(args) };
     if args.ranks == 0 {
         bail!("--ranks must be at least 1");
     }

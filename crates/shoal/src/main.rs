@@ -1,6 +1,7 @@
 //! The `shoal` command: thin argument parsing and output over the library crates.
 
 mod bench;
+mod bench_ckpt;
 mod launch;
 mod platform;
 mod run;
@@ -17,10 +18,11 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Cmd {
-    /// Measure a collective across N local rank processes (nccl-tests style table).
+    /// Measure a collective across N local rank processes (nccl-tests style
+    /// table), or `checkpoint`: checkpoint save speed against the disk's.
     Bench {
-        #[arg(value_enum, id = "collective")]
-        op: bench::BenchOp,
+        #[arg(value_enum, id = "what")]
+        op: bench::BenchWhat,
         #[command(flatten)]
         args: bench::BenchArgs,
     },

@@ -66,7 +66,8 @@ fn train_rank(run: &Run, comm: Option<Communicator>, world: usize, rank: usize) 
             let rb = sampler.next_batch_cycling();
             let samples: Vec<_> = rb.indices.iter().map(|&i| data.get(i).expect("sample")).collect();
             let weight = rb.indices.len() as f64 / (rb.global_size * run.grad_accum) as f64;
-            if let (true, Some(hand), Some(flat)) = (run.hand, model.hand_backward(), to_flat(&samples).expect("flat")) {
+            if let (true, Some(hand), Some(flat)) = (run.hand, model.hand_backward(), to_flat(&samples).expect("flat"))
+            {
                 trainer
                     .backward_with(k + 1 == run.grad_accum, |sink| {
                         step_loss += hand.loss_and_grads(&flat, weight as f32, sink)?;

@@ -230,3 +230,32 @@ fn datasets_are_listed_as_json_objects_with_name_and_kind() {
         assert!(kinds.contains(&want), "{want:?} missing from {kinds:?}");
     }
 }
+
+#[test]
+fn checkpoint_bench_reports_save_and_disk_speeds_and_cleans_up() {
+    let dir = std::env::temp_dir().join(format!("shoal-it-bench-ckpt-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("scratch dir");
+    let dir_s = dir.to_string_lossy().to_string();
+    let rows = run_json(&["bench", "checkpoint", "--params", "2M", "--rounds", "2", "--dir", &dir_s]);
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    let r = &rows[0];
+    assert_eq!(r["kind"], "checkpoint");
+    assert_eq!(r["params"], 2_000_000);
+    assert_eq!(r["bytes"], 24_000_000);
+    for k in ["disk_buffered_mb_per_s", "disk_direct_mb_per_s", "save_mb_per_s", "ratio"] {
+        assert!(r[k].as_f64().is_some_and(|v| v.is_finite() && v > 0.0), "{k} in {r}");
+    }
+    // The ratio is the save against the faster probe.
+    let disk =
+        r["disk_buffered_mb_per_s"].as_f64().unwrap_or(0.0).max(r["disk_direct_mb_per_s"].as_f64().unwrap_or(0.0));
+    let ratio = r["save_mb_per_s"].as_f64().unwrap_or(0.0) / disk;
+    assert!((ratio - r["ratio"].as_f64().unwrap_or(0.0)).abs() < 1e-9, "{r}");
+    // Nothing is left behind in the directory it wrote to.
+    let left: Vec<_> = std::fs::read_dir(&dir).expect("read scratch").collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+
+    let out = shoal().args(["bench", "checkpoint", "--params", "lots"]).output().expect("run");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--params"), "{}", String::from_utf8_lossy(&out.stderr));
+}
