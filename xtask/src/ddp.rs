@@ -516,6 +516,9 @@ pub fn bench_ddp(args: DdpArgs) -> Result<()> {
 
     let mut res: BTreeMap<Config, Vec<Measure>> = BTreeMap::new();
     let rounds = cx.args.rounds;
+    // The bare loop beside `shoal run -n 1`: the platform's overhead on a step.
+    let bare = if cx.shoal.is_some() { bare_loop_binary() } else { None };
+    let mut bare_ms: Vec<f64> = Vec::new();
     for round in 0..rounds {
         eprintln!("== round {}/{rounds}", round + 1);
         cx.idle(&format!("round {}", round + 1), cx.args.idle_wait_s)?;
@@ -548,6 +551,23 @@ pub fn bench_ddp(args: DdpArgs) -> Result<()> {
             );
             cx.record(json!({"kind": "measure", "config": c.key(), "round": round, "measure": m}))?;
             res.entry(c).or_default().push(m);
+        }
+        if let Some(b) = &bare {
+            cx.idle("bare loop", cx.args.idle_wait_s.min(BETWEEN_CONFIGS_IDLE_S))?;
+            match run_bare_loop(b, cx.args.warmup + cx.args.steps) {
+                Ok(v) => {
+                    let hand = v["hand"]["step_ms_median"].as_f64();
+                    eprintln!(
+                        "  {:<34} median step {} ms (candle autograd: {} ms)",
+                        "bare loop, 1 thread",
+                        fmt_opt(hand, 2),
+                        fmt_opt(v["autograd"]["step_ms_median"].as_f64(), 2)
+                    );
+                    cx.record(json!({"kind": "bare_loop", "round": round, "result": v}))?;
+                    bare_ms.extend(hand);
+                }
+                Err(e) => eprintln!("  bare loop failed: {e:#}"),
+            }
         }
     }
 
@@ -615,10 +635,26 @@ pub fn bench_ddp(args: DdpArgs) -> Result<()> {
         let _ = writeln!(text, "  {label:<30} {:>6}   target ≥ {want:.1}  {verdict}", fmt_opt(r, 2));
         rows.push(json!({"kind": "ratio", "ratio": key, "value": r, "target": want, "met": r.map(|r| r >= want)}));
     }
+    let ours_step_ms = med_of(Config::Ours1x1, &|m| Some(m.median_step_s)).map(|s| s * 1e3);
+    let bare_med = median(&mut bare_ms);
+    let overhead = match (ours_step_ms, bare_med) {
+        (Some(o), Some(b)) if b > 0.0 => Some(o / b - 1.0),
+        _ => None,
+    };
+    let verdict = match overhead {
+        Some(o) if o <= 0.05 => "ok",
+        Some(_) => "ABOVE",
+        None => "-",
+    };
     let _ = writeln!(
         text,
-        "  overhead (1-worker shoal run vs a bare candle loop, ≤ 5%): not measured here — the xtask does not depend on candle"
+        "  overhead 1-worker run / bare   {:>6}   target ≤ 5%   {verdict}  (median step {} ms vs bare loop {} ms)",
+        overhead.map_or("-".to_string(), |o| format!("{:+.1}%", o * 100.0)),
+        fmt_opt(ours_step_ms, 2),
+        fmt_opt(bare_med, 2)
     );
+    rows.push(json!({"kind": "overhead", "value": overhead, "ours_step_ms": ours_step_ms, "bare_step_ms": bare_med,
+        "target": 0.05, "met": overhead.map(|o| o <= 0.05)}));
     let _ = writeln!(
         text,
         "\nsamples/s = samples / time of the timed steps; median-step = samples per step / median step time;\n\
@@ -683,4 +719,39 @@ mod tests {
         assert_eq!(m.samples_per_s, 8600.0);
         assert!(torch_measure("nothing").is_none());
     }
+}
+
+/// `target/release/examples/bare_loop`, built if missing (the xtask itself does not link candle).
+fn bare_loop_binary() -> Option<PathBuf> {
+    let root = workspace_root();
+    let target = std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), PathBuf::from);
+    let path = target.join("release/examples/bare_loop");
+    if !path.is_file() {
+        eprintln!("bare loop: building it (cargo build --release -p shoal-train --example bare_loop)");
+        let built = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+            .args(["build", "--release", "-p", "shoal-train", "--example", "bare_loop"])
+            .current_dir(&root)
+            .status();
+        if !built.is_ok_and(|s| s.success()) {
+            eprintln!("bare loop: build failed; the overhead line stays empty");
+            return None;
+        }
+    }
+    path.is_file().then_some(path)
+}
+
+/// Runs the bare loop on one thread; its JSON line.
+fn run_bare_loop(bin: &std::path::Path, steps: usize) -> Result<Value> {
+    let mut cmd = Command::new(bin);
+    cmd.args([steps.to_string(), BATCH_PER_RANK.to_string()]);
+    thread_env(&mut cmd, 1);
+    let out = cmd.output().with_context(|| format!("running {}", bin.display()))?;
+    anyhow::ensure!(
+        out.status.success(),
+        "{} failed: {}",
+        bin.display(),
+        tail(&String::from_utf8_lossy(&out.stderr), 20)
+    );
+    let line = String::from_utf8_lossy(&out.stdout);
+    serde_json::from_str(line.trim()).with_context(|| format!("bare loop printed {line:?}"))
 }
