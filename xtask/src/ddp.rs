@@ -676,6 +676,41 @@ pub fn bench_ddp(args: DdpArgs) -> Result<()> {
     Ok(())
 }
 
+/// `target/release/examples/bare_loop`, built if missing (the xtask itself does not link candle).
+fn bare_loop_binary() -> Option<PathBuf> {
+    let root = workspace_root();
+    let target = std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), PathBuf::from);
+    let path = target.join("release/examples/bare_loop");
+    if !path.is_file() {
+        eprintln!("bare loop: building it (cargo build --release -p shoal-train --example bare_loop)");
+        let built = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+            .args(["build", "--release", "-p", "shoal-train", "--example", "bare_loop"])
+            .current_dir(&root)
+            .status();
+        if !built.is_ok_and(|s| s.success()) {
+            eprintln!("bare loop: build failed; the overhead line stays empty");
+            return None;
+        }
+    }
+    path.is_file().then_some(path)
+}
+
+/// Runs the bare loop on one thread; its JSON line.
+fn run_bare_loop(bin: &std::path::Path, steps: usize) -> Result<Value> {
+    let mut cmd = Command::new(bin);
+    cmd.args([steps.to_string(), BATCH_PER_RANK.to_string()]);
+    thread_env(&mut cmd, 1);
+    let out = cmd.output().with_context(|| format!("running {}", bin.display()))?;
+    anyhow::ensure!(
+        out.status.success(),
+        "{} failed: {}",
+        bin.display(),
+        tail(&String::from_utf8_lossy(&out.stderr), 20)
+    );
+    let line = String::from_utf8_lossy(&out.stdout);
+    serde_json::from_str(line.trim()).with_context(|| format!("bare loop printed {line:?}"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -719,39 +754,4 @@ mod tests {
         assert_eq!(m.samples_per_s, 8600.0);
         assert!(torch_measure("nothing").is_none());
     }
-}
-
-/// `target/release/examples/bare_loop`, built if missing (the xtask itself does not link candle).
-fn bare_loop_binary() -> Option<PathBuf> {
-    let root = workspace_root();
-    let target = std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), PathBuf::from);
-    let path = target.join("release/examples/bare_loop");
-    if !path.is_file() {
-        eprintln!("bare loop: building it (cargo build --release -p shoal-train --example bare_loop)");
-        let built = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
-            .args(["build", "--release", "-p", "shoal-train", "--example", "bare_loop"])
-            .current_dir(&root)
-            .status();
-        if !built.is_ok_and(|s| s.success()) {
-            eprintln!("bare loop: build failed; the overhead line stays empty");
-            return None;
-        }
-    }
-    path.is_file().then_some(path)
-}
-
-/// Runs the bare loop on one thread; its JSON line.
-fn run_bare_loop(bin: &std::path::Path, steps: usize) -> Result<Value> {
-    let mut cmd = Command::new(bin);
-    cmd.args([steps.to_string(), BATCH_PER_RANK.to_string()]);
-    thread_env(&mut cmd, 1);
-    let out = cmd.output().with_context(|| format!("running {}", bin.display()))?;
-    anyhow::ensure!(
-        out.status.success(),
-        "{} failed: {}",
-        bin.display(),
-        tail(&String::from_utf8_lossy(&out.stderr), 20)
-    );
-    let line = String::from_utf8_lossy(&out.stdout);
-    serde_json::from_str(line.trim()).with_context(|| format!("bare loop printed {line:?}"))
 }
