@@ -645,7 +645,6 @@ impl Communicator {
                 std::thread::Builder::new()
                     .name(format!("shoal-comm-{}-{}", self.inner.cfg.name, self.inner.rank))
                     .spawn(move || {
-                        BACKGROUND.with(|b| b.set(true));
                         for job in jrx {
                             job();
                         }
@@ -779,15 +778,4 @@ fn spawn_status_publisher(weak: Weak<Inner>) {
             }
         }
     });
-}
-
-thread_local! {
-    /// Set on a communicator's background thread, which runs the `*_async` operations.
-    static BACKGROUND: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
-/// Whether this thread is a communicator's background thread: its operations
-/// overlap the caller's computation, so their waits should not spin long.
-pub(crate) fn on_background_thread() -> bool {
-    BACKGROUND.with(std::cell::Cell::get)
 }

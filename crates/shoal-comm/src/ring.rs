@@ -32,10 +32,6 @@ const SLOT_HEADER_BYTES: usize = 64;
 const SEGMENT_MAGIC: u64 = 0x5348_4f41_4c52_4e47; // "SHOALRNG"
 const FLAG_LAST: u32 = 1;
 
-/// Spin budget of a wait on the communicator's background thread (`*_async`
-/// operations): a few microseconds, then yield, then sleep on the doorbell.
-const BACKGROUND_SPIN: u32 = 256;
-
 /// Sizes of the slot rings.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RingConfig {
@@ -542,9 +538,6 @@ impl Transport for RingTransport {
             }
             None => None,
         };
-        // On the communicator's background thread the caller is computing beside us
-        // (gradient buckets during backward): spinning would take its core.
-        let spin = if crate::comm::on_background_thread() { self.cfg.spin.min(BACKGROUND_SPIN) } else { self.cfg.spin };
         let mut idle: u32 = 0;
         let mut last_check = Instant::now();
         loop {
@@ -573,11 +566,11 @@ impl Transport for RingTransport {
                 continue;
             }
             idle = idle.saturating_add(1);
-            if idle < spin {
+            if idle < self.cfg.spin {
                 std::hint::spin_loop();
                 continue;
             }
-            if idle < spin.saturating_add(16) {
+            if idle < self.cfg.spin.saturating_add(16) {
                 std::thread::yield_now();
                 continue;
             }
@@ -606,7 +599,7 @@ impl Transport for RingTransport {
                 }
             }
             me.sleeping().store(0, Ordering::SeqCst);
-            idle = spin / 2;
+            idle = self.cfg.spin / 2;
             if last_check.elapsed() >= Duration::from_millis(100) || Instant::now() >= op.deadline {
                 last_check = Instant::now();
                 let waiting: Vec<usize> = pusher
