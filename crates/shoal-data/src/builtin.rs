@@ -308,10 +308,18 @@ impl Dataset for ByteText {
 
 const SYNTHETIC_DESCRIPTION: &str = "Gaussian blobs: class c = sample id mod classes, features = centre of c + \
     N(0, 1) noise; centres N(0, 9/features) per coordinate; generated on the fly from (seed, id), identical in every \
-    process (options: features, classes, samples, seed)";
+    process; the noise is a window of a seeded pool of 2^20 N(0, 1) values at an offset drawn from (seed, id) \
+    (options: features, classes, samples, seed)";
+
+/// Normal values in the noise pool of `synthetic`: a sample copies a window of it,
+/// so serving a sample costs a copy, not one normal draw per feature.
+const NOISE_POOL: usize = 1 << 20;
 
 /// Seeded Gaussian blobs, generated on access: sample `id` has class `id % classes` and features
-/// `centre[class] + N(0, 1)`, drawn from a generator keyed by `(seed, id)`; the centres are drawn from `seed`.
+/// `centre[class] + N(0, 1)`; the centres are drawn from `seed`. The noise is the window of a pool of
+/// `NOISE_POOL` standard normals (drawn once from `seed`) that starts at an offset drawn from `(seed, id)`:
+/// each sample's noise is i.i.d. N(0, 1), and two samples share values only if their windows overlap.
+/// (With more features than a quarter of the pool, each value is drawn per sample instead.)
 #[derive(Debug, Clone)]
 pub struct Synthetic {
     features: usize,
@@ -320,6 +328,7 @@ pub struct Synthetic {
     seed: u64,
     offset: usize,
     centres: Arc<[f32]>,
+    pool: Option<Arc<[f32]>>,
 }
 
 impl Synthetic {
@@ -335,7 +344,11 @@ impl Synthetic {
         let mut rng = SplitMix64::from_key(&[seed, 0xCE27]);
         let spread = 3.0 / (features as f64).sqrt();
         let centres = (0..features * classes).map(|_| (rng.normal() * spread) as f32).collect();
-        Ok(Synthetic { features, classes, samples, seed, offset: 0, centres })
+        let pool = (features <= NOISE_POOL / 4).then(|| {
+            let mut rng = SplitMix64::from_key(&[seed, 0x9001]);
+            (0..NOISE_POOL).map(|_| rng.normal() as f32).collect()
+        });
+        Ok(Synthetic { features, classes, samples, seed, offset: 0, centres, pool })
     }
 
     /// The same distribution, with sample ids starting at `offset` (disjoint held-out samples).
@@ -365,7 +378,14 @@ impl Dataset for Synthetic {
         let class = (id % self.classes as u64) as usize;
         let mut rng = SplitMix64::from_key(&[self.seed, id, 0x5A3F]);
         let centre = &self.centres[class * self.features..(class + 1) * self.features];
-        Ok(Sample::class(centre.iter().map(|&c| c + rng.normal() as f32).collect(), class as u32))
+        let features = match &self.pool {
+            Some(pool) => {
+                let start = rng.below(pool.len() - self.features + 1);
+                centre.iter().zip(&pool[start..start + self.features]).map(|(&c, &z)| c + z).collect()
+            }
+            None => centre.iter().map(|&c| c + rng.normal() as f32).collect(),
+        };
+        Ok(Sample::class(features, class as u32))
     }
 }
 
@@ -453,6 +473,30 @@ mod tests {
             })
             .count();
         assert!(correct > 160, "{correct}/200");
+    }
+
+    #[test]
+    fn synthetic_noise_is_standard_normal_and_differs_between_samples() {
+        for features in [784, NOISE_POOL / 4 + 1] {
+            let s = Synthetic::new(features, 10, 64, 3).expect("synthetic");
+            let noise: Vec<Vec<f64>> = (0..64)
+                .map(|i| {
+                    let x = s.get(i).expect("sample");
+                    let c = (i % 10) * features;
+                    let centre = &s.centres[c..c + features];
+                    x.features.as_dense().expect("dense").iter().zip(centre).map(|(&v, &m)| f64::from(v - m)).collect()
+                })
+                .collect();
+            let all: Vec<f64> = noise.iter().flatten().copied().collect();
+            let n = all.len() as f64;
+            let mean = all.iter().sum::<f64>() / n;
+            let var = all.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / n;
+            assert!(mean.abs() < 0.01, "{features} features: mean {mean}");
+            assert!((var - 1.0).abs() < 0.02, "{features} features: variance {var}");
+            // Sample noises are not shifted copies of each other at lag 0.
+            let same = noise.windows(2).filter(|w| w[0] == w[1]).count();
+            assert_eq!(same, 0);
+        }
     }
 
     #[test]
