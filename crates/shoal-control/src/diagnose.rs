@@ -4,7 +4,8 @@
 //! The rules, over the last [`WINDOW`] steps of every rank (means, so that stalls of a few steps, such as a process
 //! stopped now and then, count with their whole weight):
 //! - **straggler**: one rank's own work (compute + optimizer) is ≥ [`STRAGGLER_RATIO`]× the median of the
-//!   others' (the others then wait for it in communication);
+//!   others' (the others then wait for it in communication), and the excess is ≥ [`STRAGGLER_SHARE`] of that
+//!   rank's step (a rank 2 ms slower in a step of 60 ms spent waiting for data holds nobody back);
 //! - **data_loading**: waiting for the next batch is ≥ [`DATA_SHARE`] of the step on some rank;
 //! - **communication**: collectives take ≥ [`COMM_SHARE`] of the step even on the rank that waits least there
 //!   (with no straggler to explain it); the
@@ -20,6 +21,7 @@ use crate::db::{MetricRow, SampleRow};
 
 pub const WINDOW: usize = 200;
 pub const STRAGGLER_RATIO: f64 = 1.4;
+pub const STRAGGLER_SHARE: f64 = 0.1;
 pub const DATA_SHARE: f64 = 0.25;
 pub const COMM_SHARE: f64 = 0.35;
 pub const MEMORY_SHARE: f64 = 0.9;
@@ -145,7 +147,8 @@ pub fn diagnose(rows: &[MetricRow], samples: &[SampleRow], ctx: &Context) -> Vec
     if b.len() >= 2 {
         for x in &b {
             let others = median(b.iter().filter(|o| o.rank != x.rank).map(Breakdown::own_s).collect());
-            if others > 0.0 && x.own_s() >= STRAGGLER_RATIO * others {
+            let matters = x.own_s() - others >= STRAGGLER_SHARE * x.step_s;
+            if others > 0.0 && x.own_s() >= STRAGGLER_RATIO * others && matters {
                 let worst = straggler.is_none_or(|(_, r): (i64, f64)| x.own_s() / others > r);
                 if worst {
                     straggler = Some((x.rank, x.own_s() / others));
@@ -345,6 +348,10 @@ mod tests {
         assert_eq!(kinds(&slow), ["straggler"], "{slow:?}");
         assert_eq!(slow[0].rank, Some(1));
         assert!(slow[0].evidence.contains("3.7x slower"), "{}", slow[0].evidence);
+        // A rank 1.5x slower at its own work, but by 2.6 ms of a 60 ms step spent waiting for data: only the data.
+        let data_bound =
+            diagnose(&rows(&[(0.053, 0.005, 0.003, 0.0004), (0.053, 0.0076, 0.0005, 0.0004)]), &[], &ctx());
+        assert_eq!(kinds(&data_bound), ["data_loading"], "{data_bound:?}");
         let comm = diagnose(&rows(&[(0.0001, 0.010, 0.020, 0.001), (0.0001, 0.010, 0.020, 0.001)]), &[], &ctx());
         assert_eq!(kinds(&comm), ["communication"], "{comm:?}");
         // 1 MB per step in 20 ms = 50 MB/s, 2.5% of the 2 GB/s reference.
