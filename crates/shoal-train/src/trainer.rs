@@ -178,17 +178,15 @@ impl Collector<'_> {
     }
 
     /// Zero-fills what was left out and launches the last bucket with the scalars.
-    fn finish(mut self) -> Result<Vec<f32>> {
+    fn finish(mut self) -> Result<()> {
         self.zero_down_to(None)?;
-        let scalars = self.scalars;
-        if let Mode::Reduce { comm, cur, members, buckets, .. } = self.mode {
-            let mut data = cur;
-            data.extend_from_slice(&scalars);
-            if !members.is_empty() || !scalars.is_empty() {
-                launch(comm.as_ref(), data, members, buckets);
+        if let Mode::Reduce { comm, mut cur, members, buckets, .. } = self.mode {
+            cur.extend_from_slice(&self.scalars);
+            if !members.is_empty() || !self.scalars.is_empty() {
+                launch(comm.as_ref(), cur, members, buckets);
             }
         }
-        Ok(scalars)
+        Ok(())
     }
 }
 
@@ -316,11 +314,15 @@ impl Trainer {
             self.direct = Some(direct);
             return Ok(());
         }
-        let vars = self.params.vars().to_vec();
+        // Handles to the gradients (no copies), so the sink can borrow the trainer.
+        let per_param: Vec<Option<Tensor>> = match &grads {
+            Some(g) => self.params.vars().iter().map(|(_, v)| g.get(v.as_tensor()).cloned()).collect(),
+            None => Vec::new(),
+        };
+        drop(grads);
         self.backward_with(last, |sink| {
-            let Some(grads) = &grads else { return Ok(()) };
-            for i in (0..vars.len()).rev() {
-                if let Some(g) = grads.get(vars[i].1.as_tensor()) {
+            for (i, g) in per_param.iter().enumerate().rev() {
+                if let Some(g) = g {
                     sink.put(i, &mut |out| copy_f32(out, g))?;
                 }
             }
@@ -345,8 +347,7 @@ impl Trainer {
                 mode: Mode::Accumulate { acc, tmp: Vec::new() },
             };
             f(&mut c)?;
-            c.finish()?;
-            return Ok(());
+            return c.finish();
         }
         let comm = self.comm.clone().filter(|c| c.size() > 1);
         let bucket_bytes = self.cfg.bucket_bytes;
@@ -370,9 +371,8 @@ impl Trainer {
             },
         };
         f(&mut c)?;
-        // Kept until `step`, which takes them back out of the bucket.
-        self.scalars = c.finish()?;
-        Ok(())
+        // The scalars ride in the last bucket; `step` takes them back out of it.
+        c.finish()
     }
 
     /// Waits for the gradient all-reduces, clips, and applies the optimizer with `lr`.
@@ -396,7 +396,6 @@ impl Trainer {
             };
             datas.push((members, data));
         }
-        self.scalars.clear();
         let comm_s = t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
         let mut grads: Vec<Option<&mut [f32]>> = (0..vars.len()).map(|_| None).collect();

@@ -398,7 +398,7 @@ pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
         sizes.extend(trainer.optimizer().state_sizes(p));
         s.prefault(sizes);
     }
-    let (mut checkpoints, mut stall_s, mut last_mb_s, mut save_s) = (0usize, 0f64, None, 0f64);
+    let (mut checkpoints, mut stall_s, mut last_mb_s) = (0usize, 0f64, None);
     let mut sampler_state = sampler.state();
     let mut snapshot: Option<Snapshot> = None;
 
@@ -573,9 +573,6 @@ pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
     {
         last_mb_s = Some(stats.mb_per_s);
     }
-    if let Some(saver) = &saver {
-        save_s = saver.total_save_seconds();
-    }
     let (eval_loss, eval_acc) = evaluate(model.as_ref(), eval.as_ref(), &comm, micro, t.eval_batches)?;
     log_eval(t.steps, eval_loss, eval_acc)?;
     let text = t.model.kind == ModelKind::Gpt;
@@ -607,7 +604,7 @@ pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
         checkpoints,
         checkpoint_mb_per_s: last_mb_s,
         checkpoint_stall_s: stall_s,
-        checkpoint_save_s: save_s,
+        checkpoint_save_s: saver.as_ref().map_or(0.0, AsyncSaver::total_save_seconds),
     };
     comm.barrier()?;
     if rank == 0 {

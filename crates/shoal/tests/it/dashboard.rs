@@ -15,14 +15,12 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+use crate::platform::{data_dir_procs, free_port, shoal, tail};
+
 /// How long the server, the job or the job's first metrics may take (debug builds on 2 loaded cores).
 const WAIT: Duration = Duration::from_secs(180);
 /// How long the browser check may run in all (its own timeout for the first point is 90 s).
 const CHECK_TIMEOUT_S: u64 = 90;
-
-fn shoal() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_shoal"))
-}
 
 fn scripts() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts")
@@ -41,44 +39,8 @@ fn tmpdir(tag: &str) -> PathBuf {
     d
 }
 
-fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a free port");
-    l.local_addr().expect("local addr").port()
-}
-
 fn read(path: &Path) -> String {
     String::from_utf8_lossy(&std::fs::read(path).unwrap_or_default()).into_owned()
-}
-
-fn tail(s: &str, n: usize) -> &str {
-    if s.len() <= n {
-        return s;
-    }
-    let mut i = s.len() - n;
-    while !s.is_char_boundary(i) {
-        i += 1;
-    }
-    &s[i..]
-}
-
-/// Live processes (not zombies) whose environment has `SHOAL_SERVER_DATA=<data>`.
-fn data_dir_procs(data: &Path) -> Vec<i32> {
-    let needle = format!("SHOAL_SERVER_DATA={}", data.display());
-    let mut out = Vec::new();
-    let Ok(dir) = std::fs::read_dir("/proc") else { return out };
-    for e in dir.flatten() {
-        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else { continue };
-        let Ok(env) = std::fs::read(format!("/proc/{pid}/environ")) else { continue };
-        if !env.split(|b| *b == 0).any(|kv| kv == needle.as_bytes()) {
-            continue;
-        }
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-        let state = stat.rfind(')').and_then(|i| stat[i + 1..].split_whitespace().next()).unwrap_or("X");
-        if state != "Z" && state != "X" {
-            out.push(pid);
-        }
-    }
-    out
 }
 
 /// The server, and everything it started: killed on drop, whatever happened.
@@ -115,7 +77,7 @@ impl Drop for Guard {
             }
             for pid in &left {
                 // SAFETY: kill(2) on a process whose environment names this test's data directory.
-                unsafe { libc::kill(*pid, libc::SIGKILL) };
+                unsafe { libc::kill(*pid as i32, libc::SIGKILL) };
             }
             if Instant::now() >= deadline {
                 eprintln!("dashboard test: processes of {} still alive after SIGKILL: {left:?}", self.data.display());

@@ -19,7 +19,7 @@ use serde_json::{Value, json};
 /// How long any one wait may take (generous: debug builds on 2 loaded cores).
 const WAIT: Duration = Duration::from_secs(120);
 
-fn shoal() -> Command {
+pub(crate) fn shoal() -> Command {
     Command::new(env!("CARGO_BIN_EXE_shoal"))
 }
 
@@ -34,7 +34,7 @@ pub(crate) fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
 }
 
-fn tail(s: &str, n: usize) -> &str {
+pub(crate) fn tail(s: &str, n: usize) -> &str {
     if s.len() <= n {
         return s;
     }
@@ -45,7 +45,7 @@ fn tail(s: &str, n: usize) -> &str {
     &s[i..]
 }
 
-fn free_port() -> u16 {
+pub(crate) fn free_port() -> u16 {
     let l = TcpListener::bind("127.0.0.1:0").expect("bind a free port");
     l.local_addr().expect("local addr").port()
 }
@@ -82,7 +82,7 @@ fn attempt_procs(job: &str, attempt: i64) -> Vec<i64> {
 }
 
 /// Live processes started by a server of `data` (any job, any attempt).
-fn data_dir_procs(data: &Path) -> Vec<i64> {
+pub(crate) fn data_dir_procs(data: &Path) -> Vec<i64> {
     let server = format!("SHOAL_SERVER_DATA={}", data.display());
     let exit = format!("SHOAL_EXIT_FILE={}/", data.display());
     procs_where(|vars| vars.iter().any(|v| *v == server.as_bytes() || v.starts_with(exit.as_bytes())))
