@@ -60,6 +60,7 @@
 //! | `train.eval_every` | 0 (evaluate only at the end) |
 //! | `train.eval_batches` | 8 |
 //! | `train.bucket_mb` | 25.0 (MiB) |
+//! | `train.overlap` | `auto` (overlap the gradient all-reduce with backward only when a core is free for it) |
 //! | `train.log_every` | 1 |
 //! | `train.model.hidden` (mlp) | [128, 64] |
 //! | `train.model.channels` (cnn) | [16, 32] |
@@ -256,6 +257,20 @@ pub enum Schedule {
     Constant,
 }
 
+/// When the gradient all-reduce runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Overlap {
+    /// `on` when every rank on a host can have a core beside its compute threads, else `off`.
+    #[default]
+    Auto,
+    /// Each bucket is reduced on the communicator's thread while backward fills the next.
+    On,
+    /// The buckets are reduced on the training thread after backward. On a host whose cores
+    /// the compute threads already fill, overlapping only takes cores from the computation.
+    Off,
+}
+
 /// `[train]`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -309,6 +324,9 @@ pub struct TrainSpec {
     /// Gradient bucket size in MiB for the all-reduce; read [`TrainSpec::bucket_bytes`].
     #[serde(default = "bucket_mb_default")]
     pub bucket_mb: f64,
+    /// When gradient buckets are all-reduced: during backward (`on`), after it (`off`), or `auto`.
+    #[serde(default)]
+    pub overlap: Overlap,
     /// Log (metrics line) every this many steps.
     #[serde(default = "one")]
     pub log_every: usize,
@@ -1225,6 +1243,7 @@ lr = 0.01
             (mlp("grad_accum = 5", ""), "train.grad_accum: 5 does not divide global_batch 32"),
             (mlp("warmup_steps = 11", ""), "train.warmup_steps: 11 exceeds steps 10"),
             (mlp("bucket_mb = 0.0", ""), "train.bucket_mb: must be > 0"),
+            (mlp("overlap = \"yes\"", ""), "train.overlap: unknown variant `yes`, expected one of `auto`, `on`, `off`"),
             (mlp("clip_grad_norm = 0.0", ""), "train.clip_grad_norm: must be > 0"),
             (mlp("min_lr = 1.0", ""), "train.min_lr: must be in [0, lr]"),
             (mlp("momentum = 0.9", ""), "train.momentum: applies to optimizer \"sgd\" only"),
@@ -1360,6 +1379,8 @@ lr = 0.001
         assert_eq!((t.grad_accum, t.warmup_steps, t.min_lr, t.clip_grad_norm), (1, 0, 0.0, None));
         assert_eq!((t.eval_every, t.eval_batches, t.bucket_mb, t.log_every), (0, 8, 25.0, 1));
         assert_eq!(t.bucket_bytes(), 25 << 20);
+        assert_eq!(t.overlap, Overlap::Auto);
+        assert_eq!(parse_job(&mlp("overlap = \"off\"", ""), "J").expect("valid").train.overlap, Overlap::Off);
         assert_eq!(t.data, Options::default());
         assert_eq!(j.checkpoint, CheckpointSpec { every: 0, keep: 3, url: None });
         assert_eq!(t.data_shape().expect("known"), DataShape { kind: Kind::Image, features: 64, classes: 10 });

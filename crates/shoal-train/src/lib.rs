@@ -29,4 +29,4 @@ pub use error::{Error, Result};
 pub use models::{Cnn, Gpt, GptConfig, HandBackward, Mlp, Model};
 pub use optim::{OptimConfig, Optimizer};
 pub use params::{Params, SeededRng};
-pub use trainer::{GradSink, StepTimes, Trainer, TrainerConfig};
+pub use trainer::{GradSink, StepTimes, Trainer, TrainerConfig, overlap_pays};

@@ -14,7 +14,10 @@
 //!   once, on the communicator's worker thread. With a hand-written backward
 //!   ([`Trainer::backward_with`]) the gradients are written straight into the
 //!   buckets as each layer finishes, so communication overlaps the backward
-//!   pass of the earlier layers;
+//!   pass of the earlier layers. With `overlap` off, the buckets are reduced
+//!   on the calling thread in `step` instead: when the compute threads already
+//!   fill every core, a communicator thread running beside them only slows
+//!   the computation it was meant to hide behind;
 //! - `step` waits for the buckets, clips, and applies the same update on every rank.
 
 use std::time::Instant;
@@ -38,6 +41,9 @@ pub struct TrainerConfig {
     pub first_bucket_bytes: usize,
     /// Clip the global gradient norm to this value.
     pub clip_grad_norm: Option<f64>,
+    /// All-reduce each bucket on the communicator's thread as soon as it is
+    /// full (default), or all of them on the calling thread in `step`.
+    pub overlap: bool,
 }
 
 impl Default for TrainerConfig {
@@ -47,6 +53,7 @@ impl Default for TrainerConfig {
             bucket_bytes: 25 << 20,
             first_bucket_bytes: 1 << 20,
             clip_grad_norm: None,
+            overlap: true,
         }
     }
 }
@@ -54,7 +61,8 @@ impl Default for TrainerConfig {
 /// Time spent in one [`Trainer::step`].
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct StepTimes {
-    /// Waiting for gradient all-reduces that had not finished during backward.
+    /// Gradient all-reduces: waiting for those that had not finished during
+    /// backward, or running them all when `overlap` is off.
     pub comm_s: f64,
     /// Clipping and the optimizer update.
     pub optimizer_s: f64,
@@ -65,8 +73,12 @@ pub struct StepTimes {
 }
 
 enum Bucket {
+    /// Being all-reduced on the communicator's thread.
     Pending(Pending<Vec<f32>>),
+    /// Final (nothing to reduce).
     Ready(Vec<f32>),
+    /// To all-reduce on the calling thread in `step`.
+    Deferred(Vec<f32>),
 }
 
 /// Where a backward pass puts its gradients: one buffer per parameter, handed
@@ -122,6 +134,7 @@ enum Mode<'a> {
     /// The last micro-batch: bucket, add what earlier micro-batches accumulated, launch.
     Reduce {
         comm: Option<Communicator>,
+        overlap: bool,
         acc: Option<Vec<f32>>,
         cur: Vec<f32>,
         members: Vec<usize>,
@@ -157,7 +170,7 @@ impl Collector<'_> {
                     *a += *x;
                 }
             }
-            Mode::Reduce { comm, acc, cur, members, limit, bucket_bytes, buckets, spare } => {
+            Mode::Reduce { comm, overlap, acc, cur, members, limit, bucket_bytes, buckets, spare } => {
                 let start = cur.len();
                 cur.resize(start + n, 0.0);
                 fill(&mut cur[start..])?;
@@ -169,7 +182,7 @@ impl Collector<'_> {
                 members.push(index);
                 if cur.len() >= *limit {
                     let data = std::mem::replace(cur, spare.pop().unwrap_or_default());
-                    launch(comm.as_ref(), data, std::mem::take(members), buckets);
+                    launch(comm.as_ref(), *overlap, data, std::mem::take(members), buckets);
                     *limit = (*bucket_bytes / 4).max(1);
                 }
             }
@@ -180,10 +193,10 @@ impl Collector<'_> {
     /// Zero-fills what was left out and launches the last bucket with the scalars.
     fn finish(mut self) -> Result<()> {
         self.zero_down_to(None)?;
-        if let Mode::Reduce { comm, mut cur, members, buckets, .. } = self.mode {
+        if let Mode::Reduce { comm, overlap, mut cur, members, buckets, .. } = self.mode {
             cur.extend_from_slice(&self.scalars);
             if !members.is_empty() || !self.scalars.is_empty() {
-                launch(comm.as_ref(), cur, members, buckets);
+                launch(comm.as_ref(), overlap, cur, members, buckets);
             }
         }
         Ok(())
@@ -207,12 +220,33 @@ impl GradSink for Collector<'_> {
     }
 }
 
-fn launch(comm: Option<&Communicator>, data: Vec<f32>, members: Vec<usize>, buckets: &mut Vec<(Vec<usize>, Bucket)>) {
+fn launch(
+    comm: Option<&Communicator>,
+    overlap: bool,
+    data: Vec<f32>,
+    members: Vec<usize>,
+    buckets: &mut Vec<(Vec<usize>, Bucket)>,
+) {
     let b = match comm {
-        Some(c) => Bucket::Pending(c.all_reduce_async(data, ReduceOp::Sum)),
+        Some(c) if overlap => Bucket::Pending(c.all_reduce_async(data, ReduceOp::Sum)),
+        Some(_) => Bucket::Deferred(data),
         None => Bucket::Ready(data),
     };
     buckets.push((members, b));
+}
+
+/// Whether overlapping the gradient all-reduce with backward can pay on this
+/// host (the rule behind `overlap = "auto"`): only if every rank here has a
+/// core for its communicator thread beside its compute threads
+/// (`local ranks × (threads + 1) ≤ cores`). Otherwise the communicator's
+/// thread runs on a core a computation needs, and reducing after backward is
+/// faster.
+pub fn overlap_pays(comm: &Communicator) -> bool {
+    let me = comm.hosts().get(comm.rank());
+    let local = comm.hosts().iter().filter(|h| Some(*h) == me).count().max(1);
+    let threads = candle_core::utils::get_num_threads().max(1);
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    local * (threads + 1) <= cores
 }
 
 /// Copies a tensor's values into `out`, which must be exactly as long.
@@ -351,8 +385,10 @@ impl Trainer {
         }
         let comm = self.comm.clone().filter(|c| c.size() > 1);
         let bucket_bytes = self.cfg.bucket_bytes;
-        // The first bucket is small, so communication starts early in backward (as in PyTorch's DDP).
-        let limit = (self.cfg.first_bucket_bytes.min(bucket_bytes) / 4).max(1);
+        // The first bucket is small, so communication starts early in backward (as in PyTorch's DDP);
+        // without overlap there is nothing to start early.
+        let first = if self.cfg.overlap { self.cfg.first_bucket_bytes.min(bucket_bytes) } else { bucket_bytes };
+        let limit = (first / 4).max(1);
         let cur = self.spare.pop().unwrap_or_default();
         let mut c = Collector {
             vars: self.params.vars(),
@@ -361,6 +397,7 @@ impl Trainer {
             scalars: std::mem::take(&mut self.scalars),
             mode: Mode::Reduce {
                 comm,
+                overlap: self.cfg.overlap,
                 acc: self.acc.take(),
                 cur,
                 members: Vec::new(),
@@ -393,6 +430,12 @@ impl Trainer {
             let data = match b {
                 Bucket::Pending(p) => p.wait()?,
                 Bucket::Ready(d) => d,
+                Bucket::Deferred(mut d) => {
+                    if let Some(c) = &self.comm {
+                        c.all_reduce(&mut d, ReduceOp::Sum)?;
+                    }
+                    d
+                }
             };
             datas.push((members, data));
         }

@@ -19,8 +19,8 @@ use crate::error::{Error, Result};
 use crate::models::{Cnn, Gpt, GptConfig, Mlp, Model};
 use crate::optim::{OptimConfig, learning_rate};
 use crate::params::{Params, SeededRng};
-use crate::spec::{JobSpec, ModelKind, OptimizerKind, Schedule};
-use crate::trainer::{Trainer, TrainerConfig};
+use crate::spec::{JobSpec, ModelKind, OptimizerKind, Overlap, Schedule};
+use crate::trainer::{Trainer, TrainerConfig, overlap_pays};
 
 /// How a worker runs.
 #[derive(Debug, Clone)]
@@ -59,6 +59,9 @@ pub struct Summary {
     pub baseline_loss: Option<f64>,
     pub samples_per_s: f64,
     pub comm_bytes: u64,
+    /// Whether gradient all-reduces overlapped backward (`train.overlap`, resolved).
+    #[serde(default)]
+    pub overlap: bool,
     pub step_time: StepTime,
     pub elapsed_s: f64,
     /// Step the run started from (0, or the checkpoint it resumed).
@@ -349,10 +352,25 @@ pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
             OptimConfig::AdamW { beta1, beta2, eps: t.eps(), weight_decay: t.weight_decay() }
         }
     };
+    let overlap = match t.overlap {
+        Overlap::On => true,
+        Overlap::Off => false,
+        Overlap::Auto => overlap_pays(&comm),
+    };
+    if rank == 0 {
+        tracing::info!(
+            overlap,
+            setting = ?t.overlap,
+            threads = candle_core::utils::get_num_threads(),
+            "gradient all-reduce {}",
+            if overlap { "overlaps backward" } else { "runs after backward (no core free for a communicator thread)" }
+        );
+    }
     let cfg = TrainerConfig {
         optimizer,
         bucket_bytes: t.bucket_bytes(),
         clip_grad_norm: t.clip_grad_norm,
+        overlap,
         ..TrainerConfig::default()
     };
     let mut trainer = Trainer::new(params, Some(comm.clone()), cfg)?;
@@ -592,6 +610,7 @@ pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
         baseline_loss,
         samples_per_s: samples_seen as f64 / train_s.max(1e-9),
         comm_bytes: comm.bytes_sent(),
+        overlap,
         step_time: StepTime {
             data_s: median(&mut data_t),
             compute_s: median(&mut compute_t),

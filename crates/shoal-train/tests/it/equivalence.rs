@@ -23,6 +23,8 @@ struct Run {
     optimizer: OptimConfig,
     /// Train through the model's hand-written backward pass instead of autograd.
     hand: bool,
+    /// All-reduce buckets during backward (else in `step`, on the training thread).
+    overlap: bool,
 }
 
 fn dataset(which: Which) -> Arc<dyn Dataset> {
@@ -54,6 +56,7 @@ fn train_rank(run: &Run, comm: Option<Communicator>, world: usize, rank: usize) 
         optimizer: run.optimizer,
         bucket_bytes: 4096,
         clip_grad_norm: Some(1.0),
+        overlap: run.overlap,
         ..TrainerConfig::default()
     };
     let mut trainer = Trainer::new(params, comm, cfg).expect("trainer");
@@ -140,7 +143,15 @@ const SGD: OptimConfig = OptimConfig::Sgd { momentum: 0.9, weight_decay: 0.0 };
 
 #[test]
 fn mlp_ddp_matches_one_worker_at_2_and_3_workers() {
-    let run = || Run { which: Which::Mlp, steps: 50, global_batch: 48, grad_accum: 1, optimizer: SGD, hand: false };
+    let run = || Run {
+        which: Which::Mlp,
+        steps: 50,
+        global_batch: 48,
+        grad_accum: 1,
+        optimizer: SGD,
+        hand: false,
+        overlap: true,
+    };
     let one = train_world(run(), 1);
     for n in [2, 3] {
         assert_close(&one, &train_world(run(), n), &format!("mlp, {n} workers"));
@@ -149,14 +160,30 @@ fn mlp_ddp_matches_one_worker_at_2_and_3_workers() {
 
 #[test]
 fn mlp_ddp_with_gradient_accumulation_and_adamw_matches() {
-    let run = || Run { which: Which::Mlp, steps: 50, global_batch: 60, grad_accum: 2, optimizer: ADAMW, hand: false };
+    let run = || Run {
+        which: Which::Mlp,
+        steps: 50,
+        global_batch: 60,
+        grad_accum: 2,
+        optimizer: ADAMW,
+        hand: false,
+        overlap: true,
+    };
     let one = train_world(run(), 1);
     assert_close(&one, &train_world(run(), 4), "mlp, 4 workers, grad_accum 2");
 }
 
 #[test]
 fn mlp_hand_backward_ddp_matches_one_worker_at_2_and_3_workers() {
-    let run = || Run { which: Which::Mlp, steps: 50, global_batch: 48, grad_accum: 1, optimizer: SGD, hand: true };
+    let run = || Run {
+        which: Which::Mlp,
+        steps: 50,
+        global_batch: 48,
+        grad_accum: 1,
+        optimizer: SGD,
+        hand: true,
+        overlap: true,
+    };
     let one = train_world(run(), 1);
     for n in [2, 3] {
         assert_close(&one, &train_world(run(), n), &format!("mlp (hand backward), {n} workers"));
@@ -172,9 +199,50 @@ fn mlp_hand_backward_ddp_matches_one_worker_at_2_and_3_workers() {
 
 #[test]
 fn mlp_hand_backward_with_accumulation_and_adamw_matches_at_4_workers() {
-    let run = || Run { which: Which::Mlp, steps: 50, global_batch: 60, grad_accum: 2, optimizer: ADAMW, hand: true };
+    let run = || Run {
+        which: Which::Mlp,
+        steps: 50,
+        global_batch: 60,
+        grad_accum: 2,
+        optimizer: ADAMW,
+        hand: true,
+        overlap: true,
+    };
     let one = train_world(run(), 1);
     assert_close(&one, &train_world(run(), 4), "mlp (hand backward), 4 workers, grad_accum 2");
+}
+
+#[test]
+fn mlp_ddp_reducing_after_backward_matches_one_worker() {
+    for hand in [false, true] {
+        let run = || Run {
+            which: Which::Mlp,
+            steps: 50,
+            global_batch: 48,
+            grad_accum: 1,
+            optimizer: SGD,
+            hand,
+            overlap: false,
+        };
+        let one = train_world(run(), 1);
+        for n in [2, 3] {
+            assert_close(&one, &train_world(run(), n), &format!("mlp (hand {hand}), {n} workers, overlap off"));
+        }
+    }
+    let run = || Run {
+        which: Which::Mlp,
+        steps: 50,
+        global_batch: 60,
+        grad_accum: 2,
+        optimizer: ADAMW,
+        hand: true,
+        overlap: false,
+    };
+    assert_close(
+        &train_world(run(), 1),
+        &train_world(run(), 4),
+        "mlp (hand backward), 4 workers, grad_accum 2, overlap off",
+    );
 }
 
 #[test]
@@ -184,7 +252,15 @@ fn gpt_ddp_matches_one_worker_at_2_and_4_workers() {
     // relative on gpt.tok_emb after 50 steps), so equality within 1e-5 is a
     // property of the reduction, checked here with the optimizer that does not
     // amplify it; the MLP test covers AdamW.
-    let run = || Run { which: Which::Gpt, steps: 50, global_batch: 12, grad_accum: 1, optimizer: SGD, hand: false };
+    let run = || Run {
+        which: Which::Gpt,
+        steps: 50,
+        global_batch: 12,
+        grad_accum: 1,
+        optimizer: SGD,
+        hand: false,
+        overlap: true,
+    };
     let one = train_world(run(), 1);
     for n in [2, 4] {
         assert_close(&one, &train_world(run(), n), &format!("gpt, {n} workers"));
@@ -193,7 +269,15 @@ fn gpt_ddp_matches_one_worker_at_2_and_4_workers() {
 
 #[test]
 fn loss_falls_on_real_data() {
-    let run = Run { which: Which::Mlp, steps: 60, global_batch: 64, grad_accum: 1, optimizer: ADAMW, hand: false };
+    let run = Run {
+        which: Which::Mlp,
+        steps: 60,
+        global_batch: 64,
+        grad_accum: 1,
+        optimizer: ADAMW,
+        hand: false,
+        overlap: true,
+    };
     let (_, losses) = train_rank(&run, None, 1, 0);
     let first: f32 = losses[..5].iter().sum::<f32>() / 5.0;
     let last: f32 = losses[losses.len() - 5..].iter().sum::<f32>() / 5.0;
