@@ -243,10 +243,16 @@ fn launch(
 /// faster.
 pub fn overlap_pays(comm: &Communicator) -> bool {
     let me = comm.hosts().get(comm.rank());
-    let local = comm.hosts().iter().filter(|h| Some(*h) == me).count().max(1);
-    let threads = candle_core::utils::get_num_threads().max(1);
+    let local = comm.hosts().iter().filter(|h| Some(*h) == me).count();
+    let threads = candle_core::utils::get_num_threads();
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
-    local * (threads + 1) <= cores
+    core_free_per_rank(local, threads, cores)
+}
+
+/// `local` ranks of `threads` compute threads each leave every rank a core
+/// for one more thread among `cores`.
+fn core_free_per_rank(local: usize, threads: usize, cores: usize) -> bool {
+    local.max(1).saturating_mul(threads.max(1).saturating_add(1)) <= cores
 }
 
 /// Copies a tensor's values into `out`, which must be exactly as long.
@@ -477,5 +483,24 @@ impl Trainer {
             self.spare.push(data);
         }
         Ok(StepTimes { comm_s, optimizer_s: t1.elapsed().as_secs_f64(), grad_norm, scalars })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn overlap_needs_a_spare_core_for_every_local_rank() {
+        // 2 one-thread workers on 2 cores: the communicator threads would share the computing cores.
+        assert!(!core_free_per_rank(2, 1, 2));
+        // The same workers on 4 cores: each has a core for its communicator thread.
+        assert!(core_free_per_rank(2, 1, 4));
+        // One worker whose compute threads take every core (candle's default).
+        assert!(!core_free_per_rank(1, 8, 8));
+        assert!(core_free_per_rank(1, 7, 8));
+        // Unknown counts read as 1; absurd ones do not overflow.
+        assert!(core_free_per_rank(0, 0, 2));
+        assert!(!core_free_per_rank(usize::MAX, usize::MAX, 64));
     }
 }
