@@ -35,6 +35,13 @@ enum Cmd {
         /// Leave the server running afterwards (Ctrl-C stops it).
         #[arg(long)]
         keep: bool,
+        /// Train for this many steps instead of the job's 800 (a quicker look).
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..=100_000))]
+        steps: Option<u64>,
+        /// Print one JSON object on stdout at the end (job id, state, summary, events,
+        /// diagnosis, dashboard URL); progress goes to stderr.
+        #[arg(long)]
+        json: bool,
     },
     /// Run the platform: API, scheduler, local executor, state in SQLite (or PostgreSQL).
     Server(platform::ServerArgs),
@@ -159,7 +166,7 @@ fn main() -> std::process::ExitCode {
         Cmd::Bench { op, args } => bench::run_bench(op, &args),
         Cmd::BenchRank { spec } => bench::run_rank(&spec).map(|()| true),
         Cmd::Worker { output, resume, job } => worker(&job, output, resume),
-        Cmd::Demo { keep } => platform::demo(keep),
+        Cmd::Demo { keep, steps, json } => platform::demo(keep, steps.map(|n| n as usize), json),
         Cmd::Server(args) => platform::server(&args),
         Cmd::Submit { job, json, client } => {
             platform::Client::from_args(&client).and_then(|c| platform::submit(&c, &job, json))

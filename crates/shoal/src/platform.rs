@@ -571,7 +571,35 @@ const DEMO_JOB: &str = include_str!("../../../examples/demo_gpt_cicero.toml");
 
 /// `shoal demo`: an embedded server on a free loopback port with a temporary data directory, the built-in job
 /// submitted through the API like any client would, progress until it ends, the result, and where to look.
-pub fn demo(keep: bool) -> Result<bool> {
+/// The built-in demo job as JSON, shortened to `steps` when asked (warm-up and
+/// evaluation interval shrink with it so the spec stays valid).
+fn demo_job(steps: Option<usize>) -> Result<String> {
+    let mut spec = shoal_spec::parse_job(DEMO_JOB, "examples/demo_gpt_cicero.toml").map_err(|e| anyhow!("{e}"))?;
+    if let Some(n) = steps {
+        let t = &mut spec.train;
+        t.steps = n;
+        t.warmup_steps = t.warmup_steps.min(n / 4);
+        if t.eval_every >= n {
+            t.eval_every = 0;
+        }
+        if t.log_every > n {
+            t.log_every = n;
+        }
+        spec.validate().map_err(|e| anyhow!("demo job with --steps {n}: {e}"))?;
+    }
+    Ok(serde_json::to_string(&spec)?)
+}
+
+pub fn demo(keep: bool, steps: Option<usize>, json_out: bool) -> Result<bool> {
+    // With --json, stdout carries only the final object; the running commentary goes to stderr.
+    let say = |line: String| {
+        if json_out {
+            eprintln!("{line}");
+        } else {
+            println!("{line}");
+        }
+    };
+    let job = demo_job(steps)?;
     let dir = std::env::temp_dir().join(format!("shoal-demo-{}", std::process::id()));
     let exe = std::env::current_exe().context("locating the shoal executable")?;
     let listen: SocketAddr = "127.0.0.1:0".parse()?;
@@ -580,40 +608,61 @@ pub fn demo(keep: bool) -> Result<bool> {
     let rt = tokio::runtime::Runtime::new()?;
     let server = rt.block_on(shoal_control::start(opts))?;
     let addr = server.addr;
-    println!("shoal demo: server on http://{addr} (data in {})", dir.display());
+    say(format!("shoal demo: server on http://{addr} (data in {})", dir.display()));
     let client = Client::new(&addr.to_string(), Some(server.admin_token.clone()));
-    let v = client.post("/api/v1/jobs", "application/toml", DEMO_JOB.as_bytes())?;
+    let v = client.post("/api/v1/jobs", "application/json", job.as_bytes())?;
     let id =
         v.get("id").and_then(Value::as_str).ok_or_else(|| anyhow!("the server returned no job id: {v}"))?.to_owned();
-    println!("submitted the built-in job (a small GPT learning Cicero's Latin, 2 workers, data parallel) as {id}");
-    let ok = follow_job(&client, &id, Duration::from_secs(600))?;
+    say(format!("submitted the built-in job (a small GPT learning Cicero's Latin, 2 workers, data parallel) as {id}"));
+    let ok = follow_job(&client, &id, Duration::from_secs(600), json_out)?;
     let v = client.get(&format!("/api/v1/jobs/{id}"))?;
-    if let Some(sum) = v.get("summary").filter(|m| !m.is_null()) {
-        print_summary(sum);
-        if let Some(st) = sum.get("step_time") {
-            let f = |k: &str| st.get(k).and_then(Value::as_f64).unwrap_or(0.0) * 1e3;
-            println!(
-                "  step medians: data {:.2} ms, compute {:.2} ms, comm {:.2} ms, optimizer {:.2} ms",
-                f("data_s"),
-                f("compute_s"),
-                f("comm_s"),
-                f("optimizer_s")
-            );
+    let summary = v.get("summary").filter(|m| !m.is_null());
+    let findings = client
+        .get(&format!("/api/v1/jobs/{id}/diagnosis"))
+        .ok()
+        .and_then(|d| d.get("findings").cloned())
+        .unwrap_or(Value::Array(Vec::new()));
+    let dashboard = format!("http://{addr}/#token={}&/jobs/{id}", server.admin_token);
+    if json_out {
+        println!(
+            "{}",
+            json!({
+                "id": id,
+                "state": v.get("state"),
+                "succeeded": ok,
+                "summary": summary,
+                "events": v.get("events"),
+                "diagnosis": findings,
+                "dashboard": if keep { Some(&dashboard) } else { None },
+                "data_dir": dir,
+            })
+        );
+    } else {
+        if let Some(sum) = summary {
+            print_summary(sum);
+            if let Some(st) = sum.get("step_time") {
+                let f = |k: &str| st.get(k).and_then(Value::as_f64).unwrap_or(0.0) * 1e3;
+                println!(
+                    "  step medians: data {:.2} ms, compute {:.2} ms, comm {:.2} ms, optimizer {:.2} ms",
+                    f("data_s"),
+                    f("compute_s"),
+                    f("comm_s"),
+                    f("optimizer_s")
+                );
+            }
         }
-    }
-    println!("  events:");
-    for e in v.get("events").and_then(Value::as_array).into_iter().flatten() {
-        println!("    {:<10} {}", s(e, "kind"), s(e, "message"));
-    }
-    if let Ok(d) = client.get(&format!("/api/v1/jobs/{id}/diagnosis")) {
-        for f in d.get("findings").and_then(Value::as_array).into_iter().flatten() {
+        println!("  events:");
+        for e in v.get("events").and_then(Value::as_array).into_iter().flatten() {
+            println!("    {:<10} {}", s(e, "kind"), s(e, "message"));
+        }
+        for f in findings.as_array().into_iter().flatten() {
             println!("  diagnosis: {} — {}", s(f, "kind"), s(f, "evidence"));
         }
     }
-    println!("dashboard: http://{addr}/#token={}&/jobs/{id}", server.admin_token);
-    println!("  (or: shoal status {id} --addr {addr} --token $(cat {}/admin.token))", dir.display());
+    say(format!("dashboard: {dashboard}"));
+    say(format!("  (or: shoal status {id} --addr {addr} --token $(cat {}/admin.token))", dir.display()));
     if keep {
-        println!("--keep: the server keeps running; Ctrl-C stops it");
+        say("--keep: the server keeps running; Ctrl-C stops it".to_owned());
         rt.block_on(server.wait_for_signal())?;
     } else {
         rt.block_on(server.shutdown());
@@ -622,7 +671,15 @@ pub fn demo(keep: bool) -> Result<bool> {
 }
 
 /// Shows a job's progress until it ends (a bar on a terminal, lines otherwise); true when it succeeded.
-pub fn follow_job(client: &Client, id: &str, limit: Duration) -> Result<bool> {
+/// With `to_stderr`, the plain lines go to stderr (stdout is kept for JSON).
+pub fn follow_job(client: &Client, id: &str, limit: Duration, to_stderr: bool) -> Result<bool> {
+    let say = |line: String| {
+        if to_stderr {
+            eprintln!("{line}");
+        } else {
+            println!("{line}");
+        }
+    };
     let t0 = Instant::now();
     let tty = std::io::stderr().is_terminal();
     let bar = indicatif::ProgressBar::new(0);
@@ -640,7 +697,7 @@ pub fn follow_job(client: &Client, id: &str, limit: Duration) -> Result<bool> {
         let v = client.get(&format!("/api/v1/jobs/{id}"))?;
         let state = s(&v, "state").to_owned();
         if state != last_state {
-            bar.suspend(|| println!("  {id}: {state} — {}", s(&v, "reason")));
+            bar.suspend(|| say(format!("  {id}: {state} — {}", s(&v, "reason"))));
             last_state = state.clone();
         }
         let steps = v.pointer("/spec/train/steps").and_then(Value::as_u64).unwrap_or(0);
@@ -652,7 +709,7 @@ pub fn follow_job(client: &Client, id: &str, limit: Duration) -> Result<bool> {
             bar.set_prefix(id.to_owned());
             bar.set_message(format!("loss {loss:.4}"));
             if !tty && last_print.elapsed() >= Duration::from_secs(5) {
-                println!("  step {step}/{steps} loss {loss:.4}");
+                say(format!("  step {step}/{steps} loss {loss:.4}"));
                 last_print = Instant::now();
             }
         }

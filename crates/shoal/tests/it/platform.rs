@@ -1078,3 +1078,32 @@ fn the_second_server_on_a_data_dir_is_refused() {
     assert_eq!(h.status, 200);
     assert!(p.cli(&p.token, &["jobs"]).status.success());
 }
+
+/// The README's main command, shortened: the embedded server trains the demo GPT on 2 workers,
+/// stdout carries one JSON object, and the model beats the unigram baseline on held-out text.
+#[test]
+fn demo_runs_the_built_in_job_end_to_end() {
+    let out = shoal().args(["demo", "--json", "--steps", "40"]).output().expect("run shoal demo");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "shoal demo failed:\n{stdout}\n{stderr}");
+    let v: Value = serde_json::from_str(stdout.trim())
+        .unwrap_or_else(|e| panic!("stdout is not one JSON object ({e}):\n{stdout}"));
+    if let Some(d) = v["data_dir"].as_str() {
+        let _ = std::fs::remove_dir_all(d);
+    }
+    assert_eq!((v["state"].as_str(), v["succeeded"].as_bool()), (Some("succeeded"), Some(true)), "{v}");
+    let sum = &v["summary"];
+    assert_eq!((sum["steps"].as_u64(), sum["world_size"].as_u64()), (Some(40), Some(2)), "{sum}");
+    let (eval, baseline) =
+        (sum["eval_loss"].as_f64().expect("eval_loss"), sum["baseline_loss"].as_f64().expect("baseline"));
+    assert!(eval < baseline, "after 40 steps the GPT's eval loss {eval} should beat the unigram baseline {baseline}");
+    let kinds: Vec<&str> = v["events"].as_array().expect("events").iter().filter_map(|e| e["kind"].as_str()).collect();
+    assert_eq!(kinds.last(), Some(&"succeeded"), "{kinds:?}");
+    assert!(!v["diagnosis"].as_array().expect("diagnosis").is_empty(), "{v}");
+    assert!(stderr.contains("succeeded"), "progress belongs on stderr:\n{stderr}");
+
+    let bad = shoal().args(["demo", "--steps", "0"]).output().expect("run shoal demo");
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("--steps"), "{}", String::from_utf8_lossy(&bad.stderr));
+}
