@@ -676,21 +676,21 @@ pub fn bench_ddp(args: DdpArgs) -> Result<()> {
     Ok(())
 }
 
-/// `target/release/examples/bare_loop`, built if missing (the xtask itself does not link candle).
+/// `target/release/examples/bare_loop`, (re)built first so it matches the source
+/// being measured (a no-op when fresh; the xtask itself does not link candle).
 fn bare_loop_binary() -> Option<PathBuf> {
     let root = workspace_root();
     let target = std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), PathBuf::from);
     let path = target.join("release/examples/bare_loop");
-    if !path.is_file() {
-        eprintln!("bare loop: building it (cargo build --release -p shoal-train --example bare_loop)");
-        let built = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
-            .args(["build", "--release", "-p", "shoal-train", "--example", "bare_loop"])
-            .current_dir(&root)
-            .status();
-        if !built.is_ok_and(|s| s.success()) {
-            eprintln!("bare loop: build failed; the overhead line stays empty");
-            return None;
-        }
+    let built = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+        .args(["build", "--release", "-q", "-p", "shoal-train", "--example", "bare_loop"])
+        .current_dir(&root)
+        .status();
+    if !built.is_ok_and(|s| s.success()) {
+        eprintln!(
+            "bare loop: `cargo build --release -p shoal-train --example bare_loop` failed; the overhead line stays empty"
+        );
+        return None;
     }
     path.is_file().then_some(path)
 }

@@ -351,7 +351,7 @@ async fn logs(
     let path = state.control.exec.log_path(&id, attempt, rank);
     let offset = q.offset.unwrap_or(0);
     if !q.follow.unwrap_or(false) {
-        let (data, size) = crate::executor::read_from(&path, offset, usize::MAX)?;
+        let (data, size) = crate::executor::read_from_async(path, offset, usize::MAX).await?;
         return Ok((
             [
                 (header::CONTENT_TYPE, "text/plain; charset=utf-8".to_owned()),
@@ -371,7 +371,7 @@ async fn logs(
                 return None;
             }
             loop {
-                let (data, _) = crate::executor::read_from(&path, pos, 1 << 20).unwrap_or_default();
+                let (data, _) = crate::executor::read_from_async(path.clone(), pos, 1 << 20).await.unwrap_or_default();
                 if !data.is_empty() {
                     let next = pos + data.len() as u64;
                     return Some((Ok::<Bytes, std::io::Error>(Bytes::from(data)), (next, false)));

@@ -833,7 +833,9 @@ impl Control {
             // First look (or after a restart or a new attempt): read from the top, skipping steps already stored.
             None => (0, self.db.last_metric_step(id, rank).await.unwrap_or(-1)),
         };
-        let Ok((tail, len)) = crate::executor::read_from(path, start, usize::MAX) else { return };
+        let Ok((tail, len)) = crate::executor::read_from_async(path.to_path_buf(), start, usize::MAX).await else {
+            return;
+        };
         // A file rewritten shorter (a resumed run drops the steps it redoes) is read again from where it ends now.
         let start = start.min(len) as usize;
         let tail = tail.as_slice();

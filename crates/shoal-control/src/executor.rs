@@ -367,6 +367,11 @@ pub fn read_from(path: &Path, from: u64, max: usize) -> std::io::Result<(Vec<u8>
     Ok((buf, len))
 }
 
+/// [`read_from`] on a blocking-I/O thread, for async handlers (a log read from its start can be large).
+pub async fn read_from_async(path: PathBuf, from: u64, max: usize) -> std::io::Result<(Vec<u8>, u64)> {
+    tokio::task::spawn_blocking(move || read_from(&path, from, max)).await.map_err(std::io::Error::other)?
+}
+
 /// What a task's processes use now.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Usage {

@@ -548,23 +548,30 @@ fn create_for_write(path: &Path, direct: bool) -> Result<(File, bool)> {
     Ok((opts.open(path).map_err(|e| io_err(path, e))?, false))
 }
 
-/// Writes header + tensors to `path` and fsyncs; returns the bytes written.
-/// Direct I/O first; if the device refuses it mid-way (`EINVAL` on a
-/// filesystem without it), the file is written again through the page cache.
-fn write_file(path: &Path, header: &[u8], tensors: &[TensorData]) -> Result<u64> {
+/// Writes `path` with what `fill` pushes, fsyncs, and returns the bytes written.
+/// With `direct`, direct I/O first; if the device refuses it mid-way (`EINVAL`
+/// on a filesystem without it), the file is written again through the page cache.
+fn write_stream(path: &Path, direct: bool, fill: impl Fn(&mut ChunkWriter<'_>) -> Result<()>) -> Result<u64> {
     let attempt = |direct: bool| -> Result<u64> {
         let (file, direct) = create_for_write(path, direct)?;
         let mut w = ChunkWriter { path, file, direct, buf: AlignedBuf::new(), len: 0, written: 0 };
-        w.push(header)?;
-        for t in tensors {
-            w.push_f32(&t.data)?;
-        }
+        fill(&mut w)?;
         w.finish()
     };
-    match attempt(true) {
-        Err(CheckpointError::Io { source, .. }) if source.raw_os_error() == Some(libc::EINVAL) => attempt(false),
+    match attempt(direct) {
+        Err(CheckpointError::Io { source, .. }) if direct && source.raw_os_error() == Some(libc::EINVAL) => {
+            attempt(false)
+        }
         other => other,
     }
+}
+
+/// Writes header + tensors to `path` (direct I/O where allowed) and fsyncs; returns the bytes written.
+fn write_file(path: &Path, header: &[u8], tensors: &[TensorData]) -> Result<u64> {
+    write_stream(path, true, |w| {
+        w.push(header)?;
+        tensors.iter().try_for_each(|t| w.push_f32(&t.data))
+    })
 }
 
 /// Writes `tensors` as a safetensors file and fsyncs it. The sha256 is
@@ -1406,15 +1413,15 @@ fn probe_disk(dir: &Path, bytes: u64, direct: bool) -> Result<f64> {
     }
     let result = (|| -> Result<f64> {
         let start = Instant::now();
-        let (file, direct) = create_for_write(&path, direct)?;
-        let mut w = ChunkWriter { path: &path, file, direct, buf: AlignedBuf::new(), len: 0, written: 0 };
-        let mut left = bytes;
-        while left > 0 {
-            let n = usize::try_from(left.min(data.len() as u64)).unwrap_or(data.len());
-            w.push(&data[..n])?;
-            left -= n as u64;
-        }
-        w.finish()?;
+        write_stream(&path, direct, |w| {
+            let mut left = bytes;
+            while left > 0 {
+                let n = usize::try_from(left.min(data.len() as u64)).unwrap_or(data.len());
+                w.push(&data[..n])?;
+                left -= n as u64;
+            }
+            Ok(())
+        })?;
         Ok(mb_per_s(bytes, start.elapsed().as_secs_f64()))
     })();
     let _ = fs::remove_file(&path);

@@ -39,7 +39,7 @@ enum Cmd {
         #[arg(long, value_parser = clap::value_parser!(u64).range(1..=100_000))]
         steps: Option<u64>,
         /// Print one JSON object on stdout at the end (job id, state, summary, events,
-        /// diagnosis, dashboard URL); progress goes to stderr.
+        /// diagnosis, data directory; the dashboard URL with --keep); progress goes to stderr.
         #[arg(long)]
         json: bool,
     },

@@ -141,108 +141,45 @@ fn assert_close(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)], what: &str) 
 const ADAMW: OptimConfig = OptimConfig::AdamW { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 };
 const SGD: OptimConfig = OptimConfig::Sgd { momentum: 0.9, weight_decay: 0.0 };
 
+/// The MLP with SGD (48 samples a step), or with AdamW and 2 micro-batches a step (60 samples).
+fn mlp(hand: bool, overlap: bool, adamw_accum: bool) -> Run {
+    let (global_batch, grad_accum, optimizer) = if adamw_accum { (60, 2, ADAMW) } else { (48, 1, SGD) };
+    Run { which: Which::Mlp, steps: 50, global_batch, grad_accum, optimizer, hand, overlap }
+}
+
+/// Every way of computing and reducing gradients: autograd or the hand-written
+/// backward, buckets reduced during backward or after it.
+const PATHS: [(bool, bool); 4] = [(false, true), (false, false), (true, true), (true, false)];
+
 #[test]
 fn mlp_ddp_matches_one_worker_at_2_and_3_workers() {
-    let run = || Run {
-        which: Which::Mlp,
-        steps: 50,
-        global_batch: 48,
-        grad_accum: 1,
-        optimizer: SGD,
-        hand: false,
-        overlap: true,
-    };
-    let one = train_world(run(), 1);
-    for n in [2, 3] {
-        assert_close(&one, &train_world(run(), n), &format!("mlp, {n} workers"));
+    for (hand, overlap) in PATHS {
+        let one = train_world(mlp(hand, overlap, false), 1);
+        for n in [2, 3] {
+            let what = format!("mlp (hand {hand}, overlap {overlap}), {n} workers");
+            assert_close(&one, &train_world(mlp(hand, overlap, false), n), &what);
+        }
     }
 }
 
 #[test]
-fn mlp_ddp_with_gradient_accumulation_and_adamw_matches() {
-    let run = || Run {
-        which: Which::Mlp,
-        steps: 50,
-        global_batch: 60,
-        grad_accum: 2,
-        optimizer: ADAMW,
-        hand: false,
-        overlap: true,
-    };
-    let one = train_world(run(), 1);
-    assert_close(&one, &train_world(run(), 4), "mlp, 4 workers, grad_accum 2");
+fn mlp_ddp_with_gradient_accumulation_and_adamw_matches_at_4_workers() {
+    for (hand, overlap) in PATHS {
+        let what = format!("mlp (hand {hand}, overlap {overlap}), 4 workers, grad_accum 2");
+        assert_close(&train_world(mlp(hand, overlap, true), 1), &train_world(mlp(hand, overlap, true), 4), &what);
+    }
 }
 
 #[test]
-fn mlp_hand_backward_ddp_matches_one_worker_at_2_and_3_workers() {
-    let run = || Run {
-        which: Which::Mlp,
-        steps: 50,
-        global_batch: 48,
-        grad_accum: 1,
-        optimizer: SGD,
-        hand: true,
-        overlap: true,
-    };
-    let one = train_world(run(), 1);
-    for n in [2, 3] {
-        assert_close(&one, &train_world(run(), n), &format!("mlp (hand backward), {n} workers"));
-    }
-    // The hand-written pass and autograd train the same model (different rounding, same maths).
-    let auto = train_world(Run { hand: false, ..run() }, 1);
-    for ((name, a), (_, h)) in auto.iter().zip(&one) {
+fn hand_backward_and_autograd_train_the_same_mlp() {
+    // Different rounding, same maths.
+    let hand = train_world(mlp(true, true, false), 1);
+    let auto = train_world(mlp(false, true, false), 1);
+    for ((name, a), (_, h)) in auto.iter().zip(&hand) {
         let scale = a.iter().fold(0f32, |m, x| m.max(x.abs()));
         let diff = a.iter().zip(h).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
         assert!(diff / scale < 1e-4, "{name}: hand backward and autograd differ by {:e} relative", diff / scale);
     }
-}
-
-#[test]
-fn mlp_hand_backward_with_accumulation_and_adamw_matches_at_4_workers() {
-    let run = || Run {
-        which: Which::Mlp,
-        steps: 50,
-        global_batch: 60,
-        grad_accum: 2,
-        optimizer: ADAMW,
-        hand: true,
-        overlap: true,
-    };
-    let one = train_world(run(), 1);
-    assert_close(&one, &train_world(run(), 4), "mlp (hand backward), 4 workers, grad_accum 2");
-}
-
-#[test]
-fn mlp_ddp_reducing_after_backward_matches_one_worker() {
-    for hand in [false, true] {
-        let run = || Run {
-            which: Which::Mlp,
-            steps: 50,
-            global_batch: 48,
-            grad_accum: 1,
-            optimizer: SGD,
-            hand,
-            overlap: false,
-        };
-        let one = train_world(run(), 1);
-        for n in [2, 3] {
-            assert_close(&one, &train_world(run(), n), &format!("mlp (hand {hand}), {n} workers, overlap off"));
-        }
-    }
-    let run = || Run {
-        which: Which::Mlp,
-        steps: 50,
-        global_batch: 60,
-        grad_accum: 2,
-        optimizer: ADAMW,
-        hand: true,
-        overlap: false,
-    };
-    assert_close(
-        &train_world(run(), 1),
-        &train_world(run(), 4),
-        "mlp (hand backward), 4 workers, grad_accum 2, overlap off",
-    );
 }
 
 #[test]
