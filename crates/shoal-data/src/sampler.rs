@@ -14,6 +14,9 @@
 //!   when shuffling); every global batch is full; no sample is seen twice.
 //! - `Pad`: the last global batch is filled up with the first samples of the epoch's order, so those are seen
 //!   twice; every global batch is full and nothing is skipped.
+//!
+//! A global batch larger than the dataset is refused under `Partial` (every step would silently take the whole
+//! dataset instead) and `DropLast` (nothing would be left); only `Pad` fills it up.
 
 use std::sync::Arc;
 
@@ -103,7 +106,7 @@ pub struct DistributedSampler {
 
 impl DistributedSampler {
     /// A sampler at epoch 0, position 0. Errors: an empty dataset, a zero global batch, a global batch smaller than
-    /// the world size, `DropLast` with fewer samples than one global batch, a bad rank.
+    /// the world size, `Partial` or `DropLast` with fewer samples than one global batch, a bad rank.
     pub fn new(cfg: SamplerConfig, world_size: usize, rank: usize) -> Result<Self> {
         check_rank(world_size, rank)?;
         if cfg.len == 0 {
@@ -116,6 +119,16 @@ impl DistributedSampler {
             return Err(invalid(
                 "global_batch",
                 format!("{} is smaller than the world size {world_size}", cfg.global_batch),
+            ));
+        }
+        if cfg.tail == Tail::Partial && cfg.global_batch > cfg.len {
+            return Err(invalid(
+                "global_batch",
+                format!(
+                    "{} exceeds the {} samples: every step would take only {}; use a smaller global batch or the \
+                     pad tail policy",
+                    cfg.global_batch, cfg.len, cfg.len
+                ),
             ));
         }
         if cfg.samples_per_epoch() == 0 {
@@ -299,6 +312,7 @@ mod tests {
             len in 1usize..300, gb in 1usize..40, world in 1usize..6, seed: u64, tail in tails(), shuffle: bool,
         ) {
             prop_assume!(gb >= world);
+            prop_assume!(tail == Tail::Pad || gb <= len);
             let cfg = SamplerConfig { len, global_batch: gb, seed, shuffle, tail };
             prop_assume!(cfg.samples_per_epoch() > 0);
             let reference = run_epoch(&mut samplers(cfg, 1));
@@ -332,6 +346,7 @@ mod tests {
         fn resume_at_another_world_size_continues_exactly(
             len in 1usize..200, gb in 4usize..30, cut in 0usize..40, w1 in 1usize..5, w2 in 1usize..5, seed: u64,
         ) {
+            prop_assume!(gb <= len);
             let cfg = SamplerConfig { len, global_batch: gb, seed, shuffle: true, tail: Tail::Partial };
             // Uninterrupted, one rank, across epochs.
             let mut whole = DistributedSampler::new(cfg, 1, 0).expect("valid");
@@ -397,6 +412,10 @@ mod tests {
         assert!(
             DistributedSampler::new(SamplerConfig { global_batch: 11, tail: Tail::DropLast, ..cfg }, 1, 0).is_err()
         );
+        // A partial tail would silently shrink every step to the whole dataset; padding fills the batch up.
+        let e = DistributedSampler::new(SamplerConfig { global_batch: 11, ..cfg }, 1, 0).err().map(|e| e.to_string());
+        assert!(e.as_deref().is_some_and(|e| e.contains("11 exceeds the 10 samples")), "{e:?}");
+        assert!(DistributedSampler::new(SamplerConfig { global_batch: 11, tail: Tail::Pad, ..cfg }, 1, 0).is_ok());
         let mut s = DistributedSampler::new(cfg, 2, 0).expect("valid");
         assert!(s.restore(SamplerState { epoch: 3, position: 5 }).is_err());
         assert!(s.restore(SamplerState { epoch: 3, position: 12 }).is_err());

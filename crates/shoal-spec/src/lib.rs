@@ -181,12 +181,64 @@ fn default_queue() -> String {
 }
 
 /// How work is spread over the workers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Strategy {
     /// Data parallel: every rank holds the whole model and a share of each global batch.
     #[default]
     Ddp,
+}
+
+impl Strategy {
+    /// The strategies that can run, as written in a spec.
+    pub const NAMES: [&'static str; 1] = ["ddp"];
+    /// Strategies a spec may name that do not exist yet (refused with a message saying so).
+    pub const PLANNED: [&'static str; 7] = ["zero1", "zero2", "zero3", "fsdp", "pipeline", "tensor", "ps"];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Strategy::Ddp => "ddp",
+        }
+    }
+
+    fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "ddp" => Some(Strategy::Ddp),
+            _ => None,
+        }
+    }
+
+    /// Why `name` cannot be used: not available yet, or not a strategy at all; both list what is available.
+    fn refusal(name: &str) -> String {
+        let available = Strategy::NAMES.join(", ");
+        if Strategy::PLANNED.contains(&name) {
+            format!("{name:?} is not available yet; available: {available}")
+        } else {
+            format!("unknown strategy {name:?}; available: {available}")
+        }
+    }
+}
+
+impl fmt::Display for Strategy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl<'de> Deserialize<'de> for Strategy {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct V;
+        impl Visitor<'_> for V {
+            type Value = Strategy;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(f, "a strategy name (available: {})", Strategy::NAMES.join(", "))
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Strategy, E> {
+                Strategy::from_name(v).ok_or_else(|| E::custom(Strategy::refusal(v)))
+            }
+        }
+        deserializer.deserialize_str(V)
+    }
 }
 
 /// The built-in models.
@@ -1117,19 +1169,33 @@ impl TrainSpec {
                 ),
             ));
         }
-        // The dataset's own option checks (the trainer loads the train and eval splits).
+        // The dataset's own option checks, on the splits the trainer loads (whatever `split` says).
         let o = self.data_options();
-        let splits: &[Split] = if o.split == Split::All { &[Split::Train, Split::Eval] } else { &[o.split] };
-        for &split in splits {
+        for split in [Split::Train, Split::Eval] {
             let opts = Options { split, ..o.clone() };
-            if let Err(e) = shoal_data::builtin(&self.dataset, &opts) {
-                return Err(match e {
-                    shoal_data::Error::BadOption { option, reason, .. } => {
-                        SpecError::at(format!("train.data.{option}"), reason)
-                    }
-                    other => SpecError::at("train.data", other.to_string()),
-                });
+            let data = shoal_data::builtin(&self.dataset, &opts).map_err(|e| match e {
+                shoal_data::Error::BadOption { option, reason, .. } => {
+                    SpecError::at(format!("train.data.{option}"), reason)
+                }
+                other => SpecError::at("train.data", other.to_string()),
+            })?;
+            if split == Split::Train {
+                self.validate_batch_fits(data.len())?;
             }
+        }
+        Ok(())
+    }
+
+    /// A global batch takes distinct samples: it cannot be larger than the training set.
+    fn validate_batch_fits(&self, train_len: usize) -> Result<()> {
+        if self.global_batch > train_len {
+            return Err(SpecError::at(
+                "train.global_batch",
+                format!(
+                    "{} is larger than the {train_len} training samples of \"{}\"; at most {train_len}",
+                    self.global_batch, self.dataset
+                ),
+            ));
         }
         Ok(())
     }
@@ -1232,7 +1298,15 @@ lr = 0.01
                 "train.model: invalid type: integer `3`, expected a model name",
             ),
             (MLP.replace("model = \"mlp\"", "model = { hidden = [3] }"), "train.model: missing field `kind`"),
-            (mlp("strategy = \"fsdp\"", ""), "train.strategy: unknown variant `fsdp`, expected `ddp`"),
+            (mlp("strategy = \"ddp\"", ""), ""),
+            (mlp("strategy = \"fsdp\"", ""), "train.strategy: \"fsdp\" is not available yet; available: ddp"),
+            (mlp("strategy = \"zero1\"", ""), "train.strategy: \"zero1\" is not available yet; available: ddp"),
+            (mlp("strategy = \"zero3\"", ""), "train.strategy: \"zero3\" is not available yet; available: ddp"),
+            (mlp("strategy = \"pipeline\"", ""), "train.strategy: \"pipeline\" is not available yet"),
+            (mlp("strategy = \"tensor\"", ""), "train.strategy: \"tensor\" is not available yet"),
+            (mlp("strategy = \"ps\"", ""), "train.strategy: \"ps\" is not available yet"),
+            (mlp("strategy = \"banana\"", ""), "train.strategy: unknown strategy \"banana\"; available: ddp"),
+            (mlp("strategy = 3", ""), "train.strategy: invalid type: integer `3`, expected a strategy name"),
             (mlp("optimizer = \"adam\"", ""), "train.optimizer: unknown variant `adam`, expected `sgd` or `adamw`"),
             (MLP.replace("steps = 10\n", ""), "JOB.toml: train: missing field `steps`"),
             (MLP.replace("name = \"t\"\n", ""), "JOB.toml: missing field `name`"),
@@ -1429,6 +1503,62 @@ lr = 0.001
             "{e}"
         );
         assert!(j.validate_world(0).is_err());
+    }
+
+    #[test]
+    fn platform_quantities_are_bounded_and_named() {
+        let cases: Vec<(String, &str)> = vec![
+            (mlp("", "[resources]\ngpus = 1\ngpu_memory = \"10GiB\""), ""),
+            (mlp("", "[resources]\ngpus = 0.5\ngpu_memory = \"10GiB\""), ""),
+            (mlp("", "[resources]\ngpu_memory = \"10GiB\""), "resources.gpu_memory: 10737418240 bytes of GPU memory"),
+            (mlp("", "[resources]\ngpus = 0\ngpu_memory = 1"), "resources.gpu_memory: 1 bytes of GPU memory asked"),
+            (mlp("", "[workers]\nmax = 4294967295"), "workers.max: 4294967295 workers is more than the limit of 65536"),
+            (mlp("", "[workers]\nmin = 65537"), "workers.min: 65537 workers is more than the limit"),
+            (mlp("", "[workers]\ncount = 70000"), "workers.count: 70000 workers is more than the limit"),
+            (mlp("", "[workers]\nmax = 65536"), ""),
+            (mlp("", "[resources]\ngpus = 1\ngpu_memory = 18446744073709551616"), "resources.gpu_memory: "),
+            (
+                mlp("", "[resources]\ngpus = 1\ngpu_memory = \"18446744073709551616\""),
+                "resources.gpu_memory: \"18446744073709551616\" is too large",
+            ),
+            (mlp("", "[resources]\nmemory = \"2000000TiB\""), "resources.memory: \"2000000TiB\" is too large"),
+            (
+                mlp("", "[resources]\nmemory = 1.8446744073709552e19"),
+                "resources.memory: 18446744073709552000 is too large",
+            ),
+            (
+                mlp("", "[resources]\ncpus = \"18446744073709551616m\""),
+                "resources.cpus: \"18446744073709551616m\" is too large",
+            ),
+            (mlp("", "[resources]\ncpus = 9223372036854775807"), "resources.cpus: 9223372036854775807 is too large"),
+            (mlp("", "[resources]\ncpus = 1e300"), "resources.cpus: 1e300 is too large"),
+        ];
+        check_all(&cases);
+        // JSON numbers past u64 arrive as floats: refused, not saturated to u64::MAX.
+        let json = r#"{"name": "j", "resources": {"gpus": 1, "gpu_memory": 18446744073709551616},
+            "train": {"model": "mlp", "dataset": "digits", "global_batch": 8, "steps": 1, "lr": 0.1}}"#;
+        let e = parse_job_json(json).expect_err("too large");
+        assert_eq!(e.path, "resources.gpu_memory", "{e}");
+        assert!(e.message.contains("too large"), "{e}");
+    }
+
+    #[test]
+    fn a_global_batch_larger_than_the_training_set_is_refused() {
+        let train_len = shoal_data::builtin("digits", &Options { split: Split::Train, ..Options::default() })
+            .expect("digits")
+            .len();
+        let at_most = MLP.replace("global_batch = 32", &format!("global_batch = {train_len}"));
+        parse_job(&at_most, "JOB.toml").unwrap_or_else(|e| panic!("{e}"));
+        let over = MLP.replace("global_batch = 32", &format!("global_batch = {}", train_len + 1));
+        let e = parse_job(&over, "JOB.toml").expect_err("larger than the data");
+        assert_eq!(e.path, "train.global_batch");
+        assert!(
+            e.message.contains(&format!("{} is larger than the {train_len} training samples", train_len + 1)),
+            "{e}"
+        );
+        let synthetic = MLP.replace("\"digits\"", "\"synthetic\"") + "[train.data]\nsamples = 16\nfeatures = 4\n";
+        let e = parse_job(&synthetic, "JOB.toml").expect_err("16 samples");
+        assert!(e.to_string().contains("train.global_batch: 32 is larger than the 16 training samples"), "{e}");
     }
 
     #[test]

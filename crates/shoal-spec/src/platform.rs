@@ -23,6 +23,13 @@ use std::fmt;
 use serde::de::{self, Deserializer, Visitor};
 use serde::{Deserialize, Serialize, Serializer};
 
+/// The most workers a job may ask for (`workers.count`, `min`, `max`).
+pub const MAX_WORKERS: u32 = 65536;
+/// The largest byte quantity a spec may hold (1 EiB), so that sums over many workers stay far from `u64::MAX`.
+pub const MAX_BYTES: u64 = 1 << 60;
+/// The largest CPU or GPU quantity, in thousandths (a billion CPUs).
+pub const MAX_MILLI: u64 = 1_000_000_000_000;
+
 /// `[workers]`: a fixed `count`, or `min..=max` for an elastic job.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -56,8 +63,12 @@ impl WorkersSpec {
             return err("workers.count", "give either `count` or `min`/`max`, not both".into());
         }
         for (key, v) in [("workers.count", self.count), ("workers.min", self.min), ("workers.max", self.max)] {
-            if v == Some(0) {
-                return err(key, "must be at least 1".into());
+            match v {
+                Some(0) => return err(key, "must be at least 1".into()),
+                Some(n) if n > MAX_WORKERS => {
+                    return err(key, format!("{n} workers is more than the limit of {MAX_WORKERS}"));
+                }
+                _ => {}
             }
         }
         if let (Some(lo), Some(hi)) = (self.min, self.max)
@@ -104,6 +115,16 @@ impl ResourcesSpec {
         if self.memory == 0 {
             return Err(("resources.memory".into(), "must be more than 0".into()));
         }
+        if self.gpu_memory > 0 && self.gpus == 0 {
+            return Err((
+                "resources.gpu_memory".into(),
+                format!(
+                    "{} bytes of GPU memory asked with resources.gpus = 0; ask for a GPU (or a share of one) or \
+                     leave gpu_memory out",
+                    self.gpu_memory
+                ),
+            ));
+        }
         if self.gpus > 1000 && !self.gpus.is_multiple_of(1000) {
             return Err((
                 "resources.gpus".into(),
@@ -148,55 +169,100 @@ fn gpus_ser<S: Serializer>(v: &u64, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_f64(*v as f64 / 1000.0)
 }
 
-/// Parses a quantity of CPUs or GPUs into thousandths: `2`, `0.5`, `"1.5"`, `"500m"`.
+/// Parses a quantity of CPUs or GPUs into thousandths: `2`, `0.5`, `"1.5"`, `"500m"`; at most [`MAX_MILLI`].
 pub fn parse_milli(s: &str) -> Result<u64, String> {
     let t = s.trim();
+    let bad = || format!("{s:?} is not a quantity (e.g. 2, 0.5 or \"500m\")");
     if let Some(m) = t.strip_suffix('m') {
-        return m.parse::<u64>().map_err(|_| format!("{s:?} is not a quantity (e.g. 2, 0.5 or \"500m\")"));
+        if m.is_empty() || !m.chars().all(|c| c.is_ascii_digit()) {
+            return Err(bad());
+        }
+        // All digits: the only way `parse` fails now is overflow.
+        let v = m.parse::<u64>().unwrap_or(u64::MAX);
+        return milli_within(v, &format!("{s:?}"));
     }
-    let f: f64 = t.parse().map_err(|_| format!("{s:?} is not a quantity (e.g. 2, 0.5 or \"500m\")"))?;
+    let f: f64 = t.parse().map_err(|_| bad())?;
     float_milli(f)
+}
+
+fn milli_within(v: u64, shown: &str) -> Result<u64, String> {
+    if v > MAX_MILLI {
+        return Err(format!("{shown} is too large: at most {}", milli(MAX_MILLI)));
+    }
+    Ok(v)
 }
 
 fn float_milli(f: f64) -> Result<u64, String> {
     if !f.is_finite() || f < 0.0 {
         return Err(format!("{f} must be a finite number >= 0"));
     }
+    if f * 1000.0 > MAX_MILLI as f64 {
+        return Err(format!("{f:?} is too large: at most {}", milli(MAX_MILLI)));
+    }
     let m = (f * 1000.0).round();
     if (m - f * 1000.0).abs() > 1e-6 {
         return Err(format!("{f} is finer than a thousandth"));
     }
-    if m > 1e15 {
-        return Err(format!("{f} is too large"));
-    }
     Ok(m as u64)
 }
 
+/// The multiplier of a byte unit as written after the number.
+fn byte_unit(unit: &str) -> Option<u64> {
+    Some(match unit {
+        "" | "B" => 1,
+        "K" | "Ki" | "KiB" => 1 << 10,
+        "M" | "Mi" | "MiB" => 1 << 20,
+        "G" | "Gi" | "GiB" => 1 << 30,
+        "T" | "Ti" | "TiB" => 1 << 40,
+        "KB" | "kB" => 1_000,
+        "MB" => 1_000_000,
+        "GB" => 1_000_000_000,
+        "TB" => 1_000_000_000_000,
+        _ => return None,
+    })
+}
+
+/// `num` (decimal digits with at most one `.`) times `mult`, rounded to the nearest integer, computed exactly;
+/// `None` when `num` is not such a number, `u128::MAX` when the product does not fit (it is then far above any
+/// limit). Decimals past the 18th are ignored (they cannot move the result by a byte).
+fn scaled_decimal(num: &str, mult: u64) -> Option<u128> {
+    let (int, frac) = num.split_once('.').unwrap_or((num, ""));
+    let digits = |d: &str| d.chars().all(|c| c.is_ascii_digit());
+    if (int.is_empty() && frac.is_empty()) || !digits(int) || !digits(frac) {
+        return None;
+    }
+    let frac = &frac[..frac.len().min(18)];
+    let accumulate =
+        |acc: Option<u128>, c: char| acc?.checked_mul(10)?.checked_add(u128::from(c.to_digit(10).unwrap_or(0)));
+    let scale = 10u128.pow(frac.len() as u32);
+    let value = int
+        .chars()
+        .chain(frac.chars())
+        .fold(Some(0u128), accumulate)
+        .and_then(|v| v.checked_mul(u128::from(mult)))
+        .and_then(|v| v.checked_add(scale / 2));
+    Some(value.map_or(u128::MAX, |v| v / scale))
+}
+
+fn bytes_within(v: u128, shown: &str) -> Result<u64, String> {
+    match u64::try_from(v) {
+        Ok(b) if b <= MAX_BYTES => Ok(b),
+        _ => Err(format!("{shown} is too large: at most 1 EiB ({MAX_BYTES} bytes)")),
+    }
+}
+
 /// Parses a byte size: an integer, or a number with a unit (`KiB`, `MiB`, `GiB`, `TiB`, `KB`, `MB`, `GB`, `TB`,
-/// `K`, `M`, `G`, `T` as binary, `Ki`, `Mi`, `Gi`, `Ti` as in Kubernetes).
+/// `K`, `M`, `G`, `T` as binary, `Ki`, `Mi`, `Gi`, `Ti` as in Kubernetes); exact (no floating point), rounded to
+/// whole bytes, at most [`MAX_BYTES`]. The one byte-size parser of the workspace.
 pub fn parse_bytes(s: &str) -> Result<u64, String> {
     let t = s.trim();
     let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let unit = unit.trim();
-    let mult: f64 = match unit {
-        "" | "B" => 1.0,
-        "K" | "Ki" | "KiB" => 1024.0,
-        "M" | "Mi" | "MiB" => 1024.0 * 1024.0,
-        "G" | "Gi" | "GiB" => 1024.0 * 1024.0 * 1024.0,
-        "T" | "Ti" | "TiB" => 1024.0f64.powi(4),
-        "KB" | "kB" => 1e3,
-        "MB" => 1e6,
-        "GB" => 1e9,
-        "TB" => 1e12,
-        other => return Err(format!("{s:?}: unknown unit {other:?} (use B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)")),
+    let Some(mult) = byte_unit(unit.trim()) else {
+        return Err(format!("{s:?}: unknown unit {:?} (use B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)", unit.trim()));
     };
-    let n: f64 = num.parse().map_err(|_| format!("{s:?} is not a size (e.g. 512MiB, 2GiB)"))?;
-    let v = n * mult;
-    if !v.is_finite() || v > 1e18 {
-        return Err(format!("{s:?} is too large"));
-    }
-    Ok(v.round() as u64)
+    let bytes = scaled_decimal(num, mult).ok_or_else(|| format!("{s:?} is not a size (e.g. 512MiB, 2GiB)"))?;
+    bytes_within(bytes, &format!("{s:?}"))
 }
 
 struct QuantityVisitor {
@@ -213,7 +279,12 @@ impl Visitor<'_> for QuantityVisitor {
         }
     }
     fn visit_u64<E: de::Error>(self, v: u64) -> Result<u64, E> {
-        if self.bytes { Ok(v) } else { v.checked_mul(1000).ok_or_else(|| E::custom(format!("{v} is too large"))) }
+        let shown = v.to_string();
+        if self.bytes {
+            bytes_within(u128::from(v), &shown).map_err(E::custom)
+        } else {
+            milli_within(v.saturating_mul(1000), &shown).map_err(E::custom)
+        }
     }
     fn visit_i64<E: de::Error>(self, v: i64) -> Result<u64, E> {
         if v < 0 {
@@ -225,6 +296,10 @@ impl Visitor<'_> for QuantityVisitor {
         if self.bytes {
             if v < 0.0 || !v.is_finite() || v.fract() != 0.0 {
                 return Err(E::custom(format!("{v} is not a whole number of bytes >= 0")));
+            }
+            // Beyond the limit (2^60, exact in an f64) before converting: `as` would saturate silently.
+            if v > MAX_BYTES as f64 {
+                return Err(E::custom(format!("{v} is too large: at most 1 EiB ({MAX_BYTES} bytes)")));
             }
             return Ok(v as u64);
         }
@@ -262,6 +337,48 @@ mod tests {
         assert_eq!(parse_bytes("1.5GB"), Ok(1_500_000_000));
         assert_eq!(parse_bytes("4096"), Ok(4096));
         assert!(parse_bytes("2 parsecs").is_err());
+    }
+
+    #[test]
+    fn quantities_are_exact_and_never_saturate() {
+        // Exact where an f64 is not.
+        assert_eq!(parse_bytes("9007199254740993"), Ok(9_007_199_254_740_993));
+        assert_eq!(parse_bytes("0.5KiB"), Ok(512));
+        assert_eq!(parse_bytes("0.3KiB"), Ok(307));
+        assert_eq!(parse_bytes("1.0000000000000000000000001GiB"), Ok(1 << 30));
+        assert_eq!(parse_bytes(".5K"), Ok(512));
+        // The limit, and past it however far.
+        assert_eq!(parse_bytes(&MAX_BYTES.to_string()), Ok(MAX_BYTES));
+        assert_eq!(parse_bytes("1048576TiB"), Ok(MAX_BYTES));
+        for big in [
+            (MAX_BYTES + 1).to_string(),
+            "18446744073709551616".to_string(),
+            "1048577TiB".to_string(),
+            format!("{}TB", "9".repeat(60)),
+        ] {
+            let e = parse_bytes(&big).expect_err("too large");
+            assert!(e.contains("too large"), "{big}: {e}");
+        }
+        for bad in ["", ".", "1.2.3", "GiB", "1,5GiB", "-1"] {
+            assert!(parse_bytes(bad).is_err(), "{bad:?}");
+        }
+        assert_eq!(parse_milli(&format!("{MAX_MILLI}m")), Ok(MAX_MILLI));
+        for big in ["18446744073709551616m", "1000000001", "1e300"] {
+            let e = parse_milli(big).expect_err("too large");
+            assert!(e.contains("too large"), "{big}: {e}");
+        }
+        assert!(parse_milli("m").is_err());
+        assert!(parse_milli("-5m").is_err());
+    }
+
+    #[test]
+    fn worker_counts_are_bounded() {
+        let w = |count, min, max| WorkersSpec { count, min, max, spread: false }.validate();
+        assert!(w(Some(MAX_WORKERS), None, None).is_ok());
+        let e = w(Some(u32::MAX), None, None).expect_err("too many");
+        assert_eq!(e.0, "workers.count");
+        assert_eq!(w(None, Some(1), Some(MAX_WORKERS + 1)).expect_err("too many").0, "workers.max");
+        assert_eq!(w(None, Some(MAX_WORKERS + 1), None).expect_err("too many").0, "workers.min");
     }
 
     #[test]

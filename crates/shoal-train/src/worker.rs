@@ -643,3 +643,33 @@ pub fn write_json(path: &Path, value: &impl Serialize) -> Result<()> {
         .map_err(|e| Error::io(format!("writing {}", tmp.display()), e))?;
     std::fs::rename(&tmp, path).map_err(|e| Error::io(format!("renaming {} to {}", tmp.display(), path.display()), e))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn job_with_url(url: &str) -> JobSpec {
+        let text = format!(
+            "name = \"t\"\n[train]\nmodel = \"mlp\"\ndataset = \"digits\"\nglobal_batch = 8\nsteps = 1\nlr = 0.1\n\
+             [checkpoint]\nurl = \"{url}\"\n"
+        );
+        crate::spec::parse_job(&text, "t.toml").unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    #[test]
+    fn every_object_store_scheme_the_spec_accepts_opens() {
+        for url in [
+            "http://127.0.0.1:9/ckpt",
+            "https://example.invalid/ckpt",
+            "gs://bucket/ckpt",
+            "abfss://container@account.dfs.core.windows.net/ckpt",
+        ] {
+            let spec = job_with_url(url);
+            match checkpoint_remote(&spec) {
+                Ok(Some(_)) => {}
+                Ok(None) => panic!("{url}: not taken as remote"),
+                Err(e) => panic!("{url}: {e}"),
+            }
+        }
+    }
+}
