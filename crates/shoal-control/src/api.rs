@@ -40,6 +40,10 @@ use crate::error::{ControlError, Result};
 /// The largest request body accepted (a job spec or a metrics batch).
 pub const MAX_BODY: usize = 1 << 20;
 
+/// The most of a log one request returns (and one chunk of a followed log holds): a reader, however slow, holds
+/// at most this much of the server's memory.
+pub const MAX_LOG_CHUNK: usize = 1 << 20;
+
 /// What every handler sees.
 #[derive(Debug, Clone)]
 pub struct AppState {
@@ -72,8 +76,32 @@ pub fn router(state: AppState) -> Router {
         .route("/assets/{*path}", get(crate::observe::asset))
         .fallback(|| async { ControlError::NotFound("no such endpoint; the API lives under /api/v1/".into()) })
         .layer(DefaultBodyLimit::max(MAX_BODY))
+        .layer(axum::middleware::from_fn(body_deadline))
         .layer(axum::middleware::from_fn_with_state(state.clone(), crate::observe::count_requests))
         .with_state(state)
+}
+
+/// Reads every request's body (at most [`MAX_BODY`]) within [`crate::server::BODY_TIMEOUT`]: a client that sends
+/// less than its `Content-Length`, or trickles it, is answered 408 and its connection freed, instead of being held
+/// open by a handler waiting for the rest.
+async fn body_deadline(req: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    let declared = req.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > MAX_BODY as u64) {
+        return ControlError::TooLarge(format!("at most {MAX_BODY} bytes")).into_response();
+    }
+    let (parts, b) = req.into_parts();
+    match tokio::time::timeout(crate::server::BODY_TIMEOUT, axum::body::to_bytes(b, MAX_BODY)).await {
+        Ok(Ok(bytes)) => next.run(axum::extract::Request::from_parts(parts, Body::from(bytes))).await,
+        Ok(Err(e)) if e.to_string().contains("length limit") => {
+            ControlError::TooLarge(format!("at most {MAX_BODY} bytes")).into_response()
+        }
+        Ok(Err(e)) => ControlError::bad(format!("cannot read the request body: {e}")).into_response(),
+        Err(_) => ControlError::Timeout(format!(
+            "the request body did not arrive within {} s",
+            crate::server::BODY_TIMEOUT.as_secs()
+        ))
+        .into_response(),
+    }
 }
 
 fn body(b: std::result::Result<Bytes, BytesRejection>) -> Result<Bytes> {
@@ -185,8 +213,24 @@ async fn submit(
         }
     };
     let dir = control.job_dir(&id);
+    let place = control.config.policy.admit(&caller.0.team, &dir, &spec)?;
+    if let Some(key) = place.key() {
+        // One job per checkpoint location: a job resumes only its own checkpoints.
+        for other in control.db.jobs(Some(&caller.0.team), &[], 100_000).await? {
+            let theirs = control.spec_of(&other).ok().and_then(|s| s.checkpoint.url.clone());
+            if theirs.is_some_and(|u| u.trim_end_matches('/').trim_start_matches("file://") == key) {
+                return Err(ControlError::bad_field(
+                    "checkpoint.url",
+                    format!("{key}: already the checkpoint location of job {}; each job keeps its own", other.id),
+                ));
+            }
+        }
+    }
     std::fs::create_dir_all(&dir)?;
     std::fs::write(dir.join("job.json"), &spec_json)?;
+    if let crate::policy::CheckpointPlace::Local(p) = &place {
+        control.exec.task_dir(p)?;
+    }
     let (lo, hi) = spec.workers.range();
     let row = JobRow {
         id: id.clone(),
@@ -197,7 +241,8 @@ async fn submit(
         priority: i64::from(spec.priority),
         state: JobState::Pending,
         spec: spec_json,
-        secret: new_token()[6..].to_owned(),
+        // Derived from the id under the server's key when needed (`Control::job_secret`); nothing stored.
+        secret: String::new(),
         restarts: 0,
         attempt: 0,
         workers: i64::from(lo),
@@ -344,18 +389,28 @@ async fn logs(
     if rank < 0 || rank >= job.workers.max(1) {
         return Err(ControlError::bad_field("rank", format!("job {id} has ranks 0..{}", job.workers.max(1) - 1)));
     }
-    let attempt = q.attempt.unwrap_or(job.attempt);
-    if attempt < 0 || attempt > job.attempt {
-        return Err(ControlError::bad_field("attempt", format!("job {id} has attempts 1..={}", job.attempt)));
-    }
+    let attempt = match q.attempt {
+        None => job.attempt,
+        Some(a) if (1..=job.attempt).contains(&a) => a,
+        Some(a) if job.attempt == 0 => {
+            return Err(ControlError::bad_field("attempt", format!("{a}: job {id} has not started yet")));
+        }
+        Some(a) => {
+            return Err(ControlError::bad_field("attempt", format!("{a}: job {id} has attempts 1..={}", job.attempt)));
+        }
+    };
     let path = state.control.exec.log_path(&id, attempt, rank);
     let offset = q.offset.unwrap_or(0);
     if !q.follow.unwrap_or(false) {
-        let (data, size) = crate::executor::read_from_async(path, offset, usize::MAX).await?;
+        // At most MAX_LOG_CHUNK per request, whatever the file's size: `x-log-next` says where to continue,
+        // `x-log-size` how long the log is now.
+        let (data, size) = crate::executor::read_from_async(path, offset, MAX_LOG_CHUNK).await?;
+        let next = offset.min(size) + data.len() as u64;
         return Ok((
             [
                 (header::CONTENT_TYPE, "text/plain; charset=utf-8".to_owned()),
                 (header::HeaderName::from_static("x-log-size"), size.to_string()),
+                (header::HeaderName::from_static("x-log-next"), next.to_string()),
             ],
             data,
         )
@@ -371,7 +426,8 @@ async fn logs(
                 return None;
             }
             loop {
-                let (data, _) = crate::executor::read_from_async(path.clone(), pos, 1 << 20).await.unwrap_or_default();
+                let (data, _) =
+                    crate::executor::read_from_async(path.clone(), pos, MAX_LOG_CHUNK).await.unwrap_or_default();
                 if !data.is_empty() {
                     let next = pos + data.len() as u64;
                     return Some((Ok::<Bytes, std::io::Error>(Bytes::from(data)), (next, false)));

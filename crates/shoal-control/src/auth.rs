@@ -17,6 +17,18 @@ pub fn new_token() -> String {
     format!("shoal_{}", hex(&b))
 }
 
+/// A job's secret: HMAC-SHA256 of its id under the server's key, in hex. Nothing secret about a job is stored; a
+/// server with the same key derives the same secret after a restart (adopted workers keep authenticating).
+pub fn derive_secret(key: &[u8], job_id: &str) -> String {
+    use hmac::Mac;
+    let Ok(mut mac) = hmac::Hmac::<Sha256>::new_from_slice(key) else {
+        unreachable!("HMAC accepts keys of any length")
+    };
+    mac.update(b"shoal job secret\0");
+    mac.update(job_id.as_bytes());
+    hex(&mac.finalize().into_bytes())
+}
+
 pub fn hash_token(token: &str) -> String {
     hex(&Sha256::digest(token.as_bytes()))
 }
@@ -43,10 +55,12 @@ impl FromRequestParts<AppState> for Caller {
         if !state.auth {
             return Ok(Caller(Principal { user: "local".into(), team: "default".into(), admin: true }));
         }
-        // A browser's EventSource cannot set headers: it may pass `access_token` in the query instead.
+        // A browser's EventSource cannot set headers: the event streams (and only they) accept `access_token` in
+        // the query instead. Query strings are never logged.
         let from_query = parts
             .uri
             .query()
+            .filter(|_| parts.uri.path().ends_with("/stream"))
             .and_then(|q| q.split('&').find_map(|kv| kv.strip_prefix("access_token=")).map(str::to_owned));
         let token = match (parts.headers.get(axum::http::header::AUTHORIZATION), from_query) {
             (Some(header), _) => {
@@ -64,7 +78,9 @@ impl FromRequestParts<AppState> for Caller {
             (None, Some(t)) => t,
             (None, None) => {
                 return Err(ControlError::Unauthorized(
-                    "no `Authorization: Bearer TOKEN` header (or `access_token` query parameter)".into(),
+                    "no `Authorization: Bearer TOKEN` header (event streams also take an `access_token` query \
+                     parameter)"
+                        .into(),
                 ));
             }
         };

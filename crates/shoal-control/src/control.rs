@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use shoal_sched::{Decision, JobRequest, Node, PreemptReason, Queue, Resources, Scheduler, TaskPlacement};
 use shoal_spec::JobSpec;
 
-use crate::db::{ClusterSample, Db, JobRow, JobState, MetricRow, SampleRow, TaskRow, Transition, now};
+use crate::db::{ClusterSample, Db, JobRow, JobState, MetricRow, SampleRow, TaskRow, TaskState, Transition, now};
 use crate::error::{ControlError, Result};
 use crate::executor::{LocalExecutor, TaskLaunch, TaskStatus, Usage};
 
@@ -40,6 +40,12 @@ pub struct ControlConfig {
     /// All-reduce `(bytes, bus bandwidth in bytes/s)` that `shoal bench` measured here (`DATA/bench.json`), the
     /// reference diagnosis compares a job's communication against; measured on first need when absent.
     pub bench: Vec<(u64, f64)>,
+    /// What jobs may touch (checkpoint locations, loader variables).
+    pub policy: crate::policy::Policy,
+    /// The user tasks run as (`None`: the server's own).
+    pub task_user: Option<crate::executor::TaskUser>,
+    /// The key job secrets are derived from (`DATA/server.key`).
+    pub secret_key: Vec<u8>,
 }
 
 /// Why a running job is being stopped.
@@ -83,6 +89,12 @@ pub struct Control {
     pub gpus: crate::gpu::Gpus,
     /// Accumulating metrics (API requests, scheduling passes) for `/metrics`.
     pub metrics: crate::observe::Metrics,
+    /// Parsed specs by job id.
+    specs: Mutex<HashMap<String, std::sync::Arc<JobSpec>>>,
+    /// The last processing failure recorded per job.
+    trouble: Mutex<HashMap<String, String>>,
+    /// Open event streams per caller (see [`crate::observe::StreamSlot`]).
+    pub streams: Mutex<HashMap<String, usize>>,
 }
 
 /// The scheduler's view of a job's request.
@@ -131,7 +143,7 @@ impl Control {
             .map_err(|e| ControlError::Config(format!("cluster model: {e}")))?;
         let bench = config.bench.clone();
         Ok(Control {
-            exec: LocalExecutor::new(&config.data_dir),
+            exec: LocalExecutor::new(&config.data_dir, config.task_user.clone()),
             db,
             config,
             node,
@@ -147,6 +159,9 @@ impl Control {
             bench: tokio::sync::Mutex::new(bench),
             gpus: crate::gpu::Gpus::new(),
             metrics: crate::observe::Metrics::new(),
+            specs: Mutex::new(HashMap::new()),
+            trouble: Mutex::new(HashMap::new()),
+            streams: Mutex::new(HashMap::new()),
         })
     }
 
@@ -250,8 +265,10 @@ impl Control {
         let mut adopted_sessions = HashSet::new();
         for job in &active {
             let tasks = self.db.tasks(&job.id, job.attempt).await?;
-            let alive: Vec<&TaskRow> =
-                tasks.iter().filter(|t| t.state == "running" && self.exec.probe(t) == TaskStatus::Running).collect();
+            let alive: Vec<&TaskRow> = tasks
+                .iter()
+                .filter(|t| t.state == TaskState::Running && self.exec.probe(t) == TaskStatus::Running)
+                .collect();
             for t in &alive {
                 self.exec.adopt(t);
                 adopted_sessions.extend(t.pid);
@@ -278,7 +295,7 @@ impl Control {
                     ),
                 )
                 .await?;
-            let spec = parse_stored_spec(job)?;
+            let spec = self.spec_of(job)?;
             let mut req = request_of(job, &spec);
             req.tasks_min = job.workers.max(1) as u32;
             req.tasks_max = req.tasks_min;
@@ -333,7 +350,7 @@ impl Control {
             return;
         }
         tracing::info!(job = %job.id, ?why, "stopping job");
-        for t in tasks.iter().filter(|t| t.state == "running") {
+        for t in tasks.iter().filter(|t| t.state == TaskState::Running) {
             self.exec.signal(t, libc::SIGTERM);
         }
         stopping.insert(job.id.clone(), Stop { since: Instant::now(), killed: false, why });
@@ -358,10 +375,14 @@ impl Control {
         let active = self.db.jobs_in(&[JobState::Pending, JobState::Running, JobState::Preempted]).await?;
         self.sample_cluster(&active).await;
         for job in &active {
-            match job.state {
-                JobState::Pending => self.tick_pending(job).await?,
-                JobState::Running | JobState::Preempted => self.tick_running(job).await?,
-                _ => {}
+            // One job's trouble is its own: it is recorded on that job and the loop goes on for the others.
+            let done = match job.state {
+                JobState::Pending => self.tick_pending(job).await,
+                JobState::Running | JobState::Preempted => self.tick_running(job).await,
+                _ => Ok(()),
+            };
+            if let Err(e) = done {
+                self.job_trouble(job, &e).await;
             }
         }
         let t0 = Instant::now();
@@ -373,6 +394,39 @@ impl Control {
             }
         }
         Ok(())
+    }
+
+    /// Records that processing `job` failed this tick, once per distinct reason (a warning event and a log line),
+    /// so a job that keeps failing does not flood its events.
+    async fn job_trouble(&self, job: &JobRow, e: &ControlError) {
+        let why = format!("the control loop could not process this job: {e}");
+        let fresh = self.trouble.lock().unwrap_or_else(|p| p.into_inner()).insert(job.id.clone(), why.clone())
+            != Some(why.clone());
+        if fresh {
+            tracing::error!(job = %job.id, error = %e, "processing a job failed; the others go on");
+            if let Err(e2) = self.db.event(&job.id, "warning", job.state, &why).await {
+                tracing::error!(job = %job.id, error = %e2, "recording a job's trouble failed");
+            }
+        }
+    }
+
+    /// A job's spec, parsed once and kept (a stored spec never changes).
+    pub fn spec_of(&self, job: &JobRow) -> Result<std::sync::Arc<JobSpec>> {
+        if let Some(s) = self.specs.lock().unwrap_or_else(|p| p.into_inner()).get(&job.id) {
+            return Ok(s.clone());
+        }
+        let spec = std::sync::Arc::new(parse_stored_spec(job)?);
+        self.specs.lock().unwrap_or_else(|p| p.into_inner()).insert(job.id.clone(), spec.clone());
+        Ok(spec)
+    }
+
+    /// The secret a job's workers authenticate with: derived from the job id under the server's key (nothing
+    /// secret is stored), or the one stored by an older server.
+    pub fn job_secret(&self, job: &JobRow) -> String {
+        if !job.secret.is_empty() {
+            return job.secret.clone();
+        }
+        crate::auth::derive_secret(&self.config.secret_key, &job.id)
     }
 
     async fn tick_pending(&self, job: &JobRow) -> Result<()> {
@@ -394,7 +448,7 @@ impl Control {
             return Ok(());
         }
         if self.sched().status(&job.id).is_none() {
-            let spec = parse_stored_spec(job)?;
+            let spec = self.spec_of(job)?;
             let submitted = self.sched().submit(request_of(job, &spec));
             if let Err(e) = submitted {
                 self.db
@@ -416,23 +470,32 @@ impl Control {
     }
 
     async fn tick_running(&self, job: &JobRow) -> Result<()> {
-        let spec = parse_stored_spec(job)?;
+        let spec = self.spec_of(job)?;
         let tasks = self.db.tasks(&job.id, job.attempt).await?;
+        if tasks.is_empty() || tasks.iter().any(|t| t.state == TaskState::Starting) {
+            // A start that never completed (the server stopped half-way): whatever of it ran unrecorded was killed
+            // as a stray at recovery; what was recorded is stopped, then the attempt starts again.
+            self.begin_stop(
+                job,
+                &tasks,
+                StopWhy::Requeue(format!("attempt {} never finished starting; starting it again", job.attempt)),
+            );
+        }
         let mut statuses = Vec::with_capacity(tasks.len());
         let mut usage: HashMap<i64, Usage> = HashMap::new();
         let net = self.net_rates();
         for t in &tasks {
-            if t.state == "running"
+            if t.state == TaskState::Running
                 && let Some(u) = self.sample(t, net).await
             {
                 usage.insert(t.rank, u);
             }
-            let st = if t.state == "running" {
+            let st = if t.state == TaskState::Running {
                 self.exec.probe(t)
             } else {
                 TaskStatus::Exited(t.exit_code.unwrap_or(-1) as i32)
             };
-            if t.state == "running" && st != TaskStatus::Running {
+            if t.state == TaskState::Running && st != TaskStatus::Running {
                 self.record_end(t, &st).await?;
             }
             statuses.push((t, st));
@@ -596,7 +659,7 @@ impl Control {
             Decision::Preempt { job, reason, grace_ms } => {
                 let Some(row) = self.db.job(&job).await? else { return Ok(()) };
                 let tasks = self.db.tasks(&row.id, row.attempt).await?;
-                for t in tasks.iter().filter(|t| t.state == "running") {
+                for t in tasks.iter().filter(|t| t.state == TaskState::Running) {
                     self.exec.signal(t, libc::SIGTERM);
                 }
                 let why = match reason {
@@ -624,10 +687,10 @@ impl Control {
                 let tasks = self.db.tasks(&row.id, row.attempt).await?;
                 // The scheduler counts its resources free from now on: nothing of it may run any more. SIGKILL
                 // and wait (briefly) until every process is confirmed gone before anything else is placed.
-                for t in tasks.iter().filter(|t| t.state == "running") {
+                for t in tasks.iter().filter(|t| t.state == TaskState::Running) {
                     self.exec.signal(t, libc::SIGKILL);
                 }
-                let running: Vec<&TaskRow> = tasks.iter().filter(|t| t.state == "running").collect();
+                let running: Vec<&TaskRow> = tasks.iter().filter(|t| t.state == TaskState::Running).collect();
                 let mut ended: HashMap<i64, TaskStatus> = HashMap::new();
                 let t0 = Instant::now();
                 while ended.len() < running.len() && t0.elapsed() < Duration::from_secs(5) {
@@ -706,11 +769,11 @@ impl Control {
         let mut row = t.clone();
         match status {
             TaskStatus::Exited(c) => {
-                row.state = "exited".into();
+                row.state = TaskState::Exited;
                 row.exit_code = Some(i64::from(*c));
             }
             TaskStatus::Lost(why) => {
-                row.state = "lost".into();
+                row.state = TaskState::Lost;
                 row.reason = why.clone();
             }
             TaskStatus::Running => return Ok(()),
@@ -723,20 +786,95 @@ impl Control {
         self.db.upsert_task(&row).await
     }
 
+    /// Starts a placed job. **Record before you act, undo what could not be recorded**: the job moves to
+    /// running (the new attempt) and every task is stored as `starting` *before* any process starts; each process
+    /// is recorded as soon as it runs; and when anything fails after a spawn, everything started is killed and
+    /// confirmed gone before the job is failed or requeued. A job whose state moved meanwhile (cancelled,
+    /// started by someone else) starts nothing.
     async fn place(&self, id: &str, assignments: &[TaskPlacement]) -> Result<()> {
-        let Some(job) = self.db.job(id).await? else { return Ok(()) };
+        let Some(job) = self.db.job(id).await? else {
+            let _ = self.sched().finish(id);
+            return Ok(());
+        };
         if job.state != JobState::Pending {
             // Adopted jobs are placed again at recovery: their processes already run.
             return Ok(());
         }
-        let spec = parse_stored_spec(&job)?;
+        let spec = self.spec_of(&job)?;
         let attempt = job.attempt + 1;
         let world = assignments.len();
         let port = free_port()?;
         let rendezvous = format!("127.0.0.1:{port}");
+        let node = assignments.first().map_or("?", |a| a.node.as_str()).to_owned();
+        let moved = self
+            .db
+            .transition(
+                id,
+                &[JobState::Pending],
+                JobState::Running,
+                Transition {
+                    kind: "placed",
+                    message: format!("attempt {attempt}: {world} workers on {node}; rendezvous {rendezvous}"),
+                    attempt: Some(attempt),
+                    workers: Some(world as i64),
+                    started_ms: Some(now()),
+                    ..Default::default()
+                },
+            )
+            .await;
+        match moved {
+            Ok(true) => {}
+            Ok(false) => {
+                // Cancelled (or moved by another writer) since it was read: nothing was started.
+                let _ = self.sched().finish(id);
+                return Ok(());
+            }
+            Err(e) => {
+                let _ = self.sched().finish(id);
+                return Err(e);
+            }
+        }
+        let intents: Vec<TaskRow> = assignments
+            .iter()
+            .enumerate()
+            .map(|(rank, a)| TaskRow {
+                job_id: id.to_owned(),
+                attempt,
+                rank: rank as i64,
+                node: a.node.clone(),
+                host: self.exec.host().to_owned(),
+                pid: None,
+                worker_pid: None,
+                start_ticks: None,
+                state: TaskState::Starting,
+                exit_code: None,
+                reason: String::new(),
+                cpus: String::new(),
+                gpus: a.gpus.iter().map(|(i, _)| i.to_string()).collect::<Vec<_>>().join(","),
+                started_ms: None,
+                ended_ms: None,
+                cpu_seconds: None,
+            })
+            .collect();
+        for t in &intents {
+            if let Err(e) = self.db.upsert_task(t).await {
+                return self
+                    .abort_start(&job, attempt, &[], StopWhy::Requeue(format!("recording its tasks failed: {e}")))
+                    .await;
+            }
+        }
         let run_dir = self.run_dir(id);
-        std::fs::create_dir_all(&run_dir)?;
         let spec_path = self.job_dir(id).join("job.json");
+        if let Err(e) = self
+            .exec
+            .task_dir(&self.job_dir(id))
+            .and_then(|()| self.exec.task_dir(&run_dir))
+            .and_then(|()| self.exec.give(&spec_path))
+        {
+            return self
+                .abort_start(&job, attempt, &[], StopWhy::Failure(format!("preparing its directory: {e}")))
+                .await;
+        }
         let argv = vec![
             self.config.worker_program.display().to_string(),
             "worker".into(),
@@ -746,6 +884,9 @@ impl Control {
             spec_path.display().to_string(),
         ];
         self.ingested.lock().unwrap_or_else(|p| p.into_inner()).retain(|k, _| k.0 != id);
+        let mut env: Vec<(String, String)> = spec.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        env.extend(self.config.policy.team_env(&job.team));
+        let secret = self.job_secret(&job);
         let mut rows = Vec::with_capacity(world);
         for (rank, a) in assignments.iter().enumerate() {
             let launch = TaskLaunch {
@@ -753,63 +894,77 @@ impl Control {
                 attempt,
                 rank,
                 world_size: world,
-                secret: job.secret.clone(),
+                secret: secret.clone(),
                 rendezvous: rendezvous.clone(),
                 argv: argv.clone(),
                 cpus_milli: spec.resources.cpus,
                 memory_bytes: spec.resources.memory,
                 gpus: a.gpus.clone(),
                 node: a.node.clone(),
-                env: spec.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+                env: env.clone(),
             };
-            match self.exec.start(&launch) {
-                Ok(row) => rows.push(row),
+            let row = match self.exec.start(&launch) {
+                Ok(row) => row,
                 Err(e) => {
-                    for r in &rows {
-                        self.exec.signal(r, libc::SIGKILL);
-                    }
-                    let _ = self.sched().finish(id);
-                    self.db
-                        .transition(
-                            id,
-                            &[JobState::Pending],
-                            JobState::Failed,
-                            Transition {
-                                kind: "failed",
-                                message: format!("could not start rank {rank}: {e}"),
-                                finished_ms: Some(now()),
-                                ..Default::default()
-                            },
-                        )
-                        .await?;
-                    return Ok(());
+                    let why = StopWhy::Failure(format!("could not start rank {rank}: {e}"));
+                    return self.abort_start(&job, attempt, &rows, why).await;
                 }
+            };
+            rows.push(row);
+            if let Some(row) = rows.last()
+                && let Err(e) = self.db.upsert_task(row).await
+            {
+                let why = StopWhy::Requeue(format!("recording rank {rank} failed: {e}"));
+                return self.abort_start(&job, attempt, &rows, why).await;
             }
         }
-        for r in &rows {
-            self.db.upsert_task(r).await?;
-        }
-        let pinned: Vec<String> = rows.iter().map(|r| format!("rank {} cpus {}", r.rank, r.cpus)).collect();
-        self.db
-            .transition(
-                id,
-                &[JobState::Pending],
-                JobState::Running,
-                Transition {
-                    kind: "started",
-                    message: format!(
-                        "attempt {attempt}: {world} workers on {} ({}); rendezvous {rendezvous}",
-                        assignments.first().map_or("?", |a| a.node.as_str()),
-                        pinned.join(", ")
-                    ),
-                    attempt: Some(attempt),
-                    workers: Some(world as i64),
-                    started_ms: Some(now()),
-                    ..Default::default()
-                },
-            )
-            .await?;
+        let pinned: Vec<String> = rows
+            .iter()
+            .map(|r| format!("rank {} pid {} cpus {}", r.rank, r.worker_pid.or(r.pid).unwrap_or(0), r.cpus))
+            .collect();
+        self.db.event(id, "started", JobState::Running, &format!("attempt {attempt}: {}", pinned.join(", "))).await?;
         Ok(())
+    }
+
+    /// Undoes a start that failed half-way: kills what was started and waits until it is gone, records how each
+    /// task ended, then fails the job (a task that cannot start) or requeues it (the store failed) — unless its
+    /// processes survive SIGKILL, when it is left to the stop machinery, which waits for them.
+    async fn abort_start(&self, job: &JobRow, attempt: i64, started: &[TaskRow], why: StopWhy) -> Result<()> {
+        tracing::warn!(job = %job.id, attempt, ?why, "starting the job failed; undoing it");
+        for t in started {
+            self.exec.signal(t, libc::SIGKILL);
+        }
+        let t0 = Instant::now();
+        let mut gone: Vec<(TaskRow, TaskStatus)> = Vec::new();
+        let mut left: Vec<TaskRow> = started.to_vec();
+        while !left.is_empty() && t0.elapsed() < Duration::from_secs(5) {
+            let mut still = Vec::new();
+            for t in left {
+                match self.exec.probe(&t) {
+                    TaskStatus::Running => still.push(t),
+                    st => gone.push((t, st)),
+                }
+            }
+            left = still;
+            if !left.is_empty() {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+        for (t, st) in &gone {
+            let _ = self.record_end(t, st).await;
+        }
+        let mut current = job.clone();
+        current.state = JobState::Running;
+        current.attempt = attempt;
+        if !left.is_empty() {
+            tracing::error!(job = %job.id, "processes of a failed start survive SIGKILL; requeue deferred");
+            let tasks = self.db.tasks(&job.id, attempt).await.unwrap_or_default();
+            self.begin_stop(&current, &tasks, why);
+            return Ok(());
+        }
+        let _ = self.sched().finish(&job.id);
+        let spec = self.spec_of(job)?;
+        self.stopped(&current, &spec, why).await
     }
 
     /// Copies new lines of every rank's metrics file (and rank 0's `eval.jsonl`, stored as rank -1) into the store.

@@ -90,6 +90,35 @@ pub struct JobRow {
     pub summary: Option<String>,
 }
 
+/// Where one task stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TaskState {
+    /// Recorded before its process starts (the intent): a server that crashes before the process is recorded
+    /// finds the row, kills whatever of the job's runs unrecorded, and starts the attempt again.
+    Starting,
+    Running,
+    Exited,
+    Lost,
+}
+
+impl TaskState {
+    pub const ALL: [TaskState; 4] = [TaskState::Starting, TaskState::Running, TaskState::Exited, TaskState::Lost];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TaskState::Starting => "starting",
+            TaskState::Running => "running",
+            TaskState::Exited => "exited",
+            TaskState::Lost => "lost",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<TaskState> {
+        TaskState::ALL.into_iter().find(|st| st.as_str() == s)
+    }
+}
+
 /// One worker process of one attempt.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct TaskRow {
@@ -98,13 +127,17 @@ pub struct TaskRow {
     pub rank: i64,
     pub node: String,
     pub host: String,
+    /// The exit-status wrapper: the leader of the task's session, whose process group gets the signals.
+    #[serde(rename = "wrapper_pid")]
     pub pid: Option<i64>,
-    /// The process' start time in clock ticks since boot (`/proc/PID/stat` field 22), so a reused PID is not
+    /// The training process itself (the wrapper's child): the one to attach a profiler or debugger to.
+    #[serde(rename = "pid")]
+    pub worker_pid: Option<i64>,
+    /// The wrapper's start time in clock ticks since boot (`/proc/PID/stat` field 22), so a reused PID is not
     /// mistaken for it.
     #[serde(skip)]
     pub start_ticks: Option<i64>,
-    /// `running`, `exited`, `killed` or `lost`.
-    pub state: String,
+    pub state: TaskState,
     pub exit_code: Option<i64>,
     pub reason: String,
     /// CPUs it is pinned to (`0-3,6`), empty when not pinned.
@@ -219,6 +252,7 @@ const MIGRATIONS: &[&str] = &[
      PRIMARY KEY (job_id, rank, time_ms))",
     "CREATE TABLE cluster_samples (time_ms BIGINT PRIMARY KEY, cpus DOUBLE PRECISION NOT NULL, memory_bytes BIGINT \
      NOT NULL, gpus DOUBLE PRECISION NOT NULL, pending BIGINT NOT NULL, running BIGINT NOT NULL)",
+    "ALTER TABLE tasks ADD COLUMN worker_pid BIGINT",
 ];
 
 fn now_ms() -> i64 {
@@ -254,6 +288,7 @@ fn job_from(row: &AnyRow) -> Result<JobRow> {
 }
 
 fn task_from(row: &AnyRow) -> Result<TaskRow> {
+    let state: String = row.try_get("state")?;
     Ok(TaskRow {
         job_id: row.try_get("job_id")?,
         attempt: row.try_get("attempt")?,
@@ -261,8 +296,10 @@ fn task_from(row: &AnyRow) -> Result<TaskRow> {
         node: row.try_get("node")?,
         host: row.try_get("host")?,
         pid: row.try_get("pid")?,
+        worker_pid: row.try_get("worker_pid")?,
         start_ticks: row.try_get("start_ticks")?,
-        state: row.try_get("state")?,
+        state: TaskState::parse(&state)
+            .ok_or_else(|| ControlError::Internal(format!("unknown task state {state:?} in the store")))?,
         exit_code: row.try_get("exit_code")?,
         reason: row.try_get("reason")?,
         cpus: row.try_get("cpus")?,
@@ -274,7 +311,7 @@ fn task_from(row: &AnyRow) -> Result<TaskRow> {
 }
 
 const TASK_COLUMNS: &str = "job_id, attempt, rank, node, host, pid, start_ticks, state, exit_code, reason, cpus, gpus, \
-                            started_ms, ended_ms, cpu_seconds";
+                            started_ms, ended_ms, cpu_seconds, worker_pid";
 
 /// What a state change also writes.
 #[derive(Debug, Default, Clone)]
@@ -291,7 +328,34 @@ pub struct Transition<'a> {
 
 impl Db {
     /// Opens (creating if needed) and migrates the store at `url`: `sqlite://PATH` or `postgres://...`.
-    pub async fn open(url: &str) -> Result<Db> {
+    ///
+    /// A SQLite file that exists but is empty, is not a database or fails SQLite's integrity check is refused
+    /// with its path and the cause — never taken for a new store — unless `init` is set, which moves it aside
+    /// (`shoal.db.damaged-MS`, kept) and starts afresh. With `init` unset, a missing database beside a
+    /// non-empty `jobs/` directory is refused too: that history was lost, and starting an empty one would hide it.
+    pub async fn open(url: &str, init: bool) -> Result<Db> {
+        if let Some(path) = url.strip_prefix("sqlite://") {
+            let path = std::path::Path::new(path.split('?').next().unwrap_or(path));
+            check_sqlite_file(path, init)?;
+        }
+        let db = Db::connect(url).await?;
+        if db.backend == Backend::Sqlite {
+            let row = sqlx::query("PRAGMA quick_check").fetch_one(&db.pool).await?;
+            let verdict: String = row.try_get(0)?;
+            if verdict != "ok" {
+                let path = url.strip_prefix("sqlite://").unwrap_or(url);
+                db.pool.close().await;
+                if init {
+                    set_aside(std::path::Path::new(path))?;
+                    return Box::pin(Db::open(url, false)).await;
+                }
+                return Err(damaged(std::path::Path::new(path), &format!("integrity check failed: {verdict}")));
+            }
+        }
+        Ok(db)
+    }
+
+    async fn connect(url: &str) -> Result<Db> {
         sqlx::any::install_default_drivers();
         let backend = if url.starts_with("sqlite:") {
             Backend::Sqlite
@@ -332,9 +396,35 @@ impl Db {
         self.backend
     }
 
+    /// Begins a write transaction. On SQLite it takes the write lock at once (`BEGIN IMMEDIATE`): a deferred
+    /// transaction that reads first and writes later cannot upgrade its lock when another writer committed in
+    /// between, and fails with `database is locked` without waiting. Busy answers are retried until
+    /// [`WRITE_DEADLINE`]; what still fails then says what it waited for.
+    async fn write_tx(&self) -> Result<sqlx::Transaction<'static, sqlx::Any>> {
+        let begin = if self.backend == Backend::Sqlite { "BEGIN IMMEDIATE" } else { "BEGIN" };
+        let t0 = std::time::Instant::now();
+        let mut pause = std::time::Duration::from_millis(5);
+        loop {
+            match self.pool.begin_with(begin).await {
+                Ok(tx) => return Ok(tx),
+                Err(e) if is_busy(&e) && t0.elapsed() < WRITE_DEADLINE => {
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(std::time::Duration::from_millis(200));
+                }
+                Err(e) if is_busy(&e) => {
+                    return Err(ControlError::Internal(format!(
+                        "the database stayed locked by another writer for {} s: {e}",
+                        WRITE_DEADLINE.as_secs()
+                    )));
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
     async fn migrate(&self) -> Result<()> {
         sqlx::query("CREATE TABLE IF NOT EXISTS schema_version (version BIGINT NOT NULL)").execute(&self.pool).await?;
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.write_tx().await?;
         let row = sqlx::query("SELECT version FROM schema_version").fetch_optional(&mut *tx).await?;
         let done = match row {
             Some(r) => r.try_get::<i64, _>("version")?,
@@ -394,7 +484,7 @@ impl Db {
 
     /// Stores a new pending job and its `submitted` event.
     pub async fn insert_job(&self, job: &JobRow) -> Result<()> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.write_tx().await?;
         sqlx::query(&format!(
             "INSERT INTO jobs ({JOB_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, \
              $15, $16, $17, $18)"
@@ -470,7 +560,7 @@ impl Db {
     /// Moves a job from one of `from` to `to` with an event, in one transaction. Returns false (and changes
     /// nothing) when the job is not in any of `from` any more.
     pub async fn transition(&self, id: &str, from: &[JobState], to: JobState, t: Transition<'_>) -> Result<bool> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.write_tx().await?;
         let Some(row) = sqlx::query("SELECT state FROM jobs WHERE id = $1").bind(id).fetch_optional(&mut *tx).await?
         else {
             return Ok(false);
@@ -506,7 +596,9 @@ impl Db {
     }
 
     pub async fn request_cancel(&self, id: &str) -> Result<()> {
-        sqlx::query("UPDATE jobs SET cancel_requested = 1 WHERE id = $1").bind(id).execute(&self.pool).await?;
+        let mut tx = self.write_tx().await?;
+        sqlx::query("UPDATE jobs SET cancel_requested = 1 WHERE id = $1").bind(id).execute(&mut *tx).await?;
+        tx.commit().await?;
         Ok(())
     }
 
@@ -535,7 +627,7 @@ impl Db {
 
     /// Records an event without a state change (`state` is the job's current one).
     pub async fn event(&self, job: &str, kind: &str, state: JobState, message: &str) -> Result<()> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.write_tx().await?;
         self.event_in(&mut tx, job, kind, state, message).await?;
         tx.commit().await?;
         Ok(())
@@ -566,7 +658,7 @@ impl Db {
     // ---- tasks
 
     pub async fn upsert_task(&self, t: &TaskRow) -> Result<()> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.write_tx().await?;
         sqlx::query("DELETE FROM tasks WHERE job_id = $1 AND attempt = $2 AND rank = $3")
             .bind(&t.job_id)
             .bind(t.attempt)
@@ -574,7 +666,8 @@ impl Db {
             .execute(&mut *tx)
             .await?;
         sqlx::query(&format!(
-            "INSERT INTO tasks ({TASK_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)"
+            "INSERT INTO tasks ({TASK_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, \
+             $16)"
         ))
         .bind(&t.job_id)
         .bind(t.attempt)
@@ -583,7 +676,7 @@ impl Db {
         .bind(&t.host)
         .bind(t.pid)
         .bind(t.start_ticks)
-        .bind(&t.state)
+        .bind(t.state.as_str())
         .bind(t.exit_code)
         .bind(&t.reason)
         .bind(&t.cpus)
@@ -591,6 +684,7 @@ impl Db {
         .bind(t.started_ms)
         .bind(t.ended_ms)
         .bind(nan(t.cpu_seconds))
+        .bind(t.worker_pid)
         .execute(&mut *tx)
         .await?;
         tx.commit().await?;
@@ -632,7 +726,7 @@ impl Db {
     // ---- resource samples
 
     pub async fn insert_samples(&self, job: &str, rows: &[SampleRow]) -> Result<()> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.write_tx().await?;
         for r in rows {
             sqlx::query(
                 "INSERT INTO samples (job_id, rank, time_ms, cpu_percent, rss_bytes, cpu_seconds, net_rx, net_tx, \
@@ -747,7 +841,7 @@ impl Db {
 
     /// Stores metrics lines; a line already stored (same rank and step) is kept as it was.
     pub async fn insert_metrics(&self, job: &str, rows: &[MetricRow]) -> Result<u64> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.write_tx().await?;
         let mut n = 0;
         for m in rows {
             n += sqlx::query(
@@ -801,6 +895,80 @@ impl Db {
             .fetch_one(&self.pool)
             .await?;
         Ok(row.try_get::<Option<i64>, _>("m")?.unwrap_or(-1))
+    }
+}
+
+/// Refuses a SQLite file that cannot be this server's store (see [`Db::open`]); with `init`, moves it aside.
+fn check_sqlite_file(path: &std::path::Path, init: bool) -> Result<()> {
+    let cause = match std::fs::File::open(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let jobs = path.parent().map(|d| d.join("jobs"));
+            let had_jobs =
+                jobs.as_ref().and_then(|j| std::fs::read_dir(j).ok()).is_some_and(|mut d| d.next().is_some());
+            if had_jobs && !init {
+                return Err(ControlError::Config(format!(
+                    "the database {} is missing but {} holds jobs: their history would be lost. Restore the \
+                     file, or start afresh with --init",
+                    path.display(),
+                    jobs.map(|j| j.display().to_string()).unwrap_or_default()
+                )));
+            }
+            return Ok(());
+        }
+        Err(e) => return Err(ControlError::Config(format!("the database {}: {e}", path.display()))),
+        Ok(mut f) => {
+            use std::io::Read;
+            let mut head = [0u8; 16];
+            let n = f.read(&mut head).unwrap_or(0);
+            if n == 0 {
+                Some("the file is empty (0 bytes)".to_owned())
+            } else if n < 16 || &head != b"SQLite format 3\0" {
+                Some("the file is not a database (no SQLite header)".to_owned())
+            } else {
+                None
+            }
+        }
+    };
+    match cause {
+        None => Ok(()),
+        Some(_) if init => set_aside(path),
+        Some(why) => Err(damaged(path, &why)),
+    }
+}
+
+fn damaged(path: &std::path::Path, why: &str) -> ControlError {
+    ControlError::Config(format!(
+        "the database {} is damaged: {why}. It is left as it is; restore it from a backup, or start afresh with \
+         --init (the damaged file is kept beside it)",
+        path.display()
+    ))
+}
+
+/// Moves a damaged database (and its WAL files) aside, keeping them.
+fn set_aside(path: &std::path::Path) -> Result<()> {
+    let stamp = now_ms();
+    for suffix in ["", "-wal", "-shm"] {
+        let from = std::path::PathBuf::from(format!("{}{suffix}", path.display()));
+        if from.exists() {
+            let to = format!("{}.damaged-{stamp}{suffix}", path.display());
+            std::fs::rename(&from, &to)?;
+            tracing::warn!(from = %from.display(), to = %to, "damaged database set aside (--init)");
+        }
+    }
+    Ok(())
+}
+
+/// How long a write waits for the database's write lock, all retries together.
+pub const WRITE_DEADLINE: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// SQLite's `SQLITE_BUSY` / `SQLITE_LOCKED` (and their extended codes): another connection holds the lock.
+fn is_busy(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Database(d) => {
+            let code = d.code().and_then(|c| c.parse::<i64>().ok()).unwrap_or(0);
+            matches!(code & 0xff, 5 | 6) || d.message().contains("database is locked")
+        }
+        _ => false,
     }
 }
 

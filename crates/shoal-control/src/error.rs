@@ -19,6 +19,12 @@ pub enum ControlError {
     Conflict(String),
     #[error("request body too large: {0}")]
     TooLarge(String),
+    /// The client was too slow (a request body that does not arrive in time).
+    #[error("request timeout: {0}")]
+    Timeout(String),
+    /// The caller holds too many of something at once (event streams).
+    #[error("too many requests: {0}")]
+    TooMany(String),
     /// The server's own configuration (flags, data directory, database URL).
     #[error("{0}")]
     Config(String),
@@ -49,6 +55,8 @@ impl ControlError {
             ControlError::NotFound(_) => StatusCode::NOT_FOUND,
             ControlError::Conflict(_) => StatusCode::CONFLICT,
             ControlError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            ControlError::Timeout(_) => StatusCode::REQUEST_TIMEOUT,
+            ControlError::TooMany(_) => StatusCode::TOO_MANY_REQUESTS,
             ControlError::Config(_) | ControlError::Db(_) | ControlError::Io(_) | ControlError::Internal(_) => {
                 StatusCode::INTERNAL_SERVER_ERROR
             }

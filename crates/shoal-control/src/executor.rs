@@ -4,8 +4,13 @@
 //!   and it **outlives the server**: a server killed with `kill -9` finds its tasks again when it restarts
 //!   ([`LocalExecutor::probe`] checks the recorded PID *and* the process' start time, so a reused PID is never
 //!   mistaken for a task).
-//! - A tiny `sh` wrapper records the task's exit status in `rank-R.exit` next to its log, so the status of a task
-//!   that ended while the server was down is still known; a task that vanished without one is *lost*.
+//! - A tiny `sh` wrapper (absolute paths only, whatever the job's `PATH`) starts the training process, writes its
+//!   PID to `rank-R.exit.pid` (the task's `pid`; the wrapper's is `wrapper_pid`) and records its exit status in
+//!   `rank-R.exit` next to its log, so the status of a task that ended while the server was down is still known; a
+//!   task that vanished without one is *lost*. (Started in the wrapper's background, the process ignores SIGINT as
+//!   every `sh` background job does; the server stops tasks with SIGTERM, then SIGKILL.)
+//! - When the server runs as root, tasks run as an unprivileged user ([`TaskUser`]; `--task-user`), in directories
+//!   that user owns.
 //! - Isolation: the task is pinned to as many whole CPUs as it asked for (rounded up, least-loaded CPUs first, via
 //!   `sched_setaffinity` before `exec`), its tensor threads are told the same number (`RAYON_NUM_THREADS`,
 //!   `OMP_NUM_THREADS`), it sees only its GPUs (`CUDA_VISIBLE_DEVICES`), and its memory (the RSS of every process
@@ -19,7 +24,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Mutex;
 
-use crate::db::TaskRow;
+use crate::db::{TaskRow, TaskState};
 use crate::error::{ControlError, Result};
 
 /// Everything one task needs to start.
@@ -66,6 +71,88 @@ pub struct LocalExecutor {
     pinned: Mutex<HashMap<(String, i64, i64), Vec<usize>>>,
     /// Exit statuses of reaped wrappers whose sessions still had processes.
     reaped: Mutex<HashMap<(String, i64, i64), i32>>,
+    /// The unprivileged user tasks run as; `None`: as the server's own user.
+    user: Option<TaskUser>,
+}
+
+/// An account tasks run as: never the server's privileges unless asked for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TaskUser {
+    pub name: String,
+    pub uid: u32,
+    pub gid: u32,
+}
+
+/// The default task user of a server running as root (created as a system user when missing).
+pub const DEFAULT_TASK_USER: &str = "shoal";
+
+impl TaskUser {
+    /// Looks `name` up in the user database.
+    pub fn lookup(name: &str) -> Option<TaskUser> {
+        let c = std::ffi::CString::new(name).ok()?;
+        // SAFETY: getpwnam returns a pointer into static storage or null; we copy the fields out at once and this
+        // runs before the server starts threads that could call it concurrently.
+        unsafe {
+            let pw = libc::getpwnam(c.as_ptr());
+            if pw.is_null() {
+                return None;
+            }
+            Some(TaskUser { name: name.to_owned(), uid: (*pw).pw_uid, gid: (*pw).pw_gid })
+        }
+    }
+
+    /// Which user a server's tasks run as. As root: `requested`, by default [`DEFAULT_TASK_USER`] (created as a
+    /// system user without a home or a login shell if missing); `root` only when asked for by name (then `None`).
+    /// As another user: tasks run as that user, and asking for someone else is an error (no privilege to switch).
+    pub fn resolve(requested: Option<&str>) -> crate::Result<Option<TaskUser>> {
+        // SAFETY: geteuid has no preconditions.
+        let euid = unsafe { libc::geteuid() };
+        if euid != 0 {
+            return match requested {
+                None => Ok(None),
+                Some(n) if TaskUser::lookup(n).is_some_and(|u| u.uid == euid) => Ok(None),
+                Some(n) => Err(ControlError::Config(format!(
+                    "--task-user {n}: the server runs as uid {euid}, not root, and cannot start tasks as another user"
+                ))),
+            };
+        }
+        let name = requested.unwrap_or(DEFAULT_TASK_USER);
+        if name == "root" {
+            tracing::warn!("tasks run as root (--task-user root): every job runs with the server's privileges");
+            return Ok(None);
+        }
+        if let Some(u) = TaskUser::lookup(name) {
+            return TaskUser::checked(u);
+        }
+        if requested.is_some() {
+            return Err(ControlError::Config(format!("--task-user {name}: no such user")));
+        }
+        let out = Command::new("/usr/sbin/useradd")
+            .args(["--system", "--no-create-home", "--user-group", "--shell", "/usr/sbin/nologin", name])
+            .output()
+            .map_err(|e| ControlError::Config(format!("creating the task user {name} with useradd: {e}")))?;
+        // Another server may have created it meanwhile; the lookup decides.
+        match TaskUser::lookup(name) {
+            Some(u) => {
+                tracing::info!(user = name, uid = u.uid, "created the system user tasks run as");
+                TaskUser::checked(u)
+            }
+            None => Err(ControlError::Config(format!(
+                "creating the task user {name}: useradd said {}; create it, or name one with --task-user",
+                String::from_utf8_lossy(&out.stderr).trim()
+            ))),
+        }
+    }
+
+    fn checked(u: TaskUser) -> crate::Result<Option<TaskUser>> {
+        if u.uid == 0 {
+            return Err(ControlError::Config(format!(
+                "--task-user {}: has uid 0; tasks run as root only with --task-user root",
+                u.name
+            )));
+        }
+        Ok(Some(u))
+    }
 }
 
 fn key(t: &TaskRow) -> (String, i64, i64) {
@@ -73,7 +160,7 @@ fn key(t: &TaskRow) -> (String, i64, i64) {
 }
 
 impl LocalExecutor {
-    pub fn new(data_dir: &Path) -> LocalExecutor {
+    pub fn new(data_dir: &Path, user: Option<TaskUser>) -> LocalExecutor {
         LocalExecutor {
             data_dir: data_dir.to_path_buf(),
             host: hostname(),
@@ -81,11 +168,34 @@ impl LocalExecutor {
             children: Mutex::new(HashMap::new()),
             pinned: Mutex::new(HashMap::new()),
             reaped: Mutex::new(HashMap::new()),
+            user,
         }
     }
 
     pub fn host(&self) -> &str {
         &self.host
+    }
+
+    /// The user tasks run as (`None`: the server's own).
+    pub fn task_user(&self) -> Option<&TaskUser> {
+        self.user.as_ref()
+    }
+
+    /// Creates `dir` (and its parents) for a task to write in: owned by the task user, mode 0700.
+    pub fn task_dir(&self, dir: &Path) -> Result<()> {
+        std::fs::create_dir_all(dir)?;
+        self.give(dir)?;
+        std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o700))?;
+        Ok(())
+    }
+
+    /// Hands a file or directory the server made over to the task user (no-op without one).
+    pub fn give(&self, path: &Path) -> Result<()> {
+        if let Some(u) = &self.user {
+            std::os::unix::fs::chown(path, Some(u.uid), Some(u.gid))
+                .map_err(|e| ControlError::Internal(format!("chown {} to {}: {e}", path.display(), u.name)))?;
+        }
+        Ok(())
     }
 
     /// The directory of one attempt's logs and exit files.
@@ -120,11 +230,12 @@ impl LocalExecutor {
     /// Starts one task; returns its row (state `running`, PID and start time recorded).
     pub fn start(&self, l: &TaskLaunch) -> Result<TaskRow> {
         let dir = self.attempt_dir(&l.job_id, l.attempt);
-        std::fs::create_dir_all(&dir)?;
+        self.task_dir(&dir)?;
         let rank = l.rank as i64;
         let log_path = self.log_path(&l.job_id, l.attempt, rank);
         let exit_path = self.exit_path(&l.job_id, l.attempt, rank);
         let _ = std::fs::remove_file(&exit_path);
+        let _ = std::fs::remove_file(format!("{}.pid", exit_path.display()));
         let log = std::fs::OpenOptions::new().create(true).append(true).open(&log_path)?;
         let err = log.try_clone()?;
         let whole = l.cpus_milli.div_ceil(1000).max(1) as usize;
@@ -134,10 +245,11 @@ impl LocalExecutor {
         };
         let (host, port) = l.rendezvous.rsplit_once(':').unwrap_or((l.rendezvous.as_str(), ""));
         let mut cmd = Command::new("/bin/sh");
+        // Absolute paths only: the job's own `PATH` must not decide whether its exit status is recorded.
         cmd.arg("-c")
             .arg(
-                "\"$@\"; c=$?; printf '%s' \"$c\" > \"$SHOAL_EXIT_FILE.tmp\" && mv \"$SHOAL_EXIT_FILE.tmp\" \
-                 \"$SHOAL_EXIT_FILE\"; exit $c",
+                "\"$@\" & w=$!; printf '%s' \"$w\" > \"$SHOAL_EXIT_FILE.pid\"; wait $w; c=$?; printf '%s' \"$c\" > \
+                 \"$SHOAL_EXIT_FILE.tmp\" && /bin/mv \"$SHOAL_EXIT_FILE.tmp\" \"$SHOAL_EXIT_FILE\"; exit $c",
             )
             .arg("shoal-task")
             .arg(program)
@@ -166,10 +278,15 @@ impl LocalExecutor {
             .env("RAYON_NUM_THREADS", cpus.len().max(1).to_string())
             .env("OMP_NUM_THREADS", cpus.len().max(1).to_string())
             .env("CUDA_VISIBLE_DEVICES", l.gpus.iter().map(|(i, _)| i.to_string()).collect::<Vec<_>>().join(","));
+        if let Some(u) = &self.user {
+            cmd.env("HOME", &dir).env("USER", &u.name).env("LOGNAME", &u.name);
+        }
         // The job's own variables may override the thread counts; the contract's names are refused by the spec.
         cmd.envs(l.env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
         let mask = cpus.clone();
-        // SAFETY: only async-signal-safe calls (setsid, sched_setaffinity) between fork and exec.
+        let ids = self.user.as_ref().map(|u| (u.uid, u.gid));
+        // SAFETY: only async-signal-safe calls (setsid, sched_setaffinity, setgroups, setgid, setuid) between fork
+        // and exec.
         unsafe {
             cmd.pre_exec(move || {
                 if libc::setsid() < 0 {
@@ -183,11 +300,18 @@ impl LocalExecutor {
                     // Pinning is best effort: a CPU the kernel refuses leaves the inherited mask.
                     libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
                 }
+                // Drop the server's privileges for good: supplementary groups, then the group, then the user.
+                if let Some((uid, gid)) = ids
+                    && (libc::setgroups(0, std::ptr::null()) != 0 || libc::setgid(gid) != 0 || libc::setuid(uid) != 0)
+                {
+                    return Err(std::io::Error::last_os_error());
+                }
                 Ok(())
             });
         }
         let child = cmd.spawn().map_err(|e| ControlError::Internal(format!("starting {program}: {e}")))?;
         let pid = child.id() as i64;
+        let worker_pid = worker_pid_of(&exit_path, std::time::Duration::from_millis(500));
         let row = TaskRow {
             job_id: l.job_id.clone(),
             attempt: l.attempt,
@@ -195,8 +319,9 @@ impl LocalExecutor {
             node: l.node.clone(),
             host: self.host.clone(),
             pid: Some(pid),
+            worker_pid,
             start_ticks: start_ticks(pid),
-            state: "running".into(),
+            state: TaskState::Running,
             exit_code: None,
             reason: String::new(),
             cpus: cpu_list(&cpus),
@@ -404,6 +529,22 @@ fn stat_fields(pid: i64) -> Option<Vec<String>> {
 /// Field 22 of `/proc/PID/stat`: start time in clock ticks since boot.
 pub fn start_ticks(pid: i64) -> Option<i64> {
     stat_fields(pid)?.get(19)?.parse().ok()
+}
+
+/// The training process's PID, which the wrapper writes beside the exit file as soon as it has started it
+/// (waiting up to `limit` for it).
+fn worker_pid_of(exit_path: &Path, limit: std::time::Duration) -> Option<i64> {
+    let path = PathBuf::from(format!("{}.pid", exit_path.display()));
+    let t0 = std::time::Instant::now();
+    loop {
+        if let Some(pid) = std::fs::read_to_string(&path).ok().and_then(|s| s.trim().parse::<i64>().ok()) {
+            return Some(pid);
+        }
+        if t0.elapsed() >= limit {
+            return None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
 }
 
 /// Whether any live (not zombie) process belongs to session `sid`.

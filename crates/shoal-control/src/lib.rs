@@ -32,6 +32,7 @@ pub mod error;
 pub mod executor;
 pub mod gpu;
 pub mod observe;
+pub mod policy;
 pub mod server;
 
 pub use error::{ControlError, Result};

@@ -145,13 +145,52 @@ pub async fn overview(State(state): State<AppState>, _caller: Caller) -> Result<
     Ok(Json(overview_json(&state.control).await?))
 }
 
+/// Event streams one caller may hold open at once.
+pub const MAX_STREAMS_PER_CALLER: usize = 16;
+
+/// One open event stream of a caller; dropping it (the stream ends or its client goes away) frees the slot.
+#[derive(Debug)]
+pub struct StreamSlot {
+    control: std::sync::Arc<Control>,
+    who: String,
+}
+
+impl StreamSlot {
+    fn take(control: &std::sync::Arc<Control>, caller: &Caller) -> Result<StreamSlot> {
+        let who = format!("{}@{}", caller.0.user, caller.0.team);
+        let mut open = control.streams.lock().unwrap_or_else(|p| p.into_inner());
+        let n = open.entry(who.clone()).or_default();
+        if *n >= MAX_STREAMS_PER_CALLER {
+            return Err(crate::ControlError::TooMany(format!(
+                "{who} already has {MAX_STREAMS_PER_CALLER} event streams open; close one first"
+            )));
+        }
+        *n += 1;
+        Ok(StreamSlot { control: control.clone(), who })
+    }
+}
+
+impl Drop for StreamSlot {
+    fn drop(&mut self) {
+        let mut open = self.control.streams.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = open.get_mut(&self.who) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                open.remove(&self.who);
+            }
+        }
+    }
+}
+
 pub async fn overview_stream(
     State(state): State<AppState>,
-    _caller: Caller,
-) -> Sse<impl Stream<Item = std::result::Result<Event, Infallible>>> {
+    caller: Caller,
+) -> Result<Sse<impl Stream<Item = std::result::Result<Event, Infallible>>>> {
     let control = state.control.clone();
+    let slot = std::sync::Arc::new(StreamSlot::take(&control, &caller)?);
     let s = futures_util::stream::unfold(true, move |first| {
         let control = control.clone();
+        let _slot = slot.clone();
         async move {
             if !first {
                 tokio::time::sleep(Duration::from_secs(2)).await;
@@ -163,7 +202,7 @@ pub async fn overview_stream(
             Some((Ok(ev), false))
         }
     });
-    Sse::new(s).keep_alive(KeepAlive::default())
+    Ok(Sse::new(s).keep_alive(KeepAlive::default()))
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -243,6 +282,8 @@ pub async fn samples(
 // the job's live stream
 
 struct StreamState {
+    /// Held for as long as the stream is open.
+    _slot: StreamSlot,
     control: std::sync::Arc<Control>,
     id: String,
     first: bool,
@@ -317,7 +358,9 @@ pub async fn job_stream(
     Path(id): Path<String>,
 ) -> Result<Sse<impl Stream<Item = std::result::Result<Event, Infallible>>>> {
     let job = visible_job(&state, &caller, &id).await?;
+    let slot = StreamSlot::take(&state.control, &caller)?;
     let st = StreamState {
+        _slot: slot,
         control: state.control.clone(),
         id: job.id.clone(),
         first: true,
@@ -464,9 +507,9 @@ fn gauge(reg: &Registry, name: &str, help: &str, labels: &[&str]) -> Option<Gaug
     Some(g)
 }
 
-async fn scrape(c: &Control) -> Result<String> {
+async fn scrape(c: &Control, team: Option<&str>) -> Result<String> {
     let reg = Registry::new();
-    let jobs = c.db.jobs(None, &[], 100_000).await?;
+    let jobs = c.db.jobs(team, &[], 100_000).await?;
     if let Some(g) = gauge(&reg, "shoal_jobs", "Jobs by state", &["state"]) {
         for st in JobState::ALL {
             g.with_label_values(&[st.as_str()]).set(jobs.iter().filter(|j| j.state == st).count() as f64);
@@ -548,7 +591,10 @@ async fn scrape(c: &Control) -> Result<String> {
 }
 
 /// `GET /metrics`: needs a token like the API (Prometheus sends it with `authorization: {credentials: ...}`).
-pub async fn prometheus(State(state): State<AppState>, _caller: Caller) -> Result<Response> {
-    let text = scrape(&state.control).await?;
+/// `/metrics`: an admin's token sees every job's series, a team's token its own team's only (the node's capacity
+/// and allocation are the same for all).
+pub async fn prometheus(State(state): State<AppState>, caller: Caller) -> Result<Response> {
+    let team = (!caller.0.admin).then_some(caller.0.team.as_str());
+    let text = scrape(&state.control, team).await?;
     Ok((StatusCode::OK, [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response())
 }

@@ -4,7 +4,7 @@
 
 use std::io::Write;
 use std::net::SocketAddr;
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -38,6 +38,13 @@ pub struct ServerOptions {
     pub kill_grace: Duration,
     pub preempt_grace: Duration,
     pub prices: crate::cost::Prices,
+    /// `--init`: a damaged database is set aside (kept) and a new one started, instead of refusing to start.
+    pub init: bool,
+    /// What jobs may touch: `--storage-root`, `--storage-config`, `--allow-loader-env`.
+    pub policy: crate::policy::Policy,
+    /// `--task-user NAME` (`root` to run tasks with the server's privileges); default: see
+    /// [`executor::TaskUser::resolve`].
+    pub task_user: Option<String>,
 }
 
 impl ServerOptions {
@@ -56,6 +63,9 @@ impl ServerOptions {
             kill_grace: Duration::from_secs(10),
             preempt_grace: Duration::from_secs(30),
             prices: crate::cost::Prices::default(),
+            init: false,
+            policy: crate::policy::Policy::default(),
+            task_user: None,
         }
     }
 }
@@ -134,6 +144,47 @@ pub fn parse_bench(text: &str) -> Vec<(u64, f64)> {
         .collect()
 }
 
+/// The data directory holds secrets (the store, tokens, the server key): only its owner may read it. When tasks
+/// run as another user, that user's group may pass through it (mode 0710) to reach its own job directories, which
+/// it owns, without listing or reading anything else.
+fn secure_data_dir(dir: &Path, task_user: Option<&executor::TaskUser>) -> Result<()> {
+    let jobs = dir.join("jobs");
+    std::fs::create_dir_all(&jobs)?;
+    for d in [dir, jobs.as_path()] {
+        match task_user {
+            Some(u) => {
+                std::os::unix::fs::chown(d, None, Some(u.gid))?;
+                std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o710))?;
+            }
+            None => std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o700))?,
+        }
+    }
+    Ok(())
+}
+
+/// Reads or creates `DATA/server.key` (32 random bytes, mode 0600), the key job secrets are derived from.
+fn server_key(dir: &Path) -> Result<Vec<u8>> {
+    let path = dir.join("server.key");
+    match std::fs::read(&path) {
+        Ok(k) if k.len() >= 32 => return Ok(k),
+        Ok(_) => {
+            return Err(ControlError::Config(format!(
+                "{} is shorter than 32 bytes: damaged? Remove it only if no job is running (their secrets derive \
+                 from it)",
+                path.display()
+            )));
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(ControlError::Config(format!("{}: {e}", path.display()))),
+    }
+    let mut key = vec![0u8; 32];
+    rand::RngCore::fill_bytes(&mut rand::rng(), &mut key);
+    let mut f = std::fs::OpenOptions::new().create_new(true).write(true).mode(0o600).open(&path)?;
+    f.write_all(&key)?;
+    f.sync_all()?;
+    Ok(key)
+}
+
 /// Reads or creates the admin token, making sure the store knows it.
 async fn admin_token(db: &Db, dir: &Path) -> Result<String> {
     let path = dir.join("admin.token");
@@ -173,9 +224,19 @@ pub async fn prepare(opts: &ServerOptions) -> Result<Prepared> {
     }
     std::fs::create_dir_all(&opts.data_dir)
         .map_err(|e| ControlError::Config(format!("data directory {}: {e}", opts.data_dir.display())))?;
+    let task_user = executor::TaskUser::resolve(opts.task_user.as_deref())?;
+    secure_data_dir(&opts.data_dir, task_user.as_ref())?;
     let lock = lock_data_dir(&opts.data_dir)?;
-    let url = opts.database.clone().unwrap_or_else(|| format!("sqlite://{}", opts.data_dir.join("shoal.db").display()));
-    let db = Db::open(&url).await?;
+    let db_path = opts.data_dir.join("shoal.db");
+    let url = opts.database.clone().unwrap_or_else(|| format!("sqlite://{}", db_path.display()));
+    let db = Db::open(&url, opts.init).await?;
+    for suffix in ["", "-wal", "-shm"] {
+        let p = PathBuf::from(format!("{}{suffix}", db_path.display()));
+        if p.exists() {
+            std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600))?;
+        }
+    }
+    let secret_key = server_key(&opts.data_dir)?;
     let token = admin_token(&db, &opts.data_dir).await?;
     let host = executor::hostname();
     let node = Node {
@@ -212,30 +273,81 @@ pub async fn prepare(opts: &ServerOptions) -> Result<Prepared> {
         preempt_grace: opts.preempt_grace,
         prices: opts.prices.clone(),
         bench: bench_reference(&opts.data_dir.join("bench.json")),
+        policy: opts.policy.clone(),
+        task_user,
+        secret_key,
     };
     let control = Arc::new(Control::new(db, config, node, queues)?);
     control.recover().await?;
     Ok(Prepared { control, admin_token: token, database_url: url, lock })
 }
 
+/// How long a client may take to send a request's headers — and how long a kept-alive connection may sit idle
+/// before its next request.
+pub const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a client may take to send a request's body.
+pub const BODY_TIMEOUT: Duration = Duration::from_secs(30);
+/// Connections served at once; more are closed as they arrive (logged).
+pub const MAX_CONNECTIONS: usize = 512;
+
+/// Serves `app` on `listener` until `shutdown` changes: HTTP/1.1 with [`HEADER_TIMEOUT`] on headers and idle
+/// connections, at most [`MAX_CONNECTIONS`] at once, then a graceful shutdown (open requests finish).
+async fn serve(
+    listener: tokio::net::TcpListener,
+    app: axum::Router,
+    mut shutdown: tokio::sync::watch::Receiver<bool>,
+) -> std::io::Result<()> {
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(hyper_util::rt::TokioTimer::new()).header_read_timeout(HEADER_TIMEOUT).keep_alive(true);
+    loop {
+        let (stream, peer) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    // Out of descriptors and the like: wait a moment rather than spin.
+                    tracing::warn!(error = %e, "accepting a connection failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = shutdown.changed() => break,
+        };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            tracing::warn!(%peer, limit = MAX_CONNECTIONS, "too many connections; closing a new one");
+            drop(stream);
+            continue;
+        };
+        let svc = hyper_util::service::TowerToHyperService::new(app.clone());
+        let conn = http.serve_connection(hyper_util::rt::TokioIo::new(stream), svc);
+        let conn = graceful.watch(conn);
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!(%peer, error = %e, "connection ended with an error");
+            }
+            drop(slot);
+        });
+    }
+    tokio::select! {
+        _ = graceful.shutdown() => {}
+        _ = tokio::time::sleep(Duration::from_secs(5)) => tracing::warn!("open connections did not finish in 5 s"),
+    }
+    Ok(())
+}
+
 /// Starts a server; returns once it listens.
 pub async fn start(opts: ServerOptions) -> Result<Server> {
-    let Prepared { control, admin_token: token, database_url: url, lock } = prepare(&opts).await?;
+    // Listen first: a server on a taken port must fail before it touches its state or recovers anything.
     let listener = tokio::net::TcpListener::bind(opts.listen)
         .await
         .map_err(|e| ControlError::Config(format!("cannot listen on {}: {e}", opts.listen)))?;
+    let Prepared { control, admin_token: token, database_url: url, lock } = prepare(&opts).await?;
     let addr = listener.local_addr()?;
     let (tx, rx) = tokio::sync::watch::channel(false);
     let looping = tokio::spawn(control.clone().run(rx.clone()));
     let app = router(AppState { control: control.clone(), auth: !opts.no_auth });
-    let mut rx2 = rx;
-    let serve = tokio::spawn(async move {
-        axum::serve(listener, app)
-            .with_graceful_shutdown(async move {
-                let _ = rx2.changed().await;
-            })
-            .await
-    });
+    let serve = tokio::spawn(serve(listener, app, rx));
     tracing::info!(%addr, database = %crate::db::redact(&url), "shoal server listening");
     Ok(Server { addr, admin_token: token, control, shutdown: tx, serve, looping, _lock: lock })
 }

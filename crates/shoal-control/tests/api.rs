@@ -250,7 +250,7 @@ async fn lifecycle_with_real_processes(e: &Env) {
         assert!(w["pid"].as_i64().is_some_and(|p| p > 1), "{w}");
     }
     let kinds: Vec<&str> = v["events"].as_array().expect("events").iter().filter_map(|e| e["kind"].as_str()).collect();
-    assert_eq!(kinds, ["submitted", "started", "succeeded"], "{v:#}");
+    assert_eq!(kinds, ["submitted", "placed", "started", "succeeded"], "{v:#}");
     let (st, log) = get(a, &format!("/api/v1/jobs/{id}/logs?rank=1"), t).await;
     assert_eq!(st, StatusCode::OK);
     let log = log.as_str().unwrap_or_default().to_owned();
@@ -270,7 +270,7 @@ async fn lifecycle_with_real_processes(e: &Env) {
     let reason = v["reason"].as_str().unwrap_or_default();
     assert!(reason.contains("exited with status 3") && reason.contains("no restarts left"), "{reason}");
     let kinds: Vec<&str> = v["events"].as_array().expect("events").iter().filter_map(|e| e["kind"].as_str()).collect();
-    assert_eq!(kinds, ["submitted", "started", "restarted", "started", "failed"], "{v:#}");
+    assert_eq!(kinds, ["submitted", "placed", "started", "restarted", "placed", "started", "failed"], "{v:#}");
 
     // Cancel a running job: every process goes.
     set_mode(&e.dir, "sleep");
@@ -361,8 +361,8 @@ async fn preemption_by_priority(e: &Env) {
     let (_, v) = get(a, &format!("/api/v1/jobs/{low_id}"), t).await;
     assert_eq!(v["state"], "pending", "{v:#}");
     let kinds: Vec<&str> = v["events"].as_array().expect("events").iter().filter_map(|e| e["kind"].as_str()).collect();
-    assert_eq!(kinds, ["submitted", "started", "preempted", "requeued"], "{v:#}");
-    let why = v["events"][2]["message"].as_str().unwrap_or_default();
+    assert_eq!(kinds, ["submitted", "placed", "started", "preempted", "requeued"], "{v:#}");
+    let why = v["events"][3]["message"].as_str().unwrap_or_default();
     assert!(why.contains(&high_id) && why.contains("higher priority"), "{why}");
     // When the high-priority job ends, the victim runs again (attempt 2, not counted as a restart).
     for id in [&high_id, &low_id] {

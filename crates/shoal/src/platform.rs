@@ -224,6 +224,22 @@ pub struct ServerArgs {
     /// Price table for cost reports (TOML: currency, cpu_hour, gib_hour, gpu_hour, kwh).
     #[arg(long)]
     pub prices: Option<PathBuf>,
+    /// Start afresh when the database is damaged or missing (the damaged file is kept beside it).
+    #[arg(long)]
+    pub init: bool,
+    /// Where teams may keep checkpoints outside their jobs' directories: DIR/TEAM/... (checkpoint.url).
+    #[arg(long)]
+    pub storage_root: Option<PathBuf>,
+    /// Per-team object stores (TOML: [teams.NAME] urls = ["s3://bucket/prefix/"], env = { AWS_... }).
+    #[arg(long)]
+    pub storage_config: Option<PathBuf>,
+    /// Accept dynamic-loader variables (LD_*) in jobs' [env].
+    #[arg(long)]
+    pub allow_loader_env: bool,
+    /// The user tasks run as when the server runs as root (default: the system user `shoal`, created if
+    /// missing); `root` runs them with the server's privileges.
+    #[arg(long)]
+    pub task_user: Option<String>,
 }
 
 pub fn server_options(args: &ServerArgs) -> Result<shoal_control::ServerOptions> {
@@ -239,6 +255,18 @@ pub fn server_options(args: &ServerArgs) -> Result<shoal_control::ServerOptions>
     }
     o.gpus = args.gpus;
     o.no_auth = args.no_auth;
+    o.init = args.init;
+    o.task_user = args.task_user.clone();
+    o.policy.allow_loader_env = args.allow_loader_env;
+    o.policy.storage_root = match &args.storage_root {
+        Some(r) => Some(std::path::absolute(r).with_context(|| format!("--storage-root {}", r.display()))?),
+        None => None,
+    };
+    if let Some(p) = &args.storage_config {
+        let text = std::fs::read_to_string(p).with_context(|| format!("--storage-config {}", p.display()))?;
+        o.policy.storage = shoal_control::policy::StorageConfig::parse(&text)
+            .map_err(|e| anyhow!("--storage-config {}: {e}", p.display()))?;
+    }
     if let Some(p) = &args.prices {
         let text = std::fs::read_to_string(p).with_context(|| format!("--prices {}", p.display()))?;
         o.prices = shoal_control::cost::Prices::parse(&text).map_err(|e| anyhow!("--prices {}: {e}", p.display()))?;
@@ -402,10 +430,37 @@ fn print_summary(sum: &Value) {
 }
 
 pub fn logs(client: &Client, id: &str, rank: u32, follow: bool) -> Result<bool> {
-    let path = format!("/api/v1/jobs/{id}/logs?rank={rank}&follow={follow}");
-    let mut out = std::io::stdout().lock();
-    client.stream(&path, &mut out)?;
-    Ok(true)
+    let mut out = Counting { inner: std::io::stdout().lock(), n: 0 };
+    if follow {
+        client.stream(&format!("/api/v1/jobs/{id}/logs?rank={rank}&follow=true"), &mut out)?;
+        return Ok(true);
+    }
+    // The server answers a bounded chunk per request: ask from where the last one ended until nothing is left.
+    loop {
+        let before = out.n;
+        client.stream(&format!("/api/v1/jobs/{id}/logs?rank={rank}&offset={before}"), &mut out)?;
+        if out.n == before {
+            return Ok(true);
+        }
+    }
+}
+
+/// A writer that counts what passed through it.
+struct Counting<W> {
+    inner: W,
+    n: u64,
+}
+
+impl<W: Write> Write for Counting<W> {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        let k = self.inner.write(b)?;
+        self.n += k as u64;
+        Ok(k)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
 }
 
 pub fn cancel(client: &Client, id: &str, json_out: bool) -> Result<bool> {
