@@ -1516,7 +1516,18 @@ lr = 0.001
             (mlp("", "[workers]\nmin = 65537"), "workers.min: 65537 workers is more than the limit"),
             (mlp("", "[workers]\ncount = 70000"), "workers.count: 70000 workers is more than the limit"),
             (mlp("", "[workers]\nmax = 65536"), ""),
-            (mlp("", "[resources]\ngpus = 1\ngpu_memory = 18446744073709551616"), "resources.gpu_memory: "),
+            (
+                mlp("", "[resources]\ngpus = 1\ngpu_memory = 18446744073709551616"),
+                "resources.gpu_memory: 18446744073709551616 is too large: at most 1 EiB",
+            ),
+            (
+                mlp("", "[resources]\ncpus = 18446744073709551616"),
+                "resources.cpus: 18446744073709551616 is too large: at most 1000000000",
+            ),
+            (
+                mlp("", "[resources]\nmemory = -18446744073709551616"),
+                "resources.memory: -18446744073709551616 is negative",
+            ),
             (
                 mlp("", "[resources]\ngpus = 1\ngpu_memory = \"18446744073709551616\""),
                 "resources.gpu_memory: \"18446744073709551616\" is too large",

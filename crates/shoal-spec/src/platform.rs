@@ -286,6 +286,20 @@ impl Visitor<'_> for QuantityVisitor {
             milli_within(v.saturating_mul(1000), &shown).map_err(E::custom)
         }
     }
+    /// TOML hands integers past `i64` over as 128-bit ones.
+    fn visit_u128<E: de::Error>(self, v: u128) -> Result<u64, E> {
+        match u64::try_from(v) {
+            Ok(v) => self.visit_u64(v),
+            Err(_) if self.bytes => bytes_within(v, &v.to_string()).map_err(E::custom),
+            Err(_) => milli_within(u64::MAX, &v.to_string()).map_err(E::custom),
+        }
+    }
+    fn visit_i128<E: de::Error>(self, v: i128) -> Result<u64, E> {
+        match u128::try_from(v) {
+            Ok(v) => self.visit_u128(v),
+            Err(_) => Err(E::custom(format!("{v} is negative; must be >= 0"))),
+        }
+    }
     fn visit_i64<E: de::Error>(self, v: i64) -> Result<u64, E> {
         if v < 0 {
             return Err(E::custom(format!("{v} is negative; must be >= 0")));
