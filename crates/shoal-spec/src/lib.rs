@@ -139,7 +139,9 @@ impl SpecError {
         SpecError { origin: String::new(), path: path.into(), message: message.into(), line: None, column: None }
     }
 
-    fn with_origin(mut self, origin: &str) -> Self {
+    /// The same error, said to come from `origin` (a file name): errors of checks run on a parsed spec, such as
+    /// [`JobSpec::validate_world`], carry none.
+    pub fn with_origin(mut self, origin: &str) -> Self {
         origin.clone_into(&mut self.origin);
         self
     }
@@ -541,15 +543,31 @@ pub fn parse_job(text: &str, origin: &str) -> Result<JobSpec> {
 
 /// Reads, parses and validates a job spec file: TOML, or JSON when the name ends in `.json`; errors name the file.
 pub fn load_job(path: &Path) -> Result<JobSpec> {
+    check_job(path).map_err(|problems| {
+        problems
+            .into_iter()
+            .next()
+            .unwrap_or_else(|| SpecError::at("", "invalid").with_origin(&path.display().to_string()))
+    })
+}
+
+/// [`load_job`] reporting every problem instead of the first: a file that cannot be read or parsed gives one
+/// error; a parsed spec gives one per independent part ([`JobSpec::problems`]). The error list is never empty.
+pub fn check_job(path: &Path) -> std::result::Result<JobSpec, Vec<SpecError>> {
     let origin = path.display().to_string();
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| SpecError::at("", format!("cannot read the job spec: {e}")).with_origin(&origin))?;
-    if path.extension().is_some_and(|e| e == "json") {
-        let spec = deserialize_json(&text).map_err(|e| e.with_origin(&origin))?;
-        spec.validate().map_err(|e| e.with_origin(&origin))?;
+    let spec = read_job(path).map_err(|e| vec![e.with_origin(&origin)])?;
+    let problems = spec.problems();
+    if problems.is_empty() {
         return Ok(spec);
     }
-    parse_job(&text, &origin)
+    Err(problems.into_iter().map(|e| e.with_origin(&origin)).collect())
+}
+
+/// Reads and deserializes a job spec file (JSON when the name ends in `.json`, TOML otherwise), unvalidated.
+fn read_job(path: &Path) -> Result<JobSpec> {
+    let text =
+        std::fs::read_to_string(path).map_err(|e| SpecError::at("", format!("cannot read the job spec: {e}")))?;
+    if path.extension().is_some_and(|e| e == "json") { deserialize_json(&text) } else { deserialize_toml(&text) }
 }
 
 /// Parses and validates a job spec given as JSON (the HTTP API's form: the same object as the TOML); errors are
@@ -802,6 +820,55 @@ impl TrainSpec {
         };
         Ok(params.saturating_mul(copies).saturating_add(centres).saturating_mul(4))
     }
+
+    /// The same settings with every default that applies written out: the optimizer's options, the model's
+    /// sizes and, for a text dataset, the window length. Options that do not apply stay unset.
+    pub fn resolved(&self) -> TrainSpec {
+        let mut t = self.clone();
+        t.weight_decay = Some(self.weight_decay());
+        match self.optimizer {
+            OptimizerKind::Sgd => t.momentum = Some(self.momentum()),
+            OptimizerKind::Adamw => {
+                t.betas = Some(self.betas());
+                t.eps = Some(self.eps());
+            }
+        }
+        t.model = self.model.resolved();
+        t.data = self.data_options();
+        t
+    }
+}
+
+impl ModelSpec {
+    /// The same model with every size of its kind written out.
+    pub fn resolved(&self) -> ModelSpec {
+        let mut m = ModelSpec { dropout: Some(self.dropout()), ..ModelSpec::new(self.kind) };
+        match self.kind {
+            ModelKind::Mlp => m.hidden = Some(self.hidden().to_vec()),
+            ModelKind::Cnn => m.channels = Some(self.channels().to_vec()),
+            ModelKind::Gpt => {
+                m.layers = Some(self.layers());
+                m.heads = Some(self.heads());
+                m.width = Some(self.width());
+                m.context = Some(self.context());
+                m.vocab = Some(self.vocab());
+            }
+        }
+        m
+    }
+}
+
+impl JobSpec {
+    /// The spec with every default filled in ([`TrainSpec::resolved`]; the platform tables already hold theirs).
+    /// It validates exactly when `self` does and describes the same job.
+    pub fn resolved(&self) -> JobSpec {
+        JobSpec { train: self.train.resolved(), ..self.clone() }
+    }
+
+    /// The spec as TOML, in the form [`parse_job`] reads back.
+    pub fn to_toml(&self) -> Result<String> {
+        toml::to_string(self).map_err(|e| SpecError::at("", format!("cannot write the spec as TOML: {e}")))
+    }
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -867,18 +934,44 @@ impl JobSpec {
 
     /// [`JobSpec::validate`] with an explicit memory budget in bytes (`None` skips the model-size check).
     pub fn validate_with_memory(&self, available: Option<u64>) -> Result<()> {
-        validate_name(&self.name)?;
-        validate_queue(&self.queue)?;
-        validate_env(&self.env)?;
-        self.workers.validate().map_err(|(p, m)| SpecError::at(p, m))?;
-        self.resources.validate().map_err(|(p, m)| SpecError::at(p, m))?;
-        self.train.validate_numbers()?;
-        let (lo, _) = self.workers.range();
-        if self.workers.count.is_some() || self.workers.min.is_some() {
-            self.validate_world(lo as usize)?;
+        match self.problems_with_memory(available).into_iter().next() {
+            Some(e) => Err(e),
+            None => Ok(()),
         }
-        self.train.validate_model_and_data(available)?;
-        self.checkpoint.validate()
+    }
+
+    /// Every problem [`JobSpec::validate`] finds, one per independent part of the spec (name, queue, `[env]`,
+    /// `[workers]`, `[resources]`, `[train]` numbers, the world size, model and data, `[checkpoint]`), in that
+    /// order; empty when the spec is valid. The first one is what `validate` returns.
+    pub fn problems(&self) -> Vec<SpecError> {
+        self.problems_with_memory(available_memory())
+    }
+
+    /// [`JobSpec::problems`] with an explicit memory budget in bytes (`None` skips the model-size check).
+    pub fn problems_with_memory(&self, available: Option<u64>) -> Vec<SpecError> {
+        let platform = |r: Result<(), (String, String)>| r.map_err(|(p, m)| SpecError::at(p, m));
+        let numbers = self.train.validate_numbers();
+        // The world-size check divides by numbers the train check refuses: only run it on valid ones.
+        let (lo, _) = self.workers.range();
+        let world = if numbers.is_ok() && (self.workers.count.is_some() || self.workers.min.is_some()) {
+            self.validate_world(lo as usize)
+        } else {
+            Ok(())
+        };
+        [
+            validate_name(&self.name),
+            validate_queue(&self.queue),
+            validate_env(&self.env),
+            platform(self.workers.validate()),
+            platform(self.resources.validate()),
+            numbers,
+            world,
+            self.train.validate_model_and_data(available),
+            self.checkpoint.validate(),
+        ]
+        .into_iter()
+        .filter_map(Result::err)
+        .collect()
     }
 
     /// Checks that the job can run on `world_size` ranks: each rank needs at least one sample of every
@@ -1551,6 +1644,59 @@ lr = 0.001
         let e = parse_job_json(json).expect_err("too large");
         assert_eq!(e.path, "resources.gpu_memory", "{e}");
         assert!(e.message.contains("too large"), "{e}");
+    }
+
+    #[test]
+    fn resolved_specs_spell_out_every_default_and_read_back_the_same() {
+        let specs = [MLP.to_owned(), GPT.to_owned(), CNN.to_owned(), mlp("optimizer = \"sgd\"", "")];
+        for text in &specs {
+            let spec = parse_job(text, "JOB.toml").unwrap_or_else(|e| panic!("{e}"));
+            let r = spec.resolved();
+            let t = &r.train;
+            assert_eq!(t.weight_decay, Some(spec.train.weight_decay()));
+            match t.optimizer {
+                OptimizerKind::Sgd => assert_eq!((t.momentum, t.betas, t.eps), (Some(0.9), None, None)),
+                OptimizerKind::Adamw => {
+                    assert_eq!((t.momentum, t.betas, t.eps), (None, Some([0.9, 0.999]), Some(1e-8)))
+                }
+            }
+            assert_eq!(t.model.dropout, Some(0.0));
+            match t.model.kind {
+                ModelKind::Mlp => assert_eq!(t.model.hidden.as_deref(), Some(&[128, 64][..])),
+                ModelKind::Cnn => assert_eq!(t.model.channels.as_deref(), Some(&[16, 32][..])),
+                ModelKind::Gpt => {
+                    assert_eq!((t.model.layers, t.model.vocab, t.data.context), (Some(2), Some(256), Some(64)))
+                }
+            }
+            let toml_text = r.to_toml().unwrap_or_else(|e| panic!("{e}"));
+            let back = parse_job(&toml_text, "resolved.toml").unwrap_or_else(|e| panic!("{e}\n{toml_text}"));
+            assert_eq!(back, r, "{toml_text}");
+            assert_eq!(r.resolved(), r);
+            assert_eq!(r.train.data_shape().ok(), spec.train.data_shape().ok());
+        }
+    }
+
+    #[test]
+    fn every_independent_problem_is_reported() {
+        let text = MLP.replace("\"t\"", "\"a b\"").replace("steps = 10", "steps = 0")
+            + "[checkpoint]\nkeep = 0\n[resources]\ngpu_memory = \"1GiB\"\n";
+        let spec = deserialize_toml(&text).unwrap_or_else(|e| panic!("{e}"));
+        let paths: Vec<String> = spec.problems_with_memory(None).into_iter().map(|e| e.path).collect();
+        assert_eq!(paths, ["name", "resources.gpu_memory", "train.steps", "checkpoint.keep"]);
+        let e = parse_job(&text, "JOB.toml").expect_err("invalid");
+        assert_eq!(e.path, "name", "validate returns the first problem");
+        let dir = std::env::temp_dir().join(format!("shoal-spec-check-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let file = dir.join("job.toml");
+        std::fs::write(&file, &text).expect("write");
+        let all = check_job(&file).expect_err("invalid");
+        assert_eq!(all.len(), 4);
+        assert!(all.iter().all(|e| e.origin == file.display().to_string()), "{all:?}");
+        std::fs::write(&file, "name = \n").expect("write");
+        assert_eq!(check_job(&file).expect_err("syntax").len(), 1);
+        std::fs::write(&file, MLP).expect("write");
+        assert_eq!(check_job(&file).expect("valid"), load_job(&file).expect("valid"));
+        let _ = std::fs::remove_dir_all(dir);
     }
 
     #[test]

@@ -5,6 +5,7 @@ mod bench_ckpt;
 mod launch;
 mod platform;
 mod run;
+mod validate;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -127,6 +128,14 @@ enum Cmd {
         #[command(flatten)]
         client: platform::ClientArgs,
     },
+    /// Check a job spec here, with no server: prints it with every default filled in (TOML), or every
+    /// problem with its key path; exit status 1 when invalid.
+    Validate {
+        job: std::path::PathBuf,
+        /// Print `{"ok": true, "spec": {...}}` or `{"ok": false, "errors": [{"path", "message", ...}]}`.
+        #[arg(long)]
+        json: bool,
+    },
     /// List the built-in datasets.
     Datasets {
         /// One JSON array of objects (name, kind, len, features, classes, description).
@@ -191,6 +200,7 @@ fn main() -> std::process::ExitCode {
             .and_then(|c| platform::cost(&c, team.as_deref(), since.as_deref(), json)),
         Cmd::Nodes { json, client } => platform::Client::from_args(&client).and_then(|c| platform::nodes(&c, json)),
         Cmd::Datasets { json } => datasets(json),
+        Cmd::Validate { job, json } => validate::run(&job, json),
     };
     match result {
         Ok(true) => std::process::ExitCode::SUCCESS,

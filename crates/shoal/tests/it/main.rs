@@ -9,3 +9,4 @@ mod remote;
 mod run;
 mod support_s3;
 mod train;
+mod validate;
