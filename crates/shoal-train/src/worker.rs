@@ -19,7 +19,7 @@ use crate::error::{Error, Result};
 use crate::models::{Cnn, Gpt, GptConfig, Mlp, Model};
 use crate::optim::{OptimConfig, learning_rate};
 use crate::params::{Params, SeededRng};
-use crate::spec::{JobSpec, ModelKind, OptimizerKind, Overlap, Schedule};
+use crate::spec::{JobSpec, ModelKind, OptimizerKind, Overlap, Schedule, Strategy};
 use crate::trainer::{Trainer, TrainerConfig, overlap_pays};
 
 /// How a worker runs.
@@ -50,6 +50,9 @@ pub struct Summary {
     pub parameters: usize,
     pub steps: usize,
     pub world_size: usize,
+    /// How the work was spread over the workers (`train.strategy`).
+    #[serde(default)]
+    pub strategy: Strategy,
     pub final_loss: f64,
     pub eval_loss: f64,
     pub eval_accuracy: Option<f64>,
@@ -564,7 +567,7 @@ pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
                 sampler: serde_json::to_value(sampler_state).map_err(|e| Error::Checkpoint(e.to_string()))?,
                 rng: serde_json::json!({ "init_seed": t.seed, "sampler_seed": t.seed }),
                 world_size: world,
-                strategy: "ddp".into(),
+                strategy: t.strategy.as_str().into(),
                 extra: serde_json::json!({ "optimizer_t": trainer.optimizer().t, "loss": last_loss }),
             };
             let at = (step + 1) as u64;
@@ -603,6 +606,7 @@ pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
         parameters,
         steps: t.steps,
         world_size: world,
+        strategy: t.strategy,
         final_loss: last_loss,
         eval_loss,
         eval_accuracy: (!text).then_some(eval_acc),

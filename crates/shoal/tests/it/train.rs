@@ -248,3 +248,38 @@ context = 32
     assert!(s["eval_perplexity"].as_f64().is_some());
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// A run of a few steps, with a checkpoint halfway and one at the end.
+const SHORT_JOB: &str = r#"
+name = "short"
+[train]
+model = "mlp"
+dataset = "digits"
+global_batch = 32
+steps = 12
+lr = 0.01
+log_every = 6
+[checkpoint]
+every = 6
+"#;
+
+#[test]
+fn the_summary_and_the_checkpoints_record_the_strategy_that_ran() {
+    let dir = tmpdir("strategy");
+    let job = dir.join("job.toml");
+    std::fs::write(&job, SHORT_JOB).expect("write job");
+    let out = dir.join("out");
+    let s = run_json(&["run", "-n", "2", "--json", "--output", out.to_str().unwrap_or(""), job.to_str().unwrap_or("")]);
+    assert_eq!(s["strategy"], "ddp", "{s}");
+    let file: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).expect("summary.json"))
+            .expect("summary is JSON");
+    assert_eq!(file["strategy"], "ddp");
+    for step in ["step-000006", "step-000012"] {
+        let manifest = out.join("checkpoints").join(step).join("manifest.json");
+        let m: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&manifest).expect("manifest")).expect("manifest is JSON");
+        assert_eq!(m["strategy"], "ddp", "{}", manifest.display());
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
