@@ -340,19 +340,42 @@ impl Db {
         }
         let db = Db::connect(url).await?;
         if db.backend == Backend::Sqlite {
-            let row = sqlx::query("PRAGMA quick_check").fetch_one(&db.pool).await?;
-            let verdict: String = row.try_get(0)?;
+            let path =
+                std::path::PathBuf::from(url.strip_prefix("sqlite://").unwrap_or(url).split('?').next().unwrap_or(url));
+            let verdict = match sqlx::query("PRAGMA quick_check").fetch_one(&db.pool).await {
+                Ok(row) => row.try_get::<String, _>(0)?,
+                Err(e) => e.to_string(),
+            };
             if verdict != "ok" {
-                let path = url.strip_prefix("sqlite://").unwrap_or(url);
                 db.pool.close().await;
+                if init {
+                    set_aside(&path)?;
+                    return Box::pin(Db::open(url, false)).await;
+                }
+                return Err(damaged(&path, &format!("SQLite's integrity check failed: {verdict}")));
+            }
+        }
+        let ready = async {
+            db.migrate().await?;
+            let max: Option<i64> =
+                sqlx::query("SELECT MAX(id) AS m FROM events").fetch_one(&db.pool).await?.try_get("m")?;
+            db.next_event.store(max.unwrap_or(0) + 1, Ordering::SeqCst);
+            Ok::<(), ControlError>(())
+        };
+        match ready.await {
+            Ok(()) => Ok(db),
+            // Damage the quick check did not see (it reads the b-trees, not every page) shows up here.
+            Err(ControlError::Db(e)) if db.backend == Backend::Sqlite && is_damage(&e) => {
+                db.pool.close().await;
+                let path = url.strip_prefix("sqlite://").unwrap_or(url).split('?').next().unwrap_or(url);
                 if init {
                     set_aside(std::path::Path::new(path))?;
                     return Box::pin(Db::open(url, false)).await;
                 }
-                return Err(damaged(std::path::Path::new(path), &format!("integrity check failed: {verdict}")));
+                Err(damaged(std::path::Path::new(path), &e.to_string()))
             }
+            Err(e) => Err(e),
         }
-        Ok(db)
     }
 
     async fn connect(url: &str) -> Result<Db> {
@@ -384,16 +407,21 @@ impl Db {
             .connect(&url)
             .await
             .map_err(|e| ControlError::Config(format!("cannot open the database {}: {e}", redact(&url))))?;
-        let db = Db { pool, backend, next_event: AtomicI64::new(0) };
-        db.migrate().await?;
-        let max: Option<i64> =
-            sqlx::query("SELECT MAX(id) AS m FROM events").fetch_one(&db.pool).await?.try_get("m")?;
-        db.next_event.store(max.unwrap_or(0) + 1, Ordering::SeqCst);
-        Ok(db)
+        Ok(Db { pool, backend, next_event: AtomicI64::new(0) })
     }
 
     pub fn backend(&self) -> Backend {
         self.backend
+    }
+
+    /// Folds SQLite's write-ahead log into the database file, then closes every connection.
+    pub async fn close(&self) {
+        if self.backend == Backend::Sqlite
+            && let Err(e) = sqlx::query("PRAGMA wal_checkpoint(TRUNCATE)").execute(&self.pool).await
+        {
+            tracing::warn!(error = %e, "checkpointing the write-ahead log at close failed");
+        }
+        self.pool.close().await;
     }
 
     /// Begins a write transaction. On SQLite it takes the write lock at once (`BEGIN IMMEDIATE`): a deferred
@@ -960,6 +988,17 @@ fn set_aside(path: &std::path::Path) -> Result<()> {
 
 /// How long a write waits for the database's write lock, all retries together.
 pub const WRITE_DEADLINE: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// SQLite's I/O, corruption and not-a-database errors (`SQLITE_IOERR`, `SQLITE_CORRUPT`, `SQLITE_NOTADB`).
+fn is_damage(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Database(d) => {
+            let code = d.code().and_then(|c| c.parse::<i64>().ok()).unwrap_or(0);
+            matches!(code & 0xff, 10 | 11 | 26)
+        }
+        _ => false,
+    }
+}
 
 /// SQLite's `SQLITE_BUSY` / `SQLITE_LOCKED` (and their extended codes): another connection holds the lock.
 fn is_busy(e: &sqlx::Error) -> bool {

@@ -89,6 +89,7 @@ impl Server {
         let _ = self.shutdown.send(true);
         let _ = self.looping.await;
         let _ = self.serve.await;
+        self.control.db.close().await;
     }
 
     /// Serves until SIGINT or SIGTERM.

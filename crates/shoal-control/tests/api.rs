@@ -29,8 +29,8 @@ fn fake_worker(dir: &Path) -> PathBuf {
     std::fs::write(
         &p,
         "#!/bin/sh\nd=$(dirname \"$0\")\necho \"rank $SHOAL_RANK of $SHOAL_WORLD_SIZE job $SHOAL_JOB_ID args $*\"\n\
-         echo \"step 1/1 loss 0.5\"\ncase $(cat \"$d/mode\") in\n  ok) exit 0 ;;\n  fail) exit 3 ;;\n  \
-         sleep) exec sleep 60 ;;\n  hog) head -c 400000000 /dev/zero | tail -c 300000000 > /dev/null; exit 0 ;;\nesac\n",
+         echo \"step 1/1 loss 0.5 uid $(id -u)\"\ncase $(cat \"$d/mode\") in\n  ok) exit 0 ;;\n  fail) exit 3 ;;\n  \
+         short) sleep 0.4; exit 0 ;;\n  sleep) exec sleep 60 ;;\n  hog) head -c 400000000 /dev/zero | tail -c 300000000 > /dev/null; exit 0 ;;\nesac\n",
     )
     .expect("write fake worker");
     use std::os::unix::fs::PermissionsExt;
@@ -50,6 +50,10 @@ struct Env {
 }
 
 async fn env(tag: &str, database: Option<String>) -> Env {
+    env_with(tag, database, |_| {}).await
+}
+
+async fn env_with(tag: &str, database: Option<String>, tweak: impl FnOnce(&mut ServerOptions)) -> Env {
     let dir = tmpdir(tag);
     let worker = fake_worker(&dir);
     let mut opts = ServerOptions::new(&dir.join("data"), "127.0.0.1:0".parse().expect("addr"), &worker);
@@ -59,6 +63,7 @@ async fn env(tag: &str, database: Option<String>) -> Env {
     opts.gpus = 8;
     opts.kill_grace = Duration::from_millis(500);
     opts.preempt_grace = Duration::from_secs(1);
+    tweak(&mut opts);
     let p = prepare(&opts).await.expect("prepare the server");
     let app = router(AppState { control: p.control.clone(), auth: true });
     let admin = p.admin_token.clone();
@@ -424,4 +429,355 @@ async fn a_data_directory_serves_one_server_at_a_time() {
     drop(first);
     let err = prepare(&bad).await.expect_err("no auth on a public address");
     assert!(err.to_string().contains("without authentication"), "{err}");
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// hardening: what one team can reach, what tasks run as, what a hostile client can hold
+
+async fn new_token_for(e: &Env, user: &str, team: &str) -> String {
+    let body = json!({ "user": user, "team": team }).to_string().into_bytes();
+    let (st, v) = call(&e.app, "POST", "/api/v1/tokens", Some(&e.admin), "application/json", body).await;
+    assert_eq!(st, StatusCode::CREATED, "{v}");
+    v["token"].as_str().expect("token").to_owned()
+}
+
+fn field_of(v: &Value) -> &str {
+    v["field"].as_str().unwrap_or("")
+}
+
+fn mode_of(p: &Path) -> u32 {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(p).map(|m| m.permissions().mode() & 0o777).unwrap_or(0)
+}
+
+/// The uid tasks must run as here: the `shoal` system user when the tests run as root, else our own.
+fn expected_task_uid() -> u32 {
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
+    if me != 0 {
+        return me;
+    }
+    shoal_control::executor::TaskUser::lookup("shoal").map_or(u32::MAX, |u| u.uid)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_team_never_reaches_another_teams_data() {
+    let store = tmpdir("confine-store");
+    let root = store.clone();
+    let e = env_with("confine", None, move |o| o.policy.storage_root = Some(root)).await;
+    let a = &e.app;
+    let alpha = new_token_for(&e, "alice", "alpha").await;
+    let beta = new_token_for(&e, "bob", "beta").await;
+    let data = e.dir.join("data");
+
+    // Alpha's job runs, as the unprivileged task user, and leaves checkpoints-to-be in its own directory.
+    set_mode(&e.dir, "ok");
+    let (st, v) = submit(a, &alpha, JOB).await;
+    assert_eq!(st, StatusCode::CREATED, "{v}");
+    let alpha_id = v["id"].as_str().expect("id").to_owned();
+    let v = tick_until(&e, &alpha_id, "succeeded", Duration::from_secs(60)).await;
+    let (_, log) = get(a, &format!("/api/v1/jobs/{alpha_id}/logs?rank=0"), &alpha).await;
+    let want = format!("uid {}", expected_task_uid());
+    assert!(log.as_str().unwrap_or("").contains(&want), "tasks must run as {want}: {log}\n{v:#}");
+    let alpha_dir = data.join("jobs").join(&alpha_id);
+
+    // Beta cannot point its checkpoints at alpha's job, alpha's storage, or anywhere else on the host.
+    for url in [
+        alpha_dir.join("run").display().to_string(),
+        format!("file://{}", alpha_dir.display()),
+        store.join("alpha/run").display().to_string(),
+        store.join("beta/../alpha/run").display().to_string(),
+        "/etc/cron.d".into(),
+        "relative/ckpt".into(),
+        "s3://alpha-bucket/ckpt".into(),
+    ] {
+        let spec = job_with("", &[("lr = 0.01", &format!("lr = 0.01\n[checkpoint]\nurl = \"{url}\""))]);
+        let (st, v) = submit(a, &beta, &spec).await;
+        assert_eq!((st, field_of(&v)), (StatusCode::BAD_REQUEST, "checkpoint.url"), "{url}: {v}");
+    }
+    assert!(!store.join("alpha").exists() && !store.join("etc").exists(), "a refused spec created directories");
+    // Its own team directory is fine, once: a second job may not share (and resume) the first one's checkpoints.
+    let own = store.join("beta/run1").display().to_string();
+    let spec = job_with("", &[("lr = 0.01", &format!("lr = 0.01\n[checkpoint]\nurl = \"{own}\""))]);
+    let (st, v) = submit(a, &beta, &spec).await;
+    assert_eq!(st, StatusCode::CREATED, "{v}");
+    let beta_id = v["id"].as_str().expect("id").to_owned();
+    let (st, v) = submit(a, &beta, &spec).await;
+    assert_eq!((st, field_of(&v)), (StatusCode::BAD_REQUEST, "checkpoint.url"), "{v}");
+    assert!(v["error"].as_str().unwrap_or("").contains(&beta_id), "{v}");
+    tick_until(&e, &beta_id, "succeeded", Duration::from_secs(60)).await;
+
+    // No loader tricks; a hostile PATH cannot stop the exit status from being recorded.
+    let spec = format!("{JOB}\n[env]\nLD_PRELOAD = \"/tmp/evil.so\"\n");
+    let (st, v) = submit(a, &beta, &spec).await;
+    assert_eq!((st, field_of(&v)), (StatusCode::BAD_REQUEST, "env.LD_PRELOAD"), "{v}");
+    let (st, v) = submit(a, &beta, &format!("{JOB}\n[env]\nPATH = \"/nonexistent\"\n")).await;
+    assert_eq!(st, StatusCode::CREATED, "{v}");
+    let id = v["id"].as_str().expect("id").to_owned();
+    let v = tick_until(&e, &id, "succeeded", Duration::from_secs(60)).await;
+    assert!(v["workers"].as_array().expect("workers").iter().all(|w| w["exit_code"] == 0), "{v:#}");
+
+    // /metrics shows a team its own jobs only.
+    set_mode(&e.dir, "sleep");
+    let (_, v) = submit(a, &alpha, JOB).await;
+    let running = v["id"].as_str().expect("id").to_owned();
+    tick_until(&e, &running, "running", Duration::from_secs(60)).await;
+    let (_, m) = get(a, "/metrics", &beta).await;
+    let m = m.as_str().unwrap_or("").to_owned();
+    assert!(m.contains("shoal_node_cpus") && !m.contains(&running), "beta sees alpha's job in /metrics:\n{m}");
+    for tok in [&alpha, &e.admin] {
+        let (_, m) = get(a, "/metrics", tok).await;
+        assert!(m.as_str().unwrap_or("").contains(&running), "{m}");
+    }
+    // The token goes in a header; only the event streams take it in the query.
+    let (st, _) = call(a, "GET", &format!("/api/v1/jobs?access_token={alpha}"), None, "application/json", vec![]).await;
+    assert_eq!(st, StatusCode::UNAUTHORIZED);
+    let (st, v) =
+        call(a, "POST", &format!("/api/v1/jobs/{running}/cancel"), Some(&alpha), "application/json", vec![]).await;
+    assert_eq!(st, StatusCode::ACCEPTED, "{v}");
+    tick_until(&e, &running, "cancelled", Duration::from_secs(30)).await;
+
+    // Log reads are bounded, and attempts start at 1.
+    let log = data.join("jobs").join(&alpha_id).join("attempt-1/rank-0.log");
+    std::fs::write(&log, vec![b'x'; 3 << 20]).expect("a large log");
+    let (st, body) = get(a, &format!("/api/v1/jobs/{alpha_id}/logs?rank=0"), &alpha).await;
+    assert_eq!(st, StatusCode::OK);
+    assert_eq!(body.as_str().map(str::len), Some(shoal_control::api::MAX_LOG_CHUNK));
+    let (st, v) = get(a, &format!("/api/v1/jobs/{alpha_id}/logs?attempt=0"), &alpha).await;
+    assert_eq!((st, field_of(&v)), (StatusCode::BAD_REQUEST, "attempt"), "{v}");
+
+    // Secrets at rest: the directory closed to others, its files to everyone but the server's user.
+    let dir_mode = mode_of(&data);
+    assert!(dir_mode == 0o700 || dir_mode == 0o710, "data directory mode {dir_mode:o}");
+    for f in ["shoal.db", "server.key", "admin.token"] {
+        assert_eq!(mode_of(&data.join(f)), 0o600, "{f}");
+    }
+    let (_, v) = get(a, &format!("/api/v1/jobs/{alpha_id}"), &e.admin).await;
+    assert!(v.get("secret").is_none(), "{v}");
+    let _ = std::fs::remove_dir_all(&e.dir);
+    let _ = std::fs::remove_dir_all(&store);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_submits_and_cancels_never_run_a_job_twice() {
+    let e = env_with("storm", None, |o| o.tick = Duration::from_millis(20)).await;
+    set_mode(&e.dir, "short");
+    let (tx, rx) = tokio::sync::watch::channel(false);
+    let looping = tokio::spawn(e.p.control.clone().run(rx));
+    let spec = job_with("", &[("max = 1", "max = 0"), ("count = 2", "min = 1\nmax = 2")]);
+    let mut clients = Vec::new();
+    for c in 0..6 {
+        let (app, token, spec) = (e.app.clone(), e.admin.clone(), spec.clone());
+        clients.push(tokio::spawn(async move {
+            let mut ids = Vec::new();
+            for j in 0..6 {
+                let (st, v) = submit(&app, &token, &spec).await;
+                assert_eq!(st, StatusCode::CREATED, "{v}");
+                let id = v["id"].as_str().expect("id").to_owned();
+                if (c + j) % 2 == 0 {
+                    tokio::time::sleep(Duration::from_millis(((c * 7 + j * 13) % 40) as u64)).await;
+                    let (st, v) = call(
+                        &app,
+                        "POST",
+                        &format!("/api/v1/jobs/{id}/cancel"),
+                        Some(&token),
+                        "application/json",
+                        vec![],
+                    )
+                    .await;
+                    assert!(st == StatusCode::ACCEPTED || st == StatusCode::CONFLICT, "{st} {v}");
+                }
+                ids.push(id);
+            }
+            ids
+        }));
+    }
+    let mut ids = Vec::new();
+    for c in clients {
+        ids.extend(c.await.expect("client"));
+    }
+    let t0 = Instant::now();
+    let jobs = loop {
+        let (_, v) = get(&e.app, "/api/v1/jobs", &e.admin).await;
+        let jobs = v["jobs"].as_array().cloned().unwrap_or_default();
+        let open = jobs
+            .iter()
+            .filter(|j| !["succeeded", "failed", "cancelled"].contains(&j["state"].as_str().unwrap_or("")))
+            .count();
+        if open == 0 && jobs.len() == ids.len() {
+            break jobs;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(180), "{open} jobs still open: {v:#}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let _ = tx.send(true);
+    let _ = looping.await;
+    for j in &jobs {
+        let id = j["id"].as_str().expect("id");
+        let (_, v) = get(&e.app, &format!("/api/v1/jobs/{id}"), &e.admin).await;
+        let attempt = v["attempt"].as_i64().unwrap_or(-1);
+        assert!(attempt <= 1, "job {id} ran {attempt} times: {v:#}");
+        let dirs = std::fs::read_dir(e.dir.join("data/jobs").join(id))
+            .map(|d| d.flatten().filter(|f| f.file_name().to_string_lossy().starts_with("attempt-")).count())
+            .unwrap_or(0);
+        assert_eq!(dirs as i64, attempt, "job {id}: attempt directories vs attempts: {v:#}");
+        match v["state"].as_str() {
+            Some("succeeded") => assert_eq!(attempt, 1, "{v:#}"),
+            Some("cancelled") if attempt == 0 => {
+                assert!(!e.dir.join("data/jobs").join(id).join("run/summary.json").exists(), "{v:#}")
+            }
+            Some("cancelled") => {}
+            other => panic!("job {id} ended {other:?}: {v:#}"),
+        }
+    }
+    let leftover: Vec<i64> = own_processes(&e.dir.join("data"));
+    assert!(leftover.is_empty(), "processes left behind: {leftover:?}");
+    let alloc = e.p.control.allocations();
+    assert!(alloc.iter().all(|a| a.cpus_milli == 0 && a.memory_bytes == 0), "allocations left: {alloc:?}");
+    let _ = std::fs::remove_dir_all(&e.dir);
+}
+
+/// Processes whose environment names this data directory.
+fn own_processes(data: &Path) -> Vec<i64> {
+    let want = format!("SHOAL_SERVER_DATA={}", data.display());
+    std::fs::read_dir("/proc")
+        .map(|d| {
+            d.flatten()
+                .filter_map(|e| e.file_name().to_str()?.parse::<i64>().ok())
+                .filter(|pid| {
+                    std::fs::read(format!("/proc/{pid}/environ"))
+                        .is_ok_and(|env| env.split(|&b| b == 0).any(|v| v == want.as_bytes()))
+                        && pid_alive(*pid)
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_that_cannot_be_processed_does_not_stall_the_others() {
+    let e = env("isolated", None).await;
+    set_mode(&e.dir, "ok");
+    let (_, v) = submit(&e.app, &e.admin, JOB).await;
+    let broken = v["id"].as_str().expect("id").to_owned();
+    // Its directory is gone, and a file sits where it was: every attempt to start it fails.
+    let dir = e.dir.join("data/jobs").join(&broken);
+    std::fs::remove_dir_all(&dir).expect("remove the job directory");
+    std::fs::write(&dir, b"not a directory").expect("a file in its place");
+    let (_, v) = submit(&e.app, &e.admin, JOB).await;
+    let healthy = v["id"].as_str().expect("id").to_owned();
+    tick_until(&e, &healthy, "succeeded", Duration::from_secs(60)).await;
+    let v = tick_until(&e, &broken, "failed", Duration::from_secs(60)).await;
+    assert!(v["reason"].as_str().unwrap_or("").contains("directory"), "{v:#}");
+    let _ = std::fs::remove_dir_all(&e.dir);
+}
+
+#[tokio::test]
+async fn a_damaged_database_is_never_taken_for_a_new_one() {
+    let dir = tmpdir("damaged");
+    let opts = ServerOptions::new(&dir, "127.0.0.1:0".parse().expect("addr"), Path::new("/bin/true"));
+    let db = dir.join("shoal.db");
+    let first = prepare(&opts).await.expect("first start");
+    first.control.db.close().await;
+    drop(first);
+    let good = std::fs::read(&db).expect("the database");
+    assert!(good.len() >= 8 * 4096, "the log was not folded into the file: {} bytes", good.len());
+    std::fs::create_dir_all(dir.join("jobs/j-00000001")).expect("a job directory");
+    // Empty, not a database, damaged inside, missing beside a job history.
+    let mut inside = good.clone();
+    let (mid, len) = (inside.len() / 2, inside.len());
+    for b in &mut inside[4096.min(mid)..len.saturating_sub(4096).max(mid)] {
+        *b = 0xA5;
+    }
+    for (what, bytes, want) in [
+        ("empty", Some(Vec::new()), "empty"),
+        ("garbage", Some(b"this is not a database, not even close".repeat(200)), "not a database"),
+        ("damaged inside", Some(inside), "damaged"),
+        ("missing", None, "missing"),
+    ] {
+        for f in [db.clone(), dir.join("shoal.db-wal"), dir.join("shoal.db-shm")] {
+            let _ = std::fs::remove_file(f);
+        }
+        if let Some(b) = &bytes {
+            std::fs::write(&db, b).expect("write");
+        }
+        let err = prepare(&opts).await.expect_err(what);
+        let msg = err.to_string();
+        assert!(
+            msg.contains(&db.display().to_string()) && msg.contains(want) && msg.contains("--init"),
+            "{what}: {msg}"
+        );
+        if let Some(b) = &bytes {
+            assert_eq!(&std::fs::read(&db).expect("kept"), b, "{what}: the file must be left as it was");
+        }
+    }
+    // --init starts afresh and keeps the damaged file beside it.
+    std::fs::write(&db, b"garbage").expect("write");
+    let mut init = opts.clone();
+    init.init = true;
+    let p = prepare(&init).await.expect("--init");
+    drop(p);
+    let kept = std::fs::read_dir(&dir)
+        .expect("dir")
+        .flatten()
+        .any(|f| f.file_name().to_string_lossy().starts_with("shoal.db.damaged-"));
+    assert!(kept, "the damaged file must be kept");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_client_is_cut_off() {
+    use std::io::{Read, Write};
+    let dir = tmpdir("slow");
+    let opts = ServerOptions::new(&dir, "127.0.0.1:0".parse().expect("addr"), Path::new("/bin/true"));
+    let server = shoal_control::start(opts).await.expect("server");
+    let addr = server.addr;
+    let held = tokio::task::spawn_blocking(move || {
+        let mut s = std::net::TcpStream::connect(addr).expect("connect");
+        s.set_read_timeout(Some(Duration::from_millis(900))).expect("timeout");
+        let t0 = Instant::now();
+        for b in
+            b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa".iter().cycle()
+        {
+            if s.write_all(&[*b]).is_err() {
+                break;
+            }
+            let mut buf = [0u8; 512];
+            match s.read(&mut buf) {
+                Ok(0) => break,
+                Ok(_) => break,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock || e.kind() == std::io::ErrorKind::TimedOut => {}
+                Err(_) => break,
+            }
+            if t0.elapsed() > Duration::from_secs(40) {
+                break;
+            }
+        }
+        t0.elapsed()
+    })
+    .await
+    .expect("client");
+    let limit = shoal_control::server::HEADER_TIMEOUT + Duration::from_secs(3);
+    assert!(held <= limit, "a client sending a byte a second was held for {held:?} (limit {limit:?})");
+    server.shutdown().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test]
+async fn a_body_that_never_arrives_is_answered_408() {
+    let e = env("body", None).await;
+    // The server's clock from here on: its body deadline passes without the test waiting for it.
+    tokio::time::pause();
+    let never = futures_util::stream::pending::<std::result::Result<axum::body::Bytes, std::io::Error>>();
+    let req = Request::builder()
+        .method("POST")
+        .uri("/api/v1/jobs")
+        .header("content-type", "application/toml")
+        .header("content-length", "100")
+        .header("authorization", format!("Bearer {}", e.admin))
+        .body(Body::from_stream(never))
+        .expect("request");
+    let resp = e.app.clone().oneshot(req).await.expect("router answers");
+    assert_eq!(resp.status(), StatusCode::REQUEST_TIMEOUT);
+    let _ = std::fs::remove_dir_all(&e.dir);
 }
