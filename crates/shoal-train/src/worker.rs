@@ -53,7 +53,10 @@ pub struct Summary {
     /// How the work was spread over the workers (`train.strategy`).
     #[serde(default)]
     pub strategy: Strategy,
-    pub final_loss: f64,
+    /// The loss of the last step; none (null or absent in the file) when it was not a finite number, or when no
+    /// step ran and the checkpoint resumed from recorded none.
+    #[serde(default)]
+    pub final_loss: Option<f64>,
     pub eval_loss: f64,
     pub eval_accuracy: Option<f64>,
     pub eval_perplexity: Option<f64>,
@@ -398,6 +401,30 @@ pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
         trainer.optimizer_mut().load_state(&params, opt_t, &named)?;
         start_step = l.manifest.step as usize;
     }
+    let summary_path = opts.output.join("summary.json");
+    if start_step >= t.steps {
+        // Nothing left to train. Keep the summary of the run that got here, when rank 0 has it.
+        let kept = if rank == 0 { read_summary(&summary_path, &spec.name) } else { None };
+        if any_rank(&comm, kept.is_some())? {
+            if rank == 0 {
+                eprintln!(
+                    "the run is already complete: its newest checkpoint is step {start_step} of {}; {} kept",
+                    t.steps,
+                    summary_path.display()
+                );
+            }
+            comm.barrier()?;
+            return Ok(kept);
+        }
+        if rank == 0 {
+            eprintln!(
+                "the run is already complete (checkpoint step {start_step} of {}), but {} is missing: evaluating \
+                 the checkpoint for a new one",
+                t.steps,
+                summary_path.display()
+            );
+        }
+    }
     // Fault injection for testing diagnosis: a slow data source.
     let delay = match std::env::var("SHOAL_FAULT_DATA_DELAY") {
         Ok(v) => shoal_comm::env::parse_duration(&v)
@@ -442,7 +469,8 @@ pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
     let eval_path = opts.output.join("eval.jsonl");
     if rank == 0 {
         if start_step > 0 {
-            truncate_jsonl(&eval_path, start_step as u64)?;
+            // The final evaluation is redone when a complete run is evaluated again: drop the old one.
+            truncate_jsonl(&eval_path, start_step.min(t.steps - 1) as u64)?;
         } else {
             let _ = std::fs::remove_file(&eval_path);
         }
@@ -468,7 +496,11 @@ pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
     };
     let (mut data_t, mut compute_t, mut comm_t, mut opt_t, mut step_t) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    let mut last_loss = f64::NAN;
+    // The loss of the last step taken; before any, the one the checkpoint recorded.
+    let mut last_loss = resumed
+        .as_ref()
+        .and_then(|l| l.manifest.extra.get("loss").and_then(serde_json::Value::as_f64))
+        .unwrap_or(f64::NAN);
     let mut samples_seen = 0usize;
     // The model's hand-written backward pass, unless SHOAL_AUTOGRAD=1 asks for candle's autograd.
     let hand = model.hand_backward().filter(|_| std::env::var("SHOAL_AUTOGRAD").map_or(true, |v| v != "1"));
@@ -607,7 +639,7 @@ pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
         steps: t.steps,
         world_size: world,
         strategy: t.strategy,
-        final_loss: last_loss,
+        final_loss: last_loss.is_finite().then_some(last_loss),
         eval_loss,
         eval_accuracy: (!text).then_some(eval_acc),
         eval_perplexity: text.then(|| eval_loss.exp()),
@@ -631,10 +663,24 @@ pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
     };
     comm.barrier()?;
     if rank == 0 {
-        write_json(&opts.output.join("summary.json"), &summary)?;
+        write_json(&summary_path, &summary)?;
         return Ok(Some(summary));
     }
     Ok(None)
+}
+
+/// The `summary.json` at `path` when it is one of job `name`; `None` when it is missing, unreadable or another
+/// job's.
+fn read_summary(path: &Path, name: &str) -> Option<Summary> {
+    let text = std::fs::read_to_string(path).ok()?;
+    serde_json::from_str::<Summary>(&text).ok().filter(|s| s.name == name)
+}
+
+/// Whether `mine` holds on any rank (every rank gets the same answer).
+fn any_rank(comm: &Communicator, mine: bool) -> Result<bool> {
+    let mut v = [if mine { 1f64 } else { 0.0 }];
+    comm.all_reduce(&mut v, ReduceOp::Sum)?;
+    Ok(v[0] > 0.0)
 }
 
 /// Writes JSON atomically (temp file, fsync, rename).

@@ -167,7 +167,8 @@ pub fn run_job(n: usize, job: &Path, output: Option<&Path>, resume: bool, json: 
     let s: shoal_train::worker::Summary =
         serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
     println!("{} finished: {} steps on {} worker(s) in {:.1} s", s.name, s.steps, s.world_size, s.elapsed_s);
-    println!("  final loss {:.4}, eval loss {:.4}", s.final_loss, s.eval_loss);
+    let final_loss = s.final_loss.map_or_else(|| "-".to_string(), |l| format!("{l:.4}"));
+    println!("  final loss {final_loss}, eval loss {:.4}", s.eval_loss);
     if let Some(a) = s.eval_accuracy {
         println!("  eval accuracy {:.2}%", a * 100.0);
     }

@@ -283,3 +283,36 @@ fn the_summary_and_the_checkpoints_record_the_strategy_that_ran() {
     }
     let _ = std::fs::remove_dir_all(dir);
 }
+
+#[test]
+fn resuming_a_complete_run_says_so_and_keeps_its_summary() {
+    let dir = tmpdir("complete");
+    let job = dir.join("job.toml");
+    std::fs::write(&job, SHORT_JOB).expect("write job");
+    let out = dir.join("out");
+    let (job_s, out_s) = (job.to_str().unwrap_or(""), out.to_str().unwrap_or(""));
+    run_json(&["run", "-n", "2", "--json", "--output", out_s, job_s]);
+    let summary = out.join("summary.json");
+    let before = std::fs::read(&summary).expect("summary.json");
+
+    let run = shoal().args(["run", "-n", "2", "--resume", "--output", out_s, job_s]).output().expect("resume");
+    let (stdout, stderr) = (String::from_utf8_lossy(&run.stdout), String::from_utf8_lossy(&run.stderr));
+    assert!(run.status.success(), "resuming a complete run must succeed:\n{stdout}\n{stderr}");
+    assert!(stderr.contains("already complete: its newest checkpoint is step 12 of 12"), "{stderr}");
+    assert!(stdout.contains("short finished: 12 steps on 2 worker(s)"), "{stdout}");
+    assert_eq!(std::fs::read(&summary).expect("summary.json"), before, "the summary must be kept as it was");
+    let kept = run_json(&["run", "-n", "2", "--json", "--resume", "--output", out_s, job_s]);
+    let want: serde_json::Value = serde_json::from_slice(&before).expect("summary is JSON");
+    assert_eq!(kept, want);
+
+    // Without its summary (lost after the last checkpoint), the checkpoint is evaluated for a new one.
+    let evals = std::fs::read_to_string(out.join("eval.jsonl")).expect("eval.jsonl");
+    std::fs::remove_file(&summary).expect("remove summary");
+    let s = run_json(&["run", "-n", "2", "--json", "--resume", "--output", out_s, job_s]);
+    assert_eq!((s["resumed_from"].as_u64(), s["steps"].as_u64()), (Some(12), Some(12)), "{s}");
+    assert_eq!(s["final_loss"], want["final_loss"], "the final loss comes from the checkpoint");
+    assert!(s["eval_accuracy"].as_f64().is_some(), "{s}");
+    let evals_again = std::fs::read_to_string(out.join("eval.jsonl")).expect("eval.jsonl");
+    assert_eq!(evals_again.lines().count(), evals.lines().count(), "the final evaluation is replaced, not repeated");
+    let _ = std::fs::remove_dir_all(dir);
+}
