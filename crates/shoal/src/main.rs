@@ -167,9 +167,21 @@ fn init_tracing() {
         .init();
 }
 
+/// Whether a closed stdout (`shoal jobs | head -1`) ends the command quietly, as it does any Unix filter: SIGPIPE's
+/// default action, which Rust's runtime replaces by ignoring it (a write then fails with EPIPE and `println!`
+/// panics). The launcher, the server and the ranks keep ignoring it: a closed pipe must not stop supervision,
+/// serving or training (their own output tolerates it).
+fn quiet_on_closed_stdout(cmd: &Cmd) -> bool {
+    !matches!(cmd, Cmd::Run(_) | Cmd::Server(_) | Cmd::Worker { .. } | Cmd::BenchRank { .. })
+}
+
 fn main() -> std::process::ExitCode {
     init_tracing();
     let cli = Cli::parse();
+    if quiet_on_closed_stdout(&cli.command) {
+        // SAFETY: restores a signal's default disposition before any thread starts.
+        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    }
     let result: Result<bool> = match cli.command {
         Cmd::Run(args) => return run::main(&args),
         Cmd::Bench { op, args } => bench::run_bench(op, &args),

@@ -142,6 +142,21 @@ impl Client {
         )
     }
 
+    /// A request with a body that failed: a connection closed while the body was going out means the server
+    /// refused it before reading it all (most often for its size), not that it cannot be reached.
+    fn send_failed(&self, e: ureq::Error, body_len: usize) -> anyhow::Error {
+        use std::io::ErrorKind::{BrokenPipe, ConnectionReset};
+        match &e {
+            ureq::Error::Io(io) if body_len > 0 && matches!(io.kind(), BrokenPipe | ConnectionReset) => anyhow!(
+                "the shoal server at {} closed the connection while receiving the {body_len}-byte request body \
+                 ({e}); it accepts at most {} bytes",
+                self.base,
+                shoal_control::api::MAX_BODY
+            ),
+            _ => self.unreachable(e),
+        }
+    }
+
     pub fn get(&self, path: &str) -> Result<Value> {
         let mut req = self
             .agent
@@ -168,7 +183,7 @@ impl Client {
         if let Some(a) = self.auth() {
             req = req.header("Authorization", a);
         }
-        let resp = req.send(body).map_err(|e| self.unreachable(e))?;
+        let resp = req.send(body).map_err(|e| self.send_failed(e, body.len()))?;
         let mut resp = self.check(resp, &format!("POST {path}"))?;
         resp.body_mut().read_json().map_err(|e| anyhow!("POST {path}: bad JSON from the server: {e}"))
     }
@@ -296,6 +311,7 @@ pub fn server(args: &ServerArgs) -> Result<bool> {
 
 pub fn submit(client: &Client, job: &Path, json_out: bool) -> Result<bool> {
     let text = std::fs::read_to_string(job).with_context(|| format!("reading {}", job.display()))?;
+    within_body_limit(job, text.len())?;
     // Check locally first: errors then name the file and line.
     let spec = shoal_spec::parse_job(&text, &job.display().to_string()).map_err(|e| anyhow!("{e}"))?;
     let v = client.post("/api/v1/jobs", "application/toml", text.as_bytes())?;
@@ -307,6 +323,19 @@ pub fn submit(client: &Client, job: &Path, json_out: bool) -> Result<bool> {
         eprintln!("submitted {} as {id}; follow it with `shoal status {id}` or `shoal logs {id} --follow`", spec.name);
     }
     Ok(true)
+}
+
+/// Refuses a spec the server would refuse for its size ([`shoal_control::api::MAX_BODY`]) before sending it.
+fn within_body_limit(job: &Path, len: usize) -> Result<()> {
+    let max = shoal_control::api::MAX_BODY;
+    if len > max {
+        bail!(
+            "{}: {len} bytes; the server accepts job specs of at most {max} bytes ({} MiB)",
+            job.display(),
+            max >> 20
+        );
+    }
+    Ok(())
 }
 
 fn age(ms: Option<i64>) -> String {

@@ -2,8 +2,11 @@
 //!
 //! ```text
 //! shoal run -n N [--output DIR] [--timeout-grace 10s] [--json] -- CMD ARGS…
-//! shoal run -n N [--output DIR] [--resume] [--json] JOB.toml
+//! shoal run [-n N] [--output DIR] [--resume] [--json] JOB.toml
 //! ```
+//!
+//! A job file runs with `-n` workers or its `workers.count` (1 when neither is given); when both are given and
+//! differ, it is refused naming both.
 //!
 //! The first form starts the rendezvous store and N processes of CMD on this
 //! machine with the environment contract (`SHOAL_*` and PyTorch's `MASTER_ADDR`,
@@ -47,9 +50,10 @@ use crate::launch::{LaunchSpec, OnFailure, Policy, SpawnError, describe, launch_
                   (128 + signal if it was killed); 130 after Ctrl-C; 127 if CMD is not found."
 )]
 pub struct RunArgs {
-    /// Number of ranks (processes) to start on this machine.
+    /// Number of ranks (processes) to start on this machine; for a job file, default its workers.count
+    /// (else 1), and when both are given they must agree.
     #[arg(short = 'n', long = "ranks", value_name = "N")]
-    pub ranks: usize,
+    pub ranks: Option<usize>,
     /// Create DIR and write each rank's raw output lines to DIR/logs/rank-R.log.
     #[arg(long, value_name = "DIR")]
     pub output: Option<PathBuf>,
@@ -90,7 +94,7 @@ pub fn main(args: &RunArgs) -> ExitCode {
 }
 
 fn run(args: &RunArgs) -> Result<ExitCode> {
-    if args.ranks == 0 {
+    if args.ranks == Some(0) {
         bail!("-n/--ranks must be at least 1");
     }
     let grace = shoal_comm::env::parse_duration(&args.timeout_grace)
@@ -102,7 +106,7 @@ fn run(args: &RunArgs) -> Result<ExitCode> {
         (Some(job), true) => bail!(
             "{} is not a job file (JOB.toml); to run a program, put `--` before it: shoal run -n {} -- {} …",
             job.display(),
-            args.ranks,
+            args.ranks.unwrap_or(1),
             job.display()
         ),
         (Some(job), false) => {
@@ -111,19 +115,45 @@ fn run(args: &RunArgs) -> Result<ExitCode> {
         (None, true) => bail!("nothing to run: give `-- CMD ARGS…` or JOB.toml"),
         (None, false) if args.resume => bail!("--resume applies to job files, not to `-- CMD`"),
         (None, false) => {
+            let Some(ranks) = args.ranks else { bail!("how many ranks? give -n N before `--`") };
             let program = resolve_program(&args.command[0])?;
-            let opts =
-                RunOptions { ranks: args.ranks, output: args.output.clone(), grace, json: args.json, progress: false };
+            let opts = RunOptions { ranks, output: args.output.clone(), grace, json: args.json, progress: false };
             run_ranks(&program, &args.command[1..], &[], &opts)
         }
     }
 }
 
-/// `shoal run -n N [--output DIR] [--resume] JOB.toml`.
-pub fn run_job(n: usize, job: &Path, output: Option<&Path>, resume: bool, json: bool) -> Result<ExitCode> {
-    // Every error of the spec names its key path, before any process starts.
+/// How many workers a job file runs with: `-n` or `workers.count`, which must agree when both are given; 1 when
+/// neither is (an elastic `workers.min`/`max` then needs `-n`, within them). Errors name the file and the keys.
+fn worker_count(spec: &shoal_train::spec::JobSpec, ranks: Option<usize>, job: &Path) -> Result<usize> {
+    let w = &spec.workers;
+    let file = job.display();
+    let n = match (ranks, w.count.map(|c| c as usize)) {
+        (Some(n), Some(c)) if n != c => {
+            bail!("{file}: workers.count = {c} but -n {n}: give one of them, or the same number in both")
+        }
+        (Some(n), _) => n,
+        (None, Some(c)) => c,
+        (None, None) if w.min.is_some() || w.max.is_some() => {
+            bail!("{file}: workers.min/max describe an elastic job; give -n N to choose how many run here")
+        }
+        (None, None) => 1,
+    };
+    if let Some(lo) = w.min.filter(|&lo| n < lo as usize) {
+        bail!("{file}: -n {n} is below workers.min = {lo}");
+    }
+    if let Some(hi) = w.max.filter(|&hi| n > hi as usize) {
+        bail!("{file}: -n {n} is above workers.max = {hi}");
+    }
+    Ok(n)
+}
+
+/// `shoal run [-n N] [--output DIR] [--resume] JOB.toml`.
+pub fn run_job(ranks: Option<usize>, job: &Path, output: Option<&Path>, resume: bool, json: bool) -> Result<ExitCode> {
+    // Every error of the spec names the file and its key path, before any process starts.
     let spec = shoal_train::spec::load_job(job).map_err(|e| anyhow::anyhow!("{e}"))?;
-    spec.validate_world(n).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let n = worker_count(&spec, ranks, job)?;
+    spec.validate_world(n).map_err(|e| anyhow::anyhow!("{}", e.with_origin(&job.display().to_string())))?;
     let out = output.map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("shoal-runs").join(&spec.name));
     std::fs::create_dir_all(&out).with_context(|| format!("creating the output directory {}", out.display()))?;
     let exe = std::env::current_exe().context("locating the shoal executable")?;
@@ -160,37 +190,49 @@ pub fn run_job(n: usize, job: &Path, output: Option<&Path>, resume: bool, json: 
     }
     let path = out.join("summary.json");
     let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
-    if json {
-        println!("{}", text.trim());
-        return Ok(ExitCode::SUCCESS);
+    let printed = if json {
+        writeln!(std::io::stdout().lock(), "{}", text.trim())
+    } else {
+        let s: shoal_train::worker::Summary =
+            serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+        print_summary(&mut std::io::stdout().lock(), &s, &out)
+    };
+    // A closed stdout (`| head`) loses only the report: the run succeeded, and its exit status says so.
+    match printed {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => eprintln!("shoal run: writing the summary: {e}"),
+        _ => {}
     }
-    let s: shoal_train::worker::Summary =
-        serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
-    println!("{} finished: {} steps on {} worker(s) in {:.1} s", s.name, s.steps, s.world_size, s.elapsed_s);
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The summary of a finished run, for people.
+fn print_summary(w: &mut impl Write, s: &shoal_train::worker::Summary, out: &Path) -> std::io::Result<()> {
+    writeln!(w, "{} finished: {} steps on {} worker(s) in {:.1} s", s.name, s.steps, s.world_size, s.elapsed_s)?;
     let final_loss = s.final_loss.map_or_else(|| "-".to_string(), |l| format!("{l:.4}"));
-    println!("  final loss {final_loss}, eval loss {:.4}", s.eval_loss);
+    writeln!(w, "  final loss {final_loss}, eval loss {:.4}", s.eval_loss)?;
     if let Some(a) = s.eval_accuracy {
-        println!("  eval accuracy {:.2}%", a * 100.0);
+        writeln!(w, "  eval accuracy {:.2}%", a * 100.0)?;
     }
     if let Some(p) = s.eval_perplexity {
         match s.baseline_loss {
-            Some(b) => println!(
+            Some(b) => writeln!(
+                w,
                 "  eval perplexity {p:.2}; a unigram model of the training text: loss {b:.4}, perplexity {:.2}",
                 b.exp()
-            ),
-            None => println!("  eval perplexity {p:.2}"),
+            )?,
+            None => writeln!(w, "  eval perplexity {p:.2}")?,
         }
     }
-    println!(
+    writeln!(
+        w,
         "  {:.0} samples/s; step medians: data {:.2} ms, compute {:.2} ms, comm {:.2} ms, optimizer {:.2} ms",
         s.samples_per_s,
         s.step_time.data_s * 1e3,
         s.step_time.compute_s * 1e3,
         s.step_time.comm_s * 1e3,
         s.step_time.optimizer_s * 1e3
-    );
-    println!("  outputs in {}", out.display());
-    Ok(ExitCode::SUCCESS)
+    )?;
+    writeln!(w, "  outputs in {}", out.display())
 }
 
 /// How `run_ranks` runs.

@@ -2,6 +2,7 @@
 //! shared memory.
 
 mod bench;
+mod cli;
 mod dashboard;
 mod diagnose;
 mod platform;
