@@ -200,9 +200,7 @@ async fn submit(
             format!("no queue {:?}; the queues are: {}", spec.queue, names.join(", ")),
         ));
     }
-    if let Some((field, why)) = control.never_fits(&spec) {
-        return Err(ControlError::bad_field(field, why));
-    }
+    control.admissible(&caller.0.team, &spec)?;
     let spec_json =
         serde_json::to_string(&spec).map_err(|e| ControlError::Internal(format!("serializing the spec: {e}")))?;
     let id = loop {

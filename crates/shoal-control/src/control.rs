@@ -129,6 +129,18 @@ pub fn parse_stored_spec(job: &JobRow) -> Result<JobSpec> {
     Ok(spec)
 }
 
+/// The spec's key for a field of the scheduler's request.
+fn spec_key(sched_field: &str) -> &'static str {
+    match sched_field {
+        "per_task.cpus_milli" => "resources.cpus",
+        "per_task.memory_bytes" => "resources.memory",
+        "per_task.gpus_milli" => "resources.gpus",
+        "per_task.gpu_memory_bytes" => "resources.gpu_memory",
+        "per_task" => "resources",
+        _ => "workers",
+    }
+}
+
 fn mib(b: u64) -> String {
     if b >= 1 << 30 { format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64) } else { format!("{} MiB", b >> 20) }
 }
@@ -186,76 +198,40 @@ impl Control {
         self.sched().pending_count()
     }
 
-    /// Why a job can never run here (asks more than any node, or than the whole cluster, has), if so.
-    pub fn never_fits(&self, spec: &JobSpec) -> Option<(String, String)> {
-        let r = resources_of(spec);
-        let n = &self.node;
-        let (lo, _) = spec.workers.range();
-        if r.cpus_milli > n.cpus_milli {
-            return Some((
-                "resources.cpus".into(),
-                format!(
-                    "can never run: asks {} CPUs per worker, the largest node has {}",
-                    r.cpus_milli as f64 / 1000.0,
-                    n.cpus_milli as f64 / 1000.0
-                ),
-            ));
-        }
-        if r.memory_bytes > n.memory_bytes {
-            return Some((
-                "resources.memory".into(),
-                format!(
-                    "can never run: asks {} per worker, the largest node has {}",
-                    mib(r.memory_bytes),
-                    mib(n.memory_bytes)
-                ),
-            ));
-        }
-        let gpus = n.gpus.len() as u64 * 1000;
-        if r.gpus_milli > gpus {
-            return Some((
-                "resources.gpus".into(),
-                format!(
-                    "can never run: asks {} GPUs per worker, the largest node has {}",
-                    r.gpus_milli as f64 / 1000.0,
-                    n.gpus.len()
-                ),
-            ));
-        }
-        let total = |per: u64| per.saturating_mul(u64::from(lo));
-        if total(r.cpus_milli) > n.cpus_milli && !spec.workers.spread {
-            return Some((
-                "workers".into(),
-                format!(
-                    "can never run: {lo} workers × {} CPUs = {} CPUs, the cluster has {}",
-                    r.cpus_milli as f64 / 1000.0,
-                    total(r.cpus_milli) as f64 / 1000.0,
-                    n.cpus_milli as f64 / 1000.0
-                ),
-            ));
-        }
-        if total(r.memory_bytes) > n.memory_bytes {
-            return Some((
-                "workers".into(),
-                format!(
-                    "can never run: {lo} workers × {} = {}, the cluster has {}",
-                    mib(r.memory_bytes),
-                    mib(total(r.memory_bytes)),
-                    mib(n.memory_bytes)
-                ),
-            ));
-        }
-        if r.gpus_milli > 0 && total(r.gpus_milli) > gpus {
-            return Some((
-                "workers".into(),
-                format!(
-                    "can never run: {lo} workers × {} GPUs, the cluster has {}",
-                    r.gpus_milli as f64 / 1000.0,
-                    n.gpus.len()
-                ),
-            ));
-        }
-        None
+    /// Whether a job could ever run here, by the scheduler's own admission check; a refusal names the spec's key
+    /// (`resources.gpus`, `workers`, `queue`, ...) rather than the scheduler's field.
+    pub fn admissible(&self, team: &str, spec: &JobSpec) -> Result<()> {
+        let (lo, hi) = spec.workers.range();
+        let req = JobRequest {
+            id: "(submitted)".into(),
+            team: team.to_owned(),
+            queue: spec.queue.clone(),
+            priority: spec.priority,
+            tasks_min: lo,
+            tasks_max: hi,
+            per_task: resources_of(spec),
+            spread: spec.workers.spread,
+            submitted_at_ms: 0,
+            expected_runtime_ms: None,
+        };
+        let refused = self.sched().admissible(&req);
+        refused.map_err(|e| {
+            use shoal_sched::SchedError as E;
+            let field = match &e {
+                E::NeverFits { field, .. } => spec_key(field),
+                E::ZeroTasks { .. } | E::MinAboveMax { .. } | E::TooManyTasks { .. } => "workers",
+                E::EmptyRequest { .. } => "resources",
+                E::FractionalMultiGpu { .. } => "resources.gpus",
+                E::GpuMemoryWithoutGpu { .. } => "resources.gpu_memory",
+                E::AboveQuota { .. } | E::UnknownQueue { .. } => "queue",
+                _ => "",
+            };
+            let message = match &e {
+                E::NeverFits { asked, limit, .. } => format!("can never run: asks {asked}, {limit}"),
+                other => other.to_string().replace("job (submitted): ", ""),
+            };
+            ControlError::BadRequest { message, field: (!field.is_empty()).then(|| field.to_owned()) }
+        })
     }
 
     /// After a restart: adopt the tasks that still run, rebuild the scheduler's books, and requeue what cannot be

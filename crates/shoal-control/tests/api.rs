@@ -153,7 +153,7 @@ async fn bad_input_is_a_4xx_naming_the_field(e: &Env) {
         (job_with("", &[("steps = 2", "steps = \"many\"")]), "application/toml", StatusCode::BAD_REQUEST, Some("train.steps"), ""),
         (job_with("", &[("cpus = 1", "cpus = -1")]), "application/toml", StatusCode::BAD_REQUEST, Some("resources.cpus"), "negative"),
         (job_with("", &[("count = 2", "min = 3\nmax = 2")]), "application/toml", StatusCode::BAD_REQUEST, Some("workers.min"), "greater than max"),
-        (job_with("", &[("memory = \"256MiB\"", "memory = \"256MiB\"\ngpus = 16")]), "application/toml", StatusCode::BAD_REQUEST, Some("resources.gpus"), "can never run: asks 16 GPUs per worker, the largest node has 8"),
+        (job_with("", &[("memory = \"256MiB\"", "memory = \"256MiB\"\ngpus = 16")]), "application/toml", StatusCode::BAD_REQUEST, Some("resources.gpus"), "can never run: asks 16 GPUs per task, the largest node has 8 GPUs"),
         (job_with("", &[("count = 2", "count = 5")]), "application/toml", StatusCode::BAD_REQUEST, Some("workers"), "can never run"),
         (job_with("queue = \"gpu-big\"", &[]), "application/toml", StatusCode::BAD_REQUEST, Some("queue"), "no queue"),
         (job_with("", &[("name = \"tiny\"", "name = \"../../etc/passwd\"")]), "application/toml", StatusCode::BAD_REQUEST, Some("name"), ""),

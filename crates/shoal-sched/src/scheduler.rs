@@ -234,14 +234,22 @@ impl Scheduler {
             .collect()
     }
 
-    /// Accepts a job after checking that it could ever run.
+    /// Accepts a job after checking that it could ever run ([`Scheduler::admissible`]).
     pub fn submit(&mut self, job: JobRequest) -> Result<()> {
-        let id = job.id.clone();
-        if self.jobs.contains_key(&id) {
-            return Err(SchedError::DuplicateJob { job: id });
+        if self.jobs.contains_key(&job.id) {
+            return Err(SchedError::DuplicateJob { job: job.id });
         }
+        self.admissible(&job)?;
+        self.jobs.insert(job.id.clone(), Job { req: job, state: State::Pending });
+        Ok(())
+    }
+
+    /// Whether `job` could ever run on this cluster and queue — the one admission check, which a control plane
+    /// also runs at submission to refuse early — without accepting it.
+    pub fn admissible(&self, job: &JobRequest) -> Result<()> {
+        let id = job.id.clone();
         let Some(q) = self.queues.get(&job.queue) else {
-            return Err(SchedError::UnknownQueue { job: id, queue: job.queue });
+            return Err(SchedError::UnknownQueue { job: id, queue: job.queue.clone() });
         };
         if job.tasks_max == 0 {
             return Err(SchedError::ZeroTasks { job: id, field: "tasks_max" });
@@ -327,11 +335,10 @@ impl Scheduler {
                 ("gpus_milli", need.gpu, g.gpus_milli),
             ] {
                 if asked > guaranteed {
-                    return Err(SchedError::AboveQuota { job: id, queue: job.queue, field, asked, guaranteed });
+                    return Err(SchedError::AboveQuota { job: id, queue: job.queue.clone(), field, asked, guaranteed });
                 }
             }
         }
-        self.jobs.insert(id, Job { req: job, state: State::Pending });
         Ok(())
     }
 

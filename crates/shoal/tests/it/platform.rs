@@ -584,8 +584,9 @@ fn count_kind(v: &Value, kind: &str) -> usize {
     kinds(v).iter().filter(|k| *k == kind).count()
 }
 
+/// The wrapper pids (session leaders, so process-group ids) of every rank.
 fn worker_pids(v: &Value) -> Vec<i64> {
-    v["workers"].as_array().expect("workers").iter().map(|w| w["pid"].as_i64().expect("worker pid")).collect()
+    v["workers"].as_array().expect("workers").iter().map(|w| w["wrapper_pid"].as_i64().expect("wrapper pid")).collect()
 }
 
 /// The wrapper pid of one rank.
@@ -595,8 +596,21 @@ fn rank_pid(v: &Value, rank: i64) -> i64 {
         .expect("workers")
         .iter()
         .find(|w| w["rank"] == rank)
-        .and_then(|w| w["pid"].as_i64())
+        .and_then(|w| w["wrapper_pid"].as_i64())
         .unwrap_or_else(|| panic!("no pid for rank {rank}: {v}"))
+}
+
+/// Each running rank's `pid` is the training process itself (`shoal worker`), not its exit-status wrapper.
+fn assert_pids_are_workers(v: &Value) {
+    for w in v["workers"].as_array().expect("workers") {
+        let (pid, wrapper) = (w["pid"].as_i64().unwrap_or(0), w["wrapper_pid"].as_i64().unwrap_or(0));
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        let args: Vec<String> = cmdline.split(|&b| b == 0).map(|a| String::from_utf8_lossy(a).into_owned()).collect();
+        assert!(
+            pid != wrapper && args.get(1).is_some_and(|a| a == "worker"),
+            "pid {pid} is not the worker: {args:?} ({w})"
+        );
+    }
 }
 
 /// The stored metrics of rank 0: every step from 1 to `steps` once, in order, each with a finite loss.
@@ -853,6 +867,7 @@ fn kill_9_of_the_server_adopts_running_workers() {
         v["state"] == "running" && !v["last_metrics"].is_null()
     });
     let wrappers = worker_pids(&v);
+    assert_pids_are_workers(&v);
     let procs = attempt_procs(&id, 1);
     assert!(procs.len() >= 4, "2 wrappers and 2 workers expected, found {procs:?}");
 
