@@ -165,13 +165,21 @@ pub fn describe(status: &ExitStatus) -> String {
     }
 }
 
-/// A fresh random job secret (hex).
-pub fn new_secret() -> String {
+/// Where job secrets come from.
+const RANDOM_SOURCE: &str = "/dev/urandom";
+
+/// A fresh random job secret (hex), from [`RANDOM_SOURCE`]; an error when it cannot be read, never a weak secret.
+pub fn new_secret() -> Result<String> {
+    secret_from(std::path::Path::new(RANDOM_SOURCE))
+}
+
+/// 16 bytes of `source`, in hex.
+fn secret_from(source: &std::path::Path) -> Result<String> {
     let mut b = [0u8; 16];
-    if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
-        let _ = std::io::Read::read_exact(&mut f, &mut b);
-    }
-    b.iter().map(|x| format!("{x:02x}")).collect()
+    std::fs::File::open(source)
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut b))
+        .with_context(|| format!("reading {} bytes of {} for the job secret", b.len(), source.display()))?;
+    Ok(b.iter().map(|x| format!("{x:02x}")).collect())
 }
 
 /// Launches the ranks with the default [`Policy`] and calls `on_line` for every
@@ -191,6 +199,8 @@ fn signal_group(pid: u32, sig: i32) {
 /// thread, until all have exited. Fails (with a [`SpawnError`] in the chain) only
 /// if a rank cannot be started, after stopping those already started.
 pub fn launch_with(spec: &LaunchSpec, policy: Policy, mut on_line: impl FnMut(&Line)) -> Result<Outcome> {
+    // Before anything is installed or started, so that a failure leaves nothing to undo.
+    let secret = new_secret()?;
     // SAFETY: installing handlers that only store to atomics; making this process
     // the reaper of its orphaned descendants (see the module comment).
     unsafe {
@@ -200,7 +210,6 @@ pub fn launch_with(spec: &LaunchSpec, policy: Policy, mut on_line: impl FnMut(&L
     }
     let seen_signals = SIGNALS.load(Ordering::SeqCst);
     let guard = Guard::start();
-    let secret = new_secret();
     let store =
         StoreServer::bind("127.0.0.1:0", secret.clone().into_bytes()).context("starting the rendezvous store")?;
     let addr = store.local_addr().to_string();
@@ -577,5 +586,22 @@ unsafe fn guard_main(rd: libc::c_int) -> ! {
             libc::kill(-g, libc::SIGKILL);
         }
         libc::_exit(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_secret_is_fresh_hex_or_an_error_naming_its_source() {
+        let (a, b) = (new_secret().expect("a secret"), new_secret().expect("a secret"));
+        assert_eq!(a.len(), 32);
+        assert!(a.chars().all(|c| c.is_ascii_hexdigit()), "{a}");
+        assert_ne!(a, b);
+        for source in ["/nonexistent/urandom", "/dev/null"] {
+            let e = secret_from(std::path::Path::new(source)).expect_err("no secret from it");
+            assert!(format!("{e:#}").contains(source), "{e:#}");
+        }
     }
 }
