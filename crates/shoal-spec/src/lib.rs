@@ -89,8 +89,12 @@ use serde::{Deserialize, Serialize};
 use shoal_data::{Kind, Options, Split};
 
 mod platform;
+mod stats;
 
-pub use platform::{ResourcesSpec, RestartSpec, WorkersSpec, parse_bytes, parse_milli};
+pub use platform::{
+    MAX_BYTES, MAX_MILLI, MAX_WORKERS, ResourcesSpec, RestartSpec, WorkersSpec, parse_bytes, parse_milli,
+};
+pub use stats::median;
 
 // ---------------------------------------------------------------------------------------------------------------
 // errors

@@ -19,7 +19,7 @@ use crate::error::{Error, Result};
 use crate::models::{Cnn, Gpt, GptConfig, Mlp, Model};
 use crate::optim::{OptimConfig, learning_rate};
 use crate::params::{Params, SeededRng};
-use crate::spec::{JobSpec, ModelKind, OptimizerKind, Overlap, Schedule, Strategy};
+use crate::spec::{JobSpec, ModelKind, OptimizerKind, Overlap, Schedule, Strategy, median};
 use crate::trainer::{Trainer, TrainerConfig, overlap_pays};
 
 /// How a worker runs.
@@ -154,14 +154,6 @@ pub fn build_model(spec: &JobSpec, rng: &mut SeededRng) -> Result<(Params, Box<d
         )?),
     };
     Ok((params, model))
-}
-
-fn median(v: &mut [f64]) -> f64 {
-    if v.is_empty() {
-        return 0.0;
-    }
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
 }
 
 /// Loss (mean over rows) and correct predictions of one batch.
@@ -647,12 +639,13 @@ pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
         samples_per_s: samples_seen as f64 / train_s.max(1e-9),
         comm_bytes: comm.bytes_sent(),
         overlap,
+        // Zeros when no step ran (a complete run evaluated again).
         step_time: StepTime {
-            data_s: median(&mut data_t),
-            compute_s: median(&mut compute_t),
-            comm_s: median(&mut comm_t),
-            optimizer_s: median(&mut opt_t),
-            step_s: median(&mut step_t),
+            data_s: median(data_t).unwrap_or(0.0),
+            compute_s: median(compute_t).unwrap_or(0.0),
+            comm_s: median(comm_t).unwrap_or(0.0),
+            optimizer_s: median(opt_t).unwrap_or(0.0),
+            step_s: median(step_t).unwrap_or(0.0),
         },
         elapsed_s: started.elapsed().as_secs_f64(),
         resumed_from: start_step as u64,

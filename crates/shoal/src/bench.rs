@@ -82,7 +82,7 @@ pub struct BenchArgs {
     /// ring, tree, rhd (recursive halving-doubling), hier or auto.
     #[arg(long, default_value = "auto")]
     pub algo: String,
-    /// Comma-separated sizes in bytes, with units B, KiB, MiB, GiB.
+    /// Comma-separated sizes in bytes, with units B, KiB, MiB, GiB (or KB, MB, GB: powers of 10).
     #[arg(long, default_value = "4KiB,64KiB,1MiB,16MiB,64MiB")]
     pub sizes: String,
     /// Element type: f32, f64, f16, bf16, i32, i64.
@@ -151,24 +151,16 @@ fn peak_rss() -> u64 {
         .unwrap_or(0)
 }
 
-/// Parses `4KiB,1MiB,16MiB` (units B, KiB, MiB, GiB; also K, M, G, KB, MB, GB as binary).
+/// Parses `4KiB,1MiB,16MiB`: the units of job specs (B, KiB, MiB, GiB, TiB, K, M, G, T binary; KB, MB, GB, TB
+/// decimal).
 pub fn parse_sizes(s: &str) -> Result<Vec<usize>> {
     s.split(',').filter(|p| !p.trim().is_empty()).map(|p| parse_size(p.trim())).collect()
 }
 
+/// One size of `--sizes`, by the spec's byte-size parser ([`shoal_spec::parse_bytes`]).
 pub fn parse_size(p: &str) -> Result<usize> {
-    let split = p.find(|c: char| !c.is_ascii_digit()).unwrap_or(p.len());
-    let (num, unit) = p.split_at(split);
-    let v: usize =
-        num.parse().with_context(|| format!("size {p:?}: expected a number followed by B, KiB, MiB or GiB"))?;
-    let mult = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "k" | "kb" | "kib" => 1 << 10,
-        "m" | "mb" | "mib" => 1 << 20,
-        "g" | "gb" | "gib" => 1 << 30,
-        u => bail!("size {p:?}: unknown unit {u:?} (use B, KiB, MiB or GiB)"),
-    };
-    v.checked_mul(mult).with_context(|| format!("size {p:?} is too large"))
+    let bytes = shoal_spec::parse_bytes(p).map_err(|e| anyhow::anyhow!("--sizes: {e}"))?;
+    usize::try_from(bytes).with_context(|| format!("--sizes: {p:?} does not fit in memory"))
 }
 
 fn default_iters(bytes: usize) -> (usize, usize) {
@@ -388,9 +380,7 @@ pub fn run_rank(spec: &str) -> Result<()> {
             let per_iter: Vec<f64> =
                 (0..iters).map(|it| (0..n).map(|r| all[r * (iters + 1) + it]).fold(0.0, f64::max)).collect();
             let wrong_total: u64 = (0..n).map(|r| all[r * (iters + 1) + iters] as u64).sum();
-            let mut sorted = per_iter.clone();
-            sorted.sort_by(|x, y| x.total_cmp(y));
-            let time_s = sorted[sorted.len() / 2];
+            let time_s = shoal_spec::median(per_iter.iter().copied()).unwrap_or(0.0);
             let total_bytes = match op {
                 BenchOp::Allgather => b.len(),
                 _ => bytes,
@@ -432,5 +422,7 @@ mod tests {
         assert_eq!(parse_sizes("4KiB,1MiB,16MiB,1GiB,7B,9").ok(), Some(vec![4096, 1 << 20, 16 << 20, 1 << 30, 7, 9]));
         assert!(parse_sizes("4XB").is_err());
         assert!(parse_sizes("KiB").is_err());
+        assert_eq!(parse_sizes("1KB,2M,0.5KiB").ok(), Some(vec![1000, 2 << 20, 512]));
+        assert!(parse_sizes("18446744073709551616").is_err_and(|e| e.to_string().contains("too large")));
     }
 }

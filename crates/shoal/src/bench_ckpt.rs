@@ -34,9 +34,8 @@ fn parse_count(s: &str) -> Result<usize> {
     Ok((v * mult).round() as usize)
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+fn median(v: Vec<f64>) -> f64 {
+    shoal_spec::median(v).unwrap_or(f64::NAN)
 }
 
 /// A directory removed on drop.
