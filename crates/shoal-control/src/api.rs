@@ -224,6 +224,17 @@ async fn submit(
             }
         }
     }
+    let jobs_dir = control.config.data_dir.join("jobs");
+    if let Some(owner) = control.config.policy.resume_source(&caller.0.team, &dir, &jobs_dir, &spec)? {
+        // Another job's checkpoint: only one of the caller's own team (another team's job looks missing).
+        let theirs = control.db.job(&owner).await?;
+        if !theirs.is_some_and(|j| j.team == caller.0.team) {
+            return Err(ControlError::bad_field(
+                "checkpoint.resume_from",
+                format!("no job {owner} of team {} to resume from", caller.0.team),
+            ));
+        }
+    }
     std::fs::create_dir_all(&dir)?;
     std::fs::write(dir.join("job.json"), &spec_json)?;
     if let crate::policy::CheckpointPlace::Local(p) = &place {

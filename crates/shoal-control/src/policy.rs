@@ -158,6 +158,29 @@ impl Policy {
         ))
     }
 
+    /// Where `checkpoint.resume_from` may point: inside the job's own directory or the team's storage (then
+    /// `Ok(None)`), or inside another job's directory under `jobs_dir` (then `Ok(Some(id))`: the caller must check
+    /// that the job is the team's own). Anything else is refused naming `checkpoint.resume_from`.
+    pub fn resume_source(&self, team: &str, job_dir: &Path, jobs_dir: &Path, spec: &JobSpec) -> Result<Option<String>> {
+        let Some(from) = spec.checkpoint.resume_from.as_deref() else { return Ok(None) };
+        let field = "checkpoint.resume_from";
+        let path = normalize(from.strip_prefix("file://").unwrap_or(from)).ok_or_else(|| {
+            ControlError::bad_field(field, format!("{from:?}: must be an absolute path without '..'"))
+        })?;
+        if path.starts_with(job_dir) || self.storage_root.as_ref().is_some_and(|r| path.starts_with(r.join(team))) {
+            return Ok(None);
+        }
+        if let Ok(rest) = path.strip_prefix(jobs_dir)
+            && let Some(Component::Normal(id)) = rest.components().next()
+        {
+            return Ok(Some(id.to_string_lossy().into_owned()));
+        }
+        Err(ControlError::bad_field(
+            field,
+            format!("{}: not a checkpoint of your team's jobs or storage", path.display()),
+        ))
+    }
+
     /// Variables the server gives every task of `team` (its object-store credentials).
     pub fn team_env(&self, team: &str) -> Vec<(String, String)> {
         self.storage

@@ -507,6 +507,29 @@ async fn one_team_never_reaches_another_teams_data() {
     assert!(v["error"].as_str().unwrap_or("").contains(&beta_id), "{v}");
     tick_until(&e, &beta_id, "succeeded", Duration::from_secs(60)).await;
 
+    // Starting from a checkpoint: one of the team's own jobs, never another team's.
+    let from = |dir: &Path| {
+        job_with("", &[("lr = 0.01", &format!("lr = 0.01\n[checkpoint]\nresume_from = \"{}\"", dir.display()))])
+    };
+    let (st, v) = submit(a, &beta, &from(&alpha_dir.join("run/checkpoints"))).await;
+    assert_eq!((st, field_of(&v)), (StatusCode::BAD_REQUEST, "checkpoint.resume_from"), "{v}");
+    for bad in [Path::new("/etc"), &store.join("alpha/run")] {
+        let (st, v) = submit(a, &beta, &from(bad)).await;
+        assert_eq!((st, field_of(&v)), (StatusCode::BAD_REQUEST, "checkpoint.resume_from"), "{bad:?}: {v}");
+    }
+    let (st, v) = submit(a, &alpha, &from(&alpha_dir.join("run/checkpoints"))).await;
+    assert_eq!(st, StatusCode::CREATED, "{v}");
+    let (st, v) = call(
+        a,
+        "POST",
+        &format!("/api/v1/jobs/{}/cancel", v["id"].as_str().unwrap_or("")),
+        Some(&alpha),
+        "application/json",
+        vec![],
+    )
+    .await;
+    assert_eq!(st, StatusCode::ACCEPTED, "{v}");
+
     // No loader tricks; a hostile PATH cannot stop the exit status from being recorded.
     let spec = format!("{JOB}\n[env]\nLD_PRELOAD = \"/tmp/evil.so\"\n");
     let (st, v) = submit(a, &beta, &spec).await;

@@ -506,6 +506,10 @@ pub struct CheckpointSpec {
     /// directory.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub url: Option<String>,
+    /// Start from this checkpoint when the job has none of its own yet: a checkpoint directory
+    /// (`.../checkpoints/step-000100`) or a checkpoint root (its newest valid one). A local path.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resume_from: Option<String>,
 }
 
 fn keep_default() -> usize {
@@ -514,7 +518,7 @@ fn keep_default() -> usize {
 
 impl Default for CheckpointSpec {
     fn default() -> Self {
-        CheckpointSpec { every: 0, keep: keep_default(), url: None }
+        CheckpointSpec { every: 0, keep: keep_default(), url: None, resume_from: None }
     }
 }
 
@@ -1301,6 +1305,15 @@ impl TrainSpec {
 impl CheckpointSpec {
     fn validate(&self) -> Result<()> {
         positive("checkpoint.keep", self.keep)?;
+        if let Some(from) = &self.resume_from {
+            let path = from.strip_prefix("file://").unwrap_or(from);
+            if path.trim().is_empty() || path.contains("://") {
+                return Err(SpecError::at(
+                    "checkpoint.resume_from",
+                    format!("{from:?}: a local checkpoint directory (or a run's checkpoint root) is expected"),
+                ));
+            }
+        }
         if let Some(url) = &self.url {
             if url.trim().is_empty() {
                 return Err(SpecError::at("checkpoint.url", "must not be empty (leave it out for the default)"));
@@ -1553,7 +1566,7 @@ lr = 0.001
         assert_eq!(t.overlap, Overlap::Auto);
         assert_eq!(parse_job(&mlp("overlap = \"off\"", ""), "J").expect("valid").train.overlap, Overlap::Off);
         assert_eq!(t.data, Options::default());
-        assert_eq!(j.checkpoint, CheckpointSpec { every: 0, keep: 3, url: None });
+        assert_eq!(j.checkpoint, CheckpointSpec { every: 0, keep: 3, url: None, resume_from: None });
         assert_eq!(t.data_shape().expect("known"), DataShape { kind: Kind::Image, features: 64, classes: 10 });
         // 64*128+128 + 128*64+64 + 64*10+10
         assert_eq!(t.model.param_count(64, 10), 8320 + 8256 + 650);

@@ -208,6 +208,17 @@ pub fn checkpoint_root(spec: &JobSpec, output: &Path) -> Result<PathBuf> {
     }
 }
 
+/// The checkpoint `checkpoint.resume_from` names: a checkpoint directory (with its manifest), or a checkpoint
+/// root whose newest valid checkpoint is taken. Asked for explicitly, so finding none is an error naming it.
+fn load_resume_from(from: &str) -> Result<crate::checkpoint::Loaded> {
+    let path = PathBuf::from(from.strip_prefix("file://").unwrap_or(from));
+    let what = |e: &dyn std::fmt::Display| Error::Checkpoint(format!("checkpoint.resume_from {}: {e}", path.display()));
+    if path.join("manifest.json").exists() {
+        return CheckpointDir::new(&path).load(&path).map_err(|e| what(&e));
+    }
+    CheckpointDir::new(&path).latest_valid().map_err(|e| what(&e))?.ok_or_else(|| what(&"no valid checkpoint there"))
+}
+
 /// The object store a job's checkpoints are mirrored to, when `checkpoint.url` names one.
 pub fn checkpoint_remote(spec: &JobSpec) -> Result<Option<Arc<crate::remote::RemoteStore>>> {
     match spec.checkpoint.url.as_deref() {
@@ -309,8 +320,13 @@ pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
         }
         comm.barrier()?;
     }
-    let resumed = if opts.resume {
-        let loaded = ckpt_dir.latest_valid().map_err(|e| Error::Checkpoint(e.to_string()))?;
+    let own = if opts.resume { ckpt_dir.latest_valid().map_err(|e| Error::Checkpoint(e.to_string()))? } else { None };
+    let resumed = if opts.resume || spec.checkpoint.resume_from.is_some() {
+        let loaded = match (own, spec.checkpoint.resume_from.as_deref()) {
+            (Some(l), _) => Some(l),
+            (None, Some(from)) => Some(load_resume_from(from)?),
+            (None, None) => None,
+        };
         if let Some(l) = &loaded {
             for (path, why) in &l.skipped {
                 if rank == 0 {

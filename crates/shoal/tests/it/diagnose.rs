@@ -89,8 +89,8 @@ fn diagnosis_names_injected_problems_and_calls_a_healthy_run_healthy() {
     let rank1 = v["workers"]
         .as_array()
         .and_then(|w| w.iter().find(|w| w["rank"] == 1))
-        .and_then(|w| w["pid"].as_i64())
-        .expect("rank 1's pid") as i32;
+        .and_then(|w| w["wrapper_pid"].as_i64())
+        .expect("rank 1's process group") as i32;
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let stopper = {
         let stop = stop.clone();

@@ -316,3 +316,31 @@ fn resuming_a_complete_run_says_so_and_keeps_its_summary() {
     assert_eq!(evals_again.lines().count(), evals.lines().count(), "the final evaluation is replaced, not repeated");
     let _ = std::fs::remove_dir_all(dir);
 }
+
+#[test]
+fn a_new_run_starts_from_the_checkpoint_named_by_resume_from() {
+    let dir = tmpdir("resume-from");
+    let first = dir.join("first.toml");
+    std::fs::write(&first, SHORT_JOB).expect("write job");
+    let out1 = dir.join("out1");
+    run_json(&["run", "-n", "2", "--json", "--output", out1.to_str().unwrap_or(""), first.to_str().unwrap_or("")]);
+    let from = out1.join("checkpoints/step-000006");
+    let second = dir.join("second.toml");
+    std::fs::write(&second, format!("{SHORT_JOB}resume_from = \"{}\"\n", from.display())).expect("write job");
+    let out2 = dir.join("out2");
+    let s =
+        run_json(&["run", "-n", "2", "--json", "--output", out2.to_str().unwrap_or(""), second.to_str().unwrap_or("")]);
+    assert_eq!(s["resumed_from"].as_u64(), Some(6), "{s}");
+    // Named explicitly, a checkpoint that is not there is an error naming the key.
+    let missing = dir.join("third.toml");
+    std::fs::write(&missing, format!("{SHORT_JOB}resume_from = \"{}\"\n", dir.join("nothing").display()))
+        .expect("write job");
+    let out3 = dir.join("out3");
+    let run = shoal()
+        .args(["run", "-n", "2", "--output", out3.to_str().unwrap_or(""), missing.to_str().unwrap_or("")])
+        .output()
+        .expect("run");
+    let err = String::from_utf8_lossy(&run.stderr);
+    assert!(!run.status.success() && err.contains("checkpoint.resume_from"), "{err}");
+    let _ = std::fs::remove_dir_all(dir);
+}
