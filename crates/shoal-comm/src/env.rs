@@ -1,5 +1,5 @@
-//! Building a communicator from the environment contract that Shoal's launcher
-//! (and later its executors) give every task:
+//! The environment contract every task gets: its one writer ([`TaskEnv::vars`], used by `shoal run`'s launcher
+//! and by the platform's executors) and its one reader ([`EnvContract::from_env`]), both over the names in [`var`].
 //!
 //! | variable | meaning |
 //! |---|---|
@@ -15,6 +15,124 @@
 
 use std::sync::Arc;
 use std::time::Duration;
+
+/// The contract's variable names: defined once here, for the writer, the reader and the list of names a job may
+/// not set itself ([`RESERVED`]).
+pub mod var {
+    pub const JOB_ID: &str = "SHOAL_JOB_ID";
+    pub const RANK: &str = "SHOAL_RANK";
+    pub const WORLD_SIZE: &str = "SHOAL_WORLD_SIZE";
+    pub const LOCAL_RANK: &str = "SHOAL_LOCAL_RANK";
+    pub const LOCAL_WORLD_SIZE: &str = "SHOAL_LOCAL_WORLD_SIZE";
+    pub const RENDEZVOUS: &str = "SHOAL_RENDEZVOUS";
+    pub const RENDEZVOUS_HOST: &str = "SHOAL_RENDEZVOUS_HOST";
+    pub const JOB_SECRET: &str = "SHOAL_JOB_SECRET";
+    pub const ATTEMPT: &str = "SHOAL_ATTEMPT";
+    /// Where the platform's exit-status wrapper records the task's status.
+    pub const EXIT_FILE: &str = "SHOAL_EXIT_FILE";
+    /// The data directory of the server that started the task (finds its strays after a crash).
+    pub const SERVER_DATA: &str = "SHOAL_SERVER_DATA";
+    pub const TRANSPORT: &str = "SHOAL_TRANSPORT";
+    pub const ALGO: &str = "SHOAL_ALGO";
+    pub const TIMEOUT: &str = "SHOAL_TIMEOUT";
+    pub const FAULT_COMM_DELAY: &str = "SHOAL_FAULT_COMM_DELAY";
+    pub const HOST_ID: &str = "SHOAL_HOST_ID";
+    /// torchrun's names, for programs that read those.
+    pub const MASTER_ADDR: &str = "MASTER_ADDR";
+    pub const MASTER_PORT: &str = "MASTER_PORT";
+    pub const TORCH_RANK: &str = "RANK";
+    pub const TORCH_WORLD_SIZE: &str = "WORLD_SIZE";
+    pub const TORCH_LOCAL_RANK: &str = "LOCAL_RANK";
+    pub const TORCH_LOCAL_WORLD_SIZE: &str = "LOCAL_WORLD_SIZE";
+    pub const VISIBLE_GPUS: &str = "CUDA_VISIBLE_DEVICES";
+    /// Thread counts of the task's compute libraries (a job may override them).
+    pub const RAYON_THREADS: &str = "RAYON_NUM_THREADS";
+    pub const OMP_THREADS: &str = "OMP_NUM_THREADS";
+}
+
+/// What a launcher tells one task. [`TaskEnv::vars`] is the one place the contract is written.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TaskEnv {
+    pub job_id: String,
+    pub rank: usize,
+    pub world_size: usize,
+    pub local_rank: usize,
+    pub local_world_size: usize,
+    /// `host:port` of the job's rendezvous store.
+    pub rendezvous: String,
+    /// Rank 0 hosts the store itself (launchers that start none, such as the platform's executors).
+    pub host_store: bool,
+    pub secret: String,
+    /// torchrun's `MASTER_ADDR` / `MASTER_PORT`, for the task's own frameworks.
+    pub master_addr: String,
+    pub master_port: u16,
+    /// The platform's attempt number (absent for `shoal run`).
+    pub attempt: Option<i64>,
+    /// The platform's exit-status file and data directory (absent for `shoal run`).
+    pub exit_file: Option<String>,
+    pub server_data: Option<String>,
+    /// Threads for the task's compute libraries (absent: their own default).
+    pub threads: Option<usize>,
+    /// GPUs the task sees (`None`: not restricted).
+    pub gpus: Option<String>,
+}
+
+/// Names the contract sets that a job's own environment may not: everything [`TaskEnv::vars`] writes except the
+/// thread counts, which a job may tune.
+pub const RESERVED: [&str; 18] = [
+    var::JOB_ID,
+    var::RANK,
+    var::WORLD_SIZE,
+    var::LOCAL_RANK,
+    var::LOCAL_WORLD_SIZE,
+    var::RENDEZVOUS,
+    var::RENDEZVOUS_HOST,
+    var::JOB_SECRET,
+    var::ATTEMPT,
+    var::EXIT_FILE,
+    var::SERVER_DATA,
+    var::MASTER_ADDR,
+    var::MASTER_PORT,
+    var::TORCH_RANK,
+    var::TORCH_WORLD_SIZE,
+    var::TORCH_LOCAL_RANK,
+    var::TORCH_LOCAL_WORLD_SIZE,
+    var::VISIBLE_GPUS,
+];
+
+impl TaskEnv {
+    /// The variables to set, in order.
+    pub fn vars(&self) -> Vec<(&'static str, String)> {
+        let mut v = vec![
+            (var::JOB_ID, self.job_id.clone()),
+            (var::RANK, self.rank.to_string()),
+            (var::WORLD_SIZE, self.world_size.to_string()),
+            (var::LOCAL_RANK, self.local_rank.to_string()),
+            (var::LOCAL_WORLD_SIZE, self.local_world_size.to_string()),
+            (var::RENDEZVOUS, self.rendezvous.clone()),
+            (var::JOB_SECRET, self.secret.clone()),
+            (var::MASTER_ADDR, self.master_addr.clone()),
+            (var::MASTER_PORT, self.master_port.to_string()),
+            (var::TORCH_RANK, self.rank.to_string()),
+            (var::TORCH_WORLD_SIZE, self.world_size.to_string()),
+            (var::TORCH_LOCAL_RANK, self.local_rank.to_string()),
+            (var::TORCH_LOCAL_WORLD_SIZE, self.local_world_size.to_string()),
+        ];
+        if self.host_store {
+            v.push((var::RENDEZVOUS_HOST, "1".into()));
+        }
+        let optional = [
+            (var::ATTEMPT, self.attempt.map(|a| a.to_string())),
+            (var::EXIT_FILE, self.exit_file.clone()),
+            (var::SERVER_DATA, self.server_data.clone()),
+            (var::RAYON_THREADS, self.threads.map(|t| t.to_string())),
+            (var::OMP_THREADS, self.threads.map(|t| t.to_string())),
+            (var::VISIBLE_GPUS, self.gpus.clone()),
+        ];
+        v.extend(optional.into_iter().filter_map(|(k, x)| x.map(|x| (k, x))));
+        v
+    }
+}
 
 use crate::comm::{CommConfig, Communicator};
 use crate::error::{Error, Result};
@@ -41,7 +159,7 @@ pub fn parse_duration(s: &str) -> Result<Duration> {
     Ok(Duration::from_secs_f64(secs))
 }
 
-fn var(name: &str) -> Result<String> {
+fn required(name: &str) -> Result<String> {
     std::env::var(name).map_err(|_| {
         Error::InvalidArgument(format!(
             "environment variable {name} is not set (is this process started by `shoal run`?)"
@@ -49,8 +167,8 @@ fn var(name: &str) -> Result<String> {
     })
 }
 
-fn var_usize(name: &str) -> Result<usize> {
-    let v = var(name)?;
+fn required_usize(name: &str) -> Result<usize> {
+    let v = required(name)?;
     v.parse().map_err(|_| Error::InvalidArgument(format!("{name}={v:?} is not a non-negative integer")))
 }
 
@@ -68,35 +186,37 @@ pub struct EnvContract {
 impl EnvContract {
     /// Reads the contract from the process environment.
     pub fn from_env() -> Result<EnvContract> {
-        let rank = var_usize("SHOAL_RANK")?;
-        let world_size = var_usize("SHOAL_WORLD_SIZE")?;
-        let rendezvous = var("SHOAL_RENDEZVOUS")?;
-        let mut cfg = CommConfig { secret: var("SHOAL_JOB_SECRET")?.into_bytes(), ..CommConfig::default() };
-        if let Ok(job) = std::env::var("SHOAL_JOB_ID") {
+        let rank = required_usize(var::RANK)?;
+        let world_size = required_usize(var::WORLD_SIZE)?;
+        let rendezvous = required(var::RENDEZVOUS)?;
+        let mut cfg = CommConfig { secret: required(var::JOB_SECRET)?.into_bytes(), ..CommConfig::default() };
+        if let Ok(job) = std::env::var(var::JOB_ID) {
             cfg.name = format!("{job}/world");
         }
-        if let Ok(t) = std::env::var("SHOAL_TRANSPORT") {
-            cfg.transport = t.parse().map_err(|e| Error::InvalidArgument(format!("SHOAL_TRANSPORT: {e}")))?;
+        if let Ok(t) = std::env::var(var::TRANSPORT) {
+            cfg.transport = t.parse().map_err(|e| Error::InvalidArgument(format!("{}: {e}", var::TRANSPORT)))?;
         }
-        if let Ok(a) = std::env::var("SHOAL_ALGO") {
-            cfg.algo = a.parse().map_err(|e| Error::InvalidArgument(format!("SHOAL_ALGO: {e}")))?;
+        if let Ok(a) = std::env::var(var::ALGO) {
+            cfg.algo = a.parse().map_err(|e| Error::InvalidArgument(format!("{}: {e}", var::ALGO)))?;
         }
-        if let Ok(t) = std::env::var("SHOAL_TIMEOUT") {
-            cfg.timeout = parse_duration(&t).map_err(|e| Error::InvalidArgument(format!("SHOAL_TIMEOUT: {e}")))?;
+        if let Ok(t) = std::env::var(var::TIMEOUT) {
+            cfg.timeout = parse_duration(&t).map_err(|e| Error::InvalidArgument(format!("{}: {e}", var::TIMEOUT)))?;
         }
-        if let Ok(t) = std::env::var("SHOAL_FAULT_COMM_DELAY") {
+        if let Ok(t) = std::env::var(var::FAULT_COMM_DELAY) {
             cfg.fault_delay =
-                parse_duration(&t).map_err(|e| Error::InvalidArgument(format!("SHOAL_FAULT_COMM_DELAY: {e}")))?;
+                parse_duration(&t).map_err(|e| Error::InvalidArgument(format!("{}: {e}", var::FAULT_COMM_DELAY)))?;
         }
-        if let Ok(h) = std::env::var("SHOAL_HOST_ID") {
+        if let Ok(h) = std::env::var(var::HOST_ID) {
             cfg.host_id = Some(h);
         }
         if rank >= world_size {
             return Err(Error::InvalidArgument(format!(
-                "SHOAL_RANK={rank} is not below SHOAL_WORLD_SIZE={world_size}"
+                "{}={rank} is not below {}={world_size}",
+                var::RANK,
+                var::WORLD_SIZE
             )));
         }
-        let host_store = std::env::var("SHOAL_RENDEZVOUS_HOST").is_ok_and(|v| v == "1");
+        let host_store = std::env::var(var::RENDEZVOUS_HOST).is_ok_and(|v| v == "1");
         Ok(EnvContract { rank, world_size, rendezvous, host_store, cfg })
     }
 

@@ -24,6 +24,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Mutex;
 
+use shoal_comm::env::{TaskEnv, var};
+
 use crate::db::{TaskRow, TaskState};
 use crate::error::{ControlError, Result};
 
@@ -244,40 +246,40 @@ impl LocalExecutor {
             return Err(ControlError::Internal(format!("job {}: empty command", l.job_id)));
         };
         let (host, port) = l.rendezvous.rsplit_once(':').unwrap_or((l.rendezvous.as_str(), ""));
+        let contract = TaskEnv {
+            job_id: l.job_id.clone(),
+            rank: l.rank,
+            world_size: l.world_size,
+            local_rank: l.rank,
+            local_world_size: l.world_size,
+            rendezvous: l.rendezvous.clone(),
+            // No store runs beside the tasks: rank 0 hosts it, at the address the executor picked.
+            host_store: true,
+            secret: l.secret.clone(),
+            master_addr: host.to_owned(),
+            master_port: port.parse().unwrap_or(0),
+            attempt: Some(l.attempt),
+            exit_file: Some(exit_path.display().to_string()),
+            server_data: Some(self.data_dir.display().to_string()),
+            threads: Some(cpus.len().max(1)),
+            gpus: Some(l.gpus.iter().map(|(i, _)| i.to_string()).collect::<Vec<_>>().join(",")),
+        };
         let mut cmd = Command::new("/bin/sh");
         // Absolute paths only: the job's own `PATH` must not decide whether its exit status is recorded.
         cmd.arg("-c")
             .arg(
-                "\"$@\" & w=$!; printf '%s' \"$w\" > \"$SHOAL_EXIT_FILE.pid\"; wait $w; c=$?; printf '%s' \"$c\" > \
-                 \"$SHOAL_EXIT_FILE.tmp\" && /bin/mv \"$SHOAL_EXIT_FILE.tmp\" \"$SHOAL_EXIT_FILE\"; exit $c",
+                "f=$1; shift; \"$@\" & w=$!; printf '%s' \"$w\" > \"$f.pid\"; wait $w; c=$?; printf '%s' \"$c\" > \
+                 \"$f.tmp\" && /bin/mv \"$f.tmp\" \"$f\"; exit $c",
             )
             .arg("shoal-task")
+            .arg(&exit_path)
             .arg(program)
             .args(&l.argv[1..])
             .stdin(Stdio::null())
             .stdout(log)
             .stderr(err)
             .current_dir(&dir)
-            .env("SHOAL_EXIT_FILE", &exit_path)
-            .env("SHOAL_SERVER_DATA", &self.data_dir)
-            .env("SHOAL_JOB_ID", &l.job_id)
-            .env("SHOAL_RANK", l.rank.to_string())
-            .env("SHOAL_WORLD_SIZE", l.world_size.to_string())
-            .env("SHOAL_LOCAL_RANK", l.rank.to_string())
-            .env("SHOAL_LOCAL_WORLD_SIZE", l.world_size.to_string())
-            .env("SHOAL_RENDEZVOUS", &l.rendezvous)
-            .env("SHOAL_RENDEZVOUS_HOST", "1")
-            .env("SHOAL_JOB_SECRET", &l.secret)
-            .env("SHOAL_ATTEMPT", l.attempt.to_string())
-            .env("MASTER_ADDR", host)
-            .env("MASTER_PORT", port)
-            .env("RANK", l.rank.to_string())
-            .env("WORLD_SIZE", l.world_size.to_string())
-            .env("LOCAL_RANK", l.rank.to_string())
-            .env("LOCAL_WORLD_SIZE", l.world_size.to_string())
-            .env("RAYON_NUM_THREADS", cpus.len().max(1).to_string())
-            .env("OMP_NUM_THREADS", cpus.len().max(1).to_string())
-            .env("CUDA_VISIBLE_DEVICES", l.gpus.iter().map(|(i, _)| i.to_string()).collect::<Vec<_>>().join(","));
+            .envs(contract.vars());
         if let Some(u) = &self.user {
             cmd.env("HOME", &dir).env("USER", &u.name).env("LOGNAME", &u.name);
         }
@@ -452,7 +454,7 @@ impl LocalExecutor {
     /// After a crash, those that belong to no adopted task are strays (e.g. started just before the crash, before
     /// their task was recorded) and must not run on beside a new attempt.
     pub fn own_processes(&self) -> Vec<(i64, i64, String)> {
-        let want = format!("SHOAL_SERVER_DATA={}", self.data_dir.display());
+        let want = format!("{}={}", var::SERVER_DATA, self.data_dir.display());
         let mut out = Vec::new();
         let Ok(dir) = std::fs::read_dir("/proc") else { return out };
         for entry in dir.flatten() {
@@ -464,7 +466,7 @@ impl LocalExecutor {
             }
             let job = vars
                 .iter()
-                .find_map(|v| v.strip_prefix(b"SHOAL_JOB_ID="))
+                .find_map(|v| v.strip_prefix(format!("{}=", var::JOB_ID).as_bytes()))
                 .map(|j| String::from_utf8_lossy(j).into_owned())
                 .unwrap_or_default();
             let sid = stat_fields(pid).and_then(|f| f.get(3).and_then(|s| s.parse().ok())).unwrap_or(0);

@@ -1009,28 +1009,6 @@ impl JobSpec {
     }
 }
 
-/// Variables the launcher sets for every task; a job may not override them.
-pub const RESERVED_ENV: [&str; 18] = [
-    "SHOAL_JOB_ID",
-    "SHOAL_RANK",
-    "SHOAL_WORLD_SIZE",
-    "SHOAL_LOCAL_RANK",
-    "SHOAL_LOCAL_WORLD_SIZE",
-    "SHOAL_RENDEZVOUS",
-    "SHOAL_RENDEZVOUS_HOST",
-    "SHOAL_JOB_SECRET",
-    "SHOAL_ATTEMPT",
-    "SHOAL_EXIT_FILE",
-    "SHOAL_SERVER_DATA",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "CUDA_VISIBLE_DEVICES",
-];
-
 fn validate_env(env: &std::collections::BTreeMap<String, String>) -> Result<()> {
     for (k, v) in env {
         let path = format!("env.{k}");
@@ -1041,7 +1019,7 @@ fn validate_env(env: &std::collections::BTreeMap<String, String>) -> Result<()> 
         if !ok {
             return Err(SpecError::at(path, "a variable name is letters, digits and '_', not starting with a digit"));
         }
-        if RESERVED_ENV.contains(&k.as_str()) {
+        if shoal_comm::env::RESERVED.contains(&k.as_str()) {
             return Err(SpecError::at(path, "is set by Shoal for every worker (the environment contract)"));
         }
         if v.contains('\0') || v.len() > 32 * 1024 {

@@ -219,21 +219,21 @@ pub fn launch_with(spec: &LaunchSpec, policy: Policy, mut on_line: impl FnMut(&L
     // SAFETY: getpid(2) cannot fail.
     let launcher = unsafe { libc::getpid() };
     for rank in 0..spec.ranks {
+        let contract = shoal_comm::env::TaskEnv {
+            job_id: spec.job_id.clone(),
+            rank,
+            world_size: spec.ranks,
+            local_rank: rank,
+            local_world_size: spec.ranks,
+            rendezvous: addr.clone(),
+            secret: secret.clone(),
+            master_addr: "127.0.0.1".into(),
+            master_port,
+            ..Default::default()
+        };
         let mut cmd = Command::new(&spec.program);
         cmd.args(&spec.args)
-            .env("SHOAL_JOB_ID", &spec.job_id)
-            .env("SHOAL_RANK", rank.to_string())
-            .env("SHOAL_WORLD_SIZE", spec.ranks.to_string())
-            .env("SHOAL_LOCAL_RANK", rank.to_string())
-            .env("SHOAL_LOCAL_WORLD_SIZE", spec.ranks.to_string())
-            .env("SHOAL_RENDEZVOUS", &addr)
-            .env("SHOAL_JOB_SECRET", &secret)
-            .env("MASTER_ADDR", "127.0.0.1")
-            .env("MASTER_PORT", master_port.to_string())
-            .env("RANK", rank.to_string())
-            .env("WORLD_SIZE", spec.ranks.to_string())
-            .env("LOCAL_RANK", rank.to_string())
-            .env("LOCAL_WORLD_SIZE", spec.ranks.to_string())
+            .envs(contract.vars())
             .envs(spec.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
