@@ -2,174 +2,52 @@
 
 use std::sync::{Arc, OnceLock};
 
-use serde::{Deserialize, Serialize};
+use shoal_spec::data::{
+    CICERO_DESCRIPTION, DIGITS_FEATURES, DIGITS_SAMPLES, Options, SYNTHETIC_DESCRIPTION, Split, catalogue, check,
+    eval_count,
+};
 
-use crate::dataset::{check_index, eval_count};
-use crate::rng::SplitMix64;
-use crate::{Dataset, DatasetInfo, Error, Kind, Result, Sample, Subset};
-
-/// Which part of a built-in dataset to load.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Split {
-    /// Everything (for `synthetic`: the training samples).
-    #[default]
-    All,
-    /// All but the held-out part.
-    Train,
-    /// The held-out part (`eval_fraction` of the data).
-    Eval,
-}
-
-/// Options of [`builtin`]; each applies to some datasets only, and setting one that does not apply is an error.
-/// Deserialises from a job spec's `[train.data]` table (unknown keys rejected).
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct Options {
-    /// All datasets.
-    pub split: Split,
-    /// All datasets: the held-out fraction for `split` (default 0.1).
-    pub eval_fraction: Option<f64>,
-    /// `digits`: seed of the train/eval split (default 0); `synthetic`: seed of the data (default 0).
-    pub seed: Option<u64>,
-    /// Text: tokens per window (default 64).
-    pub context: Option<usize>,
-    /// Text: bytes between the starts of consecutive windows (default 1).
-    pub stride: Option<usize>,
-    /// `synthetic`: features per sample (default 784).
-    pub features: Option<usize>,
-    /// `synthetic`: number of classes (default 10).
-    pub classes: Option<usize>,
-    /// `synthetic`: training samples (default 60,000).
-    pub samples: Option<usize>,
-}
-
-const NAMES: [&str; 3] = ["digits", "cicero", "synthetic"];
+use crate::dataset::check_index;
 
 fn bad(dataset: &str, option: &'static str, reason: impl Into<String>) -> Error {
     Error::BadOption { dataset: dataset.to_owned(), option, reason: reason.into() }
 }
+use crate::rng::SplitMix64;
+use crate::{Dataset, DatasetInfo, Error, Kind, Result, Sample, Subset};
 
-fn reject(name: &str, options: &Options, allowed: &[&str]) -> Result<()> {
-    let set: [(&'static str, bool); 6] = [
-        ("seed", options.seed.is_some()),
-        ("context", options.context.is_some()),
-        ("stride", options.stride.is_some()),
-        ("features", options.features.is_some()),
-        ("classes", options.classes.is_some()),
-        ("samples", options.samples.is_some()),
-    ];
-    match set.iter().find(|(opt, on)| *on && !allowed.contains(opt)) {
-        Some((opt, _)) => Err(bad(name, opt, "does not apply to this dataset")),
-        None => Ok(()),
-    }
-}
-
-fn positive(name: &str, option: &'static str, value: Option<usize>, default: usize, max: usize) -> Result<usize> {
-    match value.unwrap_or(default) {
-        0 => Err(bad(name, option, "must be at least 1")),
-        v if v > max => Err(bad(name, option, format!("{v} exceeds the limit of {max}"))),
-        v => Ok(v),
-    }
-}
-
-fn fraction(name: &str, options: &Options) -> Result<f64> {
-    let f = options.eval_fraction.unwrap_or(0.1);
-    if options.eval_fraction.is_some() && options.split == Split::All {
-        return Err(bad(name, "eval_fraction", "needs split = \"train\" or \"eval\""));
-    }
-    if !(f > 0.0 && f < 1.0) {
-        return Err(bad(name, "eval_fraction", format!("{f} is not in (0, 1)")));
-    }
-    Ok(f)
-}
-
-/// Loads a built-in dataset by name; see [`catalogue`] for the names.
+/// Loads a built-in dataset by name; see [`catalogue`] for the names. The options are checked by the spec's own
+/// rules ([`shoal_spec::data::check`]), so what validates there builds here.
 pub fn builtin(name: &str, options: &Options) -> Result<Box<dyn Dataset>> {
+    let c = check(name, options)?;
     match name {
         "digits" => {
-            reject(name, options, &["seed"])?;
-            let eval_fraction = fraction(name, options)?;
             let all = Digits::load()?;
-            if options.split == Split::All {
+            if c.split == Split::All {
                 return Ok(Box::new(all));
             }
-            let (train, eval) = crate::train_eval_split(all.len(), eval_fraction, options.seed.unwrap_or(0))?;
-            let pick = if options.split == Split::Train { train } else { eval };
+            let (train, eval) = crate::train_eval_split(all.len(), c.eval_fraction, c.seed)?;
+            let pick = if c.split == Split::Train { train } else { eval };
             Ok(Box::new(Subset::new(all, pick)?))
         }
         "cicero" => {
-            reject(name, options, &["context", "stride"])?;
-            let eval_fraction = fraction(name, options)?;
             let text = lipsum::LIBER_PRIMUS.as_bytes();
-            let cut = text.len() - eval_count(text.len(), eval_fraction);
-            let bytes = match options.split {
+            let cut = text.len() - eval_count(text.len(), c.eval_fraction);
+            let bytes = match c.split {
                 Split::All => text,
                 Split::Train => &text[..cut],
                 Split::Eval => &text[cut..],
             };
-            let context = positive(name, "context", options.context, 64, 1 << 20)?;
-            let stride = positive(name, "stride", options.stride, 1, 1 << 20)?;
-            if bytes.len() <= context {
-                return Err(bad(name, "context", format!("{context} leaves no window in {} bytes", bytes.len())));
-            }
-            Ok(Box::new(ByteText::new(name, CICERO_DESCRIPTION, Arc::from(bytes), context, stride)?))
+            Ok(Box::new(ByteText::new(name, CICERO_DESCRIPTION, Arc::from(bytes), c.context, c.stride)?))
         }
-        "synthetic" => {
-            reject(name, options, &["seed", "features", "classes", "samples"])?;
-            let eval_fraction = fraction(name, options)?;
-            let features = positive(name, "features", options.features, 784, 1 << 24)?;
-            let classes = positive(name, "classes", options.classes, 10, 1 << 24)?;
-            let samples = positive(name, "samples", options.samples, 60_000, 1 << 40)?;
-            let seed = options.seed.unwrap_or(0);
-            let (offset, len) = match options.split {
-                Split::All | Split::Train => (0, samples),
-                Split::Eval => (samples, ((samples as f64 * eval_fraction).round() as usize).max(1)),
-            };
-            Ok(Box::new(Synthetic::new(features, classes, len, seed)?.with_offset(offset)))
+        _ => {
+            let offset = if c.split == Split::Eval { c.samples } else { 0 };
+            Ok(Box::new(Synthetic::new(c.features, c.classes, c.len, c.seed)?.with_offset(offset)))
         }
-        _ => Err(Error::UnknownDataset { name: name.to_owned(), known: NAMES.join(", ") }),
     }
-}
-
-/// The built-in datasets with their default options (for `shoal datasets --json`).
-pub fn catalogue() -> Vec<DatasetInfo> {
-    let cicero_len = lipsum::LIBER_PRIMUS.len() - 64;
-    vec![
-        DatasetInfo {
-            name: "digits".into(),
-            kind: Kind::Image,
-            len: DIGITS_SAMPLES,
-            features: DIGITS_FEATURES,
-            classes: 10,
-            description: DIGITS_DESCRIPTION.into(),
-        },
-        DatasetInfo {
-            name: "cicero".into(),
-            kind: Kind::Text,
-            len: cicero_len,
-            features: 64,
-            classes: 256,
-            description: CICERO_DESCRIPTION.into(),
-        },
-        DatasetInfo {
-            name: "synthetic".into(),
-            kind: Kind::Synthetic,
-            len: 60_000,
-            features: 784,
-            classes: 10,
-            description: SYNTHETIC_DESCRIPTION.into(),
-        },
-    ]
 }
 
 // ---------------------------------------------------------------------------------------------------------------
 // digits
-
-const DIGITS_SAMPLES: usize = 1797;
-const DIGITS_FEATURES: usize = 64;
-const DIGITS_DESCRIPTION: &str = "UCI optical recognition of handwritten digits: 8x8 images (1,797), 10 classes, \
-    pixels scaled from 0..16 to [0, 1]; shipped by the smartcore crate (Apache-2.0)";
 
 /// The 8×8 handwritten digits: 1,797 images of 64 pixels in `[0, 1]` (row-major), classes 0–9.
 #[derive(Debug, Clone)]
@@ -237,10 +115,6 @@ impl Dataset for Digits {
 // ---------------------------------------------------------------------------------------------------------------
 // text
 
-const CICERO_DESCRIPTION: &str = "Cicero, De finibus bonorum et malorum, book I (Latin, public domain), 49,068 \
-    bytes of ASCII, as shipped by the lipsum crate 0.9 (MIT) in lipsum::LIBER_PRIMUS; byte-level tokens, \
-    target = next byte";
-
 /// Byte-level language-modelling windows over a text: window `i` starts at byte `i * stride`; its input is the
 /// `context` bytes there and its target the `context` bytes one further (the next byte at every position).
 #[derive(Debug, Clone)]
@@ -305,11 +179,6 @@ impl Dataset for ByteText {
 
 // ---------------------------------------------------------------------------------------------------------------
 // synthetic
-
-const SYNTHETIC_DESCRIPTION: &str = "Gaussian blobs: class c = sample id mod classes, features = centre of c + \
-    N(0, 1) noise; centres N(0, 9/features) per coordinate; generated on the fly from (seed, id), identical in every \
-    process; the noise is a window of a seeded pool of 2^20 N(0, 1) values at an offset drawn from (seed, id) \
-    (options: features, classes, samples, seed)";
 
 /// Normal values in the noise pool of `synthetic`: a sample copies a window of it,
 /// so serving a sample costs a copy, not one normal draw per feature.
@@ -517,9 +386,33 @@ mod tests {
     }
 
     #[test]
+    fn the_specs_rules_give_the_length_every_built_dataset_has() {
+        let sets = [
+            ("digits", Options::default()),
+            ("digits", Options { seed: Some(3), eval_fraction: Some(0.25), ..Options::default() }),
+            ("cicero", Options::default()),
+            ("cicero", Options { context: Some(100), stride: Some(7), eval_fraction: Some(0.3), ..Options::default() }),
+            ("synthetic", Options { samples: Some(999), features: Some(5), classes: Some(3), ..Options::default() }),
+            ("synthetic", Options { samples: Some(10), eval_fraction: Some(0.05), ..Options::default() }),
+        ];
+        for (name, o) in sets {
+            for split in [Split::All, Split::Train, Split::Eval] {
+                if split == Split::All && o.eval_fraction.is_some() {
+                    continue;
+                }
+                let o = Options { split, ..o.clone() };
+                let want = check(name, &o).map(|c| c.len);
+                let built = builtin(name, &o).map(|d| d.len());
+                assert_eq!(want.ok(), built.ok(), "{name} {o:?}");
+            }
+        }
+    }
+
+    #[test]
     fn catalogue_lists_every_builtin_with_name_and_kind() {
         let cat = catalogue();
-        assert_eq!(cat.iter().map(|i| i.name.as_str()).collect::<Vec<_>>(), NAMES);
+        assert_eq!(cat.iter().map(|i| i.name.as_str()).collect::<Vec<_>>(), shoal_spec::data::NAMES);
+        assert_eq!(lipsum::LIBER_PRIMUS.len(), shoal_spec::data::CICERO_BYTES, "the spec's facts about cicero");
         for info in &cat {
             let d = builtin(&info.name, &Options::default()).expect("loads");
             assert_eq!(&d.info(), info);

@@ -4,8 +4,6 @@
 use std::fmt;
 use std::sync::Arc;
 
-use serde::{Deserialize, Serialize};
-
 use crate::{Error, Result};
 
 /// The input half of a sample.
@@ -87,42 +85,7 @@ impl Sample {
     }
 }
 
-/// What a dataset holds, for choosing a model and for listings (`shoal datasets --json`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Kind {
-    Image,
-    Tabular,
-    Text,
-    Synthetic,
-}
-
-impl fmt::Display for Kind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Kind::Image => "image",
-            Kind::Tabular => "tabular",
-            Kind::Text => "text",
-            Kind::Synthetic => "synthetic",
-        })
-    }
-}
-
-/// A description of a dataset. Serialises to a JSON object with at least `name` and `kind`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct DatasetInfo {
-    /// Name as given to [`builtin`](crate::builtin).
-    pub name: String,
-    pub kind: Kind,
-    /// Number of samples (windows, for text).
-    pub len: usize,
-    /// Features per sample (for text: the context length, i.e. tokens per sample).
-    pub features: usize,
-    /// Number of classes (for text: the vocabulary size); 0 when unlabelled.
-    pub classes: usize,
-    /// Where the data comes from, and its licence where it has one.
-    pub description: String,
-}
+pub use shoal_spec::data::{DatasetInfo, Kind};
 
 /// A dataset with a known length and random access by index. Implementations are shared between loader
 /// threads, hence `Send + Sync`; `get` must be a pure function of `index` (the same sample every call, in every
@@ -253,20 +216,13 @@ pub fn train_eval_split(len: usize, eval_fraction: f64, seed: u64) -> Result<(Ve
     if !(0.0..1.0).contains(&eval_fraction) {
         return Err(crate::error::invalid("eval_fraction", format!("{eval_fraction} is not in [0, 1)")));
     }
-    let n_eval = eval_count(len, eval_fraction);
+    let n_eval = shoal_spec::data::eval_count(len, eval_fraction);
     let perm = crate::rng::permutation(len, &[seed, 0xE7A1]);
     let (eval, train) = perm.split_at(n_eval);
     let (mut train, mut eval) = (train.to_vec(), eval.to_vec());
     train.sort_unstable();
     eval.sort_unstable();
     Ok((train, eval))
-}
-
-pub(crate) fn eval_count(len: usize, eval_fraction: f64) -> usize {
-    if eval_fraction <= 0.0 || len < 2 {
-        return 0;
-    }
-    ((len as f64 * eval_fraction).round() as usize).clamp(1, len - 1)
 }
 
 #[cfg(test)]

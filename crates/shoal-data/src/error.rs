@@ -49,3 +49,14 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 pub(crate) fn invalid(what: &'static str, reason: impl Into<String>) -> Error {
     Error::Invalid { what, reason: reason.into() }
 }
+
+impl From<shoal_spec::data::DataError> for Error {
+    fn from(e: shoal_spec::data::DataError) -> Self {
+        match e {
+            shoal_spec::data::DataError::Unknown { name, known } => Error::UnknownDataset { name, known },
+            shoal_spec::data::DataError::BadOption { dataset, option, reason } => {
+                Error::BadOption { dataset, option, reason }
+            }
+        }
+    }
+}

@@ -43,7 +43,7 @@ pub mod rng;
 mod sampler;
 mod stream;
 
-pub use builtin::{ByteText, Digits, Options, Split, Synthetic, builtin, catalogue};
+pub use builtin::{ByteText, Digits, Synthetic, builtin};
 pub use dataset::{
     Dataset, DatasetInfo, Features, IterableDataset, Kind, Label, Sample, SampleIter, Streamed, Subset, shard_stream,
     train_eval_split,
@@ -52,4 +52,5 @@ pub use error::{Error, Result};
 pub use loader::{Batch, Loader, LoaderConfig, LoaderStats};
 pub use partition::{Partition, block};
 pub use sampler::{CyclingBatches, DistributedSampler, EpochBatches, RankBatch, SamplerConfig, SamplerState, Tail};
+pub use shoal_spec::data::{Options, Split, catalogue};
 pub use stream::TextFile;

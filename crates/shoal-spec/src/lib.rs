@@ -22,7 +22,7 @@
 //! kind = "mlp"                   # mlp | cnn | gpt
 //! hidden = [128, 64]
 //!
-//! [train.data]                   # shoal_data::Options (dataset options), e.g. features/classes/samples
+//! [train.data]                   # data::Options (dataset options), e.g. features/classes/samples
 //!
 //! [checkpoint]
 //! every = 100                    # 0 = only at the end
@@ -86,7 +86,9 @@ use std::path::Path;
 
 use serde::de::{self, Deserializer, MapAccess, Visitor};
 use serde::{Deserialize, Serialize};
-use shoal_data::{Kind, Options, Split};
+pub mod data;
+
+use data::{Kind, Options, Split};
 
 mod platform;
 mod stats;
@@ -335,7 +337,7 @@ pub enum Overlap {
 pub struct TrainSpec {
     /// `model = "mlp"` or a `[train.model]` table with `kind = "mlp"` and sizes.
     pub model: ModelSpec,
-    /// A built-in dataset (see `shoal_data::catalogue()`).
+    /// A built-in dataset (see `data::catalogue()`).
     pub dataset: String,
     #[serde(default)]
     pub strategy: Strategy,
@@ -788,13 +790,13 @@ impl TrainSpec {
     }
 
     fn catalogue_kind(&self) -> Option<Kind> {
-        shoal_data::catalogue().into_iter().find(|i| i.name == self.dataset).map(|i| i.kind)
+        data::catalogue().into_iter().find(|i| i.name == self.dataset).map(|i| i.kind)
     }
 
     /// The dataset's kind, features and classes with these options (without loading it); an error naming
     /// `train.dataset` when it is unknown.
     pub fn data_shape(&self) -> Result<DataShape> {
-        let cat = shoal_data::catalogue();
+        let cat = data::catalogue();
         let Some(info) = cat.iter().find(|i| i.name == self.dataset) else {
             let known: Vec<&str> = cat.iter().map(|i| i.name.as_str()).collect();
             return Err(SpecError::at(
@@ -1248,18 +1250,19 @@ impl TrainSpec {
                 ),
             ));
         }
-        // The dataset's own option checks, on the splits the trainer loads (whatever `split` says).
+        // The dataset's own option checks, on the splits the trainer loads (whatever `split` says): the same
+        // rules shoal-data builds them by, without building anything.
         let o = self.data_options();
         for split in [Split::Train, Split::Eval] {
             let opts = Options { split, ..o.clone() };
-            let data = shoal_data::builtin(&self.dataset, &opts).map_err(|e| match e {
-                shoal_data::Error::BadOption { option, reason, .. } => {
+            let c = data::check(&self.dataset, &opts).map_err(|e| match e {
+                data::DataError::BadOption { option, reason, .. } => {
                     SpecError::at(format!("train.data.{option}"), reason)
                 }
                 other => SpecError::at("train.data", other.to_string()),
             })?;
             if split == Split::Train {
-                self.validate_batch_fits(data.len())?;
+                self.validate_batch_fits(c.len)?;
             }
         }
         Ok(())
@@ -1696,9 +1699,8 @@ lr = 0.001
 
     #[test]
     fn a_global_batch_larger_than_the_training_set_is_refused() {
-        let train_len = shoal_data::builtin("digits", &Options { split: Split::Train, ..Options::default() })
-            .expect("digits")
-            .len();
+        let train_len =
+            data::check("digits", &Options { split: Split::Train, ..Options::default() }).expect("digits").len;
         let at_most = MLP.replace("global_batch = 32", &format!("global_batch = {train_len}"));
         parse_job(&at_most, "JOB.toml").unwrap_or_else(|e| panic!("{e}"));
         let over = MLP.replace("global_batch = 32", &format!("global_batch = {}", train_len + 1));
