@@ -92,7 +92,7 @@ async fn body_deadline(req: axum::extract::Request, next: axum::middleware::Next
     let (parts, b) = req.into_parts();
     match tokio::time::timeout(crate::server::BODY_TIMEOUT, axum::body::to_bytes(b, MAX_BODY)).await {
         Ok(Ok(bytes)) => next.run(axum::extract::Request::from_parts(parts, Body::from(bytes))).await,
-        Ok(Err(e)) if e.to_string().contains("length limit") => {
+        Ok(Err(e)) if std::error::Error::source(&e).is_some_and(|s| s.is::<http_body_util::LengthLimitError>()) => {
             ControlError::TooLarge(format!("at most {MAX_BODY} bytes")).into_response()
         }
         Ok(Err(e)) => ControlError::bad(format!("cannot read the request body: {e}")).into_response(),
@@ -212,23 +212,11 @@ async fn submit(
     };
     let dir = control.job_dir(&id);
     let place = control.config.policy.admit(&caller.0.team, &dir, &spec)?;
-    if let Some(key) = place.key() {
-        // One job per checkpoint location: a job resumes only its own checkpoints.
-        for other in control.db.jobs(Some(&caller.0.team), &[], 100_000).await? {
-            let theirs = control.spec_of(&other).ok().and_then(|s| s.checkpoint.url.clone());
-            if theirs.is_some_and(|u| u.trim_end_matches('/').trim_start_matches("file://") == key) {
-                return Err(ControlError::bad_field(
-                    "checkpoint.url",
-                    format!("{key}: already the checkpoint location of job {}; each job keeps its own", other.id),
-                ));
-            }
-        }
-    }
     let jobs_dir = control.config.data_dir.join("jobs");
     if let Some(owner) = control.config.policy.resume_source(&caller.0.team, &dir, &jobs_dir, &spec)? {
         // Another job's checkpoint: only one of the caller's own team (another team's job looks missing).
         let theirs = control.db.job(&owner).await?;
-        if !theirs.is_some_and(|j| j.team == caller.0.team) {
+        if theirs.is_none_or(|j| j.team != caller.0.team) {
             return Err(ControlError::bad_field(
                 "checkpoint.resume_from",
                 format!("no job {owner} of team {} to resume from", caller.0.team),
@@ -275,6 +263,8 @@ async fn submit(
         ),
         cancel_requested: false,
         summary: None,
+        // One job per checkpoint location (a unique column): a job resumes only its own checkpoints.
+        checkpoint_key: place.key(),
     };
     control.db.insert_job(&row).await?;
     control.wake.notify_one();

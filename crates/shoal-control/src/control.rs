@@ -361,6 +361,10 @@ impl Control {
                 self.job_trouble(job, &e).await;
             }
         }
+        // What is kept per job lives as long as the job is active.
+        let ids: HashSet<&str> = active.iter().map(|j| j.id.as_str()).collect();
+        self.specs.lock().unwrap_or_else(|p| p.into_inner()).retain(|id, _| ids.contains(id.as_str()));
+        self.trouble.lock().unwrap_or_else(|p| p.into_inner()).retain(|id, _| ids.contains(id.as_str()));
         let t0 = Instant::now();
         let decisions = self.sched().schedule(now() as u64);
         self.metrics.scheduler_pass.with_label_values(&[] as &[&str]).observe(t0.elapsed().as_secs_f64());

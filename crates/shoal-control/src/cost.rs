@@ -223,6 +223,7 @@ mod tests {
             reason: String::new(),
             cancel_requested: false,
             summary: None,
+            checkpoint_key: None,
         }
     }
 

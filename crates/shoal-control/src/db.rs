@@ -88,6 +88,10 @@ pub struct JobRow {
     /// The run's `summary.json` once it finished (JSON).
     #[serde(skip)]
     pub summary: Option<String>,
+    /// Where its checkpoints live when not in its own directory (`checkpoint.url`, normalised): unique, so no
+    /// two jobs share (and resume) one location.
+    #[serde(skip)]
+    pub checkpoint_key: Option<String>,
 }
 
 /// Where one task stands.
@@ -253,6 +257,8 @@ const MIGRATIONS: &[&str] = &[
     "CREATE TABLE cluster_samples (time_ms BIGINT PRIMARY KEY, cpus DOUBLE PRECISION NOT NULL, memory_bytes BIGINT \
      NOT NULL, gpus DOUBLE PRECISION NOT NULL, pending BIGINT NOT NULL, running BIGINT NOT NULL)",
     "ALTER TABLE tasks ADD COLUMN worker_pid BIGINT",
+    "ALTER TABLE jobs ADD COLUMN checkpoint_key TEXT",
+    "CREATE UNIQUE INDEX jobs_checkpoint_key ON jobs (checkpoint_key)",
 ];
 
 fn now_ms() -> i64 {
@@ -260,7 +266,8 @@ fn now_ms() -> i64 {
 }
 
 const JOB_COLUMNS: &str = "id, name, user_name, team, queue, priority, state, spec, secret, restarts, attempt, \
-                           workers, created_ms, started_ms, finished_ms, reason, cancel_requested, summary";
+                           workers, created_ms, started_ms, finished_ms, reason, cancel_requested, summary, \
+                           checkpoint_key";
 
 fn job_from(row: &AnyRow) -> Result<JobRow> {
     let state: String = row.try_get("state")?;
@@ -284,6 +291,7 @@ fn job_from(row: &AnyRow) -> Result<JobRow> {
         reason: row.try_get("reason")?,
         cancel_requested: row.try_get::<i64, _>("cancel_requested")? != 0,
         summary: row.try_get("summary")?,
+        checkpoint_key: row.try_get("checkpoint_key")?,
     })
 }
 
@@ -513,9 +521,9 @@ impl Db {
     /// Stores a new pending job and its `submitted` event.
     pub async fn insert_job(&self, job: &JobRow) -> Result<()> {
         let mut tx = self.write_tx().await?;
-        sqlx::query(&format!(
+        let inserted = sqlx::query(&format!(
             "INSERT INTO jobs ({JOB_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, \
-             $15, $16, $17, $18)"
+             $15, $16, $17, $18, $19)"
         ))
         .bind(&job.id)
         .bind(&job.name)
@@ -535,8 +543,30 @@ impl Db {
         .bind(&job.reason)
         .bind(i64::from(job.cancel_requested))
         .bind(job.summary.as_deref())
+        .bind(job.checkpoint_key.as_deref())
         .execute(&mut *tx)
-        .await?;
+        .await;
+        if let Err(sqlx::Error::Database(d)) = &inserted
+            && d.is_unique_violation()
+            && let Some(key) = &job.checkpoint_key
+        {
+            let why = d.message().to_owned();
+            drop(tx);
+            let owner = sqlx::query("SELECT id FROM jobs WHERE checkpoint_key = $1")
+                .bind(key)
+                .fetch_optional(&self.pool)
+                .await?
+                .map(|r| r.try_get::<String, _>("id"))
+                .transpose()?;
+            return Err(match owner {
+                Some(owner) => ControlError::bad_field(
+                    "checkpoint.url",
+                    format!("{key}: already the checkpoint location of job {owner}; each job keeps its own"),
+                ),
+                None => ControlError::Internal(format!("storing job {}: {why}", job.id)),
+            });
+        }
+        inserted?;
         self.event_in(&mut tx, &job.id, "submitted", job.state, &job.reason).await?;
         tx.commit().await?;
         Ok(())

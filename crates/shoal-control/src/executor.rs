@@ -178,11 +178,6 @@ impl LocalExecutor {
         &self.host
     }
 
-    /// The user tasks run as (`None`: the server's own).
-    pub fn task_user(&self) -> Option<&TaskUser> {
-        self.user.as_ref()
-    }
-
     /// Creates `dir` (and its parents) for a task to write in: owned by the task user, mode 0700.
     pub fn task_dir(&self, dir: &Path) -> Result<()> {
         std::fs::create_dir_all(dir)?;

@@ -187,10 +187,10 @@ pub async fn overview_stream(
     caller: Caller,
 ) -> Result<Sse<impl Stream<Item = std::result::Result<Event, Infallible>>>> {
     let control = state.control.clone();
-    let slot = std::sync::Arc::new(StreamSlot::take(&control, &caller)?);
-    let s = futures_util::stream::unfold(true, move |first| {
+    let slot = StreamSlot::take(&control, &caller)?;
+    // The slot rides in the stream's state: it is freed when the stream is dropped.
+    let s = futures_util::stream::unfold((true, slot), move |(first, slot)| {
         let control = control.clone();
-        let _slot = slot.clone();
         async move {
             if !first {
                 tokio::time::sleep(Duration::from_secs(2)).await;
@@ -199,7 +199,7 @@ pub async fn overview_stream(
                 Ok(v) => Event::default().event("overview").data(v.to_string()),
                 Err(e) => Event::default().event("error").data(json!({ "error": e.to_string() }).to_string()),
             };
-            Some((Ok(ev), false))
+            Some((Ok(ev), (false, slot)))
         }
     });
     Ok(Sse::new(s).keep_alive(KeepAlive::default()))

@@ -789,6 +789,19 @@ async fn a_slow_client_is_cut_off() {
 #[tokio::test]
 async fn a_body_that_never_arrives_is_answered_408() {
     let e = env("body", None).await;
+    // A body over the limit with no length declared (chunked) is refused as it streams in.
+    let chunks = futures_util::stream::iter(
+        (0..3).map(|_| Ok::<_, std::io::Error>(axum::body::Bytes::from(vec![b'x'; 1 << 20]))),
+    );
+    let req = Request::builder()
+        .method("POST")
+        .uri("/api/v1/jobs")
+        .header("content-type", "application/toml")
+        .header("authorization", format!("Bearer {}", e.admin))
+        .body(Body::from_stream(chunks))
+        .expect("request");
+    let resp = e.app.clone().oneshot(req).await.expect("router answers");
+    assert_eq!(resp.status(), StatusCode::PAYLOAD_TOO_LARGE);
     // The server's clock from here on: its body deadline passes without the test waiting for it.
     tokio::time::pause();
     let never = futures_util::stream::pending::<std::result::Result<axum::body::Bytes, std::io::Error>>();
