@@ -342,6 +342,11 @@ impl Db {
     /// (`shoal.db.damaged-MS`, kept) and starts afresh. With `init` unset, a missing database beside a
     /// non-empty `jobs/` directory is refused too: that history was lost, and starting an empty one would hide it.
     pub async fn open(url: &str, init: bool) -> Result<Db> {
+        Db::open_as(url, if init { Opening::Init } else { Opening::Strict }).await
+    }
+
+    async fn open_as(url: &str, how: Opening) -> Result<Db> {
+        let init = how != Opening::Strict;
         if let Some(path) = url.strip_prefix("sqlite://") {
             let path = std::path::Path::new(path.split('?').next().unwrap_or(path));
             check_sqlite_file(path, init)?;
@@ -356,9 +361,9 @@ impl Db {
             };
             if verdict != "ok" {
                 db.pool.close().await;
-                if init {
+                if how == Opening::Init {
                     set_aside(&path)?;
-                    return Box::pin(Db::open(url, false)).await;
+                    return Box::pin(Db::open_as(url, Opening::AfterSetAside)).await;
                 }
                 return Err(damaged(&path, &format!("SQLite's integrity check failed: {verdict}")));
             }
@@ -376,9 +381,9 @@ impl Db {
             Err(ControlError::Db(e)) if db.backend == Backend::Sqlite && is_damage(&e) => {
                 db.pool.close().await;
                 let path = url.strip_prefix("sqlite://").unwrap_or(url).split('?').next().unwrap_or(url);
-                if init {
+                if how == Opening::Init {
                     set_aside(std::path::Path::new(path))?;
-                    return Box::pin(Db::open(url, false)).await;
+                    return Box::pin(Db::open_as(url, Opening::AfterSetAside)).await;
                 }
                 Err(damaged(std::path::Path::new(path), &e.to_string()))
             }
@@ -954,6 +959,17 @@ impl Db {
             .await?;
         Ok(row.try_get::<Option<i64>, _>("m")?.unwrap_or(-1))
     }
+}
+
+/// How [`Db::open`] treats a damaged SQLite file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Opening {
+    /// Refuse it.
+    Strict,
+    /// Set it aside and start afresh (`--init`).
+    Init,
+    /// It was just set aside: a missing file is expected, and a new one that fails too is an error.
+    AfterSetAside,
 }
 
 /// Refuses a SQLite file that cannot be this server's store (see [`Db::open`]); with `init`, moves it aside.
