@@ -163,6 +163,64 @@ fn secure_data_dir(dir: &Path, task_user: Option<&executor::TaskUser>) -> Result
     Ok(())
 }
 
+/// The first directory on the way to `path` (its ancestors, and `path` itself when `itself`) that `user` cannot
+/// pass through, if any. Only the user's own group counts: tasks run without supplementary groups.
+fn blocked_for(user: &executor::TaskUser, path: &Path, itself: bool) -> Option<PathBuf> {
+    use std::os::unix::fs::MetadataExt;
+    let mut dirs: Vec<&Path> = path.ancestors().skip(usize::from(!itself)).collect();
+    dirs.reverse();
+    dirs.into_iter().find_map(|d| {
+        let m = std::fs::metadata(d).ok()?;
+        let mode = m.mode();
+        let bit = if m.uid() == user.uid {
+            0o100
+        } else if m.gid() == user.gid {
+            0o010
+        } else {
+            0o001
+        };
+        (mode & bit == 0).then(|| d.to_path_buf())
+    })
+}
+
+/// Makes sure the task user can reach its jobs and run the worker program. The data directory must be reachable
+/// (an error naming the directory in the way otherwise); a worker program it cannot reach (a checkout under a
+/// private home, say) is linked or copied to `DATA/bin/`, where it can.
+fn reachable_program(data_dir: &Path, program: &Path, user: &executor::TaskUser) -> Result<PathBuf> {
+    if let Some(d) = blocked_for(user, data_dir, false) {
+        return Err(ControlError::Config(format!(
+            "tasks run as {} (uid {}), who cannot pass through {} on the way to the data directory {}: choose a \
+             --data-dir it can reach, or --task-user",
+            user.name,
+            user.uid,
+            d.display(),
+            data_dir.display()
+        )));
+    }
+    if blocked_for(user, program, false).is_none() {
+        return Ok(program.to_path_buf());
+    }
+    let bin = data_dir.join("bin");
+    std::fs::create_dir_all(&bin)?;
+    std::os::unix::fs::chown(&bin, None, Some(user.gid))?;
+    std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o710))?;
+    let name = program.file_name().map_or_else(|| "worker".into(), |n| n.to_string_lossy().into_owned());
+    let copy = bin.join(name);
+    let _ = std::fs::remove_file(&copy);
+    if std::fs::hard_link(program, &copy).is_err() {
+        std::fs::copy(program, &copy)
+            .map_err(|e| ControlError::Config(format!("copying {} to {}: {e}", program.display(), copy.display())))?;
+    }
+    std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(0o755))?;
+    tracing::info!(
+        program = %program.display(),
+        copy = %copy.display(),
+        user = %user.name,
+        "the task user cannot reach the worker program; tasks run a copy"
+    );
+    Ok(copy)
+}
+
 /// Reads or creates `DATA/server.key` (32 random bytes, mode 0600), the key job secrets are derived from.
 fn server_key(dir: &Path) -> Result<Vec<u8>> {
     let path = dir.join("server.key");
@@ -266,9 +324,13 @@ pub async fn prepare(opts: &ServerOptions) -> Result<Prepared> {
         },
         can_borrow: true,
     }];
+    let worker_program = match &task_user {
+        Some(u) => reachable_program(&opts.data_dir, &opts.worker_program, u)?,
+        None => opts.worker_program.clone(),
+    };
     let config = ControlConfig {
         data_dir: opts.data_dir.clone(),
-        worker_program: opts.worker_program.clone(),
+        worker_program,
         tick: opts.tick,
         kill_grace: opts.kill_grace,
         preempt_grace: opts.preempt_grace,

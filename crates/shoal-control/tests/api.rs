@@ -820,3 +820,28 @@ async fn a_body_that_never_arrives_is_answered_408() {
     assert_eq!(resp.status(), StatusCode::REQUEST_TIMEOUT);
     let _ = std::fs::remove_dir_all(&e.dir);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_program_the_task_user_cannot_reach_runs_from_a_copy() {
+    use std::os::unix::fs::PermissionsExt;
+    let e = env_with("private", None, |o| {
+        // The program sits in a directory only its owner may enter (a checkout under a private home, say).
+        let private = o.worker_program.parent().expect("dir").join("private");
+        std::fs::create_dir_all(&private).expect("private dir");
+        let program = private.join("fake-worker.sh");
+        std::fs::copy(&o.worker_program, &program).expect("copy the program");
+        std::fs::set_permissions(&private, std::fs::Permissions::from_mode(0o700)).expect("chmod");
+        o.worker_program = program;
+    })
+    .await;
+    let (st, v) = submit(&e.app, &e.admin, JOB).await;
+    assert_eq!(st, StatusCode::CREATED, "{v}");
+    let id = v["id"].as_str().expect("id").to_owned();
+    let v = tick_until(&e, &id, "succeeded", Duration::from_secs(60)).await;
+    assert!(v["workers"].as_array().expect("workers").iter().all(|w| w["exit_code"] == 0), "{v:#}");
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        assert!(e.dir.join("data/bin/fake-worker.sh").exists(), "the task user's copy of the program");
+    }
+    let _ = std::fs::remove_dir_all(&e.dir);
+}

@@ -52,10 +52,12 @@ fn diagnosis_names_injected_problems_and_calls_a_healthy_run_healthy() {
     let s = Platform::new("diagnose");
     let limit = Duration::from_secs(300);
 
-    // Healthy. Other tests share this machine's two cores and each worker is pinned to one of them, so a burst of
-    // outside load on one core can make a rank truly slower for a while; one more run is allowed for that.
+    // Healthy. Each worker is pinned to one of this machine's two cores, so a burst of outside load on one core
+    // (another test binary's leftovers, the kernel writing back a freshly linked binary) can make a rank truly
+    // slower for a while; up to two more runs are allowed for that, and every judgement is kept for the message.
     let mut f = Vec::new();
-    for attempt in 0..2 {
+    let mut judged = Vec::new();
+    for attempt in 0..3 {
         let id = s.submit(&format!("healthy-{attempt}"), &job(&format!("healthy-{attempt}"), 300, ""));
         s.wait_state(&id, "succeeded");
         f = diagnose(&s, &id);
@@ -63,8 +65,9 @@ fn diagnosis_names_injected_problems_and_calls_a_healthy_run_healthy() {
             break;
         }
         eprintln!("healthy run {attempt} was judged {f:?} (outside load?); running it once more");
+        judged.push(f.clone());
     }
-    assert_eq!(kinds(&f), ["healthy"], "{f:#?}");
+    assert_eq!(kinds(&f), ["healthy"], "every healthy run was judged otherwise: {judged:#?}");
 
     // A slow data source: every batch takes 60 ms to load, longer than a step, so the prefetcher cannot hide it.
     let id = s.submit("slow-data", &job("slow-data", 120, "SHOAL_FAULT_DATA_DELAY = \"60ms\""));
