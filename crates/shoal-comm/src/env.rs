@@ -100,6 +100,12 @@ pub const RESERVED: [&str; 18] = [
     var::VISIBLE_GPUS,
 ];
 
+/// A loopback port free now, for a rendezvous store or `MASTER_PORT` (the kernel's choice; free until someone
+/// else takes it, which a store that fails to bind reports).
+pub fn free_port() -> std::io::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
 impl TaskEnv {
     /// The variables to set, in order.
     pub fn vars(&self) -> Vec<(&'static str, String)> {

@@ -783,7 +783,7 @@ impl Control {
         let spec = self.spec_of(&job)?;
         let attempt = job.attempt + 1;
         let world = assignments.len();
-        let port = free_port()?;
+        let port = shoal_comm::env::free_port()?;
         let rendezvous = format!("127.0.0.1:{port}");
         let node = assignments.first().map_or("?", |a| a.node.as_str()).to_owned();
         let moved = self
@@ -1096,9 +1096,4 @@ fn signal_note(code: i32) -> String {
         c if c > 128 => format!(" (signal {})", c - 128),
         _ => String::new(),
     }
-}
-
-fn free_port() -> Result<u16> {
-    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
-    Ok(l.local_addr()?.port())
 }

@@ -213,7 +213,7 @@ pub fn launch_with(spec: &LaunchSpec, policy: Policy, mut on_line: impl FnMut(&L
     let store =
         StoreServer::bind("127.0.0.1:0", secret.clone().into_bytes()).context("starting the rendezvous store")?;
     let addr = store.local_addr().to_string();
-    let master_port = free_port().unwrap_or(29500);
+    let master_port = shoal_comm::env::free_port().unwrap_or(29500);
     let (tx, rx) = mpsc::channel::<Line>();
     let mut children: Vec<Child> = Vec::with_capacity(spec.ranks);
     // SAFETY: getpid(2) cannot fail.
@@ -464,10 +464,6 @@ fn children_of(parent: u32) -> Vec<u32> {
         }
     }
     out
-}
-
-fn free_port() -> Option<u16> {
-    std::net::TcpListener::bind("127.0.0.1:0").ok()?.local_addr().ok().map(|a| a.port())
 }
 
 /// The guard: a process forked from the launcher that holds the read end of a
