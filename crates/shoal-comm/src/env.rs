@@ -9,7 +9,7 @@
 //! | `SHOAL_JOB_ID` | names the job's communicators |
 //! | `SHOAL_TRANSPORT`, `SHOAL_ALGO` | optional: `auto`/`tcp`/`shm`, `auto`/`ring`/`tree`/`hier` |
 //! | `SHOAL_TIMEOUT` | optional: per-operation limit, e.g. `30s`, `500ms`, `2m` |
-//! | `SHOAL_FAULT_COMM_DELAY` | fault injection: every collective first sleeps this long (e.g. `20ms`), to test diagnosis |
+//! | `SHOAL_FAULT_COMM_DELAY` | fault injection (feature `failpoints` only): every collective first sleeps this long (e.g. `20ms`), to test diagnosis |
 //! | `SHOAL_HOST_ID` | optional: overrides the host identity (tests of multi-host layouts) |
 //! | `SHOAL_RENDEZVOUS_HOST` | optional: `1` makes rank 0 host the store at `SHOAL_RENDEZVOUS` itself (for launchers that start no store, e.g. `srun` or `mpirun`) |
 
@@ -35,7 +35,10 @@ pub mod var {
     pub const TRANSPORT: &str = "SHOAL_TRANSPORT";
     pub const ALGO: &str = "SHOAL_ALGO";
     pub const TIMEOUT: &str = "SHOAL_TIMEOUT";
+    /// Fault injection (feature `failpoints`): every collective first sleeps this long.
     pub const FAULT_COMM_DELAY: &str = "SHOAL_FAULT_COMM_DELAY";
+    /// Fault injection (feature `failpoints`): every training batch takes this long to load.
+    pub const FAULT_DATA_DELAY: &str = "SHOAL_FAULT_DATA_DELAY";
     pub const HOST_ID: &str = "SHOAL_HOST_ID";
     /// torchrun's names, for programs that read those.
     pub const MASTER_ADDR: &str = "MASTER_ADDR";
@@ -99,6 +102,20 @@ pub const RESERVED: [&str; 18] = [
     var::TORCH_LOCAL_WORLD_SIZE,
     var::VISIBLE_GPUS,
 ];
+
+/// A fault-injection delay from the environment (zero when unset). Fault injection is a test hook, compiled only
+/// with the `failpoints` feature; without it, setting the variable is an error that says so rather than a delay
+/// silently not injected.
+pub fn fault_delay(name: &str) -> Result<Duration> {
+    let Ok(t) = std::env::var(name) else { return Ok(Duration::ZERO) };
+    if cfg!(feature = "failpoints") {
+        parse_duration(&t).map_err(|e| Error::InvalidArgument(format!("{name}: {e}")))
+    } else {
+        Err(Error::InvalidArgument(format!(
+            "{name} is a fault-injection test hook, compiled only into builds with the `failpoints` feature"
+        )))
+    }
+}
 
 /// A loopback port free now, for a rendezvous store or `MASTER_PORT` (the kernel's choice; free until someone
 /// else takes it, which a store that fails to bind reports).
@@ -208,10 +225,7 @@ impl EnvContract {
         if let Ok(t) = std::env::var(var::TIMEOUT) {
             cfg.timeout = parse_duration(&t).map_err(|e| Error::InvalidArgument(format!("{}: {e}", var::TIMEOUT)))?;
         }
-        if let Ok(t) = std::env::var(var::FAULT_COMM_DELAY) {
-            cfg.fault_delay =
-                parse_duration(&t).map_err(|e| Error::InvalidArgument(format!("{}: {e}", var::FAULT_COMM_DELAY)))?;
-        }
+        cfg.fault_delay = fault_delay(var::FAULT_COMM_DELAY)?;
         if let Ok(h) = std::env::var(var::HOST_ID) {
             cfg.host_id = Some(h);
         }

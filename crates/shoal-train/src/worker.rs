@@ -433,12 +433,8 @@ pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
             );
         }
     }
-    // Fault injection for testing diagnosis: a slow data source.
-    let delay = match std::env::var("SHOAL_FAULT_DATA_DELAY") {
-        Ok(v) => shoal_comm::env::parse_duration(&v)
-            .map_err(|e| Error::InvalidArgument(format!("SHOAL_FAULT_DATA_DELAY: {e}")))?,
-        Err(_) => std::time::Duration::ZERO,
-    };
+    // Fault injection for testing diagnosis (feature `failpoints`): a slow data source.
+    let delay = shoal_comm::env::fault_delay(shoal_comm::env::var::FAULT_DATA_DELAY)?;
     let mut loader =
         Loader::new(train.clone(), sampler.cycling_batches(), LoaderConfig { delay, ..LoaderConfig::default() })?;
     let mut saver = (rank == 0).then(|| {

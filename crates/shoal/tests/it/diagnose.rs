@@ -48,6 +48,7 @@ fn kinds(f: &[Value]) -> Vec<&str> {
 }
 
 #[test]
+#[cfg_attr(not(feature = "failpoints"), ignore = "injects faults: needs `--features shoal/failpoints`")]
 fn diagnosis_names_injected_problems_and_calls_a_healthy_run_healthy() {
     let s = Platform::new("diagnose");
     let limit = Duration::from_secs(300);
