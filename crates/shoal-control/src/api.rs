@@ -287,12 +287,7 @@ struct ListQuery {
 }
 
 fn job_json(j: &JobRow) -> Value {
-    let mut v = serde_json::to_value(j).unwrap_or(Value::Null);
-    if let Some(obj) = v.as_object_mut() {
-        obj.insert("worker_count".into(), json!(j.workers));
-        obj.remove("workers");
-    }
-    v
+    serde_json::to_value(crate::view::JobView::from(j)).unwrap_or(Value::Null)
 }
 
 async fn list_jobs(
@@ -337,7 +332,8 @@ pub(crate) async fn job_view(control: &Control, job: &JobRow) -> Result<Value> {
     let last = db.metrics(&job.id, Some(0), db.last_metric_step(&job.id, 0).await? - 1, 1).await?;
     let mut v = job_json(job);
     if let Some(obj) = v.as_object_mut() {
-        obj.insert("workers".into(), serde_json::to_value(&tasks).unwrap_or(Value::Null));
+        let workers: Vec<crate::view::TaskView<'_>> = tasks.iter().map(Into::into).collect();
+        obj.insert("workers".into(), serde_json::to_value(&workers).unwrap_or(Value::Null));
         obj.insert("events".into(), serde_json::to_value(&events).unwrap_or(Value::Null));
         obj.insert("spec".into(), serde_json::from_str(&job.spec).unwrap_or(Value::Null));
         obj.insert(

@@ -57,8 +57,8 @@ impl JobState {
     }
 }
 
-/// One job as stored.
-#[derive(Debug, Clone, Serialize)]
+/// One job as stored (the API shows it as a [`crate::view::JobView`]).
+#[derive(Debug, Clone)]
 pub struct JobRow {
     pub id: String,
     pub name: String,
@@ -68,10 +68,8 @@ pub struct JobRow {
     pub priority: i64,
     pub state: JobState,
     /// The validated spec, as JSON.
-    #[serde(skip)]
     pub spec: String,
     /// The job secret its workers authenticate with.
-    #[serde(skip)]
     pub secret: String,
     /// Times it was started again after a failure or a loss.
     pub restarts: i64,
@@ -86,11 +84,9 @@ pub struct JobRow {
     pub reason: String,
     pub cancel_requested: bool,
     /// The run's `summary.json` once it finished (JSON).
-    #[serde(skip)]
     pub summary: Option<String>,
     /// Where its checkpoints live when not in its own directory (`checkpoint.url`, normalised): unique, so no
     /// two jobs share (and resume) one location.
-    #[serde(skip)]
     pub checkpoint_key: Option<String>,
 }
 
@@ -123,8 +119,8 @@ impl TaskState {
     }
 }
 
-/// One worker process of one attempt.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+/// One worker process of one attempt (the API shows it as a [`crate::view::TaskView`]).
+#[derive(Debug, Clone, PartialEq)]
 pub struct TaskRow {
     pub job_id: String,
     pub attempt: i64,
@@ -132,14 +128,11 @@ pub struct TaskRow {
     pub node: String,
     pub host: String,
     /// The exit-status wrapper: the leader of the task's session, whose process group gets the signals.
-    #[serde(rename = "wrapper_pid")]
     pub pid: Option<i64>,
     /// The training process itself (the wrapper's child): the one to attach a profiler or debugger to.
-    #[serde(rename = "pid")]
     pub worker_pid: Option<i64>,
     /// The wrapper's start time in clock ticks since boot (`/proc/PID/stat` field 22), so a reused PID is not
     /// mistaken for it.
-    #[serde(skip)]
     pub start_ticks: Option<i64>,
     pub state: TaskState,
     pub exit_code: Option<i64>,

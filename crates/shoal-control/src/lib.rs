@@ -34,6 +34,7 @@ pub mod gpu;
 pub mod observe;
 pub mod policy;
 pub mod server;
+pub mod view;
 
 pub use error::{ControlError, Result};
 pub use server::{Server, ServerOptions, start};

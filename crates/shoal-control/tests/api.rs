@@ -576,7 +576,11 @@ async fn one_team_never_reaches_another_teams_data() {
         assert_eq!(mode_of(&data.join(f)), 0o600, "{f}");
     }
     let (_, v) = get(a, &format!("/api/v1/jobs/{alpha_id}"), &e.admin).await;
-    assert!(v.get("secret").is_none(), "{v}");
+    for hidden in ["secret", "checkpoint_key", "summary_json"] {
+        assert!(v.get(hidden).is_none(), "{hidden} in {v}");
+    }
+    let w = &v["workers"][0];
+    assert!(w.get("start_ticks").is_none() && w["pid"].is_i64() && w["wrapper_pid"].is_i64(), "{w}");
     let _ = std::fs::remove_dir_all(&e.dir);
     let _ = std::fs::remove_dir_all(&store);
 }
