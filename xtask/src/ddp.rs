@@ -337,11 +337,13 @@ fn run_config(cx: &mut Ctx, c: Config, round: usize) -> Result<Option<Measure>> 
                 &cx.args.warmup.to_string(),
             ]);
             if procs > 1 {
-                cmd.env("RANK", r.to_string())
-                    .env("LOCAL_RANK", r.to_string())
-                    .env("WORLD_SIZE", procs.to_string())
-                    .env("MASTER_ADDR", "127.0.0.1")
-                    .env("MASTER_PORT", &port)
+                // torchrun's names, as the contract defines them.
+                use shoal_comm::env::var;
+                cmd.env(var::TORCH_RANK, r.to_string())
+                    .env(var::TORCH_LOCAL_RANK, r.to_string())
+                    .env(var::TORCH_WORLD_SIZE, procs.to_string())
+                    .env(var::MASTER_ADDR, "127.0.0.1")
+                    .env(var::MASTER_PORT, &port)
                     .env("GLOO_SOCKET_IFNAME", "lo");
             }
             thread_env(&mut cmd, threads);

@@ -5,6 +5,7 @@ mod ddp;
 mod idle;
 mod limits;
 mod setup;
+mod structure;
 mod util;
 
 use anyhow::Result;
@@ -27,6 +28,9 @@ enum Cmd {
     BenchDdp(ddp::DdpArgs),
     /// Only the physical limits: memcpy (1 thread) and loopback TCP both ways.
     Limits,
+    /// The layout rules of ARCHITECTURE.md: no import circle between source files, the environment contract's
+    /// names spelled out only in its module.
+    CheckStructure,
 }
 
 fn main() -> Result<()> {
@@ -34,6 +38,7 @@ fn main() -> Result<()> {
         Cmd::SetupPeers(a) => setup::setup_peers(&a),
         Cmd::BenchVsPeers(a) => bench::bench_vs_peers(a),
         Cmd::BenchDdp(a) => ddp::bench_ddp(a),
+        Cmd::CheckStructure => structure::check(&std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..")),
         Cmd::Limits => {
             let l = limits::measure()?;
             println!("memcpy, 1 thread, 256 MiB (best of 10):  {:.2} GB/s", l.memcpy_1t_gbps);

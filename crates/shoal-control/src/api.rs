@@ -399,7 +399,7 @@ async fn logs(
     if !q.follow.unwrap_or(false) {
         // At most MAX_LOG_CHUNK per request, whatever the file's size: `x-log-next` says where to continue,
         // `x-log-size` how long the log is now.
-        let (data, size) = crate::executor::read_from_async(path, offset, MAX_LOG_CHUNK).await?;
+        let (data, size) = crate::control::read_from_async(path, offset, MAX_LOG_CHUNK).await?;
         let next = offset.min(size) + data.len() as u64;
         return Ok((
             [
@@ -422,7 +422,7 @@ async fn logs(
             }
             loop {
                 let (data, _) =
-                    crate::executor::read_from_async(path.clone(), pos, MAX_LOG_CHUNK).await.unwrap_or_default();
+                    crate::control::read_from_async(path.clone(), pos, MAX_LOG_CHUNK).await.unwrap_or_default();
                 if !data.is_empty() {
                     let next = pos + data.len() as u64;
                     return Some((Ok::<Bytes, std::io::Error>(Bytes::from(data)), (next, false)));

@@ -22,7 +22,7 @@ use shoal_spec::JobSpec;
 
 use crate::db::{ClusterSample, Db, JobRow, JobState, MetricRow, SampleRow, TaskRow, TaskState, Transition, now};
 use crate::error::{ControlError, Result};
-use crate::executor::{LocalExecutor, TaskLaunch, TaskStatus, Usage};
+use shoal_exec::{Executor, Stop as Halt, Task, TaskLaunch, TaskStatus, Usage};
 
 /// How the control loop behaves.
 #[derive(Debug, Clone)]
@@ -43,7 +43,7 @@ pub struct ControlConfig {
     /// What jobs may touch (checkpoint locations, loader variables).
     pub policy: crate::policy::Policy,
     /// The user tasks run as (`None`: the server's own).
-    pub task_user: Option<crate::executor::TaskUser>,
+    pub task_user: Option<shoal_exec::TaskUser>,
     /// The key job secrets are derived from (`DATA/server.key`).
     pub secret_key: Vec<u8>,
 }
@@ -69,7 +69,8 @@ struct Stop {
 #[derive(Debug)]
 pub struct Control {
     pub db: Db,
-    pub exec: LocalExecutor,
+    /// What runs the tasks (the local executor, or a scripted one in tests).
+    pub exec: std::sync::Arc<dyn Executor>,
     pub config: ControlConfig,
     pub node: Node,
     pub queues: Vec<Queue>,
@@ -147,6 +148,18 @@ fn mib(b: u64) -> String {
 
 impl Control {
     pub fn new(db: Db, config: ControlConfig, node: Node, queues: Vec<Queue>) -> Result<Control> {
+        let exec = std::sync::Arc::new(shoal_exec::LocalExecutor::new(&config.data_dir, config.task_user.clone()));
+        Control::with_executor(db, config, node, queues, exec)
+    }
+
+    /// A control loop whose tasks `exec` runs.
+    pub fn with_executor(
+        db: Db,
+        config: ControlConfig,
+        node: Node,
+        queues: Vec<Queue>,
+        exec: std::sync::Arc<dyn Executor>,
+    ) -> Result<Control> {
         let sched_cfg = shoal_sched::Config {
             preempt_grace_ms: config.preempt_grace.as_millis() as u64,
             ..shoal_sched::Config::default()
@@ -155,7 +168,7 @@ impl Control {
             .map_err(|e| ControlError::Config(format!("cluster model: {e}")))?;
         let bench = config.bench.clone();
         Ok(Control {
-            exec: LocalExecutor::new(&config.data_dir, config.task_user.clone()),
+            exec,
             db,
             config,
             node,
@@ -243,10 +256,14 @@ impl Control {
             let tasks = self.db.tasks(&job.id, job.attempt).await?;
             let alive: Vec<&TaskRow> = tasks
                 .iter()
-                .filter(|t| t.state == TaskState::Running && self.exec.probe(t) == TaskStatus::Running)
+                // A task the executor cannot tell about now counts as running: the loop probes it again.
+                .filter(|t| {
+                    t.state == TaskState::Running
+                        && !matches!(self.exec.probe(&handle(t)), Ok(s) if s != TaskStatus::Running)
+                })
                 .collect();
             for t in &alive {
-                self.exec.adopt(t);
+                self.exec.adopt(&handle(t));
                 adopted_sessions.extend(t.pid);
             }
             if job.state == JobState::Preempted {
@@ -286,18 +303,12 @@ impl Control {
         }
         // Strays: processes of this server that belong to no task it knows to be running (started just before a
         // crash, before their task was recorded). Nothing of a job may run beside its next attempt.
-        for (pid, sid, job) in self.exec.own_processes() {
-            if !adopted_sessions.contains(&sid) && pid != i64::from(std::process::id()) {
-                tracing::warn!(pid, job = %job, "killing a stray process of this server");
-                // SAFETY: plain syscall on a process whose environment names this server's data directory.
-                unsafe {
-                    libc::kill(pid as i32, libc::SIGKILL);
-                }
-                if let Ok(Some(j)) = self.db.job(&job).await {
-                    self.db
-                        .event(&j.id, "warning", j.state, &format!("killed stray process {pid} found after a restart"))
-                        .await?;
-                }
+        for stray in self.exec.strays(&adopted_sessions) {
+            tracing::warn!(pid = stray.pid, job = %stray.job_id, "killing a stray process of this server");
+            self.exec.kill_stray(&stray);
+            if let Ok(Some(j)) = self.db.job(&stray.job_id).await {
+                let message = format!("killed stray process {} found after a restart", stray.pid);
+                self.db.event(&j.id, "warning", j.state, &message).await?;
             }
         }
         // Hold the adopted jobs' resources before anything pending is considered.
@@ -327,7 +338,7 @@ impl Control {
         }
         tracing::info!(job = %job.id, ?why, "stopping job");
         for t in tasks.iter().filter(|t| t.state == TaskState::Running) {
-            self.exec.signal(t, libc::SIGTERM);
+            self.exec.stop(&handle(t), Halt::Term);
         }
         stopping.insert(job.id.clone(), Stop { since: Instant::now(), killed: false, why });
     }
@@ -471,7 +482,8 @@ impl Control {
                 usage.insert(t.rank, u);
             }
             let st = if t.state == TaskState::Running {
-                self.exec.probe(t)
+                // The executor cannot tell (its cluster manager does not answer): this job waits, the others go on.
+                self.exec.probe(&handle(t))?
             } else {
                 TaskStatus::Exited(t.exit_code.unwrap_or(-1) as i32)
             };
@@ -492,7 +504,7 @@ impl Control {
                 if !killed && since.elapsed() >= self.config.kill_grace {
                     for (t, s) in &statuses {
                         if *s == TaskStatus::Running {
-                            self.exec.signal(t, libc::SIGKILL);
+                            self.exec.stop(&handle(t), Halt::Kill);
                         }
                     }
                     if let Some(s) = self.stopping.lock().unwrap_or_else(|p| p.into_inner()).get_mut(&job.id) {
@@ -640,7 +652,7 @@ impl Control {
                 let Some(row) = self.db.job(&job).await? else { return Ok(()) };
                 let tasks = self.db.tasks(&row.id, row.attempt).await?;
                 for t in tasks.iter().filter(|t| t.state == TaskState::Running) {
-                    self.exec.signal(t, libc::SIGTERM);
+                    self.exec.stop(&handle(t), Halt::Term);
                 }
                 let why = match reason {
                     PreemptReason::Priority { by } => format!("job {by} of higher priority needs the room"),
@@ -668,18 +680,18 @@ impl Control {
                 // The scheduler counts its resources free from now on: nothing of it may run any more. SIGKILL
                 // and wait (briefly) until every process is confirmed gone before anything else is placed.
                 for t in tasks.iter().filter(|t| t.state == TaskState::Running) {
-                    self.exec.signal(t, libc::SIGKILL);
+                    self.exec.stop(&handle(t), Halt::Kill);
                 }
                 let running: Vec<&TaskRow> = tasks.iter().filter(|t| t.state == TaskState::Running).collect();
                 let mut ended: HashMap<i64, TaskStatus> = HashMap::new();
                 let t0 = Instant::now();
                 while ended.len() < running.len() && t0.elapsed() < Duration::from_secs(5) {
                     for t in &running {
-                        if let std::collections::hash_map::Entry::Vacant(slot) = ended.entry(t.rank) {
-                            let st = self.exec.probe(t);
-                            if st != TaskStatus::Running {
-                                slot.insert(st);
-                            }
+                        if let std::collections::hash_map::Entry::Vacant(slot) = ended.entry(t.rank)
+                            && let Ok(st) = self.exec.probe(&handle(t))
+                            && st != TaskStatus::Running
+                        {
+                            slot.insert(st);
                         }
                     }
                     if ended.len() < running.len() {
@@ -783,9 +795,8 @@ impl Control {
         let spec = self.spec_of(&job)?;
         let attempt = job.attempt + 1;
         let world = assignments.len();
-        let port = shoal_comm::env::free_port()?;
-        let rendezvous = format!("127.0.0.1:{port}");
         let node = assignments.first().map_or("?", |a| a.node.as_str()).to_owned();
+        let rendezvous = self.exec.rendezvous(&node)?;
         let moved = self
             .db
             .transition(
@@ -884,7 +895,7 @@ impl Control {
                 env: env.clone(),
             };
             let row = match self.exec.start(&launch) {
-                Ok(row) => row,
+                Ok(task) => started_row(task, &a.node),
                 Err(e) => {
                     let why = StopWhy::Failure(format!("could not start rank {rank}: {e}"));
                     return self.abort_start(&job, attempt, &rows, why).await;
@@ -912,7 +923,7 @@ impl Control {
     async fn abort_start(&self, job: &JobRow, attempt: i64, started: &[TaskRow], why: StopWhy) -> Result<()> {
         tracing::warn!(job = %job.id, attempt, ?why, "starting the job failed; undoing it");
         for t in started {
-            self.exec.signal(t, libc::SIGKILL);
+            self.exec.stop(&handle(t), Halt::Kill);
         }
         let t0 = Instant::now();
         let mut gone: Vec<(TaskRow, TaskStatus)> = Vec::new();
@@ -920,9 +931,9 @@ impl Control {
         while !left.is_empty() && t0.elapsed() < Duration::from_secs(5) {
             let mut still = Vec::new();
             for t in left {
-                match self.exec.probe(&t) {
-                    TaskStatus::Running => still.push(t),
-                    st => gone.push((t, st)),
+                match self.exec.probe(&handle(&t)) {
+                    Ok(TaskStatus::Running) | Err(_) => still.push(t),
+                    Ok(st) => gone.push((t, st)),
                 }
             }
             left = still;
@@ -968,7 +979,7 @@ impl Control {
             // First look (or after a restart or a new attempt): read from the top, skipping steps already stored.
             None => (0, self.db.last_metric_step(id, rank).await.unwrap_or(-1)),
         };
-        let Ok((tail, len)) = crate::executor::read_from_async(path.to_path_buf(), start, usize::MAX).await else {
+        let Ok((tail, len)) = read_from_async(path.to_path_buf(), start, usize::MAX).await else {
             return;
         };
         // A file rewritten shorter (a resumed run drops the steps it redoes) is read again from where it ends now.
@@ -1000,7 +1011,7 @@ impl Control {
 
     /// Samples the CPU and memory of a running task (kept every [`SAMPLE_EVERY_MS`]); returns its usage now.
     async fn sample(&self, t: &TaskRow, net: Option<(f64, f64)>) -> Option<Usage> {
-        let u = self.exec.usage(t)?;
+        let u = self.exec.usage(&handle(t))?;
         let k = (t.job_id.clone(), t.attempt, t.rank);
         let now_ms = now();
         let prev = self.sampled.lock().unwrap_or_else(|p| p.into_inner()).get(&k).copied();
@@ -1035,7 +1046,7 @@ impl Control {
 
     /// The host's network rates since the previous call (bytes/s in, out).
     fn net_rates(&self) -> Option<(f64, f64)> {
-        let (rx, tx) = crate::executor::host_net_bytes()?;
+        let (rx, tx) = shoal_exec::procfs::host_net_bytes()?;
         let now_t = Instant::now();
         let mut prev = self.net_prev.lock().unwrap_or_else(|p| p.into_inner());
         let out = prev.and_then(|(at, prx, ptx): (Instant, u64, u64)| {
@@ -1077,6 +1088,52 @@ impl Control {
             tracing::warn!(error = %e, "storing a cluster sample failed");
         }
     }
+}
+
+/// What the executor needs to find a stored task again.
+pub fn handle(t: &TaskRow) -> Task {
+    Task {
+        job_id: t.job_id.clone(),
+        attempt: t.attempt,
+        rank: t.rank,
+        host: t.host.clone(),
+        pid: t.pid,
+        worker_pid: t.worker_pid,
+        start_ticks: t.start_ticks,
+        cpus: t.cpus.clone(),
+        gpus: t.gpus.clone(),
+        started_ms: t.started_ms,
+    }
+}
+
+/// The row of a task its executor just started on `node`.
+fn started_row(t: Task, node: &str) -> TaskRow {
+    TaskRow {
+        job_id: t.job_id,
+        attempt: t.attempt,
+        rank: t.rank,
+        node: node.to_owned(),
+        host: t.host,
+        pid: t.pid,
+        worker_pid: t.worker_pid,
+        start_ticks: t.start_ticks,
+        state: TaskState::Running,
+        exit_code: None,
+        reason: String::new(),
+        cpus: t.cpus,
+        gpus: t.gpus,
+        started_ms: t.started_ms.or_else(|| Some(now())),
+        ended_ms: None,
+        cpu_seconds: None,
+    }
+}
+
+/// Reads at most `max` bytes of `path` from byte `from` on ([`shoal_exec::procfs::read_from`]) on a blocking-I/O
+/// thread, for async code (a log read from its start can be large).
+pub async fn read_from_async(path: PathBuf, from: u64, max: usize) -> std::io::Result<(Vec<u8>, u64)> {
+    tokio::task::spawn_blocking(move || shoal_exec::procfs::read_from(&path, from, max))
+        .await
+        .map_err(std::io::Error::other)?
 }
 
 /// A task: job id, attempt, rank.

@@ -32,6 +32,9 @@ pub enum ControlError {
     Db(#[from] sqlx::Error),
     #[error("io: {0}")]
     Io(#[from] std::io::Error),
+    /// Starting, probing or preparing tasks.
+    #[error("executor: {0}")]
+    Exec(#[from] shoal_exec::ExecError),
     #[error("internal: {0}")]
     Internal(String),
 }
@@ -57,9 +60,11 @@ impl ControlError {
             ControlError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ControlError::Timeout(_) => StatusCode::REQUEST_TIMEOUT,
             ControlError::TooMany(_) => StatusCode::TOO_MANY_REQUESTS,
-            ControlError::Config(_) | ControlError::Db(_) | ControlError::Io(_) | ControlError::Internal(_) => {
-                StatusCode::INTERNAL_SERVER_ERROR
-            }
+            ControlError::Config(_)
+            | ControlError::Db(_)
+            | ControlError::Io(_)
+            | ControlError::Exec(_)
+            | ControlError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 }

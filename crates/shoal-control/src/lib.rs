@@ -4,7 +4,7 @@
 //! - [`auth`]: bearer tokens stored hashed, mapped to a user and a team.
 //! - [`db`]: the state store, SQLite (default, WAL) or PostgreSQL through one set of SQL statements.
 //! - [`control`]: the loop that keeps store, scheduler (`shoal-sched`) and processes in agreement.
-//! - [`executor`]: tasks as local processes with the environment contract, pinned CPUs, a memory watch.
+//! - Tasks run through `shoal-exec`'s `Executor` (the local one by default): this crate starts no process itself.
 //! - [`server`]: start-up (data-directory lock, admin token, recovery) and shutdown.
 //! - [`observe`]: the dashboard (assets embedded from `assets/` by `build.rs`), overview, live streams (SSE),
 //!   resource samples, `/metrics` for Prometheus; [`diagnose`]: what holds a job back; [`cost`]: what it costs.
@@ -29,7 +29,6 @@ pub mod cost;
 pub mod db;
 pub mod diagnose;
 pub mod error;
-pub mod executor;
 pub mod gpu;
 pub mod observe;
 pub mod policy;

@@ -338,7 +338,7 @@ async fn stream_round(st: &mut StreamState) -> Vec<Event> {
         st.log_offset = 0;
     }
     let path = st.control.exec.log_path(&st.id, job.attempt, 0);
-    if let Ok((data, _)) = crate::executor::read_from_async(path, st.log_offset, 64 << 10).await
+    if let Ok((data, _)) = crate::control::read_from_async(path, st.log_offset, 64 << 10).await
         && !data.is_empty()
     {
         st.log_offset += data.len() as u64;

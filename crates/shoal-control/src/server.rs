@@ -16,7 +16,7 @@ use crate::auth::{hash_token, new_token};
 use crate::control::{Control, ControlConfig};
 use crate::db::{Db, Principal};
 use crate::error::{ControlError, Result};
-use crate::executor;
+use shoal_exec::procfs;
 
 /// How to run a server.
 #[derive(Debug, Clone)]
@@ -43,8 +43,10 @@ pub struct ServerOptions {
     /// What jobs may touch: `--storage-root`, `--storage-config`, `--allow-loader-env`.
     pub policy: crate::policy::Policy,
     /// `--task-user NAME` (`root` to run tasks with the server's privileges); default: see
-    /// [`executor::TaskUser::resolve`].
+    /// [`shoal_exec::TaskUser::resolve`].
     pub task_user: Option<String>,
+    /// What runs the tasks; default: the local executor (this machine's processes, as `task_user`).
+    pub executor: Option<Arc<dyn shoal_exec::Executor>>,
 }
 
 impl ServerOptions {
@@ -66,6 +68,7 @@ impl ServerOptions {
             init: false,
             policy: crate::policy::Policy::default(),
             task_user: None,
+            executor: None,
         }
     }
 }
@@ -148,7 +151,7 @@ pub fn parse_bench(text: &str) -> Vec<(u64, f64)> {
 /// The data directory holds secrets (the store, tokens, the server key): only its owner may read it. When tasks
 /// run as another user, that user's group may pass through it (mode 0710) to reach its own job directories, which
 /// it owns, without listing or reading anything else.
-fn secure_data_dir(dir: &Path, task_user: Option<&executor::TaskUser>) -> Result<()> {
+fn secure_data_dir(dir: &Path, task_user: Option<&shoal_exec::TaskUser>) -> Result<()> {
     let jobs = dir.join("jobs");
     std::fs::create_dir_all(&jobs)?;
     for d in [dir, jobs.as_path()] {
@@ -165,7 +168,7 @@ fn secure_data_dir(dir: &Path, task_user: Option<&executor::TaskUser>) -> Result
 
 /// The first directory on the way to `path` (its ancestors, and `path` itself when `itself`) that `user` cannot
 /// pass through, if any. Only the user's own group counts: tasks run without supplementary groups.
-fn blocked_for(user: &executor::TaskUser, path: &Path, itself: bool) -> Option<PathBuf> {
+fn blocked_for(user: &shoal_exec::TaskUser, path: &Path, itself: bool) -> Option<PathBuf> {
     use std::os::unix::fs::MetadataExt;
     let mut dirs: Vec<&Path> = path.ancestors().skip(usize::from(!itself)).collect();
     dirs.reverse();
@@ -186,7 +189,7 @@ fn blocked_for(user: &executor::TaskUser, path: &Path, itself: bool) -> Option<P
 /// Makes sure the task user can reach its jobs and run the worker program. The data directory must be reachable
 /// (an error naming the directory in the way otherwise); a worker program it cannot reach (a checkout under a
 /// private home, say) is linked or copied to `DATA/bin/`, where it can.
-fn reachable_program(data_dir: &Path, program: &Path, user: &executor::TaskUser) -> Result<PathBuf> {
+fn reachable_program(data_dir: &Path, program: &Path, user: &shoal_exec::TaskUser) -> Result<PathBuf> {
     if let Some(d) = blocked_for(user, data_dir, false) {
         return Err(ControlError::Config(format!(
             "tasks run as {} (uid {}), who cannot pass through {} on the way to the data directory {}: choose a \
@@ -283,7 +286,7 @@ pub async fn prepare(opts: &ServerOptions) -> Result<Prepared> {
     }
     std::fs::create_dir_all(&opts.data_dir)
         .map_err(|e| ControlError::Config(format!("data directory {}: {e}", opts.data_dir.display())))?;
-    let task_user = executor::TaskUser::resolve(opts.task_user.as_deref())?;
+    let task_user = shoal_exec::TaskUser::resolve(opts.task_user.as_deref())?;
     secure_data_dir(&opts.data_dir, task_user.as_ref())?;
     let lock = lock_data_dir(&opts.data_dir)?;
     let db_path = opts.data_dir.join("shoal.db");
@@ -297,12 +300,12 @@ pub async fn prepare(opts: &ServerOptions) -> Result<Prepared> {
     }
     let secret_key = server_key(&opts.data_dir)?;
     let token = admin_token(&db, &opts.data_dir).await?;
-    let host = executor::hostname();
+    let host = procfs::hostname();
     let node = Node {
         id: "local".into(),
         host: host.clone(),
-        cpus_milli: opts.cpus_milli.unwrap_or(executor::cpu_count() as u64 * 1000),
-        memory_bytes: opts.memory_bytes.unwrap_or_else(executor::total_memory),
+        cpus_milli: opts.cpus_milli.unwrap_or(procfs::cpu_count() as u64 * 1000),
+        memory_bytes: opts.memory_bytes.unwrap_or_else(procfs::total_memory),
         gpus: if opts.gpus > 0 {
             (0..opts.gpus).map(|i| Gpu { index: i, memory_bytes: opts.gpu_memory_bytes, kind: "gpu".into() }).collect()
         } else {
@@ -340,7 +343,10 @@ pub async fn prepare(opts: &ServerOptions) -> Result<Prepared> {
         task_user,
         secret_key,
     };
-    let control = Arc::new(Control::new(db, config, node, queues)?);
+    let control = Arc::new(match &opts.executor {
+        Some(exec) => Control::with_executor(db, config, node, queues, exec.clone())?,
+        None => Control::new(db, config, node, queues)?,
+    });
     control.recover().await?;
     Ok(Prepared { control, admin_token: token, database_url: url, lock })
 }

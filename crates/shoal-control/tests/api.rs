@@ -457,7 +457,7 @@ fn expected_task_uid() -> u32 {
     if me != 0 {
         return me;
     }
-    shoal_control::executor::TaskUser::lookup("shoal").map_or(u32::MAX, |u| u.uid)
+    shoal_exec::TaskUser::lookup("shoal").map_or(u32::MAX, |u| u.uid)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

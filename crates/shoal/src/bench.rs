@@ -13,7 +13,9 @@ use shoal_comm::chunk::segment;
 use shoal_comm::env::EnvContract;
 use shoal_comm::{Algo, DType, ReduceOp};
 
-use crate::launch::{LaunchSpec, describe, launch};
+use shoal_comm::env::var;
+use shoal_exec::launch::{LaunchSpec, launch};
+use shoal_exec::procfs::describe;
 
 /// The collective to measure.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
@@ -198,9 +200,9 @@ pub fn run_bench(what: BenchWhat, args: &BenchArgs) -> Result<bool> {
         ranks: args.ranks,
         job_id: format!("bench-{}", std::process::id()),
         env: vec![
-            ("SHOAL_TRANSPORT".into(), args.transport.clone()),
-            ("SHOAL_ALGO".into(), args.algo.clone()),
-            ("SHOAL_TIMEOUT".into(), args.timeout.clone()),
+            (var::TRANSPORT.into(), args.transport.clone()),
+            (var::ALGO.into(), args.algo.clone()),
+            (var::TIMEOUT.into(), args.timeout.clone()),
         ],
         grace: timeout + Duration::from_secs(5),
     };

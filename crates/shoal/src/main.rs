@@ -2,7 +2,6 @@
 
 mod bench;
 mod bench_ckpt;
-mod launch;
 mod platform;
 mod run;
 mod validate;

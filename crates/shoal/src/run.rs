@@ -41,7 +41,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 
-use crate::launch::{LaunchSpec, OnFailure, Policy, SpawnError, describe, launch_with, signal_name};
+use shoal_exec::launch::{LaunchSpec, OnFailure, Policy, launch_with};
+use shoal_exec::procfs::{describe, signal_name};
+use shoal_exec::{ExecError, SpawnError};
 
 #[derive(Debug, clap::Args)]
 #[command(
@@ -82,7 +84,11 @@ pub fn main(args: &RunArgs) -> ExitCode {
     match run(args) {
         Ok(code) => code,
         Err(e) => {
-            let code = match e.downcast_ref::<SpawnError>().map(|s| s.source.kind()) {
+            let spawn = e.downcast_ref::<SpawnError>().or(match e.downcast_ref::<ExecError>() {
+                Some(ExecError::Spawn(s)) => Some(s),
+                _ => None,
+            });
+            let code = match spawn.map(|s| s.source.kind()) {
                 Some(std::io::ErrorKind::NotFound) => 127,
                 Some(std::io::ErrorKind::PermissionDenied) => 126,
                 _ => 1,

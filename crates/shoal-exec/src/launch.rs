@@ -1,7 +1,7 @@
-//! The one launcher: starts N copies of a command with the environment contract,
-//! hosts the rendezvous store they meet at, prefixes their output with the rank,
-//! and supervises them. `shoal bench` and `shoal run` use it; the local executor
-//! builds on it.
+//! The attached launcher: starts N ranks of a command as children of this process, with the environment contract,
+//! hosts the rendezvous store they meet at, passes on their output line by line with the rank, and supervises them
+//! as one gang. `shoal run` and `shoal bench` use it: where the local executor's tasks outlive the server that
+//! started them, these ranks live and die with their launcher.
 //!
 //! Guarantees:
 //! - No orphans. Every rank gets `PR_SET_PDEATHSIG = SIGKILL` (checked against a
@@ -35,8 +35,11 @@ use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError, TryRecvError};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result};
 use shoal_comm::StoreServer;
+
+use crate::error::{ExecError, Result, SpawnError};
+use crate::executor::set_env;
+use crate::procfs::{children_of, describe};
 
 /// How many interrupting signals arrived, and the last one.
 static SIGNALS: AtomicUsize = AtomicUsize::new(0);
@@ -105,66 +108,6 @@ pub struct Outcome {
     pub interrupt_signal: Option<i32>,
 }
 
-/// Why the ranks could not be started.
-#[derive(Debug)]
-pub struct SpawnError {
-    pub rank: usize,
-    pub program: std::path::PathBuf,
-    pub source: std::io::Error,
-}
-
-impl std::fmt::Display for SpawnError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let what = match self.source.kind() {
-            std::io::ErrorKind::NotFound => "not found".to_string(),
-            std::io::ErrorKind::PermissionDenied => "permission denied".to_string(),
-            _ => self.source.to_string(),
-        };
-        write!(f, "cannot start `{}` (rank {}): {what}", self.program.display(), self.rank)
-    }
-}
-
-impl std::error::Error for SpawnError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        Some(&self.source)
-    }
-}
-
-/// The usual name of a signal, for messages.
-pub fn signal_name(s: i32) -> Option<&'static str> {
-    Some(match s {
-        libc::SIGHUP => "SIGHUP",
-        libc::SIGINT => "SIGINT",
-        libc::SIGQUIT => "SIGQUIT",
-        libc::SIGILL => "SIGILL",
-        libc::SIGTRAP => "SIGTRAP",
-        libc::SIGABRT => "SIGABRT",
-        libc::SIGBUS => "SIGBUS",
-        libc::SIGFPE => "SIGFPE",
-        libc::SIGKILL => "SIGKILL",
-        libc::SIGUSR1 => "SIGUSR1",
-        libc::SIGSEGV => "SIGSEGV",
-        libc::SIGUSR2 => "SIGUSR2",
-        libc::SIGPIPE => "SIGPIPE",
-        libc::SIGALRM => "SIGALRM",
-        libc::SIGTERM => "SIGTERM",
-        libc::SIGXCPU => "SIGXCPU",
-        libc::SIGXFSZ => "SIGXFSZ",
-        libc::SIGSYS => "SIGSYS",
-        _ => return None,
-    })
-}
-
-pub fn describe(status: &ExitStatus) -> String {
-    match (status.code(), status.signal()) {
-        (Some(c), _) => format!("exit status {c}"),
-        (None, Some(s)) => {
-            format!("killed by signal {s}{}", signal_name(s).map(|n| format!(" ({n})")).unwrap_or_default())
-        }
-        _ => format!("{status}"),
-    }
-}
-
 /// Where job secrets come from.
 const RANDOM_SOURCE: &str = "/dev/urandom";
 
@@ -176,9 +119,9 @@ pub fn new_secret() -> Result<String> {
 /// 16 bytes of `source`, in hex.
 fn secret_from(source: &std::path::Path) -> Result<String> {
     let mut b = [0u8; 16];
-    std::fs::File::open(source)
-        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut b))
-        .with_context(|| format!("reading {} bytes of {} for the job secret", b.len(), source.display()))?;
+    std::fs::File::open(source).and_then(|mut f| std::io::Read::read_exact(&mut f, &mut b)).map_err(|e| {
+        ExecError::io(format!("reading {} bytes of {} for the job secret", b.len(), source.display()), e)
+    })?;
     Ok(b.iter().map(|x| format!("{x:02x}")).collect())
 }
 
@@ -210,8 +153,8 @@ pub fn launch_with(spec: &LaunchSpec, policy: Policy, mut on_line: impl FnMut(&L
     }
     let seen_signals = SIGNALS.load(Ordering::SeqCst);
     let guard = Guard::start();
-    let store =
-        StoreServer::bind("127.0.0.1:0", secret.clone().into_bytes()).context("starting the rendezvous store")?;
+    let store = StoreServer::bind("127.0.0.1:0", secret.clone().into_bytes())
+        .map_err(|e| ExecError::Config(format!("starting the rendezvous store: {e}")))?;
     let addr = store.local_addr().to_string();
     let master_port = shoal_comm::env::free_port().unwrap_or(29500);
     let (tx, rx) = mpsc::channel::<Line>();
@@ -232,9 +175,8 @@ pub fn launch_with(spec: &LaunchSpec, policy: Policy, mut on_line: impl FnMut(&L
             ..Default::default()
         };
         let mut cmd = Command::new(&spec.program);
+        set_env(&mut cmd, &contract, &spec.env);
         cmd.args(&spec.args)
-            .envs(contract.vars())
-            .envs(spec.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -450,22 +392,6 @@ fn reap_descendants() {
     }
 }
 
-/// Processes whose parent is `parent` (from /proc).
-fn children_of(parent: u32) -> Vec<u32> {
-    let mut out = Vec::new();
-    let Ok(dir) = std::fs::read_dir("/proc") else { return out };
-    for e in dir.flatten() {
-        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else { continue };
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
-        let ppid =
-            stat.rsplit_once(')').and_then(|(_, r)| r.split_whitespace().nth(1)).and_then(|p| p.parse::<u32>().ok());
-        if ppid == Some(parent) {
-            out.push(pid);
-        }
-    }
-    out
-}
-
 /// The guard: a process forked from the launcher that holds the read end of a
 /// pipe. The launcher writes every rank's pid (its process group) into it; if the
 /// launcher dies without disarming it, the guard reads end-of-file and SIGKILLs
@@ -597,7 +523,7 @@ mod tests {
         assert_ne!(a, b);
         for source in ["/nonexistent/urandom", "/dev/null"] {
             let e = secret_from(std::path::Path::new(source)).expect_err("no secret from it");
-            assert!(format!("{e:#}").contains(source), "{e:#}");
+            assert!(e.to_string().contains(source), "{e}");
         }
     }
 }

@@ -18,7 +18,7 @@
 //! - Output (stdout and stderr together) goes to `DATA/jobs/ID/attempt-A/rank-R.log`, written by the task itself,
 //!   so logs do not depend on the server being up.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -26,39 +26,12 @@ use std::sync::Mutex;
 
 use shoal_comm::env::{TaskEnv, var};
 
-use crate::db::{TaskRow, TaskState};
-use crate::error::{ControlError, Result};
-
-/// Everything one task needs to start.
-#[derive(Debug, Clone)]
-pub struct TaskLaunch {
-    pub job_id: String,
-    pub attempt: i64,
-    pub rank: usize,
-    pub world_size: usize,
-    pub secret: String,
-    /// `host:port` that rank 0 hosts the job's rendezvous store at.
-    pub rendezvous: String,
-    /// The program and its arguments.
-    pub argv: Vec<String>,
-    pub cpus_milli: u64,
-    pub memory_bytes: u64,
-    /// `(gpu index, share in thousandths)`.
-    pub gpus: Vec<(u32, u32)>,
-    pub node: String,
-    /// The job's own `[env]`.
-    pub env: Vec<(String, String)>,
-}
-
-/// What became of a task.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum TaskStatus {
-    Running,
-    /// Exited with this status (128 + N when killed by signal N, as a shell reports it).
-    Exited(i32),
-    /// Gone without a recorded status.
-    Lost(String),
-}
+use crate::error::{ExecError, Result};
+use crate::executor::{Executor, Stop, Stray, Task, TaskLaunch, TaskStatus, Usage, set_env};
+use crate::procfs::{
+    cpu_list, hostname, is_zombie, own_cpus, parse_cpu_list, processes_marked, session_alive, session_of,
+    session_usage, start_ticks,
+};
 
 /// Runs tasks as local processes.
 #[derive(Debug)]
@@ -106,14 +79,14 @@ impl TaskUser {
     /// Which user a server's tasks run as. As root: `requested`, by default [`DEFAULT_TASK_USER`] (created as a
     /// system user without a home or a login shell if missing); `root` only when asked for by name (then `None`).
     /// As another user: tasks run as that user, and asking for someone else is an error (no privilege to switch).
-    pub fn resolve(requested: Option<&str>) -> crate::Result<Option<TaskUser>> {
+    pub fn resolve(requested: Option<&str>) -> Result<Option<TaskUser>> {
         // SAFETY: geteuid has no preconditions.
         let euid = unsafe { libc::geteuid() };
         if euid != 0 {
             return match requested {
                 None => Ok(None),
                 Some(n) if TaskUser::lookup(n).is_some_and(|u| u.uid == euid) => Ok(None),
-                Some(n) => Err(ControlError::Config(format!(
+                Some(n) => Err(ExecError::Config(format!(
                     "--task-user {n}: the server runs as uid {euid}, not root, and cannot start tasks as another user"
                 ))),
             };
@@ -127,28 +100,28 @@ impl TaskUser {
             return TaskUser::checked(u);
         }
         if requested.is_some() {
-            return Err(ControlError::Config(format!("--task-user {name}: no such user")));
+            return Err(ExecError::Config(format!("--task-user {name}: no such user")));
         }
         let out = Command::new("/usr/sbin/useradd")
             .args(["--system", "--no-create-home", "--user-group", "--shell", "/usr/sbin/nologin", name])
             .output()
-            .map_err(|e| ControlError::Config(format!("creating the task user {name} with useradd: {e}")))?;
+            .map_err(|e| ExecError::Config(format!("creating the task user {name} with useradd: {e}")))?;
         // Another server may have created it meanwhile; the lookup decides.
         match TaskUser::lookup(name) {
             Some(u) => {
                 tracing::info!(user = name, uid = u.uid, "created the system user tasks run as");
                 TaskUser::checked(u)
             }
-            None => Err(ControlError::Config(format!(
+            None => Err(ExecError::Config(format!(
                 "creating the task user {name}: useradd said {}; create it, or name one with --task-user",
                 String::from_utf8_lossy(&out.stderr).trim()
             ))),
         }
     }
 
-    fn checked(u: TaskUser) -> crate::Result<Option<TaskUser>> {
+    fn checked(u: TaskUser) -> Result<Option<TaskUser>> {
         if u.uid == 0 {
-            return Err(ControlError::Config(format!(
+            return Err(ExecError::Config(format!(
                 "--task-user {}: has uid 0; tasks run as root only with --task-user root",
                 u.name
             )));
@@ -157,7 +130,7 @@ impl TaskUser {
     }
 }
 
-fn key(t: &TaskRow) -> (String, i64, i64) {
+fn key(t: &Task) -> (String, i64, i64) {
     (t.job_id.clone(), t.attempt, t.rank)
 }
 
@@ -174,34 +147,9 @@ impl LocalExecutor {
         }
     }
 
-    pub fn host(&self) -> &str {
-        &self.host
-    }
-
-    /// Creates `dir` (and its parents) for a task to write in: owned by the task user, mode 0700.
-    pub fn task_dir(&self, dir: &Path) -> Result<()> {
-        std::fs::create_dir_all(dir)?;
-        self.give(dir)?;
-        std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o700))?;
-        Ok(())
-    }
-
-    /// Hands a file or directory the server made over to the task user (no-op without one).
-    pub fn give(&self, path: &Path) -> Result<()> {
-        if let Some(u) = &self.user {
-            std::os::unix::fs::chown(path, Some(u.uid), Some(u.gid))
-                .map_err(|e| ControlError::Internal(format!("chown {} to {}: {e}", path.display(), u.name)))?;
-        }
-        Ok(())
-    }
-
     /// The directory of one attempt's logs and exit files.
     pub fn attempt_dir(&self, job: &str, attempt: i64) -> PathBuf {
         self.data_dir.join("jobs").join(job).join(format!("attempt-{attempt}"))
-    }
-
-    pub fn log_path(&self, job: &str, attempt: i64, rank: i64) -> PathBuf {
-        self.attempt_dir(job, attempt).join(format!("rank-{rank}.log"))
     }
 
     fn exit_path(&self, job: &str, attempt: i64, rank: i64) -> PathBuf {
@@ -224,8 +172,7 @@ impl LocalExecutor {
         order
     }
 
-    /// Starts one task; returns its row (state `running`, PID and start time recorded).
-    pub fn start(&self, l: &TaskLaunch) -> Result<TaskRow> {
+    fn start_task(&self, l: &TaskLaunch) -> Result<Task> {
         let dir = self.attempt_dir(&l.job_id, l.attempt);
         self.task_dir(&dir)?;
         let rank = l.rank as i64;
@@ -233,12 +180,16 @@ impl LocalExecutor {
         let exit_path = self.exit_path(&l.job_id, l.attempt, rank);
         let _ = std::fs::remove_file(&exit_path);
         let _ = std::fs::remove_file(format!("{}.pid", exit_path.display()));
-        let log = std::fs::OpenOptions::new().create(true).append(true).open(&log_path)?;
-        let err = log.try_clone()?;
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log_path)
+            .map_err(|e| ExecError::io(format!("opening {}", log_path.display()), e))?;
+        let err = log.try_clone().map_err(|e| ExecError::io("duplicating the log descriptor", e))?;
         let whole = l.cpus_milli.div_ceil(1000).max(1) as usize;
         let cpus = self.pick_cpus(whole);
         let Some(program) = l.argv.first() else {
-            return Err(ControlError::Internal(format!("job {}: empty command", l.job_id)));
+            return Err(ExecError::BadTask(format!("job {} rank {}: empty command", l.job_id, l.rank)));
         };
         let (host, port) = l.rendezvous.rsplit_once(':').unwrap_or((l.rendezvous.as_str(), ""));
         let contract = TaskEnv {
@@ -273,13 +224,11 @@ impl LocalExecutor {
             .stdin(Stdio::null())
             .stdout(log)
             .stderr(err)
-            .current_dir(&dir)
-            .envs(contract.vars());
+            .current_dir(&dir);
         if let Some(u) = &self.user {
             cmd.env("HOME", &dir).env("USER", &u.name).env("LOGNAME", &u.name);
         }
-        // The job's own variables may override the thread counts; the contract's names are refused by the spec.
-        cmd.envs(l.env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+        set_env(&mut cmd, &contract, &l.env);
         let mask = cpus.clone();
         let ids = self.user.as_ref().map(|u| (u.uid, u.gid));
         // SAFETY: only async-signal-safe calls (setsid, sched_setaffinity, setgroups, setgid, setuid) between fork
@@ -306,43 +255,38 @@ impl LocalExecutor {
                 Ok(())
             });
         }
-        let child = cmd.spawn().map_err(|e| ControlError::Internal(format!("starting {program}: {e}")))?;
+        let child = cmd.spawn().map_err(|source| crate::SpawnError {
+            rank: l.rank,
+            program: PathBuf::from(program),
+            source,
+        })?;
         let pid = child.id() as i64;
         let worker_pid = worker_pid_of(&exit_path, std::time::Duration::from_millis(500));
-        let row = TaskRow {
+        let row = Task {
             job_id: l.job_id.clone(),
             attempt: l.attempt,
             rank,
-            node: l.node.clone(),
             host: self.host.clone(),
             pid: Some(pid),
             worker_pid,
             start_ticks: start_ticks(pid),
-            state: TaskState::Running,
-            exit_code: None,
-            reason: String::new(),
             cpus: cpu_list(&cpus),
             gpus: l.gpus.iter().map(|(i, _)| i.to_string()).collect::<Vec<_>>().join(","),
-            started_ms: Some(crate::db::now()),
-            ended_ms: None,
-            cpu_seconds: None,
+            started_ms: Some(now_ms()),
         };
         self.children.lock().unwrap_or_else(|p| p.into_inner()).insert(key(&row), child);
         self.pinned.lock().unwrap_or_else(|p| p.into_inner()).insert(key(&row), cpus);
         Ok(row)
     }
 
-    /// Takes over a task found in the store after a restart: its CPUs count as used again.
-    pub fn adopt(&self, t: &TaskRow) {
+    fn adopt_task(&self, t: &Task) {
         self.pinned.lock().unwrap_or_else(|p| p.into_inner()).insert(key(t), parse_cpu_list(&t.cpus));
     }
 
-    /// Whether the task still runs, how it ended, or that it is lost.
-    ///
     /// A task is over only when every process of its session is gone: when the wrapper has ended but something it
     /// started lingers (a worker that ignored SIGTERM, a stray child), the leftovers get SIGKILL and the task counts
     /// as running until they are gone, so nothing of an attempt outlives it.
-    pub fn probe(&self, t: &TaskRow) -> TaskStatus {
+    fn probe_task(&self, t: &Task) -> TaskStatus {
         let k = key(t);
         // Our own child: reap it (its status is the wrapper's, which is the task's) and remember the status.
         {
@@ -391,7 +335,7 @@ impl LocalExecutor {
         }
     }
 
-    fn read_exit(&self, t: &TaskRow) -> Option<i32> {
+    fn read_exit(&self, t: &Task) -> Option<i32> {
         std::fs::read_to_string(self.exit_path(&t.job_id, t.attempt, t.rank)).ok()?.trim().parse().ok()
     }
 
@@ -399,8 +343,13 @@ impl LocalExecutor {
         self.pinned.lock().unwrap_or_else(|p| p.into_inner()).remove(k);
     }
 
+    /// The user tasks run as (`None`: this process's own).
+    pub fn user(&self) -> Option<&TaskUser> {
+        self.user.as_ref()
+    }
+
     /// Sends `sig` to the task's whole session (its process group), if it is still the recorded process.
-    pub fn signal(&self, t: &TaskRow, sig: i32) {
+    fn signal(&self, t: &Task, sig: i32) {
         let Some(pid) = t.pid else { return };
         if pid <= 1 {
             return;
@@ -413,119 +362,6 @@ impl LocalExecutor {
             libc::kill(-(pid as i32), sig);
         }
     }
-
-    /// Resident memory of every process in the task's session.
-    pub fn rss_bytes(&self, t: &TaskRow) -> Option<u64> {
-        self.usage(t).map(|u| u.rss_bytes)
-    }
-
-    /// Memory and CPU time of every process in the task's session (CPU time of processes that already ended and
-    /// were reaped is included through their parents' `cutime`/`cstime`).
-    pub fn usage(&self, t: &TaskRow) -> Option<Usage> {
-        let sid = t.pid?;
-        let page = 4096u64;
-        // SAFETY: sysconf has no preconditions.
-        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
-        let mut u = Usage::default();
-        let mut found = false;
-        for entry in std::fs::read_dir("/proc").ok()?.flatten() {
-            let name = entry.file_name();
-            let Some(pid) = name.to_str().and_then(|s| s.parse::<i64>().ok()) else { continue };
-            let Some(f) = stat_fields(pid) else { continue };
-            // fields after the comm: [0]=state, [3]=session, [11..=14]=utime stime cutime cstime, [21]=rss (pages)
-            if f.get(3).and_then(|s| s.parse::<i64>().ok()) == Some(sid) {
-                found = true;
-                let n = |i: usize| f.get(i).and_then(|s| s.parse::<u64>().ok()).unwrap_or(0);
-                u.rss_bytes += n(21) * page;
-                u.cpu_seconds += (n(11) + n(12) + n(13) + n(14)) as f64 / hz;
-            }
-        }
-        found.then_some(u)
-    }
-}
-
-impl LocalExecutor {
-    /// Processes started by a server of this data directory (their environment says so): `(pid, session, job id)`.
-    /// After a crash, those that belong to no adopted task are strays (e.g. started just before the crash, before
-    /// their task was recorded) and must not run on beside a new attempt.
-    pub fn own_processes(&self) -> Vec<(i64, i64, String)> {
-        let want = format!("{}={}", var::SERVER_DATA, self.data_dir.display());
-        let mut out = Vec::new();
-        let Ok(dir) = std::fs::read_dir("/proc") else { return out };
-        for entry in dir.flatten() {
-            let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<i64>().ok()) else { continue };
-            let Ok(env) = std::fs::read(format!("/proc/{pid}/environ")) else { continue };
-            let vars: Vec<&[u8]> = env.split(|&b| b == 0).collect();
-            if !vars.contains(&want.as_bytes()) {
-                continue;
-            }
-            let job = vars
-                .iter()
-                .find_map(|v| v.strip_prefix(format!("{}=", var::JOB_ID).as_bytes()))
-                .map(|j| String::from_utf8_lossy(j).into_owned())
-                .unwrap_or_default();
-            let sid = stat_fields(pid).and_then(|f| f.get(3).and_then(|s| s.parse().ok())).unwrap_or(0);
-            out.push((pid, sid, job));
-        }
-        out
-    }
-}
-
-/// Reads at most `max` bytes of `path` from byte `from` on (clamped to its length), without reading what comes
-/// before: logs and metrics files are followed by offset every tick and grow for the whole run. Returns the bytes
-/// and the file's length. A missing file is empty.
-pub fn read_from(path: &Path, from: u64, max: usize) -> std::io::Result<(Vec<u8>, u64)> {
-    use std::io::{Read, Seek, SeekFrom};
-    let mut f = match std::fs::File::open(path) {
-        Ok(f) => f,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok((Vec::new(), 0)),
-        Err(e) => return Err(e),
-    };
-    let len = f.metadata()?.len();
-    let start = from.min(len);
-    f.seek(SeekFrom::Start(start))?;
-    let mut buf = Vec::with_capacity(((len - start) as usize).min(max));
-    f.take(max as u64).read_to_end(&mut buf)?;
-    Ok((buf, len))
-}
-
-/// [`read_from`] on a blocking-I/O thread, for async handlers (a log read from its start can be large).
-pub async fn read_from_async(path: PathBuf, from: u64, max: usize) -> std::io::Result<(Vec<u8>, u64)> {
-    tokio::task::spawn_blocking(move || read_from(&path, from, max)).await.map_err(std::io::Error::other)?
-}
-
-/// What a task's processes use now.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct Usage {
-    pub rss_bytes: u64,
-    pub cpu_seconds: f64,
-}
-
-/// Bytes received and sent by the host, all interfaces (`/proc/net/dev`).
-pub fn host_net_bytes() -> Option<(u64, u64)> {
-    let s = std::fs::read_to_string("/proc/net/dev").ok()?;
-    let (mut rx, mut tx) = (0u64, 0u64);
-    for line in s.lines().skip(2) {
-        let Some((_, rest)) = line.split_once(':') else { continue };
-        let f: Vec<u64> = rest.split_whitespace().filter_map(|x| x.parse().ok()).collect();
-        if f.len() >= 9 {
-            rx += f[0];
-            tx += f[8];
-        }
-    }
-    Some((rx, tx))
-}
-
-/// The fields of `/proc/PID/stat` after the command name.
-fn stat_fields(pid: i64) -> Option<Vec<String>> {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let rest = &s[s.rfind(')')? + 1..];
-    Some(rest.split_whitespace().map(str::to_owned).collect())
-}
-
-/// Field 22 of `/proc/PID/stat`: start time in clock ticks since boot.
-pub fn start_ticks(pid: i64) -> Option<i64> {
-    stat_fields(pid)?.get(19)?.parse().ok()
 }
 
 /// The training process's PID, which the wrapper writes beside the exit file as soon as it has started it
@@ -544,117 +380,85 @@ fn worker_pid_of(exit_path: &Path, limit: std::time::Duration) -> Option<i64> {
     }
 }
 
-/// Whether any live (not zombie) process belongs to session `sid`.
-fn session_alive(sid: i64) -> bool {
-    let Ok(dir) = std::fs::read_dir("/proc") else { return false };
-    dir.flatten().any(|e| {
-        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i64>().ok()) else { return false };
-        stat_fields(pid).is_some_and(|f| {
-            f.get(3).and_then(|s| s.parse::<i64>().ok()) == Some(sid)
-                && !matches!(f.first().map(String::as_str), Some("Z" | "X"))
-        })
-    })
+fn now_ms() -> i64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64)
 }
 
-fn is_zombie(pid: i64) -> bool {
-    stat_fields(pid).and_then(|f| f.first().cloned()).is_some_and(|s| s == "Z" || s == "X")
-}
-
-fn own_cpus() -> Vec<usize> {
-    // SAFETY: sched_getaffinity writes into the set we own.
-    unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) == 0 {
-            let v: Vec<usize> = (0..libc::CPU_SETSIZE as usize).filter(|&c| libc::CPU_ISSET(c, &set)).collect();
-            if !v.is_empty() {
-                return v;
-            }
-        }
-    }
-    (0..std::thread::available_parallelism().map_or(1, |n| n.get())).collect()
-}
-
-/// `0-3,6` from `[0, 1, 2, 3, 6]`.
-pub fn cpu_list(cpus: &[usize]) -> String {
-    let mut out: Vec<String> = Vec::new();
-    let mut i = 0;
-    while i < cpus.len() {
-        let mut j = i;
-        while j + 1 < cpus.len() && cpus[j + 1] == cpus[j] + 1 {
-            j += 1;
-        }
-        out.push(if i == j { cpus[i].to_string() } else { format!("{}-{}", cpus[i], cpus[j]) });
-        i = j + 1;
-    }
-    out.join(",")
-}
-
-fn parse_cpu_list(s: &str) -> Vec<usize> {
-    let mut out = Vec::new();
-    for part in s.split(',').filter(|p| !p.is_empty()) {
-        match part.split_once('-') {
-            Some((a, b)) => {
-                if let (Ok(a), Ok(b)) = (a.parse::<usize>(), b.parse::<usize>()) {
-                    out.extend(a..=b);
-                }
-            }
-            None => out.extend(part.parse::<usize>().ok()),
-        }
-    }
-    out
-}
-
-pub fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|s| s.trim().to_owned())
-        .unwrap_or_else(|_| "localhost".into())
-}
-
-/// The machine's memory in bytes (`MemTotal`).
-pub fn total_memory() -> u64 {
-    std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("MemTotal:"))
-                .and_then(|l| l.split_whitespace().nth(1).and_then(|kb| kb.parse::<u64>().ok()).map(|kb| kb * 1024))
-        })
-        .unwrap_or(1 << 30)
-}
-
-/// The CPUs this process may run on.
-pub fn cpu_count() -> usize {
-    own_cpus().len()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn cpu_lists_round_trip() {
-        for v in [vec![], vec![0], vec![0, 1, 2, 3, 6], vec![1, 3, 4, 5, 9, 10]] {
-            assert_eq!(parse_cpu_list(&cpu_list(&v)), v);
-        }
-        assert_eq!(cpu_list(&[0, 1, 2, 3, 6]), "0-3,6");
+impl Executor for LocalExecutor {
+    fn host(&self) -> &str {
+        &self.host
     }
 
-    #[test]
-    fn read_from_reads_only_the_tail() -> std::io::Result<()> {
-        let p = std::env::temp_dir().join(format!("shoal-read-from-{}", std::process::id()));
-        std::fs::write(&p, b"0123456789")?;
-        assert_eq!(read_from(&p, 4, 3)?, (b"456".to_vec(), 10));
-        assert_eq!(read_from(&p, 8, 100)?, (b"89".to_vec(), 10));
-        assert_eq!(read_from(&p, 50, 100)?, (Vec::new(), 10));
-        std::fs::remove_file(&p)?;
-        assert_eq!(read_from(&p, 0, 100)?, (Vec::new(), 0));
+    /// Rank 0 hosts the store on loopback, at a port free now: every rank runs here.
+    fn rendezvous(&self, _node: &str) -> Result<String> {
+        let port =
+            shoal_comm::env::free_port().map_err(|e| ExecError::io("finding a free port for the rendezvous", e))?;
+        Ok(format!("127.0.0.1:{port}"))
+    }
+
+    /// Owned by the task user, mode 0700.
+    fn task_dir(&self, dir: &Path) -> Result<()> {
+        std::fs::create_dir_all(dir).map_err(|e| ExecError::io(format!("creating {}", dir.display()), e))?;
+        self.give(dir)?;
+        std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o700))
+            .map_err(|e| ExecError::io(format!("chmod 0700 {}", dir.display()), e))
+    }
+
+    /// Hands a file or directory over to the task user (no-op without one).
+    fn give(&self, path: &Path) -> Result<()> {
+        if let Some(u) = &self.user {
+            std::os::unix::fs::chown(path, Some(u.uid), Some(u.gid))
+                .map_err(|e| ExecError::io(format!("chown {} to {}", path.display(), u.name), e))?;
+        }
         Ok(())
     }
 
-    #[test]
-    fn own_process_has_a_start_time() {
-        let me = std::process::id() as i64;
-        assert!(start_ticks(me).is_some());
-        assert!(!is_zombie(me));
+    fn start(&self, launch: &TaskLaunch) -> Result<Task> {
+        self.start_task(launch)
+    }
+
+    /// Always answers: `/proc` and the exit files are here.
+    fn probe(&self, task: &Task) -> Result<TaskStatus> {
+        Ok(self.probe_task(task))
+    }
+
+    fn stop(&self, task: &Task, how: Stop) {
+        self.signal(task, how.signal());
+    }
+
+    fn usage(&self, task: &Task) -> Option<Usage> {
+        session_usage(task.pid?)
+    }
+
+    /// Its CPUs count as used again.
+    fn adopt(&self, task: &Task) {
+        self.adopt_task(task);
+    }
+
+    /// Processes whose environment names this executor's data directory (`SHOAL_SERVER_DATA`), outside the
+    /// sessions of `owners`.
+    fn strays(&self, owners: &HashSet<i64>) -> Vec<Stray> {
+        let marker = format!("{}={}", var::SERVER_DATA, self.data_dir.display());
+        let me = i64::from(std::process::id());
+        processes_marked(&marker, var::JOB_ID)
+            .into_iter()
+            .filter_map(|(pid, job_id)| {
+                let owner = session_of(pid).unwrap_or(0);
+                (pid != me && !owners.contains(&owner)).then_some(Stray { pid, owner, job_id })
+            })
+            .collect()
+    }
+
+    fn kill_stray(&self, stray: &Stray) {
+        if stray.pid > 1 {
+            // SAFETY: plain syscall on a process whose environment names this executor's data directory.
+            unsafe {
+                libc::kill(stray.pid as i32, libc::SIGKILL);
+            }
+        }
+    }
+
+    fn log_path(&self, job: &str, attempt: i64, rank: i64) -> PathBuf {
+        self.attempt_dir(job, attempt).join(format!("rank-{rank}.log"))
     }
 }

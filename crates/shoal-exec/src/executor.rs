@@ -1,0 +1,149 @@
+//! The `Executor` trait: what the control loop asks of whatever runs its tasks (this machine's processes today;
+//! Slurm allocations and Kubernetes pods behind the same calls), and the types that cross it.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use shoal_comm::env::TaskEnv;
+
+use crate::error::Result;
+
+/// Everything one task needs to start.
+#[derive(Debug, Clone, Default)]
+pub struct TaskLaunch {
+    pub job_id: String,
+    pub attempt: i64,
+    pub rank: usize,
+    pub world_size: usize,
+    pub secret: String,
+    /// `host:port` that rank 0 hosts the job's rendezvous store at ([`Executor::rendezvous`]).
+    pub rendezvous: String,
+    /// The program and its arguments.
+    pub argv: Vec<String>,
+    pub cpus_milli: u64,
+    pub memory_bytes: u64,
+    /// `(gpu index, share in thousandths)`.
+    pub gpus: Vec<(u32, u32)>,
+    /// The node the scheduler placed the task on.
+    pub node: String,
+    /// The job's own `[env]` (and its team's storage credentials).
+    pub env: Vec<(String, String)>,
+}
+
+/// A started task as its executor identifies it; the control plane stores these fields with the task and hands
+/// them back to probe, signal, sample or adopt it, also after its own restart.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Task {
+    pub job_id: String,
+    pub attempt: i64,
+    pub rank: i64,
+    /// The host the task runs on.
+    pub host: String,
+    /// The process the executor watches (the local executor: the exit-status wrapper, leader of the task's session).
+    pub pid: Option<i64>,
+    /// The training process itself (what a user signals or attaches a debugger to).
+    pub worker_pid: Option<i64>,
+    /// The watched process's start time, so that a reused PID is never taken for the task.
+    pub start_ticks: Option<i64>,
+    /// CPUs the task is pinned to (`0-3,6`; empty: not pinned).
+    pub cpus: String,
+    /// GPUs the task sees (`0,1`).
+    pub gpus: String,
+    /// When it started (ms since the epoch).
+    pub started_ms: Option<i64>,
+}
+
+/// What became of a task.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TaskStatus {
+    Running,
+    /// Exited with this status (128 + N when killed by signal N, as a shell reports it).
+    Exited(i32),
+    /// Gone without a recorded status.
+    Lost(String),
+}
+
+/// How a task is asked to stop.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stop {
+    /// Stop cleanly (SIGTERM; a checkpoint may be written).
+    Term,
+    /// Stop now (SIGKILL).
+    Kill,
+}
+
+impl Stop {
+    pub fn signal(self) -> i32 {
+        match self {
+            Stop::Term => libc::SIGTERM,
+            Stop::Kill => libc::SIGKILL,
+        }
+    }
+}
+
+/// What a task's processes use now.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Usage {
+    pub rss_bytes: u64,
+    pub cpu_seconds: f64,
+}
+
+/// A process an executor started that no task it was told about owns (left by a crash between a start and its
+/// record).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Stray {
+    pub pid: i64,
+    /// The task's handle it belongs to ([`Task::pid`]: the session for the local executor).
+    pub owner: i64,
+    pub job_id: String,
+}
+
+/// Runs a job's tasks. Implementations: [`crate::LocalExecutor`] (this machine's processes); with the `fake`
+/// feature, `FakeExecutor` (scripted, for the control loop's tests). Every call is quick and never waits on a task:
+/// the control loop calls them every tick for every task.
+pub trait Executor: Send + Sync + std::fmt::Debug {
+    /// The host the executor starts tasks on (shown with every task).
+    fn host(&self) -> &str;
+
+    /// Where rank 0 of a job placed on `node` hosts the job's rendezvous store (`host:port`), reachable from every
+    /// rank.
+    fn rendezvous(&self, node: &str) -> Result<String>;
+
+    /// Creates `dir` (and its parents) for a job's tasks to write in, theirs alone.
+    fn task_dir(&self, dir: &Path) -> Result<()>;
+
+    /// Hands a file the control plane wrote over to the tasks (their spec).
+    fn give(&self, path: &Path) -> Result<()>;
+
+    /// Starts one task, with the environment contract.
+    fn start(&self, launch: &TaskLaunch) -> Result<Task>;
+
+    /// Whether the task still runs, how it ended, or that it is lost. A task is over only when everything it
+    /// started is gone. An error says the executor cannot tell now (its cluster manager does not answer): never
+    /// that the task ended.
+    fn probe(&self, task: &Task) -> Result<TaskStatus>;
+
+    /// Asks the task (everything it started) to stop.
+    fn stop(&self, task: &Task, how: Stop);
+
+    /// What the task uses now (`None`: it has no processes, or the executor cannot tell).
+    fn usage(&self, task: &Task) -> Option<Usage>;
+
+    /// Takes over a task found in the store after a restart of the control plane.
+    fn adopt(&self, task: &Task);
+
+    /// Processes this executor started that belong to no task in `owners` ([`Task::pid`]s of adopted tasks).
+    fn strays(&self, owners: &std::collections::HashSet<i64>) -> Vec<Stray>;
+
+    /// Kills a stray found by [`Executor::strays`].
+    fn kill_stray(&self, stray: &Stray);
+
+    /// The file the task's output (stdout and stderr together) is written to.
+    fn log_path(&self, job: &str, attempt: i64, rank: i64) -> PathBuf;
+}
+
+/// The one place a task's command meets its environment: the contract ([`TaskEnv::vars`], its one writer), then
+/// the job's own variables (which may tune thread counts; the contract's own names are refused by the spec).
+pub(crate) fn set_env(cmd: &mut Command, contract: &TaskEnv, env: &[(String, String)]) {
+    cmd.envs(contract.vars()).envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+}
