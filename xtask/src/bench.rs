@@ -224,7 +224,7 @@ impl Ctx {
 }
 
 fn python_env(cmd: &mut Command) {
-    for k in ["OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"] {
+    for k in [shoal_comm::env::var::OMP_THREADS, "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"] {
         cmd.env(k, "1");
     }
 }
@@ -289,11 +289,12 @@ fn run_engine(cx: &mut Ctx, e: Engine, ranks: usize, transport: &str, round: usi
             for r in 0..ranks {
                 let mut c = Command::new(&cx.py);
                 c.arg(cx.scripts.join("gloo_allreduce.py")).args(["--plan", &plan_arg(&cx.sizes)]);
-                c.env("RANK", r.to_string())
-                    .env("LOCAL_RANK", r.to_string())
-                    .env("WORLD_SIZE", ranks.to_string())
-                    .env("MASTER_ADDR", "127.0.0.1")
-                    .env("MASTER_PORT", &port)
+                use shoal_comm::env::var;
+                c.env(var::TORCH_RANK, r.to_string())
+                    .env(var::TORCH_LOCAL_RANK, r.to_string())
+                    .env(var::TORCH_WORLD_SIZE, ranks.to_string())
+                    .env(var::MASTER_ADDR, "127.0.0.1")
+                    .env(var::MASTER_PORT, &port)
                     .env("GLOO_SOCKET_IFNAME", "lo");
                 python_env(&mut c);
                 cmds.push(c);

@@ -293,7 +293,8 @@ fn free_port() -> Result<u16> {
 }
 
 fn thread_env(cmd: &mut Command, threads: usize) {
-    for k in ["OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "RAYON_NUM_THREADS"] {
+    use shoal_comm::env::var;
+    for k in [var::OMP_THREADS, "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", var::RAYON_THREADS] {
         cmd.env(k, threads.to_string());
     }
 }

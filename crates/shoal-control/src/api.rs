@@ -20,8 +20,6 @@
 //! | GET | `/api/v1/queues` | queues with their guarantees and what they hold |
 //! | GET | `/api/v1/nodes` | nodes with capacity and allocation |
 
-use std::sync::Arc;
-
 use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::rejection::{BytesRejection, QueryRejection};
@@ -32,25 +30,11 @@ use axum::routing::{get, post};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use crate::auth::{Caller, hash_token, new_token};
-use crate::control::Control;
+use crate::auth::{hash_token, new_token};
 use crate::db::{JobRow, JobState, MetricRow, Principal, now};
 use crate::error::{ControlError, Result};
-
-/// The largest request body accepted (a job spec or a metrics batch).
-pub const MAX_BODY: usize = 1 << 20;
-
-/// The most of a log one request returns (and one chunk of a followed log holds): a reader, however slow, holds
-/// at most this much of the server's memory.
-pub const MAX_LOG_CHUNK: usize = 1 << 20;
-
-/// What every handler sees.
-#[derive(Debug, Clone)]
-pub struct AppState {
-    pub control: Arc<Control>,
-    /// Whether requests must carry a token (always, except a loopback server started without auth).
-    pub auth: bool,
-}
+use crate::http::{AppState, Caller, MAX_BODY, MAX_LOG_CHUNK, body, query, visible_job};
+use crate::view::{job_json, job_view, node_json, queues_json};
 
 pub fn router(state: AppState) -> Router {
     Router::new()
@@ -81,7 +65,7 @@ pub fn router(state: AppState) -> Router {
         .with_state(state)
 }
 
-/// Reads every request's body (at most [`MAX_BODY`]) within [`crate::server::BODY_TIMEOUT`]: a client that sends
+/// Reads every request's body (at most [`MAX_BODY`]) within [`crate::http::BODY_TIMEOUT`]: a client that sends
 /// less than its `Content-Length`, or trickles it, is answered 408 and its connection freed, instead of being held
 /// open by a handler waiting for the rest.
 async fn body_deadline(req: axum::extract::Request, next: axum::middleware::Next) -> Response {
@@ -90,7 +74,7 @@ async fn body_deadline(req: axum::extract::Request, next: axum::middleware::Next
         return ControlError::TooLarge(format!("at most {MAX_BODY} bytes")).into_response();
     }
     let (parts, b) = req.into_parts();
-    match tokio::time::timeout(crate::server::BODY_TIMEOUT, axum::body::to_bytes(b, MAX_BODY)).await {
+    match tokio::time::timeout(crate::http::BODY_TIMEOUT, axum::body::to_bytes(b, MAX_BODY)).await {
         Ok(Ok(bytes)) => next.run(axum::extract::Request::from_parts(parts, Body::from(bytes))).await,
         Ok(Err(e)) if std::error::Error::source(&e).is_some_and(|s| s.is::<http_body_util::LengthLimitError>()) => {
             ControlError::TooLarge(format!("at most {MAX_BODY} bytes")).into_response()
@@ -98,38 +82,9 @@ async fn body_deadline(req: axum::extract::Request, next: axum::middleware::Next
         Ok(Err(e)) => ControlError::bad(format!("cannot read the request body: {e}")).into_response(),
         Err(_) => ControlError::Timeout(format!(
             "the request body did not arrive within {} s",
-            crate::server::BODY_TIMEOUT.as_secs()
+            crate::http::BODY_TIMEOUT.as_secs()
         ))
         .into_response(),
-    }
-}
-
-fn body(b: std::result::Result<Bytes, BytesRejection>) -> Result<Bytes> {
-    b.map_err(|e| {
-        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            ControlError::TooLarge(format!("at most {MAX_BODY} bytes"))
-        } else {
-            ControlError::bad(format!("cannot read the request body: {e}"))
-        }
-    })
-}
-
-pub(crate) fn query<T>(q: std::result::Result<Query<T>, QueryRejection>) -> Result<T> {
-    q.map(|Query(t)| t).map_err(|e| ControlError::bad(format!("bad query string: {}", e.body_text())))
-}
-
-/// Job ids are `j-` and 8 hex digits; anything else is not a job (and never reaches a file path).
-fn valid_id(id: &str) -> Result<()> {
-    let ok = id.len() == 10 && id.starts_with("j-") && id[2..].bytes().all(|b| b.is_ascii_hexdigit());
-    if ok { Ok(()) } else { Err(ControlError::NotFound(format!("no job {id:?} (job ids look like j-0123abcd)"))) }
-}
-
-/// The job, if it exists and the caller may see it (another team's job is reported as missing).
-pub(crate) async fn visible_job(state: &AppState, caller: &Caller, id: &str) -> Result<JobRow> {
-    valid_id(id)?;
-    match state.control.db.job(id).await? {
-        Some(j) if caller.may_access(&j.team) => Ok(j),
-        _ => Err(ControlError::NotFound(format!("no job {id}"))),
     }
 }
 
@@ -286,10 +241,6 @@ struct ListQuery {
     limit: Option<i64>,
 }
 
-fn job_json(j: &JobRow) -> Value {
-    serde_json::to_value(crate::view::JobView::from(j)).unwrap_or(Value::Null)
-}
-
 async fn list_jobs(
     State(state): State<AppState>,
     caller: Caller,
@@ -325,26 +276,6 @@ async fn job_status(State(state): State<AppState>, caller: Caller, Path(id): Pat
 
 /// A job as `GET /api/v1/jobs/{id}` shows it: the row, its current workers, its events, spec, summary and the
 /// newest metrics line.
-pub(crate) async fn job_view(control: &Control, job: &JobRow) -> Result<Value> {
-    let db = &control.db;
-    let tasks = db.tasks(&job.id, job.attempt).await?;
-    let events = db.events(&job.id, 0).await?;
-    let last = db.metrics(&job.id, Some(0), db.last_metric_step(&job.id, 0).await? - 1, 1).await?;
-    let mut v = job_json(job);
-    if let Some(obj) = v.as_object_mut() {
-        let workers: Vec<crate::view::TaskView<'_>> = tasks.iter().map(Into::into).collect();
-        obj.insert("workers".into(), serde_json::to_value(&workers).unwrap_or(Value::Null));
-        obj.insert("events".into(), serde_json::to_value(&events).unwrap_or(Value::Null));
-        obj.insert("spec".into(), serde_json::from_str(&job.spec).unwrap_or(Value::Null));
-        obj.insert(
-            "summary".into(),
-            job.summary.as_deref().and_then(|s| serde_json::from_str(s).ok()).unwrap_or(Value::Null),
-        );
-        obj.insert("last_metrics".into(), last.first().map_or(Value::Null, |m| m.data.clone()));
-    }
-    Ok(v)
-}
-
 async fn cancel(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<Response> {
     let job = visible_job(&state, &caller, &id).await?;
     if job.state.is_final() {
@@ -525,59 +456,10 @@ async fn get_metrics(
     Ok(Json(json!({ "metrics": m })))
 }
 
-pub(crate) async fn queues_json(c: &Control) -> Result<Vec<Value>> {
-    let active = c.db.jobs_in(&[JobState::Pending, JobState::Running, JobState::Preempted]).await?;
-    let mut out = Vec::new();
-    for q in &c.queues {
-        let count = |s: JobState| active.iter().filter(|j| j.queue == q.name && j.state == s).count();
-        let (mut cpus, mut mem, mut gpus) = (0.0, 0u64, 0.0);
-        for j in
-            active.iter().filter(|j| j.queue == q.name && matches!(j.state, JobState::Running | JobState::Preempted))
-        {
-            if let Ok(spec) = crate::control::parse_stored_spec(j) {
-                let n = j.workers as f64;
-                cpus += n * spec.resources.cpus as f64 / 1000.0;
-                mem += j.workers.max(0) as u64 * spec.resources.memory;
-                gpus += n * spec.resources.gpus as f64 / 1000.0;
-            }
-        }
-        out.push(json!({
-            "name": q.name,
-            "guaranteed": { "cpus": q.guaranteed.cpus_milli as f64 / 1000.0, "memory_bytes": q.guaranteed.memory_bytes,
-                            "gpus": q.guaranteed.gpus_milli as f64 / 1000.0 },
-            "can_borrow": q.can_borrow,
-            "pending": count(JobState::Pending),
-            "running": count(JobState::Running),
-            "preempted": count(JobState::Preempted),
-            "allocated": { "cpus": cpus, "memory_bytes": mem, "gpus": gpus },
-        }));
-    }
-    Ok(out)
-}
-
 async fn queues(State(state): State<AppState>, _caller: Caller) -> Result<Json<Value>> {
     Ok(Json(json!({ "queues": queues_json(&state.control).await? })))
 }
 
 async fn nodes(State(state): State<AppState>, _caller: Caller) -> Result<Json<Value>> {
     Ok(Json(json!({ "nodes": [node_json(&state.control)] })))
-}
-
-pub(crate) fn node_json(c: &Control) -> Value {
-    let alloc = c.allocations();
-    let n = &c.node;
-    let a = alloc.iter().find(|a| a.node == n.id);
-    let node = json!({
-        "id": n.id,
-        "host": n.host,
-        "cpus": n.cpus_milli as f64 / 1000.0,
-        "memory_bytes": n.memory_bytes,
-        "gpus": n.gpus.iter().map(|g| json!({ "index": g.index, "kind": g.kind, "memory_bytes": g.memory_bytes })).collect::<Vec<_>>(),
-        "allocated": {
-            "cpus": a.map_or(0.0, |a| a.cpus_milli as f64 / 1000.0),
-            "memory_bytes": a.map_or(0, |a| a.memory_bytes),
-            "gpus": a.map_or(0.0, |a| a.gpus.iter().map(|(share, _)| f64::from(*share)).sum::<f64>() / 1000.0 + 0.0),
-        },
-    });
-    node
 }

@@ -89,7 +89,7 @@ pub struct Control {
     /// GPU telemetry (NVML with the `nvml` feature).
     pub gpus: crate::gpu::Gpus,
     /// Accumulating metrics (API requests, scheduling passes) for `/metrics`.
-    pub metrics: crate::observe::Metrics,
+    pub metrics: crate::metrics::Metrics,
     /// Parsed specs by job id.
     specs: Mutex<HashMap<String, std::sync::Arc<JobSpec>>>,
     /// The last processing failure recorded per job.
@@ -183,7 +183,7 @@ impl Control {
             cluster_sampled: Mutex::new(0),
             bench: tokio::sync::Mutex::new(bench),
             gpus: crate::gpu::Gpus::new(),
-            metrics: crate::observe::Metrics::new(),
+            metrics: crate::metrics::Metrics::new(),
             specs: Mutex::new(HashMap::new()),
             trouble: Mutex::new(HashMap::new()),
             streams: Mutex::new(HashMap::new()),

@@ -308,6 +308,23 @@ pub fn diagnose(rows: &[MetricRow], samples: &[SampleRow], ctx: &Context) -> Vec
     out
 }
 
+/// The all-reduce reference from `shoal bench allreduce --json` output (one JSON array, or one object per line):
+/// `(bytes, bus bandwidth in bytes/s)` per size.
+pub fn parse_bench(text: &str) -> Vec<(u64, f64)> {
+    let rows: Vec<serde_json::Value> = match serde_json::from_str::<serde_json::Value>(text) {
+        Ok(serde_json::Value::Array(a)) => a,
+        _ => text.lines().filter_map(|l| serde_json::from_str(l).ok()).collect(),
+    };
+    rows.iter()
+        .filter(|r| r.get("op").and_then(|o| o.as_str()).is_none_or(|o| o == "allreduce"))
+        .filter_map(|r| {
+            let bytes = r.get("bytes")?.as_u64()?;
+            let bw = r.get("busbw_GBps")?.as_f64()?;
+            (bw > 0.0).then_some((bytes, bw * 1e9))
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -30,6 +30,8 @@ pub mod db;
 pub mod diagnose;
 pub mod error;
 pub mod gpu;
+pub mod http;
+pub mod metrics;
 pub mod observe;
 pub mod policy;
 pub mod server;

@@ -16,64 +16,18 @@ use axum::middleware::Next;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use futures_util::{Stream, StreamExt};
-use prometheus::{Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, Opts, Registry, TextEncoder};
+use prometheus::{Encoder, GaugeVec, Opts, Registry, TextEncoder};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use crate::api::{AppState, job_view, node_json, query, queues_json, visible_job};
-use crate::auth::Caller;
 use crate::control::{Control, parse_stored_spec};
 use crate::db::{JobRow, JobState, MetricRow, now};
 use crate::diagnose::{Context, diagnose};
 use crate::error::{ControlError, Result};
+use crate::http::{AppState, Caller, query, visible_job};
+use crate::view::{job_view, node_json, queues_json};
 
 include!(concat!(env!("OUT_DIR"), "/assets.rs"));
-
-/// Process-wide metrics that accumulate (the rest is computed at each scrape).
-#[derive(Debug, Clone)]
-pub struct Metrics {
-    pub registry: Registry,
-    pub api_requests: IntCounterVec,
-    pub api_latency: HistogramVec,
-    pub scheduler_pass: HistogramVec,
-}
-
-impl Metrics {
-    pub fn new() -> Metrics {
-        let registry = Registry::new();
-        let api_requests = IntCounterVec::new(
-            Opts::new("shoal_api_requests_total", "HTTP requests served, by method, route and status"),
-            &["method", "route", "status"],
-        )
-        .expect("valid metric");
-        let api_latency = HistogramVec::new(
-            HistogramOpts::new("shoal_api_request_duration_seconds", "HTTP request latency, by route")
-                .buckets(vec![0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0]),
-            &["route"],
-        )
-        .expect("valid metric");
-        let scheduler_pass = HistogramVec::new(
-            HistogramOpts::new("shoal_scheduler_pass_seconds", "Duration of one scheduling pass")
-                .buckets(vec![0.00001, 0.0001, 0.001, 0.01, 0.1, 1.0]),
-            &[],
-        )
-        .expect("valid metric");
-        for c in [
-            Box::new(api_requests.clone()) as Box<dyn prometheus::core::Collector>,
-            Box::new(api_latency.clone()),
-            Box::new(scheduler_pass.clone()),
-        ] {
-            registry.register(c).expect("distinct metric names");
-        }
-        Metrics { registry, api_requests, api_latency, scheduler_pass }
-    }
-}
-
-impl Default for Metrics {
-    fn default() -> Self {
-        Metrics::new()
-    }
-}
 
 /// Counts every request by route and status.
 pub async fn count_requests(State(state): State<AppState>, req: Request, next: Next) -> Response {
@@ -439,7 +393,7 @@ async fn bench_reference(c: &Control) -> Vec<(u64, f64)> {
     match out {
         Ok(Ok(o)) if o.status.success() => {
             let text = String::from_utf8_lossy(&o.stdout).into_owned();
-            let rows = crate::server::parse_bench(&text);
+            let rows = crate::diagnose::parse_bench(&text);
             if !rows.is_empty() {
                 let _ = std::fs::write(c.config.data_dir.join("bench.json"), &text);
                 tracing::info!(rows = rows.len(), "measured the all-reduce reference for diagnosis");

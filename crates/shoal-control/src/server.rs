@@ -11,11 +11,12 @@ use std::time::Duration;
 
 use shoal_sched::{Gpu, Node, Queue, Quota};
 
-use crate::api::{AppState, router};
+use crate::api::router;
 use crate::auth::{hash_token, new_token};
 use crate::control::{Control, ControlConfig};
 use crate::db::{Db, Principal};
 use crate::error::{ControlError, Result};
+use crate::http::AppState;
 use shoal_exec::procfs;
 
 /// How to run a server.
@@ -130,22 +131,7 @@ fn lock_data_dir(dir: &Path) -> Result<std::fs::File> {
 /// (JSON lines, or one array).
 pub fn bench_reference(path: &Path) -> Vec<(u64, f64)> {
     let Ok(text) = std::fs::read_to_string(path) else { return Vec::new() };
-    parse_bench(&text)
-}
-
-pub fn parse_bench(text: &str) -> Vec<(u64, f64)> {
-    let rows: Vec<serde_json::Value> = match serde_json::from_str::<serde_json::Value>(text) {
-        Ok(serde_json::Value::Array(a)) => a,
-        _ => text.lines().filter_map(|l| serde_json::from_str(l).ok()).collect(),
-    };
-    rows.iter()
-        .filter(|r| r.get("op").and_then(|o| o.as_str()).is_none_or(|o| o == "allreduce"))
-        .filter_map(|r| {
-            let bytes = r.get("bytes")?.as_u64()?;
-            let bw = r.get("busbw_GBps")?.as_f64()?;
-            (bw > 0.0).then_some((bytes, bw * 1e9))
-        })
-        .collect()
+    crate::diagnose::parse_bench(&text)
 }
 
 /// The data directory holds secrets (the store, tokens, the server key): only its owner may read it. When tasks
@@ -354,8 +340,6 @@ pub async fn prepare(opts: &ServerOptions) -> Result<Prepared> {
 /// How long a client may take to send a request's headers — and how long a kept-alive connection may sit idle
 /// before its next request.
 pub const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
-/// How long a client may take to send a request's body.
-pub const BODY_TIMEOUT: Duration = Duration::from_secs(30);
 /// Connections served at once; more are closed as they arrive (logged).
 pub const MAX_CONNECTIONS: usize = 512;
 

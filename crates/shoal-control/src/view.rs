@@ -1,10 +1,13 @@
-//! What the API shows of jobs and tasks: its own types, built from the store's rows, so that a column added to
-//! the store (a secret, a checkpoint key, a process' start time) never reaches a client by accident, and a row can
-//! change shape without changing the API.
+//! What the API shows of jobs, tasks, queues and nodes: its own types and JSON, built from the store's rows and the
+//! scheduler's books, so that a column added to the store (a secret, a checkpoint key, a process' start time) never
+//! reaches a client by accident, and a row can change shape without changing the API.
 
 use serde::Serialize;
+use serde_json::{Value, json};
 
+use crate::control::Control;
 use crate::db::{JobRow, JobState, TaskRow, TaskState};
+use crate::error::Result;
 
 /// A job in listings (and the head of `GET /api/v1/jobs/{id}`).
 #[derive(Debug, Clone, Serialize)]
@@ -93,4 +96,77 @@ impl<'a> From<&'a TaskRow> for TaskView<'a> {
             cpu_seconds: t.cpu_seconds,
         }
     }
+}
+
+pub(crate) fn job_json(j: &JobRow) -> Value {
+    serde_json::to_value(crate::view::JobView::from(j)).unwrap_or(Value::Null)
+}
+
+pub(crate) async fn job_view(control: &Control, job: &JobRow) -> Result<Value> {
+    let db = &control.db;
+    let tasks = db.tasks(&job.id, job.attempt).await?;
+    let events = db.events(&job.id, 0).await?;
+    let last = db.metrics(&job.id, Some(0), db.last_metric_step(&job.id, 0).await? - 1, 1).await?;
+    let mut v = job_json(job);
+    if let Some(obj) = v.as_object_mut() {
+        let workers: Vec<crate::view::TaskView<'_>> = tasks.iter().map(Into::into).collect();
+        obj.insert("workers".into(), serde_json::to_value(&workers).unwrap_or(Value::Null));
+        obj.insert("events".into(), serde_json::to_value(&events).unwrap_or(Value::Null));
+        obj.insert("spec".into(), serde_json::from_str(&job.spec).unwrap_or(Value::Null));
+        obj.insert(
+            "summary".into(),
+            job.summary.as_deref().and_then(|s| serde_json::from_str(s).ok()).unwrap_or(Value::Null),
+        );
+        obj.insert("last_metrics".into(), last.first().map_or(Value::Null, |m| m.data.clone()));
+    }
+    Ok(v)
+}
+
+pub(crate) async fn queues_json(c: &Control) -> Result<Vec<Value>> {
+    let active = c.db.jobs_in(&[JobState::Pending, JobState::Running, JobState::Preempted]).await?;
+    let mut out = Vec::new();
+    for q in &c.queues {
+        let count = |s: JobState| active.iter().filter(|j| j.queue == q.name && j.state == s).count();
+        let (mut cpus, mut mem, mut gpus) = (0.0, 0u64, 0.0);
+        for j in
+            active.iter().filter(|j| j.queue == q.name && matches!(j.state, JobState::Running | JobState::Preempted))
+        {
+            if let Ok(spec) = crate::control::parse_stored_spec(j) {
+                let n = j.workers as f64;
+                cpus += n * spec.resources.cpus as f64 / 1000.0;
+                mem += j.workers.max(0) as u64 * spec.resources.memory;
+                gpus += n * spec.resources.gpus as f64 / 1000.0;
+            }
+        }
+        out.push(json!({
+            "name": q.name,
+            "guaranteed": { "cpus": q.guaranteed.cpus_milli as f64 / 1000.0, "memory_bytes": q.guaranteed.memory_bytes,
+                            "gpus": q.guaranteed.gpus_milli as f64 / 1000.0 },
+            "can_borrow": q.can_borrow,
+            "pending": count(JobState::Pending),
+            "running": count(JobState::Running),
+            "preempted": count(JobState::Preempted),
+            "allocated": { "cpus": cpus, "memory_bytes": mem, "gpus": gpus },
+        }));
+    }
+    Ok(out)
+}
+
+pub(crate) fn node_json(c: &Control) -> Value {
+    let alloc = c.allocations();
+    let n = &c.node;
+    let a = alloc.iter().find(|a| a.node == n.id);
+    let node = json!({
+        "id": n.id,
+        "host": n.host,
+        "cpus": n.cpus_milli as f64 / 1000.0,
+        "memory_bytes": n.memory_bytes,
+        "gpus": n.gpus.iter().map(|g| json!({ "index": g.index, "kind": g.kind, "memory_bytes": g.memory_bytes })).collect::<Vec<_>>(),
+        "allocated": {
+            "cpus": a.map_or(0.0, |a| a.cpus_milli as f64 / 1000.0),
+            "memory_bytes": a.map_or(0, |a| a.memory_bytes),
+            "gpus": a.map_or(0.0, |a| a.gpus.iter().map(|(share, _)| f64::from(*share)).sum::<f64>() / 1000.0 + 0.0),
+        },
+    });
+    node
 }

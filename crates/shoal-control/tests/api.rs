@@ -12,7 +12,8 @@ use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use http_body_util::BodyExt;
 use serde_json::{Value, json};
-use shoal_control::api::{AppState, router};
+use shoal_control::api::router;
+use shoal_control::http::AppState;
 use shoal_control::server::{Prepared, ServerOptions, prepare};
 use tower::ServiceExt;
 
@@ -565,7 +566,7 @@ async fn one_team_never_reaches_another_teams_data() {
     std::fs::write(&log, vec![b'x'; 3 << 20]).expect("a large log");
     let (st, body) = get(a, &format!("/api/v1/jobs/{alpha_id}/logs?rank=0"), &alpha).await;
     assert_eq!(st, StatusCode::OK);
-    assert_eq!(body.as_str().map(str::len), Some(shoal_control::api::MAX_LOG_CHUNK));
+    assert_eq!(body.as_str().map(str::len), Some(shoal_control::http::MAX_LOG_CHUNK));
     let (st, v) = get(a, &format!("/api/v1/jobs/{alpha_id}/logs?attempt=0"), &alpha).await;
     assert_eq!((st, field_of(&v)), (StatusCode::BAD_REQUEST, "attempt"), "{v}");
 

@@ -1107,6 +1107,15 @@ impl Gate {
     }
 }
 
+/// A second home for saved checkpoints (an object store: `crate::remote::RemoteStore`), written by the saver
+/// thread after each local save.
+pub trait Mirror: Send + Sync + std::fmt::Debug {
+    /// Copies one saved step directory (`.../checkpoints/step-NNNNNN`), its manifest last.
+    fn upload(&self, step_dir: &Path) -> Result<(), String>;
+    /// Keeps the newest `keep` checkpoints there.
+    fn prune(&self, keep: usize) -> Result<(), String>;
+}
+
 /// Saves checkpoints on one background thread, then prunes to the newest `keep`.
 #[derive(Debug)]
 pub struct AsyncSaver {
@@ -1120,8 +1129,8 @@ pub struct AsyncSaver {
     wait_timeout: Duration,
     last_wait: Duration,
     last_stats: Option<SaveStats>,
-    /// The object store every saved checkpoint is mirrored to.
-    mirror: Option<Arc<crate::remote::RemoteStore>>,
+    /// Where every saved checkpoint is mirrored to (an object store).
+    mirror: Option<Arc<dyn Mirror>>,
     /// Buffers of saved checkpoints, handed back for the next snapshot (their
     /// pages are already mapped, so copying into them costs no page faults).
     spare: Arc<Mutex<Vec<Vec<f32>>>>,
@@ -1197,7 +1206,7 @@ impl AsyncSaver {
     }
 
     /// Also uploads every saved checkpoint to `remote` (on the saver thread) and prunes it to `keep` there.
-    pub fn with_mirror(mut self, remote: Arc<crate::remote::RemoteStore>) -> Self {
+    pub fn with_mirror(mut self, remote: Arc<dyn Mirror>) -> Self {
         self.mirror = Some(remote);
         self
     }
@@ -1264,10 +1273,10 @@ impl AsyncSaver {
                     }
                     if let (Ok(stats), Some(m)) = (&mut res, &mirror) {
                         let t = Instant::now();
-                        let up = m.upload_step(&stats.dir).and_then(|_| m.prune(keep));
+                        let up = m.upload(&stats.dir).and_then(|()| m.prune(keep));
                         stats.upload_seconds = t.elapsed().as_secs_f64();
-                        if let Err(e) = up {
-                            res = Err(CheckpointError::Remote { why: e.to_string() });
+                        if let Err(why) = up {
+                            res = Err(CheckpointError::Remote { why });
                         }
                     }
                     if res_tx.send(res).is_err() {

@@ -192,3 +192,12 @@ impl RemoteStore {
 pub fn is_remote(url: &str) -> bool {
     url.contains("://") && !url.starts_with("file://")
 }
+impl crate::checkpoint::Mirror for RemoteStore {
+    fn upload(&self, step_dir: &Path) -> std::result::Result<(), String> {
+        self.upload_step(step_dir).map(drop).map_err(|e| e.to_string())
+    }
+
+    fn prune(&self, keep: usize) -> std::result::Result<(), String> {
+        RemoteStore::prune(self, keep).map(drop).map_err(|e| e.to_string())
+    }
+}

@@ -178,7 +178,7 @@ fn default_iters(bytes: usize) -> (usize, usize) {
 /// The parent: launches the ranks, prints the table; exit status non-zero on
 /// any failure or wrong value.
 pub fn run_bench(what: BenchWhat, args: &BenchArgs) -> Result<bool> {
-    let Some(op) = what.collective() else { return crate::bench_ckpt::run(args) };
+    let Some(op) = what.collective() else { bail!("{what:?} is not a collective") };
     if args.ranks == 0 {
         bail!("--ranks must be at least 1");
     }

@@ -183,6 +183,7 @@ fn main() -> std::process::ExitCode {
     }
     let result: Result<bool> = match cli.command {
         Cmd::Run(args) => return run::main(&args),
+        Cmd::Bench { op, args } if op.collective().is_none() => bench_ckpt::run(&args),
         Cmd::Bench { op, args } => bench::run_bench(op, &args),
         Cmd::BenchRank { spec } => bench::run_rank(&spec).map(|()| true),
         Cmd::Worker { output, resume, job } => worker(&job, output, resume),

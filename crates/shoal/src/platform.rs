@@ -151,7 +151,7 @@ impl Client {
                 "the shoal server at {} closed the connection while receiving the {body_len}-byte request body \
                  ({e}); it accepts at most {} bytes",
                 self.base,
-                shoal_control::api::MAX_BODY
+                shoal_control::http::MAX_BODY
             ),
             _ => self.unreachable(e),
         }
@@ -325,9 +325,9 @@ pub fn submit(client: &Client, job: &Path, json_out: bool) -> Result<bool> {
     Ok(true)
 }
 
-/// Refuses a spec the server would refuse for its size ([`shoal_control::api::MAX_BODY`]) before sending it.
+/// Refuses a spec the server would refuse for its size ([`shoal_control::http::MAX_BODY`]) before sending it.
 fn within_body_limit(job: &Path, len: usize) -> Result<()> {
-    let max = shoal_control::api::MAX_BODY;
+    let max = shoal_control::http::MAX_BODY;
     if len > max {
         bail!(
             "{}: {len} bytes; the server accepts job specs of at most {max} bytes ({} MiB)",

@@ -186,9 +186,10 @@ pub fn run_job(ranks: Option<usize>, job: &Path, output: Option<&Path>, resume: 
     // One tensor thread per core share, unless the user chose: N workers each
     // running as many threads as there are cores would oversubscribe the machine.
     let mut env: Vec<(String, String)> = spec.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
-    if std::env::var_os("RAYON_NUM_THREADS").is_none() && !spec.env.contains_key("RAYON_NUM_THREADS") {
+    let threads = shoal_comm::env::var::RAYON_THREADS;
+    if std::env::var_os(threads).is_none() && !spec.env.contains_key(threads) {
         let cpus = std::thread::available_parallelism().map(|c| c.get()).unwrap_or(1);
-        env.push(("RAYON_NUM_THREADS".to_string(), (cpus / n).max(1).to_string()));
+        env.push((threads.to_string(), (cpus / n).max(1).to_string()));
     }
     let code = run_ranks(&exe, &args, &env, &opts)?;
     if code != ExitCode::SUCCESS {
