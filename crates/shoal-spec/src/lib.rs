@@ -209,7 +209,8 @@ impl Strategy {
         }
     }
 
-    fn from_name(name: &str) -> Option<Self> {
+    /// The strategy a spec names `name`, if it exists.
+    pub fn from_name(name: &str) -> Option<Self> {
         match name {
             "ddp" => Some(Strategy::Ddp),
             _ => None,
@@ -270,7 +271,8 @@ impl ModelKind {
         }
     }
 
-    fn from_name(name: &str) -> Option<Self> {
+    /// The strategy a spec names `name`, if it exists.
+    pub fn from_name(name: &str) -> Option<Self> {
         match name {
             "mlp" => Some(ModelKind::Mlp),
             "cnn" => Some(ModelKind::Cnn),

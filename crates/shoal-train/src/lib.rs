@@ -22,6 +22,7 @@ pub mod optim;
 pub mod params;
 pub mod remote;
 pub use shoal_spec as spec;
+pub mod strategy;
 pub mod trainer;
 pub mod worker;
 

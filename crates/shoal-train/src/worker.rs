@@ -50,7 +50,7 @@ pub struct Summary {
     pub parameters: usize,
     pub steps: usize,
     pub world_size: usize,
-    /// How the work was spread over the workers (`train.strategy`).
+    /// How the work was spread over the workers: the strategy that ran (`train.strategy`).
     #[serde(default)]
     pub strategy: Strategy,
     /// The loss of the last step; none (null or absent in the file) when it was not a finite number, or when no
@@ -387,7 +387,21 @@ pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
         overlap,
         ..TrainerConfig::default()
     };
-    let mut trainer = Trainer::new(params, Some(comm.clone()), cfg)?;
+    // The strategy `train.strategy` names; the spec refuses names that have none yet.
+    let strategy: Box<dyn crate::strategy::Strategy> = match t.strategy {
+        Strategy::Ddp => Box::new(crate::strategy::ddp::Ddp::new(
+            Some(comm.clone()),
+            crate::strategy::ddp::DdpConfig {
+                bucket_bytes: cfg.bucket_bytes,
+                first_bucket_bytes: cfg.first_bucket_bytes,
+                overlap: cfg.overlap,
+            },
+        )),
+    };
+    let mut trainer = Trainer::with_strategy(params, strategy, cfg)?;
+    let ran = Strategy::from_name(trainer.strategy_name()).ok_or_else(|| {
+        Error::InvalidArgument(format!("strategy {:?} has no name in the spec", trainer.strategy_name()))
+    })?;
 
     let micro = t.micro_batch();
     let mut sampler =
@@ -603,7 +617,7 @@ pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
                 sampler: serde_json::to_value(sampler_state).map_err(|e| Error::Checkpoint(e.to_string()))?,
                 rng: serde_json::json!({ "init_seed": t.seed, "sampler_seed": t.seed }),
                 world_size: world,
-                strategy: t.strategy.as_str().into(),
+                strategy: ran.as_str().into(),
                 extra: serde_json::json!({ "optimizer_t": trainer.optimizer().t, "loss": last_loss }),
             };
             let at = (step + 1) as u64;
@@ -642,7 +656,7 @@ pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
         parameters,
         steps: t.steps,
         world_size: world,
-        strategy: t.strategy,
+        strategy: ran,
         final_loss: last_loss.is_finite().then_some(last_loss),
         eval_loss,
         eval_accuracy: (!text).then_some(eval_acc),

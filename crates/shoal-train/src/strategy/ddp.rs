@@ -1,0 +1,363 @@
+//! Data parallel, as PyTorch's DDP does it:
+//! - at [`Strategy::init`], rank 0's parameters are broadcast, so every rank starts equal;
+//! - each rank's loss is weighted by its share of the global batch (`local samples / global samples`, by the
+//!   caller), so summing gradients across ranks gives exactly the gradient of the global-batch mean loss,
+//!   whatever the shares;
+//! - on the last micro-batch, gradients are flattened in reverse parameter order (the order backward produces
+//!   them) into buckets of `bucket_bytes` (the first one `first_bucket_bytes`); each full bucket's all-reduce
+//!   starts at once, on the communicator's worker thread. With a hand-written backward the gradients are written
+//!   straight into the buckets as each layer finishes, so communication overlaps the backward pass of the earlier
+//!   layers. With `overlap` off, the buckets are reduced on the calling thread in `step` instead: when the compute
+//!   threads already fill every core, a communicator thread running beside them only slows the computation it was
+//!   meant to hide behind;
+//! - `step` waits for the buckets, clips, and applies the same update on every rank. Bucket buffers are reused
+//!   from step to step.
+
+use std::time::Instant;
+
+use candle_core::Tensor;
+use shoal_comm::{Communicator, Pending, ReduceOp};
+
+use super::{GradSink, StepTimes, Strategy, TensorGrads, copy_f32};
+use crate::error::{Error, Result};
+use crate::optim::{Optimizer, clip_grad_norm, clip_grad_norm_slices};
+use crate::params::Params;
+
+/// How [`Ddp`] buckets and overlaps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DdpConfig {
+    /// Gradient bucket size for the all-reduce.
+    pub bucket_bytes: usize,
+    /// Size of the first bucket (at most `bucket_bytes`): the last layers' gradients start their all-reduce early.
+    pub first_bucket_bytes: usize,
+    /// All-reduce each bucket on the communicator's thread as soon as it is full, or all of them on the calling
+    /// thread in `step`.
+    pub overlap: bool,
+}
+
+enum Bucket {
+    /// Being all-reduced on the communicator's thread.
+    Pending(Pending<Vec<f32>>),
+    /// Final (nothing to reduce).
+    Ready(Vec<f32>),
+    /// To all-reduce on the calling thread in `step`.
+    Deferred(Vec<f32>),
+}
+
+/// Data parallel with bucketed, overlapped all-reduces (see the module documentation).
+pub struct Ddp {
+    comm: Option<Communicator>,
+    cfg: DdpConfig,
+    /// Flat offset of each parameter (parameter order).
+    offsets: Vec<usize>,
+    /// Gradients accumulated over earlier micro-batches, flat in parameter order.
+    acc: Option<Vec<f32>>,
+    /// Buckets of the current step, each with the parameter indices it holds (reverse order).
+    buckets: Vec<(Vec<usize>, Bucket)>,
+    /// Gradients kept as tensors when there is nothing to reduce, with the step's scalars.
+    direct: Option<(Vec<Tensor>, Vec<f32>)>,
+    /// Bucket buffers of the last step, reused by the next (no allocation, no page faults).
+    spare: Vec<Vec<f32>>,
+}
+
+impl std::fmt::Debug for Ddp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ddp").field("cfg", &self.cfg).field("world", &self.world()).finish_non_exhaustive()
+    }
+}
+
+impl Ddp {
+    pub fn new(comm: Option<Communicator>, cfg: DdpConfig) -> Ddp {
+        Ddp { comm, cfg, offsets: Vec::new(), acc: None, buckets: Vec::new(), direct: None, spare: Vec::new() }
+    }
+
+    fn world(&self) -> usize {
+        self.comm.as_ref().map_or(1, Communicator::size)
+    }
+}
+
+/// The [`GradSink`] of one micro-batch: accumulates (`acc`) or fills buckets.
+struct Collector<'a> {
+    vars: &'a [(String, candle_core::Var)],
+    offsets: &'a [usize],
+    /// Next index allowed (every index below it, and it, may still come).
+    next: Option<usize>,
+    /// Scalars that ride in the last bucket.
+    scalars: Vec<f32>,
+    mode: Mode<'a>,
+}
+
+enum Mode<'a> {
+    /// Not the last micro-batch: add into the accumulator.
+    Accumulate { acc: &'a mut Vec<f32>, tmp: Vec<f32> },
+    /// The last micro-batch: bucket, add what earlier micro-batches accumulated, launch.
+    Reduce {
+        comm: Option<Communicator>,
+        overlap: bool,
+        acc: Option<Vec<f32>>,
+        cur: Vec<f32>,
+        members: Vec<usize>,
+        limit: usize,
+        bucket_bytes: usize,
+        buckets: &'a mut Vec<(Vec<usize>, Bucket)>,
+        spare: &'a mut Vec<Vec<f32>>,
+    },
+}
+
+impl Collector<'_> {
+    fn zero_down_to(&mut self, stop: Option<usize>) -> Result<()> {
+        // Parameters between the last one put and `stop` got no gradient: zeros.
+        while let Some(i) = self.next {
+            if stop.is_some_and(|s| i <= s) {
+                break;
+            }
+            self.put_inner(i, &mut |_| Ok(()))?;
+        }
+        Ok(())
+    }
+
+    fn put_inner(&mut self, index: usize, fill: &mut dyn FnMut(&mut [f32]) -> Result<()>) -> Result<()> {
+        let n = self.vars[index].1.elem_count();
+        let off = self.offsets[index];
+        self.next = index.checked_sub(1);
+        match &mut self.mode {
+            Mode::Accumulate { acc, tmp } => {
+                tmp.clear();
+                tmp.resize(n, 0.0);
+                fill(tmp)?;
+                for (a, x) in acc[off..off + n].iter_mut().zip(tmp.iter()) {
+                    *a += *x;
+                }
+            }
+            Mode::Reduce { comm, overlap, acc, cur, members, limit, bucket_bytes, buckets, spare } => {
+                let start = cur.len();
+                cur.resize(start + n, 0.0);
+                fill(&mut cur[start..])?;
+                if let Some(acc) = acc {
+                    for (x, a) in cur[start..].iter_mut().zip(&acc[off..off + n]) {
+                        *x += *a;
+                    }
+                }
+                members.push(index);
+                if cur.len() >= *limit {
+                    let data = std::mem::replace(cur, spare.pop().unwrap_or_default());
+                    launch(comm.as_ref(), *overlap, data, std::mem::take(members), buckets);
+                    *limit = (*bucket_bytes / 4).max(1);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Zero-fills what was left out and launches the last bucket with the scalars.
+    fn finish(mut self) -> Result<()> {
+        self.zero_down_to(None)?;
+        if let Mode::Reduce { comm, overlap, mut cur, members, buckets, .. } = self.mode {
+            cur.extend_from_slice(&self.scalars);
+            if !members.is_empty() || !self.scalars.is_empty() {
+                launch(comm.as_ref(), overlap, cur, members, buckets);
+            }
+        }
+        Ok(())
+    }
+}
+
+impl GradSink for Collector<'_> {
+    fn put(&mut self, index: usize, fill: &mut dyn FnMut(&mut [f32]) -> Result<()>) -> Result<()> {
+        if index >= self.vars.len() || self.next.is_none_or(|n| index > n) {
+            return Err(Error::InvalidArgument(format!(
+                "gradient of parameter {index} given out of order (parameters must come in reverse order, each once)"
+            )));
+        }
+        self.zero_down_to(Some(index))?;
+        self.put_inner(index, fill)
+    }
+
+    fn attach_scalars(&mut self, values: &[f32]) {
+        self.scalars.clear();
+        self.scalars.extend_from_slice(values);
+    }
+}
+
+fn launch(
+    comm: Option<&Communicator>,
+    overlap: bool,
+    data: Vec<f32>,
+    members: Vec<usize>,
+    buckets: &mut Vec<(Vec<usize>, Bucket)>,
+) {
+    let b = match comm {
+        Some(c) if overlap => Bucket::Pending(c.all_reduce_async(data, ReduceOp::Sum)),
+        Some(_) => Bucket::Deferred(data),
+        None => Bucket::Ready(data),
+    };
+    buckets.push((members, b));
+}
+
+impl Strategy for Ddp {
+    fn name(&self) -> &'static str {
+        "ddp"
+    }
+
+    fn comm(&self) -> Option<&Communicator> {
+        self.comm.as_ref()
+    }
+
+    fn init(&mut self, params: &Params) -> Result<()> {
+        if let Some(c) = self.comm.as_ref().filter(|c| c.size() > 1) {
+            let mut flat = params.flatten()?;
+            c.broadcast(&mut flat, 0)?;
+            params.load_flat(&flat)?;
+        }
+        self.offsets = params
+            .vars()
+            .iter()
+            .scan(0usize, |off, (_, v)| {
+                let o = *off;
+                *off += v.elem_count();
+                Some(o)
+            })
+            .collect();
+        Ok(())
+    }
+
+    fn backward(
+        &mut self,
+        params: &Params,
+        last: bool,
+        scalars: Vec<f32>,
+        f: &mut dyn FnMut(&mut dyn GradSink) -> Result<()>,
+    ) -> Result<()> {
+        let n = params.vars().len();
+        let total = params.count();
+        if !last {
+            let acc = self.acc.get_or_insert_with(|| vec![0.0; total]);
+            let mut c = Collector {
+                vars: params.vars(),
+                offsets: &self.offsets,
+                next: n.checked_sub(1),
+                scalars: Vec::new(),
+                mode: Mode::Accumulate { acc, tmp: Vec::new() },
+            };
+            f(&mut c)?;
+            return c.finish();
+        }
+        let comm = self.comm.clone().filter(|c| c.size() > 1);
+        let bucket_bytes = self.cfg.bucket_bytes;
+        // The first bucket is small, so communication starts early in backward (as in PyTorch's DDP); without
+        // overlap there is nothing to start early.
+        let first = if self.cfg.overlap { self.cfg.first_bucket_bytes.min(bucket_bytes) } else { bucket_bytes };
+        let limit = (first / 4).max(1);
+        let cur = self.spare.pop().unwrap_or_default();
+        let mut c = Collector {
+            vars: params.vars(),
+            offsets: &self.offsets,
+            next: n.checked_sub(1),
+            scalars,
+            mode: Mode::Reduce {
+                comm,
+                overlap: self.cfg.overlap,
+                acc: self.acc.take(),
+                cur,
+                members: Vec::new(),
+                limit,
+                bucket_bytes,
+                buckets: &mut self.buckets,
+                spare: &mut self.spare,
+            },
+        };
+        f(&mut c)?;
+        // The scalars ride in the last bucket; `step` takes them back out of it.
+        c.finish()
+    }
+
+    fn backward_tensors(&mut self, params: &Params, last: bool, scalars: Vec<f32>, grads: TensorGrads) -> Result<()> {
+        if last && self.world() <= 1 && self.acc.is_none() {
+            // One worker, one micro-batch: nothing to reduce, keep the tensors.
+            let direct = params
+                .vars()
+                .iter()
+                .enumerate()
+                .map(|(i, (_, v))| match grads.get(i).and_then(Option::as_ref) {
+                    Some(g) => Ok(g.detach().contiguous()?),
+                    None => Ok(v.as_tensor().zeros_like()?),
+                })
+                .collect::<Result<Vec<_>>>()?;
+            self.direct = Some((direct, scalars));
+            return Ok(());
+        }
+        self.backward(params, last, scalars, &mut |sink| {
+            for (i, g) in grads.iter().enumerate().rev() {
+                if let Some(g) = g {
+                    sink.put(i, &mut |out| copy_f32(out, g))?;
+                }
+            }
+            Ok(())
+        })
+    }
+
+    fn step(&mut self, params: &Params, opt: &mut Optimizer, lr: f64, clip: Option<f64>) -> Result<StepTimes> {
+        let t0 = Instant::now();
+        if let Some((mut grads, scalars)) = self.direct.take() {
+            let grad_norm = match clip {
+                Some(max) => Some(clip_grad_norm(&mut grads, max)?),
+                None => None,
+            };
+            opt.step(params, &grads, lr)?;
+            return Ok(StepTimes { comm_s: 0.0, optimizer_s: t0.elapsed().as_secs_f64(), grad_norm, scalars });
+        }
+        let vars = params.vars();
+        let mut datas: Vec<(Vec<usize>, Vec<f32>)> = Vec::with_capacity(self.buckets.len());
+        for (members, b) in self.buckets.drain(..) {
+            let data = match b {
+                Bucket::Pending(p) => p.wait()?,
+                Bucket::Ready(d) => d,
+                Bucket::Deferred(mut d) => {
+                    if let Some(c) = &self.comm {
+                        c.all_reduce(&mut d, ReduceOp::Sum)?;
+                    }
+                    d
+                }
+            };
+            datas.push((members, data));
+        }
+        let comm_s = t0.elapsed().as_secs_f64();
+        let t1 = Instant::now();
+        let mut grads: Vec<Option<&mut [f32]>> = (0..vars.len()).map(|_| None).collect();
+        let mut scalars = Vec::new();
+        let last = datas.len().saturating_sub(1);
+        for (k, (members, data)) in datas.iter_mut().enumerate() {
+            let mut rest: &mut [f32] = data;
+            for &i in members.iter() {
+                let (name, var) = &vars[i];
+                let n = var.elem_count();
+                if rest.len() < n {
+                    return Err(Error::InvalidArgument(format!("gradient bucket too short for {name}")));
+                }
+                let (part, tail) = rest.split_at_mut(n);
+                grads[i] = Some(part);
+                rest = tail;
+            }
+            if k == last {
+                scalars = rest.to_vec();
+            }
+        }
+        let mut grads: Vec<&mut [f32]> = grads
+            .into_iter()
+            .enumerate()
+            .map(|(i, g)| {
+                g.ok_or_else(|| {
+                    Error::InvalidArgument(format!("no gradient for {} (backward with last=true missing?)", vars[i].0))
+                })
+            })
+            .collect::<Result<_>>()?;
+        let grad_norm = clip.map(|max| clip_grad_norm_slices(&mut grads, max));
+        let grads: Vec<&[f32]> = grads.into_iter().map(|g| &*g).collect();
+        opt.step_slices(params, &grads, lr)?;
+        for (_, mut data) in datas {
+            data.clear();
+            self.spare.push(data);
+        }
+        Ok(StepTimes { comm_s, optimizer_s: t1.elapsed().as_secs_f64(), grad_norm, scalars })
+    }
+}

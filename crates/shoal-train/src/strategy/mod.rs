@@ -1,0 +1,98 @@
+//! The seam between the [`crate::Trainer`] (the loop, the parameters, the optimizer) and how the ranks of a job
+//! share a step's work. A [`Strategy`] makes the ranks' parameters agree at the start, takes each micro-batch's
+//! gradients from the model through a [`GradSink`], and ends the step: gradients combined across ranks, clipped,
+//! the optimizer applied — so a strategy that shards optimizer state (ZeRO), pushes and pulls instead of
+//! all-reducing (a parameter server) or compresses what it sends owns exactly the part it changes, and the trainer
+//! and the models stay as they are.
+//!
+//! - [`ddp`]: data parallel — every rank holds everything; gradients are summed with bucketed all-reduces that
+//!   start while backward still runs.
+//!
+//! The worker builds the strategy `train.strategy` names; a name with no strategy yet is refused when the spec is
+//! validated (`shoal_spec::Strategy`), never silently replaced.
+
+pub mod ddp;
+
+use candle_core::Tensor;
+use shoal_comm::Communicator;
+
+use crate::error::{Error, Result};
+use crate::kernels::with_slice;
+use crate::optim::Optimizer;
+use crate::params::Params;
+
+/// Where a backward pass puts its gradients: one buffer per parameter, handed out in reverse parameter order (the
+/// order backward produces them). Each buffer is zeroed and as long as its parameter; once `fill` returns, the
+/// strategy owns it (DDP: a full gradient bucket starts its all-reduce at once, while the backward pass goes on
+/// with earlier layers).
+pub trait GradSink {
+    /// Gives `fill` the gradient buffer of parameter `index`. Indices must strictly decrease from one call to the
+    /// next; a parameter left out has a zero gradient.
+    fn put(&mut self, index: usize, fill: &mut dyn FnMut(&mut [f32]) -> Result<()>) -> Result<()>;
+
+    /// Like [`crate::Trainer::attach_scalars`], for values only known once the backward pass has run (the
+    /// micro-batch's loss); the last call wins.
+    fn attach_scalars(&mut self, values: &[f32]);
+}
+
+/// Time spent in one step's end ([`Strategy::step`]).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StepTimes {
+    /// Combining gradients across ranks: waiting for what had not finished during backward, or all of it.
+    pub comm_s: f64,
+    /// Clipping and the optimizer update.
+    pub optimizer_s: f64,
+    /// Global gradient norm before clipping (when clipping is on).
+    pub grad_norm: Option<f64>,
+    /// The scalars given with the step's last micro-batch, summed over ranks.
+    pub scalars: Vec<f32>,
+}
+
+/// A micro-batch's gradients from autograd: per parameter, `None` for a parameter with no gradient.
+pub type TensorGrads = Vec<Option<Tensor>>;
+
+/// How the ranks share a step. Called by the trainer in this order, every step: [`Strategy::backward`] or
+/// [`Strategy::backward_tensors`] once per micro-batch (`last` on the step's final one), then [`Strategy::step`].
+pub trait Strategy: Send {
+    /// The name a run records (`train.strategy`, the manifest, `summary.json`).
+    fn name(&self) -> &'static str;
+
+    /// The communicator of the ranks that share the model (`None`: one process).
+    fn comm(&self) -> Option<&Communicator>;
+
+    /// Once, before the first step: every rank's parameters made what the strategy needs them to be (DDP: rank
+    /// 0's, broadcast).
+    fn init(&mut self, params: &Params) -> Result<()>;
+
+    /// One micro-batch's hand-written backward pass: `f` puts every parameter's gradient (already weighted by this
+    /// rank's share of the global batch) into the sink, in reverse parameter order. `scalars` (on the `last` call)
+    /// are summed over ranks with the step's gradients.
+    fn backward(
+        &mut self,
+        params: &Params,
+        last: bool,
+        scalars: Vec<f32>,
+        f: &mut dyn FnMut(&mut dyn GradSink) -> Result<()>,
+    ) -> Result<()>;
+
+    /// One micro-batch's gradients from autograd.
+    fn backward_tensors(&mut self, params: &Params, last: bool, scalars: Vec<f32>, grads: TensorGrads) -> Result<()>;
+
+    /// Ends the step: the gradients combined across ranks, clipped to a global norm of `clip`, and `opt` applied
+    /// with `lr`, the same update on every rank that holds a parameter.
+    fn step(&mut self, params: &Params, opt: &mut Optimizer, lr: f64, clip: Option<f64>) -> Result<StepTimes>;
+}
+
+/// Copies a tensor's values into `out`, which must be exactly as long.
+pub(crate) fn copy_f32(out: &mut [f32], t: &Tensor) -> Result<()> {
+    let t = t.contiguous()?;
+    let n = with_slice(&t, |s| {
+        let n = s.len().min(out.len());
+        out[..n].copy_from_slice(&s[..n]);
+        s.len()
+    })?;
+    if n != out.len() {
+        return Err(Error::InvalidArgument(format!("gradient has {n} values, its parameter {}", out.len())));
+    }
+    Ok(())
+}
