@@ -162,14 +162,9 @@ pub fn parse_rows(stdout: &str, contract: &[&str]) -> (Vec<Point>, Vec<String>) 
     (points, missing)
 }
 
+/// The median of the finite values (the workspace's one median, `shoal_spec::median`).
 pub fn median(xs: &mut [f64]) -> Option<f64> {
-    let mut v: Vec<f64> = xs.iter().copied().filter(|x| x.is_finite()).collect();
-    if v.is_empty() {
-        return None;
-    }
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    Some(if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 })
+    shoal_spec::median(xs.iter().copied().filter(|x| x.is_finite()))
 }
 
 struct Ctx {

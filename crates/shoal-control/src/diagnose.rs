@@ -74,13 +74,9 @@ fn mean(v: Vec<f64>) -> f64 {
     if v.is_empty() { 0.0 } else { v.iter().sum::<f64>() / v.len() as f64 }
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    if v.is_empty() {
-        return 0.0;
-    }
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 }
+/// The workspace's one median (`shoal_spec::median`), 0 for no values.
+fn median(v: Vec<f64>) -> f64 {
+    shoal_spec::median(v).unwrap_or(0.0)
 }
 
 /// Means over the last [`WINDOW`] training rows of each rank.

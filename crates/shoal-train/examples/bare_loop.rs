@@ -35,9 +35,8 @@ impl GradSink for Grads {
     fn attach_scalars(&mut self, _values: &[f32]) {}
 }
 
-fn median_ms(mut times: Vec<f64>) -> f64 {
-    times.sort_by(|a, b| a.total_cmp(b));
-    times.get(times.len() / 2).copied().unwrap_or(f64::NAN) * 1e3
+fn median_ms(times: Vec<f64>) -> f64 {
+    shoal_train::spec::median(times).unwrap_or(f64::NAN) * 1e3
 }
 
 fn main() -> Result<()> {
