@@ -173,7 +173,141 @@ impl Trainer {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use candle_core::{Device, Var};
+
     use super::*;
+    use crate::strategy::TensorGrads;
+
+    /// A strategy that records the trainer's calls and leaves the work to DDP.
+    struct Recording {
+        inner: Ddp,
+        calls: Arc<Mutex<Vec<String>>>,
+    }
+
+    impl Recording {
+        fn log(&self, s: String) {
+            self.calls.lock().unwrap_or_else(|p| p.into_inner()).push(s);
+        }
+    }
+
+    impl Strategy for Recording {
+        fn name(&self) -> &'static str {
+            "recording"
+        }
+        fn comm(&self) -> Option<&Communicator> {
+            self.inner.comm()
+        }
+        fn init(&mut self, params: &Params) -> Result<()> {
+            self.log("init".into());
+            self.inner.init(params)
+        }
+        fn backward(
+            &mut self,
+            params: &Params,
+            last: bool,
+            scalars: Vec<f32>,
+            f: &mut dyn FnMut(&mut dyn GradSink) -> Result<()>,
+        ) -> Result<()> {
+            self.log(format!("hand last={last} scalars={scalars:?}"));
+            self.inner.backward(params, last, scalars, f)
+        }
+        fn backward_tensors(
+            &mut self,
+            params: &Params,
+            last: bool,
+            scalars: Vec<f32>,
+            grads: TensorGrads,
+        ) -> Result<()> {
+            self.log(format!("autograd last={last} scalars={scalars:?}"));
+            self.inner.backward_tensors(params, last, scalars, grads)
+        }
+        fn step(&mut self, params: &Params, opt: &mut Optimizer, lr: f64, clip: Option<f64>) -> Result<StepTimes> {
+            self.log(format!("step lr={lr}"));
+            self.inner.step(params, opt, lr, clip)
+        }
+    }
+
+    fn quadratic() -> Result<Params> {
+        let w = Var::from_vec(vec![1.0f32, -2.0, 4.0], 3, &Device::Cpu)?;
+        Ok(Params::from_vars(vec![("w".into(), w)]))
+    }
+
+    /// Half the squared norm of `w`, times `weight`: its gradient is `weight * w`.
+    fn loss(p: &Params, weight: f64) -> Result<Tensor> {
+        let w = p.vars()[0].1.as_tensor();
+        Ok(((w.sqr()?.sum_all()? * 0.5)? * weight)?)
+    }
+
+    #[test]
+    fn the_trainer_drives_any_strategy_in_its_order() -> Result<()> {
+        let cfg = TrainerConfig {
+            optimizer: OptimConfig::Sgd { momentum: 0.0, weight_decay: 0.0 },
+            ..TrainerConfig::default()
+        };
+        let ddp = |c: &TrainerConfig| {
+            Ddp::new(
+                None,
+                DdpConfig {
+                    bucket_bytes: c.bucket_bytes,
+                    first_bucket_bytes: c.first_bucket_bytes,
+                    overlap: c.overlap,
+                },
+            )
+        };
+        let calls = Arc::new(Mutex::new(Vec::new()));
+        let rec = Recording { inner: ddp(&cfg), calls: calls.clone() };
+        let mut t = Trainer::with_strategy(quadratic()?, Box::new(rec), cfg.clone())?;
+        assert_eq!(t.strategy_name(), "recording");
+        // Two micro-batches of weight 1/2, then a hand-written one alone: the step's gradient is w each time.
+        for _ in 0..2 {
+            let l = loss(t.params(), 0.5)?;
+            t.backward(Some(&l), false)?;
+            t.attach_scalars(&[3.0]);
+            let l = loss(t.params(), 0.5)?;
+            t.backward(Some(&l), true)?;
+            let st = t.step(0.5)?;
+            assert_eq!(st.scalars, vec![3.0]);
+        }
+        t.backward_with(true, |sink| {
+            sink.put(0, &mut |g| {
+                g.copy_from_slice(&[1.0, 1.0, 1.0]);
+                Ok(())
+            })
+        })?;
+        t.step(0.5)?;
+        let got = t.params().flatten()?;
+        // w halves twice (w - 0.5 w), then loses 0.5 everywhere.
+        assert_eq!(got, vec![0.25 - 0.5, -0.5 - 0.5, 1.0 - 0.5]);
+        let calls = calls.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        assert_eq!(
+            calls,
+            vec![
+                "init",
+                "autograd last=false scalars=[]",
+                "autograd last=true scalars=[3.0]",
+                "step lr=0.5",
+                "autograd last=false scalars=[]",
+                "autograd last=true scalars=[3.0]",
+                "step lr=0.5",
+                "hand last=true scalars=[]",
+                "step lr=0.5",
+            ]
+        );
+        // The same run through plain DDP ends the same.
+        let mut plain = Trainer::new(quadratic()?, None, cfg)?;
+        assert_eq!(plain.strategy_name(), "ddp");
+        for _ in 0..2 {
+            let l = loss(plain.params(), 0.5)?;
+            plain.backward(Some(&l), false)?;
+            let l = loss(plain.params(), 0.5)?;
+            plain.backward(Some(&l), true)?;
+            plain.step(0.5)?;
+        }
+        assert_eq!(plain.params().flatten()?[..], [0.25, -0.5, 1.0]);
+        Ok(())
+    }
 
     #[test]
     fn overlap_needs_a_spare_core_for_every_local_rank() {
