@@ -7,6 +7,10 @@
 //! 2. **One writer of the environment contract.** Every name in `shoal_comm::env::var` appears as a string literal
 //!    in `crates/shoal-comm/src/env.rs` only, outside tests. Names of one plain word (`RANK`) are left out: as
 //!    literals they are mostly words of the output (a table's `RANK` column), not the variable.
+//!
+//! The sources are read as text, not parsed: comments are dropped line by line and `#[cfg(test)]` items by
+//! counting braces, so an unbalanced brace inside a string literal can end that skip early or late: a use hidden
+//! that way is missed. No source here has one; a parser (`syn`) would close the gap.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};

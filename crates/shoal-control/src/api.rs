@@ -274,8 +274,6 @@ async fn job_status(State(state): State<AppState>, caller: Caller, Path(id): Pat
     Ok(Json(job_view(&state.control, &job).await?))
 }
 
-/// A job as `GET /api/v1/jobs/{id}` shows it: the row, its current workers, its events, spec, summary and the
-/// newest metrics line.
 async fn cancel(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<Response> {
     let job = visible_job(&state, &caller, &id).await?;
     if job.state.is_final() {

@@ -792,11 +792,18 @@ impl Control {
             // Adopted jobs are placed again at recovery: their processes already run.
             return Ok(());
         }
-        let spec = self.spec_of(&job)?;
+        let node = assignments.first().map_or("?", |a| a.node.as_str()).to_owned();
+        // Nothing is recorded or started yet: a failure here gives the scheduler its resources back.
+        let ready = self.spec_of(&job).and_then(|spec| Ok((spec, self.exec.rendezvous(&node)?)));
+        let (spec, rendezvous) = match ready {
+            Ok(r) => r,
+            Err(e) => {
+                let _ = self.sched().finish(id);
+                return Err(e);
+            }
+        };
         let attempt = job.attempt + 1;
         let world = assignments.len();
-        let node = assignments.first().map_or("?", |a| a.node.as_str()).to_owned();
-        let rendezvous = self.exec.rendezvous(&node)?;
         let moved = self
             .db
             .transition(
@@ -901,10 +908,9 @@ impl Control {
                     return self.abort_start(&job, attempt, &rows, why).await;
                 }
             };
+            let recorded = self.db.upsert_task(&row).await;
             rows.push(row);
-            if let Some(row) = rows.last()
-                && let Err(e) = self.db.upsert_task(row).await
-            {
+            if let Err(e) = recorded {
                 let why = StopWhy::Requeue(format!("recording rank {rank} failed: {e}"));
                 return self.abort_start(&job, attempt, &rows, why).await;
             }

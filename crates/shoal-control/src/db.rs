@@ -340,14 +340,13 @@ impl Db {
 
     async fn open_as(url: &str, how: Opening) -> Result<Db> {
         let init = how != Opening::Strict;
-        if let Some(path) = url.strip_prefix("sqlite://") {
-            let path = std::path::Path::new(path.split('?').next().unwrap_or(path));
+        // The SQLite file, without the URL's options.
+        let sqlite = url.strip_prefix("sqlite://").map(|p| std::path::PathBuf::from(p.split('?').next().unwrap_or(p)));
+        if let Some(path) = &sqlite {
             check_sqlite_file(path, init)?;
         }
         let db = Db::connect(url).await?;
-        if db.backend == Backend::Sqlite {
-            let path =
-                std::path::PathBuf::from(url.strip_prefix("sqlite://").unwrap_or(url).split('?').next().unwrap_or(url));
+        if let Some(path) = sqlite.as_deref().filter(|_| db.backend == Backend::Sqlite) {
             let verdict = match sqlx::query("PRAGMA quick_check").fetch_one(&db.pool).await {
                 Ok(row) => row.try_get::<String, _>(0)?,
                 Err(e) => e.to_string(),
@@ -355,10 +354,10 @@ impl Db {
             if verdict != "ok" {
                 db.pool.close().await;
                 if how == Opening::Init {
-                    set_aside(&path)?;
+                    set_aside(path)?;
                     return Box::pin(Db::open_as(url, Opening::AfterSetAside)).await;
                 }
-                return Err(damaged(&path, &format!("SQLite's integrity check failed: {verdict}")));
+                return Err(damaged(path, &format!("SQLite's integrity check failed: {verdict}")));
             }
         }
         let ready = async {
@@ -371,14 +370,14 @@ impl Db {
         match ready.await {
             Ok(()) => Ok(db),
             // Damage the quick check did not see (it reads the b-trees, not every page) shows up here.
-            Err(ControlError::Db(e)) if db.backend == Backend::Sqlite && is_damage(&e) => {
+            Err(ControlError::Db(e)) if is_damage(&e) && sqlite.is_some() => {
                 db.pool.close().await;
-                let path = url.strip_prefix("sqlite://").unwrap_or(url).split('?').next().unwrap_or(url);
+                let path = sqlite.as_deref().unwrap_or(std::path::Path::new(url));
                 if how == Opening::Init {
-                    set_aside(std::path::Path::new(path))?;
+                    set_aside(path)?;
                     return Box::pin(Db::open_as(url, Opening::AfterSetAside)).await;
                 }
-                Err(damaged(std::path::Path::new(path), &e.to_string()))
+                Err(damaged(path, &e.to_string()))
             }
             Err(e) => Err(e),
         }
@@ -1028,26 +1027,23 @@ fn set_aside(path: &std::path::Path) -> Result<()> {
 /// How long a write waits for the database's write lock, all retries together.
 pub const WRITE_DEADLINE: std::time::Duration = std::time::Duration::from_secs(30);
 
+/// The primary result code of a database error (SQLite's `extended & 0xff`); 0 when it has none.
+fn primary_code(e: &sqlx::Error) -> i64 {
+    match e {
+        sqlx::Error::Database(d) => d.code().and_then(|c| c.parse::<i64>().ok()).unwrap_or(0) & 0xff,
+        _ => 0,
+    }
+}
+
 /// SQLite's I/O, corruption and not-a-database errors (`SQLITE_IOERR`, `SQLITE_CORRUPT`, `SQLITE_NOTADB`).
 fn is_damage(e: &sqlx::Error) -> bool {
-    match e {
-        sqlx::Error::Database(d) => {
-            let code = d.code().and_then(|c| c.parse::<i64>().ok()).unwrap_or(0);
-            matches!(code & 0xff, 10 | 11 | 26)
-        }
-        _ => false,
-    }
+    matches!(primary_code(e), 10 | 11 | 26)
 }
 
 /// SQLite's `SQLITE_BUSY` / `SQLITE_LOCKED` (and their extended codes): another connection holds the lock.
 fn is_busy(e: &sqlx::Error) -> bool {
-    match e {
-        sqlx::Error::Database(d) => {
-            let code = d.code().and_then(|c| c.parse::<i64>().ok()).unwrap_or(0);
-            matches!(code & 0xff, 5 | 6) || d.message().contains("database is locked")
-        }
-        _ => false,
-    }
+    matches!(primary_code(e), 5 | 6)
+        || matches!(e, sqlx::Error::Database(d) if d.message().contains("database is locked"))
 }
 
 /// An absent double as NaN. sqlx's `Any` driver binds a `None::<f64>` as a 4-byte float, which PostgreSQL

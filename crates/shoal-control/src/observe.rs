@@ -344,7 +344,7 @@ pub async fn job_stream(
 
 /// The findings for one job.
 pub async fn diagnosis_of(c: &Control, job: &JobRow) -> Result<Vec<crate::diagnose::Finding>> {
-    let spec = parse_stored_spec(job)?;
+    let spec = c.spec_of(job)?;
     let rows = c.db.metrics(&job.id, None, -1, 10_000_000).await?;
     let rows: Vec<MetricRow> = rows.into_iter().filter(|r| r.rank >= 0).collect();
     let samples = c.db.samples(&job.id, 0, 1_000_000).await?;

@@ -162,9 +162,11 @@ impl Policy {
     /// `Ok(None)`), or inside another job's directory under `jobs_dir` (then `Ok(Some(id))`: the caller must check
     /// that the job is the team's own). Anything else is refused naming `checkpoint.resume_from`.
     pub fn resume_source(&self, team: &str, job_dir: &Path, jobs_dir: &Path, spec: &JobSpec) -> Result<Option<String>> {
-        let Some(from) = spec.checkpoint.resume_from.as_deref() else { return Ok(None) };
+        let (Some(from), Some(local)) = (spec.checkpoint.resume_from.as_deref(), spec.checkpoint.resume_path()) else {
+            return Ok(None);
+        };
         let field = "checkpoint.resume_from";
-        let path = normalize(from.strip_prefix("file://").unwrap_or(from)).ok_or_else(|| {
+        let path = normalize(local).ok_or_else(|| {
             ControlError::bad_field(field, format!("{from:?}: must be an absolute path without '..'"))
         })?;
         if path.starts_with(job_dir) || self.storage_root.as_ref().is_some_and(|r| path.starts_with(r.join(team))) {

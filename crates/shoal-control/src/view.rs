@@ -98,10 +98,13 @@ impl<'a> From<&'a TaskRow> for TaskView<'a> {
     }
 }
 
+/// A job in listings.
 pub(crate) fn job_json(j: &JobRow) -> Value {
     serde_json::to_value(crate::view::JobView::from(j)).unwrap_or(Value::Null)
 }
 
+/// A job as `GET /api/v1/jobs/{id}` shows it: the row, its current workers, its events, spec, summary and the
+/// newest metrics line.
 pub(crate) async fn job_view(control: &Control, job: &JobRow) -> Result<Value> {
     let db = &control.db;
     let tasks = db.tasks(&job.id, job.attempt).await?;
@@ -122,6 +125,7 @@ pub(crate) async fn job_view(control: &Control, job: &JobRow) -> Result<Value> {
     Ok(v)
 }
 
+/// The queues with their guarantees and what their jobs hold now.
 pub(crate) async fn queues_json(c: &Control) -> Result<Vec<Value>> {
     let active = c.db.jobs_in(&[JobState::Pending, JobState::Running, JobState::Preempted]).await?;
     let mut out = Vec::new();
@@ -131,7 +135,7 @@ pub(crate) async fn queues_json(c: &Control) -> Result<Vec<Value>> {
         for j in
             active.iter().filter(|j| j.queue == q.name && matches!(j.state, JobState::Running | JobState::Preempted))
         {
-            if let Ok(spec) = crate::control::parse_stored_spec(j) {
+            if let Ok(spec) = c.spec_of(j) {
                 let n = j.workers as f64;
                 cpus += n * spec.resources.cpus as f64 / 1000.0;
                 mem += j.workers.max(0) as u64 * spec.resources.memory;
@@ -152,6 +156,7 @@ pub(crate) async fn queues_json(c: &Control) -> Result<Vec<Value>> {
     Ok(out)
 }
 
+/// The node with its capacity and what is allocated on it.
 pub(crate) fn node_json(c: &Control) -> Value {
     let alloc = c.allocations();
     let n = &c.node;

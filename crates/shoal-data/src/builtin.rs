@@ -8,12 +8,12 @@ use shoal_spec::data::{
 };
 
 use crate::dataset::check_index;
+use crate::rng::SplitMix64;
+use crate::{Dataset, DatasetInfo, Error, Kind, Result, Sample, Subset};
 
 fn bad(dataset: &str, option: &'static str, reason: impl Into<String>) -> Error {
     Error::BadOption { dataset: dataset.to_owned(), option, reason: reason.into() }
 }
-use crate::rng::SplitMix64;
-use crate::{Dataset, DatasetInfo, Error, Kind, Result, Sample, Subset};
 
 /// Loads a built-in dataset by name; see [`catalogue`] for the names. The options are checked by the spec's own
 /// rules ([`shoal_spec::data::check`]), so what validates there builds here.
@@ -39,6 +39,7 @@ pub fn builtin(name: &str, options: &Options) -> Result<Box<dyn Dataset>> {
             };
             Ok(Box::new(ByteText::new(name, CICERO_DESCRIPTION, Arc::from(bytes), c.context, c.stride)?))
         }
+        // `synthetic`: `check` refused every name it does not know.
         _ => {
             let offset = if c.split == Split::Eval { c.samples } else { 0 };
             Ok(Box::new(Synthetic::new(c.features, c.classes, c.len, c.seed)?.with_offset(offset)))

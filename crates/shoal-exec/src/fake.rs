@@ -98,7 +98,7 @@ impl FakeExecutor {
         v
     }
 
-    /// Ends a running task of `job`'s newest attempt with `code`; false when there is none at that rank.
+    /// Ends `job`'s running task at `rank` with `code`; false when there is none.
     pub fn exit(&self, job: &str, rank: i64, code: i32) -> bool {
         self.end(job, Some(rank), TaskStatus::Exited(code))
     }

@@ -2,12 +2,12 @@
 //!
 //! - Every task runs in its own session (`setsid`), so a signal to its process group reaches whatever it started,
 //!   and it **outlives the server**: a server killed with `kill -9` finds its tasks again when it restarts
-//!   ([`LocalExecutor::probe`] checks the recorded PID *and* the process' start time, so a reused PID is never
-//!   mistaken for a task).
+//!   ([`Executor::probe`] checks the recorded PID *and* the process' start time, so a reused PID is never mistaken
+//!   for a task).
 //! - A tiny `sh` wrapper (absolute paths only, whatever the job's `PATH`) starts the training process, writes its
-//!   PID to `rank-R.exit.pid` (the task's `pid`; the wrapper's is `wrapper_pid`) and records its exit status in
-//!   `rank-R.exit` next to its log, so the status of a task that ended while the server was down is still known; a
-//!   task that vanished without one is *lost*. (Started in the wrapper's background, the process ignores SIGINT as
+//!   PID to `rank-R.exit.pid` (the task's `worker_pid`; the wrapper, leader of the session, is its `pid`) and
+//!   records its exit status in `rank-R.exit` next to its log, so the status of a task that ended while the server
+//!   was down is still known; a task that vanished without one is *lost*. (Started in the wrapper's background, the process ignores SIGINT as
 //!   every `sh` background job does; the server stops tasks with SIGTERM, then SIGKILL.)
 //! - When the server runs as root, tasks run as an unprivileged user ([`TaskUser`]; `--task-user`), in directories
 //!   that user owns.
@@ -341,11 +341,6 @@ impl LocalExecutor {
 
     fn release(&self, k: &(String, i64, i64)) {
         self.pinned.lock().unwrap_or_else(|p| p.into_inner()).remove(k);
-    }
-
-    /// The user tasks run as (`None`: this process's own).
-    pub fn user(&self) -> Option<&TaskUser> {
-        self.user.as_ref()
     }
 
     /// Sends `sig` to the task's whole session (its process group), if it is still the recorded process.

@@ -209,8 +209,7 @@ impl Strategy {
         }
     }
 
-    /// The strategy a spec names `name`, if it exists.
-    pub fn from_name(name: &str) -> Option<Self> {
+    fn from_name(name: &str) -> Option<Self> {
         match name {
             "ddp" => Some(Strategy::Ddp),
             _ => None,
@@ -271,8 +270,7 @@ impl ModelKind {
         }
     }
 
-    /// The strategy a spec names `name`, if it exists.
-    pub fn from_name(name: &str) -> Option<Self> {
+    fn from_name(name: &str) -> Option<Self> {
         match name {
             "mlp" => Some(ModelKind::Mlp),
             "cnn" => Some(ModelKind::Cnn),
@@ -1286,16 +1284,20 @@ impl TrainSpec {
 }
 
 impl CheckpointSpec {
+    /// `resume_from` as a local path (a `file://` prefix removed).
+    pub fn resume_path(&self) -> Option<&str> {
+        self.resume_from.as_deref().map(|from| from.strip_prefix("file://").unwrap_or(from))
+    }
+
     fn validate(&self) -> Result<()> {
         positive("checkpoint.keep", self.keep)?;
-        if let Some(from) = &self.resume_from {
-            let path = from.strip_prefix("file://").unwrap_or(from);
-            if path.trim().is_empty() || path.contains("://") {
-                return Err(SpecError::at(
-                    "checkpoint.resume_from",
-                    format!("{from:?}: a local checkpoint directory (or a run's checkpoint root) is expected"),
-                ));
-            }
+        if let (Some(from), Some(path)) = (&self.resume_from, self.resume_path())
+            && (path.trim().is_empty() || path.contains("://"))
+        {
+            return Err(SpecError::at(
+                "checkpoint.resume_from",
+                format!("{from:?}: a local checkpoint directory (or a run's checkpoint root) is expected"),
+            ));
         }
         if let Some(url) = &self.url {
             if url.trim().is_empty() {

@@ -42,6 +42,17 @@ impl Default for TrainerConfig {
     }
 }
 
+impl TrainerConfig {
+    /// The bucketing and overlap settings, for [`Ddp`].
+    pub fn ddp(&self) -> DdpConfig {
+        DdpConfig {
+            bucket_bytes: self.bucket_bytes,
+            first_bucket_bytes: self.first_bucket_bytes,
+            overlap: self.overlap,
+        }
+    }
+}
+
 /// Trains a set of parameters under a strategy.
 pub struct Trainer {
     params: Params,
@@ -86,15 +97,7 @@ impl Trainer {
     /// A data-parallel trainer ([`Ddp`] over `comm`, bucketed as `cfg` says): rank 0's parameters are broadcast
     /// first so every rank starts from the same model.
     pub fn new(params: Params, comm: Option<Communicator>, cfg: TrainerConfig) -> Result<Trainer> {
-        let ddp = Ddp::new(
-            comm,
-            DdpConfig {
-                bucket_bytes: cfg.bucket_bytes,
-                first_bucket_bytes: cfg.first_bucket_bytes,
-                overlap: cfg.overlap,
-            },
-        );
-        Trainer::with_strategy(params, Box::new(ddp), cfg)
+        Trainer::with_strategy(params, Box::new(Ddp::new(comm, cfg.ddp())), cfg)
     }
 
     /// A trainer whose ranks share the work as `strategy` does (`cfg`'s bucket settings are the strategy's
@@ -246,18 +249,8 @@ mod tests {
             optimizer: OptimConfig::Sgd { momentum: 0.0, weight_decay: 0.0 },
             ..TrainerConfig::default()
         };
-        let ddp = |c: &TrainerConfig| {
-            Ddp::new(
-                None,
-                DdpConfig {
-                    bucket_bytes: c.bucket_bytes,
-                    first_bucket_bytes: c.first_bucket_bytes,
-                    overlap: c.overlap,
-                },
-            )
-        };
         let calls = Arc::new(Mutex::new(Vec::new()));
-        let rec = Recording { inner: ddp(&cfg), calls: calls.clone() };
+        let rec = Recording { inner: Ddp::new(None, cfg.ddp()), calls: calls.clone() };
         let mut t = Trainer::with_strategy(quadratic()?, Box::new(rec), cfg.clone())?;
         assert_eq!(t.strategy_name(), "recording");
         // Two micro-batches of weight 1/2, then a hand-written one alone: the step's gradient is w each time.

@@ -210,10 +210,10 @@ pub fn checkpoint_root(spec: &JobSpec, output: &Path) -> Result<PathBuf> {
 
 /// The checkpoint `checkpoint.resume_from` names: a checkpoint directory (with its manifest), or a checkpoint
 /// root whose newest valid checkpoint is taken. Asked for explicitly, so finding none is an error naming it.
-fn load_resume_from(from: &str) -> Result<crate::checkpoint::Loaded> {
-    let path = PathBuf::from(from.strip_prefix("file://").unwrap_or(from));
+fn load_resume_from(path: &str) -> Result<crate::checkpoint::Loaded> {
+    let path = PathBuf::from(path);
     let what = |e: &dyn std::fmt::Display| Error::Checkpoint(format!("checkpoint.resume_from {}: {e}", path.display()));
-    if path.join("manifest.json").exists() {
+    if path.join(crate::checkpoint::MANIFEST_FILE).exists() {
         return CheckpointDir::new(&path).load(&path).map_err(|e| what(&e));
     }
     CheckpointDir::new(&path).latest_valid().map_err(|e| what(&e))?.ok_or_else(|| what(&"no valid checkpoint there"))
@@ -322,7 +322,7 @@ pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
     }
     let own = if opts.resume { ckpt_dir.latest_valid().map_err(|e| Error::Checkpoint(e.to_string()))? } else { None };
     let resumed = if opts.resume || spec.checkpoint.resume_from.is_some() {
-        let loaded = match (own, spec.checkpoint.resume_from.as_deref()) {
+        let loaded = match (own, spec.checkpoint.resume_path()) {
             (Some(l), _) => Some(l),
             (None, Some(from)) => Some(load_resume_from(from)?),
             (None, None) => None,
@@ -387,21 +387,13 @@ pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
         overlap,
         ..TrainerConfig::default()
     };
-    // The strategy `train.strategy` names; the spec refuses names that have none yet.
-    let strategy: Box<dyn crate::strategy::Strategy> = match t.strategy {
-        Strategy::Ddp => Box::new(crate::strategy::ddp::Ddp::new(
-            Some(comm.clone()),
-            crate::strategy::ddp::DdpConfig {
-                bucket_bytes: cfg.bucket_bytes,
-                first_bucket_bytes: cfg.first_bucket_bytes,
-                overlap: cfg.overlap,
-            },
-        )),
+    // The strategy `train.strategy` names (the spec refuses names that have none yet): what the manifest and the
+    // summary record.
+    let ran = t.strategy;
+    let strategy: Box<dyn crate::strategy::Strategy> = match ran {
+        Strategy::Ddp => Box::new(crate::strategy::ddp::Ddp::new(Some(comm.clone()), cfg.ddp())),
     };
     let mut trainer = Trainer::with_strategy(params, strategy, cfg)?;
-    let ran = Strategy::from_name(trainer.strategy_name()).ok_or_else(|| {
-        Error::InvalidArgument(format!("strategy {:?} has no name in the spec", trainer.strategy_name()))
-    })?;
 
     let micro = t.micro_batch();
     let mut sampler =
