@@ -219,3 +219,25 @@ async fn a_start_that_fails_half_way_is_undone() {
     assert!(e.fake.running(&id).is_empty());
     let _ = std::fs::remove_dir_all(&e.dir);
 }
+
+/// A placement that fails before anything is recorded (no rendezvous can be hosted) leaves the job pending and gives
+/// the scheduler its resources back: once the executor can host one again, the job is placed and runs.
+#[tokio::test]
+async fn a_placement_that_cannot_begin_is_tried_again() {
+    let e = env("rendezvous").await;
+    e.fake.refuse_rendezvous(Some("no port free"));
+    let id = e.submit(&job("patient", 2, 0)).await;
+    for _ in 0..3 {
+        e.tick().await;
+    }
+    assert_eq!(e.state(&id).await, JobState::Pending);
+    assert_eq!(e.fake.started(&id), 0);
+    e.fake.refuse_rendezvous(None);
+    e.tick().await;
+    e.tick().await;
+    assert_eq!(e.fake.running(&id), vec![(1, 0), (1, 1)], "placed once the rendezvous can be hosted");
+    e.fake.exit_job(&id, 0);
+    e.tick().await;
+    assert_eq!(e.state(&id).await, JobState::Succeeded, "{}", e.reason(&id).await);
+    let _ = std::fs::remove_dir_all(&e.dir);
+}

@@ -23,6 +23,8 @@ struct State {
     ignore_term: HashSet<String>,
     /// Jobs whose tasks cannot be probed, with the reason.
     blind: HashMap<String, String>,
+    /// Why no rendezvous can be hosted now, if so.
+    no_rendezvous: Option<String>,
     launches: Vec<TaskLaunch>,
     stops: Vec<(Key, Stop)>,
     adopted: Vec<Key>,
@@ -78,6 +80,11 @@ impl FakeExecutor {
     /// Probes of `job`'s tasks answer again.
     pub fn heal_probes(&self, job: &str) {
         self.state().blind.remove(job);
+    }
+
+    /// [`Executor::rendezvous`] fails saying `why` (`None`: it answers again).
+    pub fn refuse_rendezvous(&self, why: Option<&str>) {
+        self.state().no_rendezvous = why.map(str::to_owned);
     }
 
     /// `job`'s tasks ignore [`Stop::Term`].
@@ -144,7 +151,10 @@ impl Executor for FakeExecutor {
     }
 
     fn rendezvous(&self, node: &str) -> Result<String> {
-        Ok(format!("{node}:29400"))
+        match &self.state().no_rendezvous {
+            Some(why) => Err(ExecError::Unavailable(why.clone())),
+            None => Ok(format!("{node}:29400")),
+        }
     }
 
     /// A real directory: the control plane writes the job's spec there.
