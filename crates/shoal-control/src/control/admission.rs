@@ -1,0 +1,86 @@
+//! Admission: the scheduler's view of a job's request, and whether a job could ever run here, by the scheduler's own
+//! check, its refusals mapped to the spec's key paths.
+
+use shoal_sched::{JobRequest, Resources};
+use shoal_spec::JobSpec;
+
+use crate::db::JobRow;
+use crate::error::{ControlError, Result};
+
+use super::state::Control;
+
+/// The scheduler's view of a job's request.
+pub fn request_of(job: &JobRow, spec: &JobSpec) -> JobRequest {
+    let (lo, hi) = spec.workers.range();
+    JobRequest {
+        id: job.id.clone(),
+        team: job.team.clone(),
+        queue: job.queue.clone(),
+        priority: job.priority as i32,
+        tasks_min: lo,
+        tasks_max: hi,
+        per_task: resources_of(spec),
+        spread: spec.workers.spread,
+        submitted_at_ms: job.created_ms.max(0) as u64,
+        expected_runtime_ms: None,
+    }
+}
+
+pub fn resources_of(spec: &JobSpec) -> Resources {
+    Resources {
+        cpus_milli: spec.resources.cpus,
+        memory_bytes: spec.resources.memory,
+        gpus_milli: spec.resources.gpus,
+        gpu_memory_bytes: spec.resources.gpu_memory,
+    }
+}
+
+/// The spec's key for a field of the scheduler's request.
+fn spec_key(sched_field: &str) -> &'static str {
+    match sched_field {
+        "per_task.cpus_milli" => "resources.cpus",
+        "per_task.memory_bytes" => "resources.memory",
+        "per_task.gpus_milli" => "resources.gpus",
+        "per_task.gpu_memory_bytes" => "resources.gpu_memory",
+        "per_task" => "resources",
+        _ => "workers",
+    }
+}
+
+impl Control {
+    /// Whether a job could ever run here, by the scheduler's own admission check; a refusal names the spec's key
+    /// (`resources.gpus`, `workers`, `queue`, ...) rather than the scheduler's field.
+    pub fn admissible(&self, team: &str, spec: &JobSpec) -> Result<()> {
+        let (lo, hi) = spec.workers.range();
+        let req = JobRequest {
+            id: "(submitted)".into(),
+            team: team.to_owned(),
+            queue: spec.queue.clone(),
+            priority: spec.priority,
+            tasks_min: lo,
+            tasks_max: hi,
+            per_task: resources_of(spec),
+            spread: spec.workers.spread,
+            submitted_at_ms: 0,
+            expected_runtime_ms: None,
+        };
+        let refused = self.sched().admissible(&req);
+        refused.map_err(|e| {
+            use shoal_sched::SchedError as E;
+            let field = match &e {
+                E::NeverFits { field, .. } => spec_key(field),
+                E::ZeroTasks { .. } | E::MinAboveMax { .. } | E::TooManyTasks { .. } => "workers",
+                E::EmptyRequest { .. } => "resources",
+                E::FractionalMultiGpu { .. } => "resources.gpus",
+                E::GpuMemoryWithoutGpu { .. } => "resources.gpu_memory",
+                E::AboveQuota { .. } | E::UnknownQueue { .. } => "queue",
+                _ => "",
+            };
+            let message = match &e {
+                E::NeverFits { asked, limit, .. } => format!("can never run: asks {asked}, {limit}"),
+                other => other.to_string().replace("job (submitted): ", ""),
+            };
+            ControlError::BadRequest { message, field: (!field.is_empty()).then(|| field.to_owned()) }
+        })
+    }
+}

@@ -1,0 +1,334 @@
+//! Carrying out the scheduler's decisions: placing a job (record before acting, undo what could not be recorded),
+//! preempting, requeueing, and the elastic resizes the scheduler asks for.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use shoal_exec::{Stop as Halt, Task, TaskLaunch, TaskStatus};
+use shoal_sched::{Decision, PreemptReason, TaskPlacement};
+
+use crate::db::{JobRow, JobState, TaskRow, TaskState, Transition, now};
+use crate::error::Result;
+
+use super::state::{Control, StopWhy, handle};
+
+impl Control {
+    pub(super) async fn carry_out(&self, d: Decision) -> Result<()> {
+        match d {
+            Decision::Place { job, assignments } => self.place(&job, &assignments).await,
+            Decision::Preempt { job, reason, grace_ms } => {
+                let Some(row) = self.db.job(&job).await? else { return Ok(()) };
+                let tasks = self.db.tasks(&row.id, row.attempt).await?;
+                for t in tasks.iter().filter(|t| t.state == TaskState::Running) {
+                    self.exec.stop(&handle(t), Halt::Term);
+                }
+                let why = match reason {
+                    PreemptReason::Priority { by } => format!("job {by} of higher priority needs the room"),
+                    PreemptReason::QuotaReclaim { owner_queue, by } => {
+                        format!("queue {owner_queue} reclaims its quota for job {by}")
+                    }
+                };
+                self.db
+                    .transition(
+                        &row.id,
+                        &[JobState::Running],
+                        JobState::Preempted,
+                        Transition {
+                            kind: "preempted",
+                            message: format!("{why}; {} s to checkpoint and stop", grace_ms / 1000),
+                            ..Default::default()
+                        },
+                    )
+                    .await?;
+                Ok(())
+            }
+            Decision::Requeue { job } => {
+                let Some(row) = self.db.job(&job).await? else { return Ok(()) };
+                let tasks = self.db.tasks(&row.id, row.attempt).await?;
+                // The scheduler counts its resources free from now on: nothing of it may run any more. SIGKILL
+                // and wait (briefly) until every process is confirmed gone before anything else is placed.
+                for t in tasks.iter().filter(|t| t.state == TaskState::Running) {
+                    self.exec.stop(&handle(t), Halt::Kill);
+                }
+                let running: Vec<&TaskRow> = tasks.iter().filter(|t| t.state == TaskState::Running).collect();
+                let mut ended: HashMap<i64, TaskStatus> = HashMap::new();
+                let t0 = Instant::now();
+                while ended.len() < running.len() && t0.elapsed() < Duration::from_secs(5) {
+                    for t in &running {
+                        if let std::collections::hash_map::Entry::Vacant(slot) = ended.entry(t.rank)
+                            && let Ok(st) = self.exec.probe(&handle(t))
+                            && st != TaskStatus::Running
+                        {
+                            slot.insert(st);
+                        }
+                    }
+                    if ended.len() < running.len() {
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                }
+                if ended.len() < running.len() {
+                    // Still there after SIGKILL: hold it back from the queue until its processes are gone.
+                    tracing::error!(job = %row.id, "preempted job's processes survive SIGKILL; requeue deferred");
+                    let _ = self.sched().finish(&row.id);
+                    self.begin_stop(&row, &tasks, StopWhy::Requeue("preempted; back in the queue".into()));
+                    return Ok(());
+                }
+                for t in &running {
+                    if let Some(st) = ended.get(&t.rank) {
+                        self.record_end(t, st).await?;
+                    }
+                }
+                self.db
+                    .transition(
+                        &row.id,
+                        &[JobState::Preempted],
+                        JobState::Pending,
+                        Transition {
+                            kind: "requeued",
+                            message: "preempted; back in the queue, resumes from its newest checkpoint".into(),
+                            ..Default::default()
+                        },
+                    )
+                    .await?;
+                Ok(())
+            }
+            Decision::Grow { job, tasks } => {
+                if let Some(row) = self.db.job(&job).await? {
+                    self.db
+                        .event(
+                            &row.id,
+                            "elastic",
+                            row.state,
+                            &format!("could grow by {} workers; elastic resize is not carried out yet", tasks.len()),
+                        )
+                        .await?;
+                }
+                Ok(())
+            }
+            Decision::Shrink { job, by, for_job } => {
+                if let Some(row) = self.db.job(&job).await? {
+                    self.db
+                        .event(
+                            &row.id,
+                            "elastic",
+                            row.state,
+                            &format!("asked to shrink by {by} workers for job {for_job}; stopping it instead"),
+                        )
+                        .await?;
+                    let tasks = self.db.tasks(&row.id, row.attempt).await?;
+                    self.begin_stop(&row, &tasks, StopWhy::Requeue(format!("shrunk to make room for job {for_job}")));
+                }
+                Ok(())
+            }
+        }
+    }
+
+
+    /// Starts a placed job. **Record before you act, undo what could not be recorded**: the job moves to
+    /// running (the new attempt) and every task is stored as `starting` *before* any process starts; each process
+    /// is recorded as soon as it runs; and when anything fails after a spawn, everything started is killed and
+    /// confirmed gone before the job is failed or requeued. A job whose state moved meanwhile (cancelled,
+    /// started by someone else) starts nothing.
+    pub(super) async fn place(&self, id: &str, assignments: &[TaskPlacement]) -> Result<()> {
+        let Some(job) = self.db.job(id).await? else {
+            let _ = self.sched().finish(id);
+            return Ok(());
+        };
+        if job.state != JobState::Pending {
+            // Adopted jobs are placed again at recovery: their processes already run.
+            return Ok(());
+        }
+        let node = assignments.first().map_or("?", |a| a.node.as_str()).to_owned();
+        // Nothing is recorded or started yet: a failure here gives the scheduler its resources back.
+        let ready = self.spec_of(&job).and_then(|spec| Ok((spec, self.exec.rendezvous(&node)?)));
+        let (spec, rendezvous) = match ready {
+            Ok(r) => r,
+            Err(e) => {
+                let _ = self.sched().finish(id);
+                return Err(e);
+            }
+        };
+        let attempt = job.attempt + 1;
+        let world = assignments.len();
+        let moved = self
+            .db
+            .transition(
+                id,
+                &[JobState::Pending],
+                JobState::Running,
+                Transition {
+                    kind: "placed",
+                    message: format!("attempt {attempt}: {world} workers on {node}; rendezvous {rendezvous}"),
+                    attempt: Some(attempt),
+                    workers: Some(world as i64),
+                    started_ms: Some(now()),
+                    ..Default::default()
+                },
+            )
+            .await;
+        match moved {
+            Ok(true) => {}
+            Ok(false) => {
+                // Cancelled (or moved by another writer) since it was read: nothing was started.
+                let _ = self.sched().finish(id);
+                return Ok(());
+            }
+            Err(e) => {
+                let _ = self.sched().finish(id);
+                return Err(e);
+            }
+        }
+        let intents: Vec<TaskRow> = assignments
+            .iter()
+            .enumerate()
+            .map(|(rank, a)| TaskRow {
+                job_id: id.to_owned(),
+                attempt,
+                rank: rank as i64,
+                node: a.node.clone(),
+                host: self.exec.host().to_owned(),
+                pid: None,
+                worker_pid: None,
+                start_ticks: None,
+                state: TaskState::Starting,
+                exit_code: None,
+                reason: String::new(),
+                cpus: String::new(),
+                gpus: a.gpus.iter().map(|(i, _)| i.to_string()).collect::<Vec<_>>().join(","),
+                started_ms: None,
+                ended_ms: None,
+                cpu_seconds: None,
+            })
+            .collect();
+        for t in &intents {
+            if let Err(e) = self.db.upsert_task(t).await {
+                return self
+                    .abort_start(&job, attempt, &[], StopWhy::Requeue(format!("recording its tasks failed: {e}")))
+                    .await;
+            }
+        }
+        let run_dir = self.run_dir(id);
+        let spec_path = self.job_dir(id).join("job.json");
+        if let Err(e) = self
+            .exec
+            .task_dir(&self.job_dir(id))
+            .and_then(|()| self.exec.task_dir(&run_dir))
+            .and_then(|()| self.exec.give(&spec_path))
+        {
+            return self
+                .abort_start(&job, attempt, &[], StopWhy::Failure(format!("preparing its directory: {e}")))
+                .await;
+        }
+        let argv = vec![
+            self.config.worker_program.display().to_string(),
+            "worker".into(),
+            "--output".into(),
+            run_dir.display().to_string(),
+            "--resume".into(),
+            spec_path.display().to_string(),
+        ];
+        self.ingested.lock().unwrap_or_else(|p| p.into_inner()).retain(|k, _| k.0 != id);
+        let mut env: Vec<(String, String)> = spec.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        env.extend(self.config.policy.team_env(&job.team));
+        let secret = self.job_secret(&job);
+        let mut rows = Vec::with_capacity(world);
+        for (rank, a) in assignments.iter().enumerate() {
+            let launch = TaskLaunch {
+                job_id: id.to_owned(),
+                attempt,
+                rank,
+                world_size: world,
+                secret: secret.clone(),
+                rendezvous: rendezvous.clone(),
+                argv: argv.clone(),
+                cpus_milli: spec.resources.cpus,
+                memory_bytes: spec.resources.memory,
+                gpus: a.gpus.clone(),
+                node: a.node.clone(),
+                env: env.clone(),
+            };
+            let row = match self.exec.start(&launch) {
+                Ok(task) => started_row(task, &a.node),
+                Err(e) => {
+                    let why = StopWhy::Failure(format!("could not start rank {rank}: {e}"));
+                    return self.abort_start(&job, attempt, &rows, why).await;
+                }
+            };
+            let recorded = self.db.upsert_task(&row).await;
+            rows.push(row);
+            if let Err(e) = recorded {
+                let why = StopWhy::Requeue(format!("recording rank {rank} failed: {e}"));
+                return self.abort_start(&job, attempt, &rows, why).await;
+            }
+        }
+        let pinned: Vec<String> = rows
+            .iter()
+            .map(|r| format!("rank {} pid {} cpus {}", r.rank, r.worker_pid.or(r.pid).unwrap_or(0), r.cpus))
+            .collect();
+        self.db.event(id, "started", JobState::Running, &format!("attempt {attempt}: {}", pinned.join(", "))).await?;
+        Ok(())
+    }
+
+    /// Undoes a start that failed half-way: kills what was started and waits until it is gone, records how each
+    /// task ended, then fails the job (a task that cannot start) or requeues it (the store failed) — unless its
+    /// processes survive SIGKILL, when it is left to the stop machinery, which waits for them.
+    pub(super) async fn abort_start(&self, job: &JobRow, attempt: i64, started: &[TaskRow], why: StopWhy) -> Result<()> {
+        tracing::warn!(job = %job.id, attempt, ?why, "starting the job failed; undoing it");
+        for t in started {
+            self.exec.stop(&handle(t), Halt::Kill);
+        }
+        let t0 = Instant::now();
+        let mut gone: Vec<(TaskRow, TaskStatus)> = Vec::new();
+        let mut left: Vec<TaskRow> = started.to_vec();
+        while !left.is_empty() && t0.elapsed() < Duration::from_secs(5) {
+            let mut still = Vec::new();
+            for t in left {
+                match self.exec.probe(&handle(&t)) {
+                    Ok(TaskStatus::Running) | Err(_) => still.push(t),
+                    Ok(st) => gone.push((t, st)),
+                }
+            }
+            left = still;
+            if !left.is_empty() {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+        for (t, st) in &gone {
+            let _ = self.record_end(t, st).await;
+        }
+        let mut current = job.clone();
+        current.state = JobState::Running;
+        current.attempt = attempt;
+        if !left.is_empty() {
+            tracing::error!(job = %job.id, "processes of a failed start survive SIGKILL; requeue deferred");
+            let tasks = self.db.tasks(&job.id, attempt).await.unwrap_or_default();
+            self.begin_stop(&current, &tasks, why);
+            return Ok(());
+        }
+        let _ = self.sched().finish(&job.id);
+        let spec = self.spec_of(job)?;
+        self.stopped(&current, &spec, why).await
+    }
+}
+
+/// The row of a task its executor just started on `node`.
+fn started_row(t: Task, node: &str) -> TaskRow {
+    TaskRow {
+        job_id: t.job_id,
+        attempt: t.attempt,
+        rank: t.rank,
+        node: node.to_owned(),
+        host: t.host,
+        pid: t.pid,
+        worker_pid: t.worker_pid,
+        start_ticks: t.start_ticks,
+        state: TaskState::Running,
+        exit_code: None,
+        reason: String::new(),
+        cpus: t.cpus,
+        gpus: t.gpus,
+        started_ms: t.started_ms.or_else(|| Some(now())),
+        ended_ms: None,
+        cpu_seconds: None,
+    }
+}

@@ -1,0 +1,200 @@
+//! The control plane's shared state: [`Control`] (the store, the executor, the scheduler's books and what the loop
+//! keeps per job), its configuration and the accessors every part of the loop uses.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use shoal_exec::{Executor, Task};
+use shoal_sched::{Node, Queue, Scheduler};
+use shoal_spec::JobSpec;
+
+use crate::db::{Db, JobRow, TaskRow};
+use crate::error::{ControlError, Result};
+
+
+/// How the control loop behaves.
+#[derive(Debug, Clone)]
+pub struct ControlConfig {
+    pub data_dir: PathBuf,
+    /// The `shoal` executable that runs built-in jobs (`shoal worker`).
+    pub worker_program: PathBuf,
+    pub tick: Duration,
+    /// Between SIGTERM and SIGKILL when stopping a job.
+    pub kill_grace: Duration,
+    /// Preempted jobs get this long to checkpoint and stop.
+    pub preempt_grace: Duration,
+    /// The price table for cost reports.
+    pub prices: crate::cost::Prices,
+    /// All-reduce `(bytes, bus bandwidth in bytes/s)` that `shoal bench` measured here (`DATA/bench.json`), the
+    /// reference diagnosis compares a job's communication against; measured on first need when absent.
+    pub bench: Vec<(u64, f64)>,
+    /// What jobs may touch (checkpoint locations, loader variables).
+    pub policy: crate::policy::Policy,
+    /// The user tasks run as (`None`: the server's own).
+    pub task_user: Option<shoal_exec::TaskUser>,
+    /// The key job secrets are derived from (`DATA/server.key`).
+    pub secret_key: Vec<u8>,
+}
+
+/// Why a running job is being stopped.
+#[derive(Debug, Clone)]
+pub(super) enum StopWhy {
+    Cancel,
+    /// A task failed, was lost or broke a limit: restart or fail the job.
+    Failure(String),
+    /// The server could not place an adopted job again: requeue it.
+    Requeue(String),
+}
+
+/// A job being stopped: since when, whether SIGKILL was sent yet, and what follows once every process is gone.
+#[derive(Debug)]
+pub(super) struct Stop {
+    pub(super) since: Instant,
+    pub(super) killed: bool,
+    pub(super) why: StopWhy,
+}
+
+/// The control plane's shared state.
+#[derive(Debug)]
+pub struct Control {
+    pub db: Db,
+    /// What runs the tasks (the local executor, or a scripted one in tests).
+    pub exec: std::sync::Arc<dyn Executor>,
+    pub config: ControlConfig,
+    pub node: Node,
+    pub queues: Vec<Queue>,
+    pub(super) sched: Mutex<Scheduler>,
+    pub wake: tokio::sync::Notify,
+    pub(super) stopping: Mutex<HashMap<String, Stop>>,
+    /// Per job and metrics file (rank; -1 = evaluations): bytes already read, and the newest step stored.
+    pub(super) ingested: Mutex<HashMap<(String, i64), (u64, i64)>>,
+    /// Per task: when it was last sampled and its CPU seconds then.
+    pub(super) sampled: Mutex<HashMap<TaskKey, (i64, f64)>>,
+    pub(super) net_prev: Mutex<Option<(Instant, u64, u64)>>,
+    pub(super) net_last: Mutex<Option<(f64, f64)>>,
+    pub(super) cluster_sampled: Mutex<i64>,
+    /// The all-reduce reference, once measured or loaded (see [`ControlConfig::bench`]).
+    pub bench: tokio::sync::Mutex<Vec<(u64, f64)>>,
+    /// GPU telemetry (NVML with the `nvml` feature).
+    pub gpus: crate::gpu::Gpus,
+    /// Accumulating metrics (API requests, scheduling passes) for `/metrics`.
+    pub metrics: crate::metrics::Metrics,
+    /// Parsed specs by job id.
+    pub(super) specs: Mutex<HashMap<String, std::sync::Arc<JobSpec>>>,
+    /// The last processing failure recorded per job.
+    pub(super) trouble: Mutex<HashMap<String, String>>,
+    /// Open event streams per caller (see [`crate::observe::StreamSlot`]).
+    pub streams: Mutex<HashMap<String, usize>>,
+}
+
+pub fn parse_stored_spec(job: &JobRow) -> Result<JobSpec> {
+    let path = format!("job {} (stored spec)", job.id);
+    let spec: JobSpec = serde_json::from_str(&job.spec).map_err(|e| ControlError::Internal(format!("{path}: {e}")))?;
+    Ok(spec)
+}
+
+impl Control {
+    pub fn new(db: Db, config: ControlConfig, node: Node, queues: Vec<Queue>) -> Result<Control> {
+        let exec = std::sync::Arc::new(shoal_exec::LocalExecutor::new(&config.data_dir, config.task_user.clone()));
+        Control::with_executor(db, config, node, queues, exec)
+    }
+
+    /// A control loop whose tasks `exec` runs.
+    pub fn with_executor(
+        db: Db,
+        config: ControlConfig,
+        node: Node,
+        queues: Vec<Queue>,
+        exec: std::sync::Arc<dyn Executor>,
+    ) -> Result<Control> {
+        let sched_cfg = shoal_sched::Config {
+            preempt_grace_ms: config.preempt_grace.as_millis() as u64,
+            ..shoal_sched::Config::default()
+        };
+        let sched = Scheduler::new(vec![node.clone()], queues.clone(), sched_cfg)
+            .map_err(|e| ControlError::Config(format!("cluster model: {e}")))?;
+        let bench = config.bench.clone();
+        Ok(Control {
+            exec,
+            db,
+            config,
+            node,
+            queues,
+            sched: Mutex::new(sched),
+            wake: tokio::sync::Notify::new(),
+            stopping: Mutex::new(HashMap::new()),
+            ingested: Mutex::new(HashMap::new()),
+            sampled: Mutex::new(HashMap::new()),
+            net_prev: Mutex::new(None),
+            net_last: Mutex::new(None),
+            cluster_sampled: Mutex::new(0),
+            bench: tokio::sync::Mutex::new(bench),
+            gpus: crate::gpu::Gpus::new(),
+            metrics: crate::metrics::Metrics::new(),
+            specs: Mutex::new(HashMap::new()),
+            trouble: Mutex::new(HashMap::new()),
+            streams: Mutex::new(HashMap::new()),
+        })
+    }
+
+    pub(super) fn sched(&self) -> std::sync::MutexGuard<'_, Scheduler> {
+        self.sched.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn job_dir(&self, id: &str) -> PathBuf {
+        self.config.data_dir.join("jobs").join(id)
+    }
+
+    pub fn run_dir(&self, id: &str) -> PathBuf {
+        self.job_dir(id).join("run")
+    }
+
+    /// Allocations per node from the scheduler's books.
+    pub fn allocations(&self) -> Vec<shoal_sched::NodeAllocation> {
+        self.sched().allocations()
+    }
+
+    pub fn pending_in_scheduler(&self) -> usize {
+        self.sched().pending_count()
+    }
+
+    /// A job's spec, parsed once and kept (a stored spec never changes).
+    pub fn spec_of(&self, job: &JobRow) -> Result<std::sync::Arc<JobSpec>> {
+        if let Some(s) = self.specs.lock().unwrap_or_else(|p| p.into_inner()).get(&job.id) {
+            return Ok(s.clone());
+        }
+        let spec = std::sync::Arc::new(parse_stored_spec(job)?);
+        self.specs.lock().unwrap_or_else(|p| p.into_inner()).insert(job.id.clone(), spec.clone());
+        Ok(spec)
+    }
+
+    /// The secret a job's workers authenticate with: derived from the job id under the server's key (nothing
+    /// secret is stored), or the one stored by an older server.
+    pub fn job_secret(&self, job: &JobRow) -> String {
+        if !job.secret.is_empty() {
+            return job.secret.clone();
+        }
+        crate::auth::derive_secret(&self.config.secret_key, &job.id)
+    }
+}
+
+/// What the executor needs to find a stored task again.
+pub fn handle(t: &TaskRow) -> Task {
+    Task {
+        job_id: t.job_id.clone(),
+        attempt: t.attempt,
+        rank: t.rank,
+        host: t.host.clone(),
+        pid: t.pid,
+        worker_pid: t.worker_pid,
+        start_ticks: t.start_ticks,
+        cpus: t.cpus.clone(),
+        gpus: t.gpus.clone(),
+        started_ms: t.started_ms,
+    }
+}
+
+/// A task: job id, attempt, rank.
+pub(super) type TaskKey = (String, i64, i64);
