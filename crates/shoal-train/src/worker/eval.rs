@@ -1,0 +1,120 @@
+//! Evaluation: the mean loss and accuracy over the eval set (sharded across ranks), its line in `eval.jsonl`, and
+//! for text the unigram baseline a language model must beat.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use candle_core::Tensor;
+use shoal_comm::{Communicator, ReduceOp};
+use shoal_data::Dataset;
+
+use super::wire::EvalMetrics;
+use crate::batch::to_tensors;
+use crate::error::{Error, Result};
+use crate::models::Model;
+
+/// Loss (mean over rows) and correct predictions of one batch.
+fn loss_and_correct(model: &dyn Model, input: &Tensor, target: &Tensor) -> Result<(Tensor, usize)> {
+    let logits = model.forward(input)?;
+    let loss = candle_nn::loss::cross_entropy(&logits, target)?;
+    let pred = logits.argmax(candle_core::D::Minus1)?;
+    let correct = pred.eq(target)?.to_dtype(candle_core::DType::F32)?.sum_all()?.to_scalar::<f32>()? as usize;
+    Ok((loss, correct))
+}
+
+/// Mean loss and accuracy over the eval set (sharded across ranks, summed with an all-reduce).
+pub(super) fn evaluate(
+    model: &dyn Model,
+    data: &dyn Dataset,
+    comm: &Communicator,
+    batch: usize,
+    max_batches: usize,
+) -> Result<(f64, f64)> {
+    let n = data.len().min(batch * max_batches.max(1));
+    let share = shoal_comm::chunk::segment(n, comm.size(), comm.rank());
+    let (mut loss_sum, mut correct, mut rows, mut tokens) = (0f64, 0f64, 0f64, 0f64);
+    let mut i = share.start;
+    while i < share.end {
+        let end = (i + batch).min(share.end);
+        let samples = (i..end).map(|j| data.get(j)).collect::<shoal_data::Result<Vec<_>>>()?;
+        if let Some(t) = to_tensors(&samples)? {
+            let (loss, c) = loss_and_correct(model, &t.input, &t.target)?;
+            let targets = t.target.elem_count() as f64;
+            loss_sum += loss.to_scalar::<f32>()? as f64 * targets;
+            correct += c as f64;
+            tokens += targets;
+            rows += t.rows as f64;
+        }
+        i = end;
+    }
+    let mut v = [loss_sum, correct, tokens, rows];
+    comm.all_reduce(&mut v, ReduceOp::Sum)?;
+    let [loss_sum, correct, tokens, _] = v;
+    Ok((loss_sum / tokens.max(1.0), correct / tokens.max(1.0)))
+}
+
+/// Cross-entropy on `eval` of the add-one-smoothed unigram distribution of `train`'s target tokens.
+pub fn unigram_baseline(train: &dyn Dataset, eval: &dyn Dataset, vocab: usize) -> Result<f64> {
+    let mut counts = vec![1f64; vocab.max(1)];
+    for i in 0..train.len() {
+        if let shoal_data::Label::Tokens(ys) = train.get(i)?.label {
+            for y in ys {
+                if let Some(c) = counts.get_mut(y as usize) {
+                    *c += 1.0;
+                }
+            }
+        }
+    }
+    let total: f64 = counts.iter().sum();
+    let (mut nll, mut n) = (0f64, 0f64);
+    for i in 0..eval.len() {
+        if let shoal_data::Label::Tokens(ys) = eval.get(i)?.label {
+            for y in ys {
+                nll -= (counts.get(y as usize).copied().unwrap_or(1.0) / total).ln();
+                n += 1.0;
+            }
+        }
+    }
+    Ok(nll / n.max(1.0))
+}
+
+/// `eval.jsonl` in the output directory: rank 0 appends a line for each evaluation pass.
+#[derive(Debug)]
+pub(super) struct EvalLog {
+    path: PathBuf,
+    rank: usize,
+    /// A language model: its line has the perplexity, not the accuracy.
+    text_model: bool,
+}
+
+impl EvalLog {
+    pub(super) fn new(output: &Path, rank: usize, text_model: bool) -> Self {
+        Self { path: output.join("eval.jsonl"), rank, text_model }
+    }
+
+    /// The file.
+    pub(super) fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Appends the line of one evaluation pass (on rank 0; the other ranks write nothing).
+    pub(super) fn log(&self, step: usize, loss: f64, acc: f64) -> Result<()> {
+        if self.rank != 0 {
+            return Ok(());
+        }
+        let text_model = self.text_model;
+        let e = EvalMetrics {
+            step,
+            eval_loss: loss,
+            eval_accuracy: (!text_model).then_some(acc),
+            eval_perplexity: text_model.then(|| loss.exp()),
+        };
+        let line = serde_json::to_string(&e).map_err(|e| Error::InvalidArgument(e.to_string()))?;
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.path)
+            .map_err(|e| Error::io(format!("opening {}", self.path.display()), e))?;
+        writeln!(f, "{line}").map_err(|e| Error::io("writing eval.jsonl", e))
+    }
+}

@@ -1,0 +1,59 @@
+//! One rank of a job: builds the communicator from the environment contract,
+//! the datasets, the model and the [`Trainer`](crate::Trainer) from the job spec, trains, and
+//! (on rank 0) writes `metrics.jsonl` and `summary.json` into the output
+//! directory. `shoal run JOB.toml` starts N of these.
+//!
+//! [`run`] goes through four phases, a file each:
+//! - `setup.rs`: the environment contract, the datasets, the model, where checkpoints go; then the trainer over
+//!   the strategy the job names and the sampler;
+//! - `resume.rs`: the checkpoint to resume from (the run's own, fetched from its object store first, or the one
+//!   `checkpoint.resume_from` names), loaded into the model, then the sampler and the optimizer;
+//! - `train_loop.rs`: the step loop — metrics, periodic checkpoints, evaluations;
+//! - `report.rs`: the final evaluation and `summary.json`, or the summary kept when the run was already complete.
+//!
+//! `eval.rs` holds the evaluation pass both the loop and the report run; `wire.rs` the types of the files others
+//! read (`metrics.jsonl`, `eval.jsonl`, `summary.json`).
+
+mod eval;
+mod report;
+mod resume;
+mod setup;
+mod train_loop;
+mod wire;
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use crate::error::Result;
+use crate::spec::JobSpec;
+
+pub use eval::unigram_baseline;
+pub use report::write_json;
+pub use setup::{build_model, checkpoint_remote, checkpoint_root};
+pub use wire::{EvalMetrics, StepMetrics, StepTime, Summary, metrics_file};
+
+/// How a worker runs.
+#[derive(Debug, Clone)]
+pub struct WorkerOptions {
+    pub output: PathBuf,
+    pub resume: bool,
+}
+
+/// Runs this process's rank of `spec`; rank 0 returns the summary.
+pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
+    let started = Instant::now();
+    let (setup, params) = setup::setup(spec, &opts.output)?;
+    let resumed = resume::load(spec, opts.resume, &setup, &params)?;
+    let mut training = setup::training(spec, &setup, params)?;
+    let start_step = match &resumed {
+        Some(l) => resume::restore(l, &mut training)?,
+        None => 0,
+    };
+    // Nothing left to train: the run ends with the summary of the run that got here, when rank 0 has it.
+    if let Some(kept) = report::kept_summary(spec, &setup, start_step, &opts.output)? {
+        return Ok(kept);
+    }
+    let mut steps = train_loop::StepLoop::open(spec, &setup, &training, start_step, &opts.output)?;
+    let trained = steps.run(spec, &setup, &mut training, resumed.as_ref())?;
+    report::finish(spec, &setup, &training, &steps, trained, started, &opts.output)
+}

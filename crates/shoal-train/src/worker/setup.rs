@@ -1,0 +1,196 @@
+//! Set-up of one rank: the communicator from the environment contract, the datasets, the model and where its
+//! checkpoints go ([`setup`]); then, once the model holds the weights of any checkpoint it resumes from, the
+//! trainer over the strategy the job names and the sampler of this rank's batches ([`training`]).
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use shoal_comm::Communicator;
+use shoal_data::{Dataset, DistributedSampler, SamplerConfig, Split};
+
+use crate::checkpoint::CheckpointDir;
+use crate::error::{Error, Result};
+use crate::models::{Cnn, Gpt, GptConfig, Mlp, Model};
+use crate::optim::OptimConfig;
+use crate::params::{Params, SeededRng};
+use crate::remote::RemoteStore;
+use crate::spec::{JobSpec, ModelKind, OptimizerKind, Overlap, Strategy};
+use crate::trainer::{Trainer, TrainerConfig, overlap_pays};
+
+/// What set-up builds for the phases after it.
+pub(super) struct Setup {
+    /// This rank.
+    pub(super) rank: usize,
+    /// The number of ranks.
+    pub(super) world: usize,
+    /// The object store checkpoints are mirrored to (rank 0 only).
+    pub(super) remote: Option<Arc<RemoteStore>>,
+    /// Where checkpoints are written and looked for.
+    pub(super) ckpt_dir: CheckpointDir,
+    pub(super) model: Box<dyn Model>,
+    /// How many parameters the model has.
+    pub(super) parameters: usize,
+    pub(super) eval: Arc<dyn Dataset>,
+    pub(super) train: Arc<dyn Dataset>,
+    pub(super) comm: Communicator,
+}
+
+/// The trainer and the sampler of this rank's batches.
+pub(super) struct Training {
+    pub(super) sampler: DistributedSampler,
+    /// Samples of one micro-batch.
+    pub(super) micro: usize,
+    /// Whether gradient all-reduces overlap backward (`train.overlap`, resolved).
+    pub(super) overlap: bool,
+    /// The strategy `train.strategy` names: what the manifest and the summary record.
+    pub(super) ran: Strategy,
+    pub(super) trainer: Trainer,
+}
+
+/// Connects this rank to the others and builds the datasets and the model; the model's parameters come beside,
+/// for a checkpoint to be loaded into before the trainer takes them.
+pub(super) fn setup(spec: &JobSpec, output: &Path) -> Result<(Setup, Params)> {
+    let env = shoal_comm::env::EnvContract::from_env()?;
+    let comm = env.connect()?;
+    let (world, rank) = (comm.size(), comm.rank());
+    spec.validate_world(world).map_err(|e| Error::Spec(e.to_string()))?;
+    let t = &spec.train;
+    let mut data_opts = t.data_options();
+    data_opts.split = Split::Train;
+    let train: Arc<dyn Dataset> = Arc::from(shoal_data::builtin(&t.dataset, &data_opts)?);
+    data_opts.split = Split::Eval;
+    let eval: Arc<dyn Dataset> = Arc::from(shoal_data::builtin(&t.dataset, &data_opts)?);
+
+    let mut rng = SeededRng::new(t.seed);
+    let (params, model) = build_model(spec, &mut rng)?;
+    let parameters = params.count();
+    let ckpt_dir = CheckpointDir::new(checkpoint_root(spec, output)?);
+    let remote = if rank == 0 { checkpoint_remote(spec)? } else { None };
+    Ok((Setup { rank, world, remote, ckpt_dir, model, parameters, eval, train, comm }, params))
+}
+
+/// The optimizer, whether all-reduces overlap backward, the trainer over the strategy `train.strategy` names (its
+/// start makes the ranks' parameters agree), and the sampler.
+pub(super) fn training(spec: &JobSpec, setup: &Setup, params: Params) -> Result<Training> {
+    let t = &spec.train;
+    let (comm, world, rank) = (&setup.comm, setup.world, setup.rank);
+    let optimizer = match t.optimizer {
+        OptimizerKind::Sgd => OptimConfig::Sgd { momentum: t.momentum(), weight_decay: t.weight_decay() },
+        OptimizerKind::Adamw => {
+            let [beta1, beta2] = t.betas();
+            OptimConfig::AdamW { beta1, beta2, eps: t.eps(), weight_decay: t.weight_decay() }
+        }
+    };
+    let overlap = match t.overlap {
+        Overlap::On => true,
+        Overlap::Off => false,
+        Overlap::Auto => overlap_pays(comm),
+    };
+    if rank == 0 {
+        tracing::info!(
+            overlap,
+            setting = ?t.overlap,
+            threads = candle_core::utils::get_num_threads(),
+            "gradient all-reduce {}",
+            if overlap { "overlaps backward" } else { "runs after backward (no core free for a communicator thread)" }
+        );
+    }
+    let cfg = TrainerConfig {
+        optimizer,
+        bucket_bytes: t.bucket_bytes(),
+        clip_grad_norm: t.clip_grad_norm,
+        overlap,
+        ..TrainerConfig::default()
+    };
+    // The strategy `train.strategy` names (the spec refuses names that have none yet): what the manifest and the
+    // summary record.
+    let ran = t.strategy;
+    let strategy: Box<dyn crate::strategy::Strategy> = match ran {
+        Strategy::Ddp => Box::new(crate::strategy::ddp::Ddp::new(Some(comm.clone()), cfg.ddp())),
+    };
+    let trainer = Trainer::with_strategy(params, strategy, cfg)?;
+
+    let micro = t.micro_batch();
+    let sampler = DistributedSampler::new(
+        SamplerConfig { seed: t.seed, ..SamplerConfig::new(setup.train.len(), micro) },
+        world,
+        rank,
+    )?;
+    Ok(Training { sampler, micro, overlap, ran, trainer })
+}
+
+/// The model of a job and the parameters behind it.
+pub fn build_model(spec: &JobSpec, rng: &mut SeededRng) -> Result<(Params, Box<dyn Model>)> {
+    let t = &spec.train;
+    let shape = t.data_shape().map_err(|e| Error::Spec(e.to_string()))?;
+    let m = &t.model;
+    let mut params = Params::default();
+    let model: Box<dyn Model> = match m.kind {
+        ModelKind::Mlp => Box::new(Mlp::new(&mut params, rng, shape.features, m.hidden(), shape.classes)?),
+        ModelKind::Cnn => Box::new(Cnn::new(&mut params, rng, shape.features, m.channels(), shape.classes)?),
+        ModelKind::Gpt => Box::new(Gpt::new(
+            &mut params,
+            rng,
+            GptConfig {
+                vocab: m.vocab(),
+                context: m.context(),
+                layers: m.layers(),
+                heads: m.heads(),
+                width: m.width(),
+            },
+        )?),
+    };
+    Ok((params, model))
+}
+
+/// Where checkpoints go: `checkpoint.url` (a path or `file://` URL), else the output directory.
+/// Where checkpoints are written locally: the `checkpoint.url` directory, or the output directory (also the staging
+/// directory of an object-store URL, whose checkpoints are mirrored there by [`crate::remote`]).
+pub fn checkpoint_root(spec: &JobSpec, output: &Path) -> Result<PathBuf> {
+    match spec.checkpoint.url.as_deref() {
+        None => Ok(output.to_path_buf()),
+        Some(u) if u.starts_with("file://") => Ok(PathBuf::from(&u["file://".len()..])),
+        Some(u) if !u.contains("://") => Ok(PathBuf::from(u)),
+        Some(_) => Ok(output.to_path_buf()),
+    }
+}
+
+/// The object store a job's checkpoints are mirrored to, when `checkpoint.url` names one.
+pub fn checkpoint_remote(spec: &JobSpec) -> Result<Option<Arc<crate::remote::RemoteStore>>> {
+    match spec.checkpoint.url.as_deref() {
+        Some(u) if crate::remote::is_remote(u) => crate::remote::RemoteStore::open(u)
+            .map(|r| Some(Arc::new(r)))
+            .map_err(|e| Error::Checkpoint(format!("checkpoint.url: {e}"))),
+        _ => Ok(None),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn job_with_url(url: &str) -> JobSpec {
+        let text = format!(
+            "name = \"t\"\n[train]\nmodel = \"mlp\"\ndataset = \"digits\"\nglobal_batch = 8\nsteps = 1\nlr = 0.1\n\
+             [checkpoint]\nurl = \"{url}\"\n"
+        );
+        crate::spec::parse_job(&text, "t.toml").unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    #[test]
+    fn every_object_store_scheme_the_spec_accepts_opens() {
+        for url in [
+            "http://127.0.0.1:9/ckpt",
+            "https://example.invalid/ckpt",
+            "gs://bucket/ckpt",
+            "abfss://container@account.dfs.core.windows.net/ckpt",
+        ] {
+            let spec = job_with_url(url);
+            match checkpoint_remote(&spec) {
+                Ok(Some(_)) => {}
+                Ok(None) => panic!("{url}: not taken as remote"),
+                Err(e) => panic!("{url}: {e}"),
+            }
+        }
+    }
+}

@@ -1,0 +1,327 @@
+//! The step loop: each step's micro-batches through the model and the trainer, its line in the rank's metrics
+//! file, a checkpoint every `checkpoint.every` steps and at the end (copied out on a thread while the next step
+//! computes, saved in the background by rank 0), and an evaluation every `train.eval_every` steps.
+
+use std::fs::File;
+use std::io::Write;
+use std::path::Path;
+use std::time::Instant;
+
+use candle_core::Tensor;
+use shoal_data::{Loader, LoaderConfig};
+
+use super::eval::{EvalLog, evaluate};
+use super::setup::{Setup, Training};
+use super::wire::{StepMetrics, metrics_file};
+use crate::batch::{Flat, to_flat};
+use crate::checkpoint::{AsyncSaver, Loaded, ManifestMeta, TensorData};
+use crate::error::{Error, Result};
+use crate::optim::learning_rate;
+use crate::spec::{JobSpec, ModelKind, Schedule};
+
+/// What the step loop reads from and writes to, kept until the worker returns.
+pub(super) struct StepLoop {
+    /// This rank's metrics file.
+    metrics: Option<File>,
+    /// Rank 0's checkpoint saver.
+    pub(super) saver: Option<AsyncSaver>,
+    loader: Loader,
+    pub(super) eval_log: EvalLog,
+    /// The step the run starts from (0, or the checkpoint it resumed).
+    pub(super) start_step: usize,
+}
+
+/// What the step loop measured, for the summary.
+pub(super) struct Trained {
+    /// The loss of the last step taken; before any, the one the checkpoint recorded (NaN if none).
+    pub(super) last_loss: f64,
+    /// Samples of the steps taken, over all ranks.
+    pub(super) samples_seen: usize,
+    /// Each step's time split, in seconds: data, compute, communication, optimizer, and the whole step.
+    pub(super) data_t: Vec<f64>,
+    pub(super) compute_t: Vec<f64>,
+    pub(super) comm_t: Vec<f64>,
+    pub(super) opt_t: Vec<f64>,
+    pub(super) step_t: Vec<f64>,
+    /// Seconds of the step loop, the hand-over of the last checkpoint included.
+    pub(super) train_s: f64,
+    /// Checkpoints taken.
+    pub(super) checkpoints: usize,
+    /// Seconds the step loop spent on checkpoints (copies and waits for the saver).
+    pub(super) stall_s: f64,
+    /// The last save's speed, MB/s.
+    pub(super) last_mb_s: Option<f64>,
+}
+
+impl StepLoop {
+    /// Starts the loader and (rank 0) the saver, and opens the metrics files in `output`: after a resume, what was
+    /// logged for the steps after the checkpoint is dropped.
+    pub(super) fn open(
+        spec: &JobSpec,
+        setup: &Setup,
+        tr: &Training,
+        start_step: usize,
+        output: &Path,
+    ) -> Result<StepLoop> {
+        let t = &spec.train;
+        let (rank, trainer, sampler) = (setup.rank, &tr.trainer, &tr.sampler);
+        // Fault injection for testing diagnosis (feature `failpoints`): a slow data source.
+        let delay = shoal_comm::env::fault_delay(shoal_comm::env::var::FAULT_DATA_DELAY)?;
+        let loader = Loader::new(
+            setup.train.clone(),
+            sampler.cycling_batches(),
+            LoaderConfig { delay, ..LoaderConfig::default() },
+        )?;
+        let saver = (rank == 0).then(|| {
+            let s = AsyncSaver::new(setup.ckpt_dir.clone(), spec.checkpoint.keep.max(1));
+            match &setup.remote {
+                Some(r) => s.with_mirror(r.clone()),
+                None => s,
+            }
+        });
+        if let Some(s) = &saver {
+            let p = trainer.params();
+            let mut sizes: Vec<usize> = p.vars().iter().map(|(_, v)| v.elem_count()).collect();
+            sizes.extend(trainer.optimizer().state_sizes(p));
+            s.prefault(sizes);
+        }
+
+        std::fs::create_dir_all(output).map_err(|e| Error::io(format!("creating {}", output.display()), e))?;
+        // Every rank keeps its own step timings (for the per-rank breakdown and straggler detection); rank 0's file is
+        // the job's curve. After a resume, the steps after the checkpoint are redone: drop what was logged for them.
+        let metrics = {
+            let path = metrics_file(output, rank);
+            if start_step > 0 {
+                truncate_jsonl(&path, start_step as u64)?;
+            }
+            let f = std::fs::OpenOptions::new()
+                .create(true)
+                .write(true)
+                .append(start_step > 0)
+                .truncate(start_step == 0)
+                .open(&path);
+            Some(f.map_err(|e| Error::io(format!("creating {}", path.display()), e))?)
+        };
+        let eval_log = EvalLog::new(output, rank, t.model.kind == ModelKind::Gpt);
+        if rank == 0 {
+            if start_step > 0 {
+                // The final evaluation is redone when a complete run is evaluated again: drop the old one.
+                truncate_jsonl(eval_log.path(), start_step.min(t.steps - 1) as u64)?;
+            } else {
+                let _ = std::fs::remove_file(eval_log.path());
+            }
+        }
+        Ok(StepLoop { metrics, saver, loader, eval_log, start_step })
+    }
+
+    /// Trains from the start step to `train.steps`, then waits for the last checkpoint's save.
+    pub(super) fn run(
+        &mut self,
+        spec: &JobSpec,
+        setup: &Setup,
+        tr: &mut Training,
+        resumed: Option<&Loaded>,
+    ) -> Result<Trained> {
+        let t = &spec.train;
+        let (world, rank, comm, model, eval) = (setup.world, setup.rank, &setup.comm, &setup.model, &setup.eval);
+        let (trainer, sampler, micro, ran) = (&mut tr.trainer, &tr.sampler, tr.micro, tr.ran);
+        let (loader, saver, metrics, eval_log) = (&mut self.loader, &mut self.saver, &mut self.metrics, &self.eval_log);
+        let start_step = self.start_step;
+        let (mut checkpoints, mut stall_s, mut last_mb_s) = (0usize, 0f64, None);
+        let mut sampler_state = sampler.state();
+        let mut snapshot: Option<Snapshot> = None;
+        let (mut data_t, mut compute_t, mut comm_t, mut opt_t, mut step_t) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        // The loss of the last step taken; before any, the one the checkpoint recorded.
+        let mut last_loss =
+            resumed.and_then(|l| l.manifest.extra.get("loss").and_then(serde_json::Value::as_f64)).unwrap_or(f64::NAN);
+        let mut samples_seen = 0usize;
+        // The model's hand-written backward pass, unless SHOAL_AUTOGRAD=1 asks for candle's autograd.
+        let hand = model.hand_backward().filter(|_| std::env::var("SHOAL_AUTOGRAD").map_or(true, |v| v != "1"));
+        let train_started = Instant::now();
+        for step in start_step..t.steps {
+            let step_started = Instant::now();
+            let (mut data_s, mut compute_s) = (0f64, 0f64);
+            let mut local_loss = 0f64;
+            let mut global_samples = 0usize;
+            for k in 0..t.grad_accum {
+                let d0 = Instant::now();
+                let batch = loader
+                    .next_batch()?
+                    .ok_or_else(|| Error::InvalidArgument("the loader ran out of batches".into()))?;
+                data_s += d0.elapsed().as_secs_f64();
+                let c0 = Instant::now();
+                let weight = batch.samples.len() as f64 / (batch.global_size * t.grad_accum) as f64;
+                global_samples += batch.global_size;
+                sampler_state = batch.next;
+                let last = k + 1 == t.grad_accum;
+                match (to_flat(&batch.samples)?, hand) {
+                    (Some(flat), Some(hand)) => trainer.backward_with(last, |sink| {
+                        local_loss += f64::from(hand.loss_and_grads(&flat, weight as f32, sink)?);
+                        sink.attach_scalars(&[local_loss as f32]);
+                        Ok(())
+                    })?,
+                    (flat, _) => {
+                        let loss = match flat.map(Flat::into_tensors).transpose()? {
+                            Some(x) => {
+                                let logits = model.forward(&x.input)?;
+                                let l = (candle_nn::loss::cross_entropy(&logits, &x.target)? * weight)?;
+                                local_loss += l.to_scalar::<f32>()? as f64;
+                                Some(l)
+                            }
+                            None => None,
+                        };
+                        if last {
+                            trainer.attach_scalars(&[local_loss as f32]);
+                        }
+                        trainer.backward(loss.as_ref(), last)?;
+                    }
+                }
+                compute_s += c0.elapsed().as_secs_f64();
+            }
+            let lr = learning_rate(step, t.steps, t.lr, t.warmup_steps, t.min_lr, t.schedule == Schedule::Cosine);
+            stall_s += submit_snapshot(&mut snapshot, saver.as_mut())?;
+            let times = trainer.step(lr)?;
+            // The global loss: every rank's weighted share, summed with the gradients.
+            let comm_s = times.comm_s;
+            last_loss = times.scalars.first().copied().map_or(f64::NAN, f64::from);
+            samples_seen += global_samples;
+            data_t.push(data_s);
+            compute_t.push(compute_s);
+            comm_t.push(comm_s);
+            opt_t.push(times.optimizer_s);
+            step_t.push(step_started.elapsed().as_secs_f64());
+            if let Some(f) = metrics.as_mut() {
+                let m = StepMetrics {
+                    step: step + 1,
+                    loss: last_loss,
+                    lr,
+                    samples: global_samples,
+                    data_s,
+                    compute_s,
+                    comm_s,
+                    optimizer_s: times.optimizer_s,
+                    step_s: step_started.elapsed().as_secs_f64(),
+                    rank,
+                    comm_bytes: trainer.comm().map_or(0, |c| c.bytes_sent()),
+                };
+                let line = serde_json::to_string(&m).map_err(|e| Error::InvalidArgument(e.to_string()))?;
+                writeln!(f, "{line}").map_err(|e| Error::io("writing metrics.jsonl", e))?;
+                if rank == 0 && t.log_every > 0 && ((step + 1) % t.log_every == 0 || step + 1 == t.steps) {
+                    eprintln!(
+                        "step {:>6}/{} loss {:.4} lr {:.2e} {:.1} ms",
+                        step + 1,
+                        t.steps,
+                        last_loss,
+                        lr,
+                        m.step_s * 1e3
+                    );
+                }
+            }
+            let every = spec.checkpoint.every;
+            if ((every > 0 && (step + 1) % every == 0) || step + 1 == t.steps) && saver.is_some() {
+                // The step loop pays only for cheap handles here: the copy into
+                // plain buffers runs on a thread while the next step computes,
+                // and is joined before the next optimizer update changes the
+                // parameters (optimizer state tensors are replaced, never mutated).
+                let s0 = Instant::now();
+                let params = trainer.params();
+                let model_h: Vec<(String, Tensor)> =
+                    params.vars().iter().map(|(n, v)| (n.clone(), v.as_tensor().clone())).collect();
+                let opt_h = trainer.optimizer().state(params);
+                let meta = ManifestMeta {
+                    epoch: sampler_state.epoch,
+                    sampler: serde_json::to_value(sampler_state).map_err(|e| Error::Checkpoint(e.to_string()))?,
+                    rng: serde_json::json!({ "init_seed": t.seed, "sampler_seed": t.seed }),
+                    world_size: world,
+                    strategy: ran.as_str().into(),
+                    extra: serde_json::json!({ "optimizer_t": trainer.optimizer().t, "loss": last_loss }),
+                };
+                let at = (step + 1) as u64;
+                let mut spare = saver.as_ref().map(|s| s.spare_buffers()).unwrap_or_default().into_iter();
+                snapshot = Some(std::thread::spawn(move || {
+                    Ok((at, tensors_of(model_h, &mut spare)?, tensors_of(opt_h, &mut spare)?, meta))
+                }));
+                stall_s += s0.elapsed().as_secs_f64();
+                checkpoints += 1;
+            }
+            if t.eval_every > 0 && (step + 1) % t.eval_every == 0 && step + 1 < t.steps {
+                let (el, ea) = evaluate(model.as_ref(), eval.as_ref(), comm, micro, t.eval_batches)?;
+                if rank == 0 {
+                    eprintln!("eval at step {}: loss {el:.4} accuracy {ea:.4}", step + 1);
+                }
+                eval_log.log(step + 1, el, ea)?;
+            }
+        }
+        stall_s += submit_snapshot(&mut snapshot, saver.as_mut())?;
+        let train_s = train_started.elapsed().as_secs_f64();
+        if let Some(saver) = saver.as_mut()
+            && let Some(stats) =
+                saver.flush(std::time::Duration::from_secs(600)).map_err(|e| Error::Checkpoint(e.to_string()))?
+        {
+            last_mb_s = Some(stats.mb_per_s);
+        }
+        Ok(Trained {
+            last_loss,
+            samples_seen,
+            data_t,
+            compute_t,
+            comm_t,
+            opt_t,
+            step_t,
+            train_s,
+            checkpoints,
+            stall_s,
+            last_mb_s,
+        })
+    }
+}
+
+/// Copies tensors out for a checkpoint, into `spare` buffers of earlier checkpoints when there are any.
+fn tensors_of(
+    named: impl IntoIterator<Item = (String, Tensor)>,
+    spare: &mut impl Iterator<Item = Vec<f32>>,
+) -> Result<Vec<TensorData>> {
+    named
+        .into_iter()
+        .map(|(n, t)| {
+            let buf = spare.next().unwrap_or_default();
+            let dims = t.dims().to_vec();
+            match crate::kernels::with_slice(&t, |v| TensorData::copy_from(n.clone(), dims.clone(), v, buf)) {
+                Ok(td) => Ok(td),
+                Err(_) => Ok(TensorData::new(n, dims, t.flatten_all()?.to_vec1::<f32>()?)),
+            }
+        })
+        .collect()
+}
+
+/// A checkpoint being copied out of the model on a background thread.
+type Snapshot = std::thread::JoinHandle<Result<(u64, Vec<TensorData>, Vec<TensorData>, ManifestMeta)>>;
+
+/// Waits for a pending snapshot and hands it to the saver; returns the seconds waited.
+fn submit_snapshot(snapshot: &mut Option<Snapshot>, saver: Option<&mut AsyncSaver>) -> Result<f64> {
+    let Some(h) = snapshot.take() else { return Ok(0.0) };
+    let t0 = Instant::now();
+    let (step, model, optimizer, meta) =
+        h.join().map_err(|_| Error::Checkpoint("the checkpoint copy thread panicked".into()))??;
+    if let Some(saver) = saver {
+        saver.submit(step, model, optimizer, meta).map_err(|e| Error::Checkpoint(e.to_string()))?;
+    }
+    Ok(t0.elapsed().as_secs_f64())
+}
+
+/// Keeps the lines of a JSON-lines file whose `step` is at most `max_step`.
+fn truncate_jsonl(path: &std::path::Path, max_step: u64) -> Result<()> {
+    let kept: String = std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| {
+            serde_json::from_str::<serde_json::Value>(l)
+                .ok()
+                .and_then(|v| v.get("step").and_then(|s| s.as_u64()))
+                .is_some_and(|st| st <= max_step)
+        })
+        .map(|l| format!("{l}\n"))
+        .collect();
+    std::fs::write(path, kept).map_err(|e| Error::io(format!("rewriting {}", path.display()), e))
+}

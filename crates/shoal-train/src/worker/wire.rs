@@ -1,0 +1,94 @@
+//! What a worker writes for others to read: the lines of `metrics.jsonl` ([`StepMetrics`], one file a rank) and
+//! `eval.jsonl` ([`EvalMetrics`]), and `summary.json` ([`Summary`]) — read back by `shoal run`, and by the server,
+//! which ingests every rank's metrics files.
+
+use serde::{Deserialize, Serialize};
+
+use crate::spec::Strategy;
+
+/// Medians of the per-step time split.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq)]
+pub struct StepTime {
+    pub data_s: f64,
+    pub compute_s: f64,
+    pub comm_s: f64,
+    pub optimizer_s: f64,
+    /// The whole step, as the loop saw it.
+    #[serde(default)]
+    pub step_s: f64,
+}
+
+/// What `summary.json` holds.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Summary {
+    pub name: String,
+    pub model: String,
+    pub dataset: String,
+    pub parameters: usize,
+    pub steps: usize,
+    pub world_size: usize,
+    /// How the work was spread over the workers: the strategy that ran (`train.strategy`).
+    #[serde(default)]
+    pub strategy: Strategy,
+    /// The loss of the last step; none (null or absent in the file) when it was not a finite number, or when no
+    /// step ran and the checkpoint resumed from recorded none.
+    #[serde(default)]
+    pub final_loss: Option<f64>,
+    pub eval_loss: f64,
+    pub eval_accuracy: Option<f64>,
+    pub eval_perplexity: Option<f64>,
+    /// Text: cross-entropy (nats per token) on the eval set of a unigram model
+    /// fitted on the training tokens — the baseline a language model must beat.
+    pub baseline_loss: Option<f64>,
+    pub samples_per_s: f64,
+    pub comm_bytes: u64,
+    /// Whether gradient all-reduces overlapped backward (`train.overlap`, resolved).
+    #[serde(default)]
+    pub overlap: bool,
+    pub step_time: StepTime,
+    pub elapsed_s: f64,
+    /// Step the run started from (0, or the checkpoint it resumed).
+    pub resumed_from: u64,
+    /// Checkpoints written, the last save's speed, and how long the step loop
+    /// waited for saves in total.
+    pub checkpoints: usize,
+    pub checkpoint_mb_per_s: Option<f64>,
+    pub checkpoint_stall_s: f64,
+    /// Seconds the saves took in the background, in total (the stall is what the loop paid of it).
+    #[serde(default)]
+    pub checkpoint_save_s: f64,
+}
+
+/// One line of `metrics.jsonl`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct StepMetrics {
+    pub step: usize,
+    pub loss: f64,
+    pub lr: f64,
+    pub samples: usize,
+    pub data_s: f64,
+    pub compute_s: f64,
+    pub comm_s: f64,
+    pub optimizer_s: f64,
+    pub step_s: f64,
+    /// The rank that measured this line.
+    #[serde(default)]
+    pub rank: usize,
+    /// Bytes this rank has sent in collectives so far (cumulative).
+    #[serde(default)]
+    pub comm_bytes: u64,
+}
+
+/// The metrics file of a rank: `metrics.jsonl` for rank 0 (the job's curve), `metrics.rank-R.jsonl` for the others.
+pub fn metrics_file(output: &std::path::Path, rank: usize) -> std::path::PathBuf {
+    if rank == 0 { output.join("metrics.jsonl") } else { output.join(format!("metrics.rank-{rank}.jsonl")) }
+}
+
+/// One line of `eval.jsonl` (rank 0): an evaluation pass.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct EvalMetrics {
+    pub step: usize,
+    pub eval_loss: f64,
+    pub eval_accuracy: Option<f64>,
+    pub eval_perplexity: Option<f64>,
+}
