@@ -4,6 +4,7 @@
 mod bench;
 mod cli;
 mod dashboard;
+mod deploy;
 mod diagnose;
 mod platform;
 mod remote;
