@@ -30,6 +30,7 @@ VERBS = {"create", "get", "list", "watch", "delete", "patch"}
 # Sets of values rendered and validated, between them turning every option of the chart on.
 SCENARIOS = {
     "defaults": {},
+    "kubernetes-executor": {"executor": "kubernetes"},
     "local-executor": {"executor": "local", "persistence": {"enabled": False}},
     "postgresql-tls": {
         "postgresql": {"enabled": True},
@@ -43,6 +44,7 @@ SCENARIOS = {
         "database": {"existingSecret": "shoal-db", "secretKey": "uri"},
         "persistence": {"existingClaim": "shoal-old-state"},
         "serviceAccount": {"create": False, "name": "shoal-runner"},
+        "executor": "kubernetes",
         "workerImage": "registry.example/shoal-worker:1.2.3",
         "postgresql": {"auth": {"password": "Abc123"}},
     },
@@ -57,7 +59,7 @@ REFUSED = {
         "letters and digits only",
     ),
     "the Kubernetes executor without RBAC": (
-        {"rbac": {"create": False}, "serviceAccount": {"create": False}},
+        {"executor": "kubernetes", "rbac": {"create": False}, "serviceAccount": {"create": False}},
         "executor kubernetes needs rbac.create",
     ),
 }
