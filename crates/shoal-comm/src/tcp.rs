@@ -228,6 +228,7 @@ impl TcpTransport {
         deadline: Instant,
     ) -> Result<TcpTransport> {
         let size = addrs.len();
+        let started = Instant::now();
         let mut streams: Vec<Option<TcpStream>> = (0..size).map(|_| None).collect();
         for (peer, addr) in addrs.iter().enumerate().take(rank) {
             let Some(addr) = addr else { continue };
@@ -275,7 +276,7 @@ impl TcpTransport {
                             op: "connect",
                             seq: 0,
                             rank,
-                            waited: Duration::ZERO,
+                            waited: started.elapsed(),
                             waiting_for: format!("connections from ranks {expected:?}"),
                             participation: crate::Participation { arrived: vec![], missing: expected.clone() },
                             bytes_moved: 0,

@@ -117,6 +117,9 @@ pub struct BenchArgs {
     /// checkpoint: directory to write in (default: the system temp directory).
     #[arg(long)]
     pub dir: Option<std::path::PathBuf>,
+    /// Over several hosts: `--nnodes N --node-rank R --rdzv HOST:PORT`, --ranks per host (node 0 prints the table).
+    #[command(flatten)]
+    pub nodes: crate::nodes::NodeArgs,
 }
 
 /// One result row.
@@ -193,24 +196,32 @@ pub fn run_bench(what: BenchWhat, args: &BenchArgs) -> Result<bool> {
         );
     }
     let timeout = shoal_comm::env::parse_duration(&args.timeout)?;
+    let nodes = args.nodes.nodes()?;
     let exe = std::env::current_exe().context("locating the shoal executable")?;
     let spec = LaunchSpec {
         program: exe,
         args: vec!["bench-rank".into(), serde_json::to_string(&(op, args))?],
         ranks: args.ranks,
-        job_id: format!("bench-{}", std::process::id()),
+        // The same on every host.
+        job_id: match &nodes {
+            Some(n) => format!("bench-{}", n.rendezvous.replace([':', '[', ']'], "-")),
+            None => format!("bench-{}", std::process::id()),
+        },
         env: vec![
             (var::TRANSPORT.into(), args.transport.clone()),
             (var::ALGO.into(), args.algo.clone()),
             (var::TIMEOUT.into(), args.timeout.clone()),
         ],
         grace: timeout + Duration::from_secs(5),
+        nodes: nodes.clone(),
     };
+    let hosts = nodes.as_ref().map_or(1, |n| n.count);
     if !args.json {
         println!(
-            "# shoal bench {}: {} ranks, transport {}, algo {}, dtype {}, op {}",
+            "# shoal bench {}: {} ranks{}, transport {}, algo {}, dtype {}, op {}",
             op.name(),
-            args.ranks,
+            args.ranks * hosts,
+            if hosts == 1 { String::new() } else { format!(" on {hosts} hosts") },
             args.transport,
             args.algo,
             args.dtype,
@@ -254,11 +265,16 @@ pub fn run_bench(what: BenchWhat, args: &BenchArgs) -> Result<bool> {
         eprintln!("shoal bench: interrupted");
         return Ok(false);
     }
+    if let Some(why) = &outcome.peer_failure {
+        eprintln!("shoal bench: {why}");
+        return Ok(false);
+    }
     if let Some((rank, how)) = &outcome.first_failure {
         let others: Vec<String> = outcome
             .statuses
             .iter()
             .enumerate()
+            .map(|(r, s)| (r + outcome.first_rank, s))
             .filter(|(r, _)| r != rank)
             .map(|(r, s)| format!("rank {r}: {}", s.map(|s| describe(&s)).unwrap_or_else(|| "still running".into())))
             .collect();
@@ -269,7 +285,7 @@ pub fn run_bench(what: BenchWhat, args: &BenchArgs) -> Result<bool> {
         eprintln!("shoal bench: {wrong} wrong values");
         return Ok(false);
     }
-    if !args.json {
+    if !args.json && outcome.first_rank == 0 {
         println!("# {rows} sizes, 0 wrong values{}", if args.check { " (every element checked)" } else { "" });
     }
     Ok(true)

@@ -2,6 +2,7 @@
 
 mod bench;
 mod bench_ckpt;
+mod nodes;
 mod platform;
 mod run;
 mod validate;

@@ -123,7 +123,6 @@ impl Control {
         }
     }
 
-
     /// Starts a placed job. **Record before you act, undo what could not be recorded**: the job moves to
     /// running (the new attempt) and every task is stored as `starting` *before* any process starts; each process
     /// is recorded as soon as it runs; and when anything fails after a spawn, everything started is killed and
@@ -272,7 +271,13 @@ impl Control {
     /// Undoes a start that failed half-way: kills what was started and waits until it is gone, records how each
     /// task ended, then fails the job (a task that cannot start) or requeues it (the store failed) — unless its
     /// processes survive SIGKILL, when it is left to the stop machinery, which waits for them.
-    pub(super) async fn abort_start(&self, job: &JobRow, attempt: i64, started: &[TaskRow], why: StopWhy) -> Result<()> {
+    pub(super) async fn abort_start(
+        &self,
+        job: &JobRow,
+        attempt: i64,
+        started: &[TaskRow],
+        why: StopWhy,
+    ) -> Result<()> {
         tracing::warn!(job = %job.id, attempt, ?why, "starting the job failed; undoing it");
         for t in started {
             self.exec.stop(&handle(t), Halt::Kill);

@@ -13,7 +13,6 @@ use shoal_spec::JobSpec;
 use crate::db::{Db, JobRow, TaskRow};
 use crate::error::{ControlError, Result};
 
-
 /// How the control loop behaves.
 #[derive(Debug, Clone)]
 pub struct ControlConfig {

@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# All-reduce across two real hosts on this machine: two network namespaces, each with its own address and
+# hostname, joined through a bridge by links shaped to RATE (tc tbf, both directions). Runs `shoal bench allreduce`
+# with 2 ranks per host twice in one go — hierarchical (shared memory inside a host, TCP across) and a flat ring
+# over the same 4 ranks — and prints each size's bus bandwidth, the ratio hier/ring, and hier's share of the link.
+#
+#   scripts/bench-hosts.sh [SHOAL_BINARY] [RATE_MBIT] [SIZES]
+#   defaults: target/release/shoal, 1000 (1 Gbit/s), 16MiB,64MiB
+#
+# Needs root, iproute2 and util-linux (`unshare`). Everything it makes is removed when it ends.
+set -euo pipefail
+
+SHOAL=$(realpath "${1:-target/release/shoal}")
+RATE_MBIT=${2:-1000}
+SIZES=${3:-16MiB,64MiB}
+TAG=$$
+NET=10.217.$((TAG % 200 + 20))
+SW=shoal-bsw-$TAG
+PORT=29433
+export SHOAL_JOB_SECRET=bench-hosts-secret-$TAG-0123456789
+
+[ -x "$SHOAL" ] || { echo "no shoal binary at $SHOAL (cargo build --release -p shoal)" >&2; exit 1; }
+[ "$(id -u)" = 0 ] || { echo "needs root (network namespaces)" >&2; exit 1; }
+
+cleanup() {
+    for i in 0 1; do ip netns del "shoal-bh$i-$TAG" 2>/dev/null || true; done
+    ip netns del "$SW" 2>/dev/null || true
+}
+trap cleanup EXIT
+
+ip netns add "$SW"
+ip -n "$SW" link add br0 type bridge
+ip -n "$SW" link set br0 up
+for i in 0 1; do
+    ns=shoal-bh$i-$TAG
+    ip netns add "$ns"
+    ip -n "$ns" link set lo up
+    ip link add "bh$i-$TAG" netns "$ns" type veth peer name "bs$i-$TAG" netns "$SW"
+    ip -n "$ns" link set "bh$i-$TAG" name eth0
+    ip -n "$ns" addr add "$NET.$((i + 1))/24" dev eth0
+    ip -n "$ns" link set eth0 up
+    ip -n "$SW" link set "bs$i-$TAG" master br0
+    ip -n "$SW" link set "bs$i-$TAG" up
+    ip netns exec "$ns" tc qdisc add dev eth0 root tbf rate "${RATE_MBIT}mbit" burst 256kb latency 100ms
+    ip netns exec "$SW" tc qdisc add dev "bs$i-$TAG" root tbf rate "${RATE_MBIT}mbit" burst 256kb latency 100ms
+done
+
+# One run of the benchmark on both hosts; prints node 0's JSON lines.
+bench() {
+    local algo=$1 out
+    out=$(mktemp)
+    for i in 1 0; do
+        ip netns exec "shoal-bh$i-$TAG" unshare --uts -- sh -c 'hostname "$0" && exec "$@"' "bench-host$i" \
+            "$SHOAL" bench allreduce --nnodes 2 --node-rank "$i" --rdzv "$NET.1:$PORT" --ranks 2 \
+            --algo "$algo" --sizes "$SIZES" --iters 10 --warmup 3 --timeout 120s --json \
+            >"$out.$i" 2>"$out.$i.err" &
+    done
+    wait
+    if ! grep -q busbw "$out.0"; then
+        echo "the $algo run failed:" >&2
+        cat "$out.0.err" "$out.1.err" >&2
+        exit 1
+    fi
+    cat "$out.0"
+    rm -f "$out".*
+}
+
+HIER=$(bench hier)
+RING=$(bench ring)
+python3 - "$RATE_MBIT" "$HIER" "$RING" <<'PY'
+import json, sys
+rate = float(sys.argv[1]) * 1e6 / 8  # bytes/s of the shaped link
+hier = {r["bytes"]: r for r in map(json.loads, sys.argv[2].split("\n")) if r}
+ring = {r["bytes"]: r for r in map(json.loads, sys.argv[3].split("\n")) if r}
+print(f"# all-reduce, 2 hosts x 2 ranks, link shaped to {rate * 8 / 1e6:.0f} Mbit/s each way")
+print(f"# {'bytes':>10} {'hier busbw':>12} {'ring busbw':>12} {'hier/ring':>10} {'hier/link':>10}")
+for b in sorted(hier):
+    h, r = hier[b]["busbw_GBps"] * 1e9, ring[b]["busbw_GBps"] * 1e9
+    # Hierarchical sends each host's reduced buffer across the link: 2(h-1)/h of it per direction with h = 2
+    # hosts, i.e. the buffer itself; its bus bandwidth over 4 ranks counts 2(n-1)/n = 1.5 of it, so the link's
+    # share is the algorithm bandwidth (bytes / time) against the link's rate.
+    link_share = hier[b]["algbw_GBps"] * 1e9 / rate
+    print(f"  {b:>10} {h / 1e6:>9.1f} MB/s {r / 1e6:>9.1f} MB/s {h / r:>9.2f}x {link_share:>9.0%}")
+PY
