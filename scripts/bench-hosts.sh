@@ -51,8 +51,8 @@ bench() {
     out=$(mktemp)
     for i in 1 0; do
         ip netns exec "shoal-bh$i-$TAG" unshare --uts -- sh -c 'hostname "$0" && exec "$@"' "bench-host$i" \
-            "$SHOAL" bench allreduce --nnodes 2 --node-rank "$i" --rdzv "$NET.1:$PORT" --ranks 2 \
-            --algo "$algo" --sizes "$SIZES" --iters 10 --warmup 3 --timeout 120s --json \
+            "$SHOAL" bench allreduce --nnodes 2 --node-rank "$i" --rdzv "$NET.1:$PORT" \
+            --algo "$algo" --ranks "${PER_HOST:-2}" --sizes "$SIZES" --iters 10 --warmup 3 --timeout 120s --json \
             >"$out.$i" 2>"$out.$i.err" &
     done
     wait

@@ -42,6 +42,9 @@ use crate::dtype::{DType, Element, ReduceOp, finish_avg, reduce_bytes};
 use crate::error::{Error, Result};
 use crate::transport::{OpCtx, TransportKind};
 
+/// Above this many bytes the hierarchical all-reduce pipelines its phases segment by segment.
+pub const HIER_SEGMENT: usize = 2 << 20;
+
 /// Largest all-reduce for which `Algo::Auto` picks halving-doubling (shared memory,
 /// 3 or more ranks); see the module docs for the measurements.
 pub const RHD_MAX_BYTES: usize = 1 << 20;
@@ -168,6 +171,15 @@ impl Communicator {
         let algo = self.inner.cfg.algo;
         self.spawn("all_reduce", move |c| {
             c.all_reduce_ticketed(ticket, seq, as_bytes_mut(&mut buf), T::DTYPE, op, algo)?;
+            Ok(buf)
+        })
+    }
+
+    /// Non-blocking all-reduce of owned raw bytes of `dtype`; the handle gives them back reduced.
+    pub fn all_reduce_bytes_async(&self, mut buf: Vec<u8>, dtype: DType, op: ReduceOp, algo: Algo) -> Pending<Vec<u8>> {
+        let (ticket, seq) = (self.ticket(), self.next_coll_seq());
+        self.spawn("all_reduce", move |c| {
+            c.all_reduce_ticketed(ticket, seq, &mut buf, dtype, op, algo)?;
             Ok(buf)
         })
     }
@@ -400,13 +412,42 @@ impl Communicator {
         h.as_ref().map_err(|e| Error::Closed(format!("building the hierarchical sub-communicators failed: {e}")))
     }
 
+    /// Reduce inside each host, all-reduce among the hosts' leaders, broadcast inside each host. A buffer of more
+    /// than one [`HIER_SEGMENT`] goes through the three phases segment by segment, so that one segment crosses
+    /// between hosts (on the leaders' communicator, in the background) while the next is reduced and the one before
+    /// is broadcast inside the host: the slow link never waits for the host's own work. Every rank of a host runs
+    /// the same sequence on the host's communicator — reduce 0, reduce 1, broadcast 0, reduce 2, broadcast 1, … —
+    /// so the order of its operations is the same everywhere.
     fn hier_all_reduce(&self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
         let h = self.hier()?;
-        h.local.reduce_bytes(buf, dtype, op, 0)?;
-        if let Some(leaders) = &h.leaders {
-            leaders.all_reduce_bytes(buf, dtype, op, Algo::Auto)?;
+        let seg = (HIER_SEGMENT / dtype.size()).max(1) * dtype.size();
+        if buf.len() <= seg || h.local.size() == 1 {
+            h.local.reduce_bytes(buf, dtype, op, 0)?;
+            if let Some(leaders) = &h.leaders {
+                leaders.all_reduce_bytes(buf, dtype, op, Algo::Auto)?;
+            }
+            return h.local.broadcast_bytes(buf, 0);
         }
-        h.local.broadcast_bytes(buf, 0)
+        let len = buf.len();
+        let range = |i: usize| i * seg..((i + 1) * seg).min(len);
+        let segments = len.div_ceil(seg);
+        let mut crossing: std::collections::VecDeque<Pending<Vec<u8>>> = std::collections::VecDeque::new();
+        let finish = |buf: &mut [u8], i: usize, crossing: &mut std::collections::VecDeque<Pending<Vec<u8>>>| {
+            if let Some(p) = crossing.pop_front() {
+                buf[range(i)].copy_from_slice(&p.wait()?);
+            }
+            h.local.broadcast_bytes(&mut buf[range(i)], 0)
+        };
+        for i in 0..segments {
+            h.local.reduce_bytes(&mut buf[range(i)], dtype, op, 0)?;
+            if let Some(leaders) = &h.leaders {
+                crossing.push_back(leaders.all_reduce_bytes_async(buf[range(i)].to_vec(), dtype, op, Algo::Auto));
+            }
+            if i > 0 {
+                finish(buf, i - 1, &mut crossing)?;
+            }
+        }
+        finish(buf, segments - 1, &mut crossing)
     }
 
     // ---------------- broadcast ----------------

@@ -295,3 +295,39 @@ fn hierarchical_all_reduce_across_simulated_hosts() {
         assert!(v.iter().enumerate().all(|(i, x)| *x == 6.0 * (i % 13) as f32 + 15.0), "rank {r} wrong hier result");
     }
 }
+
+#[test]
+fn hierarchical_all_reduce_pipelines_large_buffers_segment_by_segment() {
+    // Three "hosts" of two ranks; a buffer of several segments with a short last one, twice in a row (the host
+    // communicators' order of operations must hold across calls), then an average.
+    let (n, per_host) = (6, 2);
+    let len = 2 * shoal_comm::algo::HIER_SEGMENT / 4 + 300_001;
+    let store: std::sync::Arc<dyn shoal_comm::Store> = std::sync::Arc::new(shoal_comm::MemStore::default());
+    let hs: Vec<_> = (0..n)
+        .map(|r| {
+            let store = store.clone();
+            std::thread::spawn(move || {
+                let c = CommConfig {
+                    host_id: Some(format!("host{}", r / per_host)),
+                    algo: Algo::Hier,
+                    ..cfg(TransportChoice::Auto)
+                };
+                let c = Communicator::init(store, r, n, c).expect("init");
+                let mut v: Vec<f32> = (0..len).map(|i| (i % 7) as f32 + r as f32).collect();
+                c.all_reduce(&mut v, ReduceOp::Sum).expect("first");
+                let mut w: Vec<f32> = (0..len).map(|i| (i % 5) as f32 * (r + 1) as f32).collect();
+                c.all_reduce(&mut w, ReduceOp::Avg).expect("second");
+                (v, w)
+            })
+        })
+        .collect();
+    for (r, h) in hs.into_iter().enumerate() {
+        let (v, w) = h.join().expect("rank panicked");
+        assert_eq!(v.len(), len);
+        let bad = v.iter().enumerate().find(|(i, x)| **x != 6.0 * (i % 7) as f32 + 15.0);
+        assert!(bad.is_none(), "rank {r}: sum wrong at {bad:?}");
+        // Sum over ranks of (i % 5)(r + 1) = 21 (i % 5); the average divides by 6.
+        let bad = w.iter().enumerate().find(|(i, x)| (**x - 21.0 * (i % 5) as f32 / 6.0).abs() > 1e-5);
+        assert!(bad.is_none(), "rank {r}: average wrong at {bad:?}");
+    }
+}
