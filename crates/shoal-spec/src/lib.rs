@@ -79,7 +79,7 @@
 //! - **gpt**: token embedding `vocab × width`, learned position embedding `context × width`, `layers` pre-norm
 //!   blocks (LayerNorm with bias, causal self-attention with a fused QKV linear `width → 3·width` and an output
 //!   linear `width → width`, LayerNorm, MLP `width → 4·width → width`, all linears with bias), a final LayerNorm
-//!   and an untied, bias-free head `width → vocab`.
+//!   and an untied head `width → vocab`, with bias.
 
 use std::fmt;
 use std::path::Path;
@@ -729,7 +729,7 @@ impl ModelSpec {
                     .saturating_add(t.saturating_mul(d))
                     .saturating_add(l.saturating_mul(block))
                     .saturating_add(d.saturating_mul(2))
-                    .saturating_add(d.saturating_mul(v))
+                    .saturating_add(linear(d, v))
             }
         };
         u64::try_from(total).unwrap_or(u64::MAX)
@@ -1565,7 +1565,7 @@ lr = 0.001
         assert_eq!(g.train.data_options().context, Some(64));
         assert_eq!(g.train.data_shape().expect("known"), DataShape { kind: Kind::Text, features: 64, classes: 256 });
         let d = 64u64;
-        assert_eq!(m.param_count(0, 0), 256 * d + 64 * d + 2 * (12 * d * d + 13 * d) + 2 * d + d * 256);
+        assert_eq!(m.param_count(0, 0), 256 * d + 64 * d + 2 * (12 * d * d + 13 * d) + 2 * d + d * 256 + 256);
 
         let c = parse_job(CNN, "c").expect("valid");
         assert_eq!(c.train.model.channels(), &[16, 32]);
