@@ -48,6 +48,8 @@ pub struct ServerOptions {
     pub task_user: Option<String>,
     /// What runs the tasks; default: the local executor (this machine's processes, as `task_user`).
     pub executor: Option<Arc<dyn shoal_exec::Executor>>,
+    /// Serve HTTPS with this certificate and key (`--tls-cert`, `--tls-key`); `None`: plain HTTP.
+    pub tls: Option<crate::tls::TlsFiles>,
 }
 
 impl ServerOptions {
@@ -70,6 +72,7 @@ impl ServerOptions {
             policy: crate::policy::Policy::default(),
             task_user: None,
             executor: None,
+            tls: None,
         }
     }
 }
@@ -343,11 +346,13 @@ pub const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
 /// Connections served at once; more are closed as they arrive (logged).
 pub const MAX_CONNECTIONS: usize = 512;
 
-/// Serves `app` on `listener` until `shutdown` changes: HTTP/1.1 with [`HEADER_TIMEOUT`] on headers and idle
-/// connections, at most [`MAX_CONNECTIONS`] at once, then a graceful shutdown (open requests finish).
+/// Serves `app` on `listener` until `shutdown` changes: HTTP/1.1 (inside TLS when `tls` is given) with
+/// [`HEADER_TIMEOUT`] on the TLS handshake, on headers and on idle connections, at most [`MAX_CONNECTIONS`] at
+/// once, then a graceful shutdown (open requests finish).
 async fn serve(
     listener: tokio::net::TcpListener,
     app: axum::Router,
+    tls: Option<tokio_rustls::TlsAcceptor>,
     mut shutdown: tokio::sync::watch::Receiver<bool>,
 ) -> std::io::Result<()> {
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
@@ -373,10 +378,26 @@ async fn serve(
             continue;
         };
         let svc = hyper_util::service::TowerToHyperService::new(app.clone());
-        let conn = http.serve_connection(hyper_util::rt::TokioIo::new(stream), svc);
-        let conn = graceful.watch(conn);
+        let (http, watcher, tls) = (http.clone(), graceful.watcher(), tls.clone());
         tokio::spawn(async move {
-            if let Err(e) = conn.await {
+            let served = match tls {
+                None => watcher.watch(http.serve_connection(hyper_util::rt::TokioIo::new(stream), svc)).await,
+                Some(acceptor) => match tokio::time::timeout(HEADER_TIMEOUT, acceptor.accept(stream)).await {
+                    Ok(Ok(tls_stream)) => {
+                        let conn = http.serve_connection(hyper_util::rt::TokioIo::new(tls_stream), svc);
+                        watcher.watch(conn).await
+                    }
+                    Ok(Err(e)) => {
+                        tracing::debug!(%peer, error = %e, "TLS handshake failed");
+                        Ok(())
+                    }
+                    Err(_) => {
+                        tracing::debug!(%peer, "TLS handshake did not finish in time");
+                        Ok(())
+                    }
+                },
+            };
+            if let Err(e) = served {
                 tracing::debug!(%peer, error = %e, "connection ended with an error");
             }
             drop(slot);
@@ -395,12 +416,25 @@ pub async fn start(opts: ServerOptions) -> Result<Server> {
     let listener = tokio::net::TcpListener::bind(opts.listen)
         .await
         .map_err(|e| ControlError::Config(format!("cannot listen on {}: {e}", opts.listen)))?;
+    let tls = opts.tls.as_ref().map(crate::tls::server_config).transpose()?.map(tokio_rustls::TlsAcceptor::from);
+    if tls.is_none() && !opts.listen.ip().is_loopback() {
+        tracing::warn!(
+            listen = %opts.listen,
+            "serving plain HTTP on a non-loopback address: tokens and job specs cross the network unencrypted; \
+             give --tls-cert and --tls-key"
+        );
+        eprintln!(
+            "shoal server: warning: serving plain HTTP on {}, a non-loopback address: tokens cross the network \
+             unencrypted (give --tls-cert and --tls-key)",
+            opts.listen
+        );
+    }
     let Prepared { control, admin_token: token, database_url: url, lock } = prepare(&opts).await?;
     let addr = listener.local_addr()?;
     let (tx, rx) = tokio::sync::watch::channel(false);
     let looping = tokio::spawn(control.clone().run(rx.clone()));
     let app = router(AppState { control: control.clone(), auth: !opts.no_auth });
-    let serve = tokio::spawn(serve(listener, app, rx));
+    let serve = tokio::spawn(serve(listener, app, tls, rx));
     tracing::info!(%addr, database = %crate::db::redact(&url), "shoal server listening");
     Ok(Server { addr, admin_token: token, control, shutdown: tx, serve, looping, _lock: lock })
 }

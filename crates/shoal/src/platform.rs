@@ -31,6 +31,10 @@ pub struct ClientArgs {
     /// Config file with `addr` and `token`; default SHOAL_CONFIG or ~/.config/shoal/config.toml.
     #[arg(long, global = true)]
     pub config: Option<PathBuf>,
+    /// PEM file of the CA that signed the server's certificate (a private CA), for an `https://` address;
+    /// default SHOAL_CA, the config file's `ca`, else the public roots.
+    #[arg(long, global = true, value_name = "FILE")]
+    pub ca: Option<PathBuf>,
 }
 
 pub fn default_data_dir() -> PathBuf {
@@ -46,6 +50,7 @@ pub fn default_data_dir() -> PathBuf {
 struct ConfigFile {
     addr: Option<String>,
     token: Option<String>,
+    ca: Option<PathBuf>,
 }
 
 fn read_config(args: &ClientArgs) -> Result<ConfigFile> {
@@ -74,10 +79,26 @@ fn toml_config(text: &str) -> Result<ConfigFile> {
         match k.trim() {
             "addr" => c.addr = Some(v),
             "token" => c.token = Some(v),
-            other => bail!("line {}: unknown key {other:?} (known: addr, token)", i + 1),
+            "ca" => c.ca = Some(PathBuf::from(v)),
+            other => bail!("line {}: unknown key {other:?} (known: addr, token, ca)", i + 1),
         }
     }
     Ok(c)
+}
+
+/// The HTTP agent of a client: server errors are answers (read as the API's error body), connections time out,
+/// and `https://` addresses are verified against `roots` (default: the public roots).
+fn agent(roots: Option<ureq::tls::RootCerts>) -> ureq::Agent {
+    let mut tls = ureq::tls::TlsConfig::builder();
+    if let Some(roots) = roots {
+        tls = tls.root_certs(roots);
+    }
+    ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_connect(Some(Duration::from_secs(5)))
+        .tls_config(tls.build())
+        .build()
+        .into()
 }
 
 /// A client of one server.
@@ -95,12 +116,25 @@ impl Client {
         } else {
             format!("http://{addr}")
         };
-        let agent: ureq::Agent = ureq::Agent::config_builder()
-            .http_status_as_error(false)
-            .timeout_connect(Some(Duration::from_secs(5)))
-            .build()
-            .into();
-        Client { base, token, agent }
+        Client { base, token, agent: agent(None) }
+    }
+
+    /// Trusts `ca` (PEM: one or more certificates) for the server's certificate instead of the public roots.
+    pub fn with_ca(mut self, ca: &Path) -> Result<Client> {
+        let pem = std::fs::read(ca).with_context(|| format!("--ca {}", ca.display()))?;
+        let certs: Vec<ureq::tls::Certificate<'static>> = ureq::tls::parse_pem(&pem)
+            .filter_map(|item| match item {
+                Ok(ureq::tls::PemItem::Certificate(c)) => Some(Ok(c)),
+                Ok(_) => None,
+                Err(e) => Some(Err(e)),
+            })
+            .collect::<std::result::Result<_, _>>()
+            .map_err(|e| anyhow!("--ca {}: not a PEM certificate file: {e}", ca.display()))?;
+        if certs.is_empty() {
+            bail!("--ca {}: holds no CERTIFICATE block", ca.display());
+        }
+        self.agent = agent(Some(ureq::tls::RootCerts::new_with_certs(&certs)));
+        Ok(self)
     }
 
     pub fn from_args(args: &ClientArgs) -> Result<Client> {
@@ -114,7 +148,12 @@ impl Client {
         let token = args.token.clone().or_else(|| std::env::var("SHOAL_TOKEN").ok()).or(cfg.token).or_else(|| {
             std::fs::read_to_string(default_data_dir().join("admin.token")).ok().map(|t| t.trim().to_owned())
         });
-        Ok(Client::new(&addr, token))
+        let client = Client::new(&addr, token);
+        let ca = args.ca.clone().or_else(|| std::env::var_os("SHOAL_CA").map(PathBuf::from)).or(cfg.ca);
+        match ca {
+            Some(ca) => client.with_ca(&ca),
+            None => Ok(client),
+        }
     }
 
     fn auth(&self) -> Option<String> {
@@ -255,6 +294,12 @@ pub struct ServerArgs {
     /// missing); `root` runs them with the server's privileges.
     #[arg(long)]
     pub task_user: Option<String>,
+    /// Serve HTTPS with this certificate chain (PEM, the server's certificate first); needs --tls-key.
+    #[arg(long, value_name = "FILE", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// The private key of --tls-cert (PEM).
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
 }
 
 pub fn server_options(args: &ServerArgs) -> Result<shoal_control::ServerOptions> {
@@ -272,6 +317,9 @@ pub fn server_options(args: &ServerArgs) -> Result<shoal_control::ServerOptions>
     o.no_auth = args.no_auth;
     o.init = args.init;
     o.task_user = args.task_user.clone();
+    if let (Some(cert), Some(key)) = (&args.tls_cert, &args.tls_key) {
+        o.tls = Some(shoal_control::tls::TlsFiles { cert: cert.clone(), key: key.clone() });
+    }
     o.policy.allow_loader_env = args.allow_loader_env;
     o.policy.storage_root = match &args.storage_root {
         Some(r) => Some(std::path::absolute(r).with_context(|| format!("--storage-root {}", r.display()))?),

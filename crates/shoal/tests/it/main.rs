@@ -12,5 +12,6 @@ mod platform;
 mod remote;
 mod run;
 mod support_s3;
+mod tls;
 mod train;
 mod validate;
