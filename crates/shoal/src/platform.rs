@@ -284,7 +284,7 @@ pub fn server_options(args: &ServerArgs) -> Result<shoal_control::ServerOptions>
     }
     if let Some(p) = &args.prices {
         let text = std::fs::read_to_string(p).with_context(|| format!("--prices {}", p.display()))?;
-        o.prices = shoal_control::cost::Prices::parse(&text).map_err(|e| anyhow!("--prices {}: {e}", p.display()))?;
+        o.prices = shoal_control::cost::parse_prices(&text).map_err(|e| anyhow!("--prices {}: {e}", p.display()))?;
     }
     Ok(o)
 }
