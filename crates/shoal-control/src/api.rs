@@ -662,6 +662,10 @@ async fn post_metrics(
             format!("rank {} step {}: must be >= 0", m.rank, m.step),
         ));
     }
+    // A line is a JSON object (what readers, the dashboard and the downsampling take apart by key).
+    if let Some((i, m)) = batch.metrics.iter().enumerate().find(|(_, m)| !m.data.is_object()) {
+        return Err(ApiError::bad_field(format!("metrics[{i}].data"), format!("{}: must be a JSON object", m.data)));
+    }
     let rows: Vec<_> = batch.metrics.into_iter().map(crate::view::metric_row).collect();
     let stored = state.control.db.insert_metrics(&job.id, &rows).await?;
     Ok(Json(MetricsStored { stored }))

@@ -336,6 +336,18 @@ async fn lifecycle_with_real_processes(e: &Env) {
     )
     .await;
     assert_eq!((st, v["stored"].as_i64()), (StatusCode::OK, Some(0)), "a repeated batch is stored once: {v}");
+    // A line is a JSON object: anything else is refused, naming it, and never stored.
+    let odd = json!({ "metrics": [{ "rank": 0, "step": 3, "time_ms": 3, "data": [null, null] }] });
+    let (st, v) = call(
+        a,
+        "POST",
+        &format!("/api/v1/jobs/{id}/metrics"),
+        Some(t),
+        "application/json",
+        odd.to_string().into_bytes(),
+    )
+    .await;
+    assert_eq!((st, v["field"].as_str()), (StatusCode::BAD_REQUEST, Some("metrics[0].data")), "{v}");
     let (_, v) = get(a, &format!("/api/v1/jobs/{id}/metrics?after=1"), t).await;
     assert_eq!(v["metrics"].as_array().map(Vec::len), Some(1), "{v}");
     assert_eq!(v["metrics"][0]["data"]["loss"], 2.0, "{v}");

@@ -25,8 +25,10 @@ pub struct WhoAmI {
 #[serde(deny_unknown_fields)]
 pub struct NewToken {
     /// 1-64 letters, digits, `.`, `_` or `-`.
+    #[schema(pattern = "^[A-Za-z0-9._-]{1,64}$")]
     pub user: String,
     /// 1-64 letters, digits, `.`, `_` or `-`.
+    #[schema(pattern = "^[A-Za-z0-9._-]{1,64}$")]
     pub team: String,
     /// An admin sees and acts on every team's jobs and creates tokens.
     #[serde(default)]
