@@ -1,11 +1,25 @@
 //! The API's OpenAPI document, from a real server on a loopback socket: it describes every endpoint of the router
-//! with the content types they really send, and errors carry their stable codes.
+//! with the content types they really send, and Schemathesis, fuzzing every operation from it, finds no server
+//! error and no response that breaks its schema.
+//!
+//! Schemathesis comes from PyPI, pinned ([`SCHEMATHESIS`]), into a virtual environment cached outside the checkout
+//! (`~/.cache/shoal/schemathesis-VERSION/`, or `$SHOAL_CACHE_DIR/schemathesis-VERSION/`), installed on first use
+//! and reused after. The run is bounded (20 examples per operation, a fixed seed): `SHOAL_FUZZ_EXAMPLES` and
+//! `SHOAL_FUZZ_SEED` dig deeper or elsewhere.
 //! Without Python or PyPI the test fails saying so: it is never skipped.
 
+use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
+
+/// The Schemathesis release the test runs.
+const SCHEMATHESIS: &str = "4.32.5";
+
+/// How long one Schemathesis run may take before the test fails.
+const FUZZ_LIMIT: Duration = Duration::from_secs(300);
 
 fn tmpdir(tag: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("shoal-openapi-{tag}-{}", std::process::id()));
@@ -162,4 +176,202 @@ fn the_openapi_document_describes_every_endpoint_of_the_router() {
     assert_eq!((st, v["code"].as_str()), (405, Some("method_not_allowed")), "{v}");
     let (st, v) = live.call("GET", "/api/v1/jobs/j-00000000", Some(&live.admin), None);
     assert_eq!((st, v["code"].as_str()), (404, Some("not_found")), "{v}");
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Schemathesis
+
+/// Where the virtual environment with Schemathesis lives: outside the checkout, one per version.
+fn venv_dir() -> PathBuf {
+    let cache = std::env::var_os("SHOAL_CACHE_DIR").map(PathBuf::from).unwrap_or_else(|| {
+        let home = std::env::var_os("HOME").map_or_else(std::env::temp_dir, PathBuf::from);
+        home.join(".cache/shoal")
+    });
+    cache.join(format!("schemathesis-{SCHEMATHESIS}"))
+}
+
+fn output_text(o: &std::process::Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+}
+
+/// The `st` program of the cached environment, installed there from PyPI first when it is not.
+fn schemathesis() -> PathBuf {
+    let dir = venv_dir();
+    let st = dir.join("bin/st");
+    // Written last: a directory without it is an install that did not finish.
+    let done = dir.join("installed");
+    let works = || {
+        done.is_file()
+            && Command::new(&st)
+                .arg("--version")
+                .output()
+                .is_ok_and(|o| o.status.success() && String::from_utf8_lossy(&o.stdout).contains(SCHEMATHESIS))
+    };
+    if works() {
+        return st;
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    if let Some(parent) = dir.parent() {
+        std::fs::create_dir_all(parent).unwrap_or_else(|e| panic!("creating {}: {e}", parent.display()));
+    }
+    let venv = Command::new("python3").arg("-m").arg("venv").arg(&dir).output().unwrap_or_else(|e| {
+        panic!("cannot run python3 to make a virtual environment for Schemathesis (python3 with venv is needed): {e}")
+    });
+    assert!(
+        venv.status.success(),
+        "python3 -m venv {} failed (python3 with venv is needed):\n{}",
+        dir.display(),
+        output_text(&venv)
+    );
+    let pip = Command::new(dir.join("bin/pip"))
+        .args(["install", "--quiet", "--disable-pip-version-check", &format!("schemathesis=={SCHEMATHESIS}")])
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run pip of {}: {e}", dir.display()));
+    assert!(
+        pip.status.success(),
+        "cannot install schemathesis=={SCHEMATHESIS} from PyPI into {} (is PyPI reachable?):\n{}",
+        dir.display(),
+        output_text(&pip)
+    );
+    std::fs::write(&done, SCHEMATHESIS).unwrap_or_else(|e| panic!("writing {}: {e}", done.display()));
+    assert!(works(), "schemathesis {SCHEMATHESIS} does not run from {}", dir.display());
+    st
+}
+
+/// Runs `program` with `args`, killing it after `limit`; its exit status and everything it printed.
+fn run_bounded(program: &Path, args: &[String], cwd: &Path, limit: Duration) -> (Option<i32>, String) {
+    let mut child = Command::new(program)
+        .args(args)
+        .current_dir(cwd)
+        .env("NO_COLOR", "1")
+        .env("PYTHONUNBUFFERED", "1")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot run {}: {e}", program.display()));
+    let mut out = child.stdout.take().expect("stdout");
+    let mut err = child.stderr.take().expect("stderr");
+    let reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = out.read_to_string(&mut s);
+        s
+    });
+    let err_reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = err.read_to_string(&mut s);
+        s
+    });
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(st) = child.try_wait().expect("wait for schemathesis") {
+            break Some(st);
+        }
+        if t0.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let text = format!("{}{}", reader.join().unwrap_or_default(), err_reader.join().unwrap_or_default());
+    match status {
+        Some(st) => (st.code(), text),
+        None => (None, format!("{text}\n(killed after {} s)", limit.as_secs())),
+    }
+}
+
+/// A job that ran (its workers are `/bin/false`: it fails at once) with a few metrics lines: the ids
+/// Schemathesis tries reach a real job most of the time, so that more than "not found" is exercised.
+fn a_finished_job(live: &Live) -> String {
+    let spec = json!({
+        "name": "fuzz-target",
+        "resources": { "cpus": 1, "memory": "64MiB" },
+        "restart": { "max": 0 },
+        "train": { "model": "mlp", "dataset": "digits", "global_batch": 8, "steps": 2, "lr": 0.1 },
+    });
+    let (st, v) = live.call("POST", "/api/v1/jobs", Some(&live.admin), Some(&spec));
+    assert_eq!(st, 201, "submit: {v}");
+    let id = v["id"].as_str().expect("id").to_owned();
+    let t0 = Instant::now();
+    loop {
+        let (_, v) = live.call("GET", &format!("/api/v1/jobs/{id}"), Some(&live.admin), None);
+        if v["state"].as_str().is_some_and(|s| ["succeeded", "failed", "cancelled"].contains(&s)) {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(60), "the job did not end: {v:#}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let batch = json!({ "metrics": (1..=5).map(|s| json!({
+        "rank": 0, "step": s, "time_ms": s,
+        "data": { "step": s, "loss": 2.0 / s as f64, "step_s": 0.01, "data_s": 0.001, "compute_s": 0.008,
+                  "comm_s": 0.001, "optimizer_s": 0.0005, "samples": 8 },
+    })).collect::<Vec<_>>() });
+    let (st, v) = live.call("POST", &format!("/api/v1/jobs/{id}/metrics"), Some(&live.admin), Some(&batch));
+    assert_eq!((st, v["stored"].as_u64()), (200, Some(5)), "{v}");
+    id
+}
+
+#[test]
+fn schemathesis_finds_no_server_error_and_no_response_off_its_schema() {
+    let st = schemathesis();
+    let live = Live::start("fuzz");
+    let job = a_finished_job(&live);
+    let config = live.dir.join("schemathesis.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[dictionaries.jobs]\nvalues = [\"{job}\"]\n\n[parameters]\n\"path.id\" = {{ dictionary = \"jobs\", \
+             probability = 0.7 }}\n"
+        ),
+    )
+    .expect("write schemathesis.toml");
+    let args: Vec<String> = [
+        "--config-file",
+        config.to_str().expect("utf-8 path"),
+        "run",
+        &format!("{}/api/v1/openapi.json", live.base),
+        "--header",
+        &format!("Authorization: Bearer {}", live.admin),
+        "--checks",
+        "not_a_server_error,response_schema_conformance",
+        "--max-examples",
+        &std::env::var("SHOAL_FUZZ_EXAMPLES").unwrap_or_else(|_| "20".into()),
+        "--seed",
+        &std::env::var("SHOAL_FUZZ_SEED").unwrap_or_else(|_| "7".into()),
+        "--generation-database",
+        "none",
+        "--workers",
+        "2",
+        "--request-timeout",
+        "30",
+        // Event streams never end by themselves.
+        "--exclude-path-regex",
+        "/stream$",
+        "--no-shrink",
+    ]
+    .iter()
+    .map(|s| (*s).to_owned())
+    .collect();
+    let t0 = Instant::now();
+    let (code, out) = run_bounded(&st, &args, &live.dir, FUZZ_LIMIT);
+    let took = t0.elapsed();
+    assert_eq!(
+        code,
+        Some(0),
+        "schemathesis found server errors or responses off their schema ({} s):\n{out}",
+        took.as_secs()
+    );
+    eprintln!("schemathesis passed in {} s:\n{}", took.as_secs(), tail(&out, 3000));
+    // The server is still up and well.
+    let (status, v) = live.call("GET", "/healthz", None, None);
+    assert_eq!((status, v["ok"].as_bool()), (200, Some(true)), "{v}");
+}
+
+fn tail(s: &str, n: usize) -> &str {
+    let mut i = s.len().saturating_sub(n);
+    while !s.is_char_boundary(i) {
+        i += 1;
+    }
+    &s[i..]
 }
