@@ -240,7 +240,7 @@ pub async fn samples(
     let mut rows = state.control.db.samples(&job.id, q.after.unwrap_or(0), 1_000_000).await?;
     if let Some(n) = q.max_points.filter(|n| *n >= 2) {
         let ranks = rows.iter().map(|r| r.rank).collect::<std::collections::BTreeSet<_>>().len().max(1);
-        let keep = (n * ranks).max(2);
+        let keep = n.saturating_mul(ranks).max(2);
         if rows.len() > keep {
             let stride = rows.len().div_ceil(keep);
             let last = rows.len() - 1;

@@ -281,8 +281,8 @@ fn run_bounded(program: &Path, args: &[String], cwd: &Path, limit: Duration) -> 
     }
 }
 
-/// A job that ran (its workers are `/bin/false`: it fails at once) with a few metrics lines: the ids
-/// Schemathesis tries reach a real job most of the time, so that more than "not found" is exercised.
+/// A job that ran (its workers are `/bin/false`: it fails at once) with a few metrics lines and resource samples:
+/// the ids Schemathesis tries reach a real job most of the time, so that more than "not found" is exercised.
 fn a_finished_job(live: &Live) -> String {
     let spec = json!({
         "name": "fuzz-target",
@@ -309,6 +309,24 @@ fn a_finished_job(live: &Live) -> String {
     })).collect::<Vec<_>>() });
     let (st, v) = live.call("POST", &format!("/api/v1/jobs/{id}/metrics"), Some(&live.admin), Some(&batch));
     assert_eq!((st, v["stored"].as_u64()), (200, Some(5)), "{v}");
+    // Resource samples of two ranks, as the control loop would have taken them of a job that ran a while.
+    let samples: Vec<shoal_control::db::SampleRow> = (0..20)
+        .map(|i| shoal_control::db::SampleRow {
+            rank: i % 2,
+            time_ms: 1_000 * (i + 1),
+            cpu_percent: Some(90.0),
+            rss_bytes: Some(64 << 20),
+            cpu_seconds: Some(i as f64),
+            net_rx_bytes_per_s: Some(0.0),
+            net_tx_bytes_per_s: Some(0.0),
+            gpu_util_percent: None,
+            gpu_memory_bytes: None,
+            gpu_temperature_c: None,
+            gpu_power_w: None,
+        })
+        .collect();
+    let control = live.server.as_ref().map(|s| s.control.clone()).expect("a running server");
+    live.rt.block_on(control.db.insert_samples(&id, &samples)).expect("insert samples");
     id
 }
 
