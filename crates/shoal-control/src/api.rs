@@ -294,7 +294,7 @@ async fn create_token(
     post, path = "/api/v1/jobs", tag = "jobs",
     request_body(
         description = "A job spec: the JSON form of the spec, or its TOML with `Content-Type: application/toml`",
-        content((Object = "application/json"), (String = "application/toml"))
+        content((shoal_spec::JobSpec = "application/json"), (String = "application/toml"))
     ),
     responses(
         (status = 201, description = "Accepted and pending", body = Submitted),

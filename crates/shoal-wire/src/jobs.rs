@@ -163,7 +163,6 @@ pub struct JobDetail {
     pub workers: Vec<TaskView>,
     pub events: Vec<Event>,
     /// The spec as accepted, defaults spelled out (`null` if the stored spec cannot be read).
-    #[schema(value_type = Option<Object>)]
     pub spec: Option<shoal_spec::JobSpec>,
     /// The run's `summary.json` once it finished (steps, losses, evaluation, throughput).
     #[schema(value_type = Option<Object>)]

@@ -12,8 +12,8 @@
 //!   is generated from the same types it sends); no async runtime, no HTTP framework, no database, no tensors.
 //! - What a type serializes to is the API's contract: field names, `null`s and nesting do not change without a
 //!   new API version. Optional values are `null`, never left out.
-//! - The job spec's wire form is [`shoal_spec::JobSpec`] (in its JSON shape); it is described to OpenAPI as a
-//!   free-form object, so that `shoal-spec` needs no schema derives.
+//! - The job spec's wire form is [`shoal_spec::JobSpec`] (in its JSON shape), which describes itself to OpenAPI
+//!   with `shoal-spec`'s feature `openapi`.
 
 pub mod cluster;
 pub mod cost;
