@@ -1,69 +1,214 @@
-//! The HTTP+JSON API under `/api/v1/`, and `GET /healthz`.
+//! The HTTP+JSON API under `/api/v1/`, `GET /healthz`, and its OpenAPI 3 document.
 //!
-//! Every error is JSON, `{"error": "...", "field": "train.steps" | null, "status": 400}`, with a 4xx status for
-//! anything the caller can fix (a bad spec names the key path; an oversized body is a 413; an unknown job a 404);
-//! a handler never panics on input.
+//! Request and response bodies are the `shoal-wire` types. Every error is JSON,
+//! `{"error": "...", "code": "invalid_spec", "field": "train.steps" | null, "status": 400}`, with a 4xx status for
+//! anything the caller can fix; a handler never panics on input. `code` is stable and machine-readable:
+//!
+//! | code | status | when |
+//! |---|---|---|
+//! | `bad_request` | 400 | a malformed body, query or parameter (`field` names the parameter when one is at fault) |
+//! | `invalid_spec` | 400 | a submitted job spec is refused: syntax, a bad value, the storage policy, what the cluster can never give (`field` is its key path, `train.steps`, when one value is at fault) |
+//! | `unauthorized` | 401 | no token, or an unknown one |
+//! | `forbidden` | 403 | not allowed: not an admin, another team |
+//! | `not_found` | 404 | no such job (another team's job looks missing too) or endpoint |
+//! | `method_not_allowed` | 405 | the endpoint exists, not with this method |
+//! | `conflict` | 409 | the job's state forbids it (cancelling a finished job) |
+//! | `payload_too_large` | 413 | a body over 1 MiB |
+//! | `request_timeout` | 408 | a body that does not arrive within 30 s |
+//! | `too_many_requests` | 429 | more than 16 open event streams of one caller |
+//! | `internal` | 500 | the server failed (database, disk, starting processes) |
 //!
 //! | method | path | what |
 //! |---|---|---|
-//! | GET | `/healthz` | liveness and the database in use |
+//! | GET | `/healthz` | liveness and the database in use (no token) |
+//! | GET | `/api/v1/openapi.json` | this API as an OpenAPI 3 document (no token) |
 //! | GET | `/api/v1/whoami` | the caller's user, team and role |
 //! | POST | `/api/v1/tokens` | (admin) a new token for `{"user", "team", "admin"}` |
-//! | POST | `/api/v1/jobs` | submit a spec (JSON, or TOML with `Content-Type: application/toml`) → `{"id"}` |
+//! | POST | `/api/v1/jobs` | submit a spec (JSON, or TOML with `Content-Type: application/toml`) → `{"id", "state", "name"}` |
 //! | GET | `/api/v1/jobs?state=&team=&limit=` | the caller's team's jobs (an admin's: all, or `team`) |
 //! | GET | `/api/v1/jobs/{id}` | status: state, restarts, workers (rank, pid, host, state), events, summary |
 //! | POST | `/api/v1/jobs/{id}/cancel` | cancel (a running job's workers get SIGTERM, then SIGKILL) |
-//! | GET | `/api/v1/jobs/{id}/logs?rank=&attempt=&offset=&follow=` | a worker's output; `follow=true` streams it |
+//! | GET | `/api/v1/jobs/{id}/logs?rank=&attempt=&offset=&follow=` | a worker's output (`text/plain`); `follow=true` streams it |
 //! | GET | `/api/v1/jobs/{id}/events?after=` | transitions and notable facts, oldest first |
 //! | POST | `/api/v1/jobs/{id}/metrics` | ingest `{"metrics": [{"rank", "step", "time_ms", "data"}]}` |
-//! | GET | `/api/v1/jobs/{id}/metrics?rank=&after=&limit=` | stored per-step metrics |
+//! | GET | `/api/v1/jobs/{id}/metrics?rank=&after=&limit=&max_points=` | stored per-step metrics |
+//! | GET | `/api/v1/jobs/{id}/samples?after=&max_points=` | resource samples of its workers |
+//! | GET | `/api/v1/jobs/{id}/stream` | live job, metrics, samples and log events (`text/event-stream`) |
+//! | GET | `/api/v1/jobs/{id}/diagnosis` | what holds it back |
 //! | GET | `/api/v1/queues` | queues with their guarantees and what they hold |
 //! | GET | `/api/v1/nodes` | nodes with capacity and allocation |
+//! | GET | `/api/v1/overview` | the cluster at a glance; `/api/v1/overview/stream` every 2 s (`text/event-stream`) |
+//! | GET | `/api/v1/cost?team=&since=` | resource-hours and money per job and team |
+//! | GET | `/metrics` | Prometheus text |
+//!
+//! The router is built from one table ([`endpoints`]); the OpenAPI document ([`ApiDoc`]) is generated from the
+//! handlers' own annotations and types, and a test checks that it describes every row of the table.
 
+use std::sync::OnceLock;
+
+use axum::Json;
 use axum::Router;
 use axum::body::{Body, Bytes};
-use axum::extract::rejection::{BytesRejection, QueryRejection};
+use axum::extract::rejection::{BytesRejection, PathRejection, QueryRejection};
 use axum::extract::{DefaultBodyLimit, Path, Query, State};
-use axum::http::{HeaderMap, StatusCode, header};
+use axum::http::{HeaderMap, Method, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{MethodFilter, MethodRouter};
 use serde::Deserialize;
-use serde_json::{Value, json};
+use shoal_wire::{
+    CancelAccepted, ErrorBody, EventList, Health, JobDetail, JobList, MetricList, MetricsBatch, MetricsStored,
+    NewToken, NodeList, QueueList, Submitted, TokenCreated, WhoAmI,
+};
+use utoipa::{IntoParams, OpenApi};
 
+use crate::api_error::{ApiError, ApiResult, AuthErrors, JobErrors};
 use crate::auth::{hash_token, new_token};
-use crate::db::{JobRow, JobState, MetricRow, Principal, now};
-use crate::error::{ControlError, Result};
-use crate::http::{AppState, Caller, MAX_BODY, MAX_LOG_CHUNK, body, query, visible_job};
-use crate::view::{job_json, job_view, node_json, queues_json};
+use crate::db::{JobRow, JobState, Principal, now};
+use crate::http::{AppState, Caller, JobPath, MAX_BODY, MAX_LOG_CHUNK, body, job_id, query, visible_job};
+
+/// Every endpoint: method, path and what serves it. The router is built from this table (with the dashboard's
+/// pages), and the OpenAPI document must describe each row.
+fn table() -> Vec<(Method, &'static str, MethodRouter<AppState>)> {
+    use crate::observe;
+    macro_rules! endpoints {
+        ($($method:ident $path:literal => $handler:expr),* $(,)?) => {
+            vec![$((Method::$method, $path, axum::routing::on(MethodFilter::$method, $handler))),*]
+        };
+    }
+    endpoints![
+        GET "/healthz" => healthz,
+        GET "/api/v1/openapi.json" => openapi_json,
+        GET "/api/v1/whoami" => whoami,
+        POST "/api/v1/tokens" => create_token,
+        POST "/api/v1/jobs" => submit,
+        GET "/api/v1/jobs" => list_jobs,
+        GET "/api/v1/jobs/{id}" => job_status,
+        POST "/api/v1/jobs/{id}/cancel" => cancel,
+        GET "/api/v1/jobs/{id}/logs" => logs,
+        GET "/api/v1/jobs/{id}/events" => events,
+        GET "/api/v1/jobs/{id}/metrics" => get_metrics,
+        POST "/api/v1/jobs/{id}/metrics" => post_metrics,
+        GET "/api/v1/jobs/{id}/samples" => observe::samples,
+        GET "/api/v1/jobs/{id}/stream" => observe::job_stream,
+        GET "/api/v1/jobs/{id}/diagnosis" => observe::diagnosis,
+        GET "/api/v1/queues" => queues,
+        GET "/api/v1/nodes" => nodes,
+        GET "/api/v1/overview" => observe::overview,
+        GET "/api/v1/overview/stream" => observe::overview_stream,
+        GET "/api/v1/cost" => observe::cost,
+        GET "/metrics" => observe::prometheus,
+    ]
+}
+
+/// The method and path of every endpoint of the API (the dashboard's pages, `/` and `/assets/`, are not API).
+pub fn endpoints() -> Vec<(Method, &'static str)> {
+    table().into_iter().map(|(m, p, _)| (m, p)).collect()
+}
 
 pub fn router(state: AppState) -> Router {
-    Router::new()
-        .route("/healthz", get(healthz))
-        .route("/api/v1/whoami", get(whoami))
-        .route("/api/v1/tokens", post(create_token))
-        .route("/api/v1/jobs", post(submit).get(list_jobs))
-        .route("/api/v1/jobs/{id}", get(job_status))
-        .route("/api/v1/jobs/{id}/cancel", post(cancel))
-        .route("/api/v1/jobs/{id}/logs", get(logs))
-        .route("/api/v1/jobs/{id}/events", get(events))
-        .route("/api/v1/jobs/{id}/metrics", get(get_metrics).post(post_metrics))
-        .route("/api/v1/queues", get(queues))
-        .route("/api/v1/nodes", get(nodes))
-        .route("/api/v1/overview", get(crate::observe::overview))
-        .route("/api/v1/overview/stream", get(crate::observe::overview_stream))
-        .route("/api/v1/jobs/{id}/samples", get(crate::observe::samples))
-        .route("/api/v1/jobs/{id}/stream", get(crate::observe::job_stream))
-        .route("/api/v1/jobs/{id}/diagnosis", get(crate::observe::diagnosis))
-        .route("/api/v1/cost", get(crate::observe::cost))
-        .route("/metrics", get(crate::observe::prometheus))
-        .route("/", get(crate::observe::index))
-        .route("/assets/{*path}", get(crate::observe::asset))
-        .fallback(|| async { ControlError::NotFound("no such endpoint; the API lives under /api/v1/".into()) })
+    let mut r = Router::new();
+    for (_, path, handler) in table() {
+        r = r.route(path, handler);
+    }
+    r.route("/", axum::routing::get(crate::observe::index))
+        .route("/assets/{*path}", axum::routing::get(crate::observe::asset))
+        .fallback(|| async { ApiError::not_found("no such endpoint; the API lives under /api/v1/") })
+        .method_not_allowed_fallback(|method: Method| async move {
+            ApiError::new(shoal_wire::ErrorCode::MethodNotAllowed, format!("this endpoint does not take {method}"))
+        })
         .layer(DefaultBodyLimit::max(MAX_BODY))
         .layer(axum::middleware::from_fn(body_deadline))
         .layer(axum::middleware::from_fn_with_state(state.clone(), crate::observe::count_requests))
         .with_state(state)
 }
+
+// ---------------------------------------------------------------------------------------------------------------
+// the OpenAPI document
+
+/// The API as an OpenAPI 3 document, from the handlers' annotations and the `shoal-wire` types.
+#[derive(Debug, OpenApi)]
+#[openapi(
+    info(
+        title = "Shoal API",
+        description = "Shoal's control plane: submit and follow training jobs, see the cluster. Errors are JSON \
+                       `ErrorBody` objects with a stable `code`; a bearer token (`Authorization: Bearer TOKEN`) is \
+                       needed everywhere but /healthz and this document."
+    ),
+    paths(
+        healthz,
+        openapi_json,
+        whoami,
+        create_token,
+        submit,
+        list_jobs,
+        job_status,
+        cancel,
+        logs,
+        events,
+        get_metrics,
+        post_metrics,
+        queues,
+        nodes,
+        crate::observe::samples,
+        crate::observe::job_stream,
+        crate::observe::diagnosis,
+        crate::observe::overview,
+        crate::observe::overview_stream,
+        crate::observe::cost,
+        crate::observe::prometheus,
+    ),
+    components(schemas(ErrorBody, shoal_wire::ErrorCode, shoal_wire::LogText, shoal_wire::Overview)),
+    modifiers(&BearerAuth),
+    security(("bearer" = [])),
+    tags(
+        (name = "jobs", description = "Submit, follow and cancel jobs"),
+        (name = "cluster", description = "Queues, nodes, the overview, cost"),
+        (name = "meta", description = "Health, tokens, this document, Prometheus metrics"),
+    )
+)]
+pub struct ApiDoc;
+
+/// The bearer-token scheme every operation needs unless it says otherwise.
+#[derive(Debug)]
+struct BearerAuth;
+
+impl utoipa::Modify for BearerAuth {
+    fn modify(&self, doc: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+        let components = doc.components.get_or_insert_with(Default::default);
+        components.add_security_scheme(
+            "bearer",
+            SecurityScheme::Http(
+                HttpBuilder::new()
+                    .scheme(HttpAuthScheme::Bearer)
+                    .description(Some("A token from `shoal server`'s admin.token or POST /api/v1/tokens"))
+                    .build(),
+            ),
+        );
+    }
+}
+
+#[utoipa::path(
+    get, path = "/api/v1/openapi.json", tag = "meta", security(()),
+    responses((status = 200, description = "This API as an OpenAPI 3 document", body = Object))
+)]
+async fn openapi_json() -> Response {
+    static DOC: OnceLock<Bytes> = OnceLock::new();
+    let doc = DOC.get_or_init(|| match ApiDoc::openapi().to_json() {
+        Ok(text) => Bytes::from(text),
+        Err(e) => {
+            tracing::error!(error = %e, "cannot write the OpenAPI document");
+            Bytes::new()
+        }
+    });
+    if doc.is_empty() {
+        return ApiError::internal("the OpenAPI document could not be written").into_response();
+    }
+    ([(header::CONTENT_TYPE, "application/json")], doc.clone()).into_response()
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// limits
 
 /// Reads every request's body (at most [`MAX_BODY`]) within [`crate::http::BODY_TIMEOUT`]: a client that sends
 /// less than its `Content-Length`, or trickles it, is answered 408 and its connection freed, instead of being held
@@ -71,16 +216,16 @@ pub fn router(state: AppState) -> Router {
 async fn body_deadline(req: axum::extract::Request, next: axum::middleware::Next) -> Response {
     let declared = req.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
     if declared.is_some_and(|n| n > MAX_BODY as u64) {
-        return ControlError::TooLarge(format!("at most {MAX_BODY} bytes")).into_response();
+        return ApiError::too_large(format!("at most {MAX_BODY} bytes")).into_response();
     }
     let (parts, b) = req.into_parts();
     match tokio::time::timeout(crate::http::BODY_TIMEOUT, axum::body::to_bytes(b, MAX_BODY)).await {
         Ok(Ok(bytes)) => next.run(axum::extract::Request::from_parts(parts, Body::from(bytes))).await,
         Ok(Err(e)) if std::error::Error::source(&e).is_some_and(|s| s.is::<http_body_util::LengthLimitError>()) => {
-            ControlError::TooLarge(format!("at most {MAX_BODY} bytes")).into_response()
+            ApiError::too_large(format!("at most {MAX_BODY} bytes")).into_response()
         }
-        Ok(Err(e)) => ControlError::bad(format!("cannot read the request body: {e}")).into_response(),
-        Err(_) => ControlError::Timeout(format!(
+        Ok(Err(e)) => ApiError::bad(format!("cannot read the request body: {e}")).into_response(),
+        Err(_) => ApiError::timeout(format!(
             "the request body did not arrive within {} s",
             crate::http::BODY_TIMEOUT.as_secs()
         ))
@@ -88,76 +233,97 @@ async fn body_deadline(req: axum::extract::Request, next: axum::middleware::Next
     }
 }
 
-async fn healthz(State(state): State<AppState>) -> Response {
-    Json(json!({ "ok": true, "database": state.control.db.backend() })).into_response()
+// ---------------------------------------------------------------------------------------------------------------
+// handlers
+
+#[utoipa::path(
+    get, path = "/healthz", tag = "meta", security(()),
+    responses((status = 200, description = "The server answers; the database it uses", body = Health))
+)]
+async fn healthz(State(state): State<AppState>) -> Json<Health> {
+    Json(Health { ok: true, database: state.control.db.backend().as_str().to_owned() })
 }
 
-use axum::Json;
-
-async fn whoami(caller: Caller) -> Json<Principal> {
-    Json(caller.0)
+#[utoipa::path(
+    get, path = "/api/v1/whoami", tag = "meta",
+    responses(
+        (status = 200, description = "The token's owner", body = WhoAmI),
+        AuthErrors,
+    )
+)]
+async fn whoami(caller: Caller) -> Json<WhoAmI> {
+    Json(crate::view::whoami(&caller.0))
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct NewToken {
-    user: String,
-    team: String,
-    #[serde(default)]
-    admin: bool,
-}
-
-fn valid_label(field: &str, v: &str) -> Result<()> {
+fn valid_label(field: &str, v: &str) -> ApiResult<()> {
     if v.is_empty() || v.len() > 64 || !v.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')) {
-        return Err(ControlError::bad_field(field, format!("{v:?}: 1-64 letters, digits, '.', '_' or '-'")));
+        return Err(ApiError::bad_field(field, format!("{v:?}: 1-64 letters, digits, '.', '_' or '-'")));
     }
     Ok(())
 }
 
+#[utoipa::path(
+    post, path = "/api/v1/tokens", tag = "meta",
+    request_body(content = NewToken, description = "Who the token is for", content_type = "application/json"),
+    responses(
+        (status = 201, description = "The new token, shown this once", body = TokenCreated),
+        (status = 400, description = "A malformed request or label", body = ErrorBody),
+        AuthErrors,
+        (status = 403, description = "Only an admin creates tokens", body = ErrorBody),
+    )
+)]
 async fn create_token(
     State(state): State<AppState>,
     caller: Caller,
     b: std::result::Result<Bytes, BytesRejection>,
-) -> Result<Response> {
+) -> ApiResult<(StatusCode, Json<TokenCreated>)> {
     if !caller.0.admin {
-        return Err(ControlError::Forbidden("only an admin creates tokens".into()));
+        return Err(ApiError::forbidden("only an admin creates tokens"));
     }
     let b = body(b)?;
-    let req: NewToken = serde_json::from_slice(&b).map_err(|e| ControlError::bad(format!("token request: {e}")))?;
+    let req: NewToken = serde_json::from_slice(&b).map_err(|e| ApiError::bad(format!("token request: {e}")))?;
     valid_label("user", &req.user)?;
     valid_label("team", &req.team)?;
     let token = new_token();
     let p = Principal { user: req.user, team: req.team, admin: req.admin };
     state.control.db.insert_token(&hash_token(&token), &p).await?;
-    Ok((StatusCode::CREATED, Json(json!({ "token": token, "user": p.user, "team": p.team, "admin": p.admin })))
-        .into_response())
+    Ok((StatusCode::CREATED, Json(TokenCreated { token, user: p.user, team: p.team, admin: p.admin })))
 }
 
+#[utoipa::path(
+    post, path = "/api/v1/jobs", tag = "jobs",
+    request_body(
+        description = "A job spec: the JSON form of the spec, or its TOML with `Content-Type: application/toml`",
+        content((shoal_spec::JobSpec = "application/json"), (String = "application/toml"))
+    ),
+    responses(
+        (status = 201, description = "Accepted and pending", body = Submitted),
+        (status = 400, description = "`invalid_spec`: refused, naming the key path; `bad_request`: not text", body = ErrorBody),
+        AuthErrors,
+        (status = 413, description = "Over 1 MiB", body = ErrorBody),
+    )
+)]
 async fn submit(
     State(state): State<AppState>,
     caller: Caller,
     headers: HeaderMap,
     b: std::result::Result<Bytes, BytesRejection>,
-) -> Result<Response> {
+) -> ApiResult<(StatusCode, Json<Submitted>)> {
     let b = body(b)?;
-    let text = std::str::from_utf8(&b).map_err(|_| ControlError::bad("the job spec is not UTF-8 text"))?;
+    let text = std::str::from_utf8(&b).map_err(|_| ApiError::bad("the job spec is not UTF-8 text"))?;
     let is_toml = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).is_some_and(|ct| ct.contains("toml"));
-    let spec = if is_toml { shoal_spec::parse_job(text, "job.toml") } else { shoal_spec::parse_job_json(text) }
-        .map_err(|e| {
-            let field = (!e.path.is_empty()).then(|| e.path.clone());
-            ControlError::BadRequest { message: e.to_string(), field }
-        })?;
+    let spec = if is_toml { shoal_spec::parse_job(text, "job.toml") } else { shoal_spec::parse_job_json(text) }?;
     let control = &state.control;
     if !control.queues.iter().any(|q| q.name == spec.queue) {
         let names: Vec<&str> = control.queues.iter().map(|q| q.name.as_str()).collect();
-        return Err(ControlError::bad_field(
+        return Err(ApiError::spec(ApiError::bad_field(
             "queue",
             format!("no queue {:?}; the queues are: {}", spec.queue, names.join(", ")),
-        ));
+        )));
     }
-    control.admissible(&caller.0.team, &spec)?;
+    control.admissible(&caller.0.team, &spec).map_err(ApiError::spec)?;
     let spec_json =
-        serde_json::to_string(&spec).map_err(|e| ControlError::Internal(format!("serializing the spec: {e}")))?;
+        serde_json::to_string(&spec).map_err(|e| ApiError::internal(format!("serializing the spec: {e}")))?;
     let id = loop {
         let token = new_token();
         let id = format!("j-{}", &token[6..14]);
@@ -166,16 +332,18 @@ async fn submit(
         }
     };
     let dir = control.job_dir(&id);
-    let place = control.config.policy.admit(&caller.0.team, &dir, &spec)?;
+    let place = control.config.policy.admit(&caller.0.team, &dir, &spec).map_err(ApiError::spec)?;
     let jobs_dir = control.config.data_dir.join("jobs");
-    if let Some(owner) = control.config.policy.resume_source(&caller.0.team, &dir, &jobs_dir, &spec)? {
+    if let Some(owner) =
+        control.config.policy.resume_source(&caller.0.team, &dir, &jobs_dir, &spec).map_err(ApiError::spec)?
+    {
         // Another job's checkpoint: only one of the caller's own team (another team's job looks missing).
         let theirs = control.db.job(&owner).await?;
         if theirs.is_none_or(|j| j.team != caller.0.team) {
-            return Err(ControlError::bad_field(
+            return Err(ApiError::spec(ApiError::bad_field(
                 "checkpoint.resume_from",
                 format!("no job {owner} of team {} to resume from", caller.0.team),
-            ));
+            )));
         }
     }
     std::fs::create_dir_all(&dir)?;
@@ -221,36 +389,50 @@ async fn submit(
         // One job per checkpoint location (a unique column): a job resumes only its own checkpoints.
         checkpoint_key: place.key(),
     };
-    control.db.insert_job(&row).await?;
+    control.db.insert_job(&row).await.map_err(ApiError::spec)?;
     control.wake.notify_one();
     tracing::info!(job = %id, name = %spec.name, team = %caller.0.team, "job submitted");
-    Ok((StatusCode::CREATED, Json(json!({ "id": id, "state": "pending", "name": spec.name }))).into_response())
+    Ok((StatusCode::CREATED, Json(Submitted { id, state: JobState::Pending, name: spec.name })))
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, IntoParams)]
 #[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
 struct ListQuery {
     /// The token, for clients that cannot set headers (see [`Caller`]).
     #[serde(default, rename = "access_token")]
+    #[param(ignore)]
     _token: Option<String>,
+    /// States to list, comma-separated (`running,pending`); all when absent.
     #[serde(default)]
     state: Option<String>,
+    /// An admin's choice of team (another caller may name only its own).
     #[serde(default)]
     team: Option<String>,
+    /// At most this many, newest first (1..=100000, default 1000).
     #[serde(default)]
     limit: Option<i64>,
 }
 
+#[utoipa::path(
+    get, path = "/api/v1/jobs", tag = "jobs", params(ListQuery),
+    responses(
+        (status = 200, description = "Jobs, newest first", body = JobList),
+        (status = 400, description = "A bad state or query", body = ErrorBody),
+        AuthErrors,
+        (status = 403, description = "Another team's jobs", body = ErrorBody),
+    )
+)]
 async fn list_jobs(
     State(state): State<AppState>,
     caller: Caller,
     q: std::result::Result<Query<ListQuery>, QueryRejection>,
-) -> Result<Json<Value>> {
+) -> ApiResult<Json<JobList>> {
     let q = query(q)?;
     let mut states = Vec::new();
     for s in q.state.iter().flat_map(|s| s.split(',')).filter(|s| !s.is_empty()) {
         states.push(JobState::parse(s).ok_or_else(|| {
-            ControlError::bad_field(
+            ApiError::bad_field(
                 "state",
                 format!("no state {s:?}; one of pending, running, preempted, succeeded, failed, cancelled"),
             )
@@ -260,67 +442,115 @@ async fn list_jobs(
         (Some(t), true) => Some(t.clone()),
         (None, true) => None,
         (Some(t), false) if *t != caller.0.team => {
-            return Err(ControlError::Forbidden(format!("you are in team {}, not {t}", caller.0.team)));
+            return Err(ApiError::forbidden(format!("you are in team {}, not {t}", caller.0.team)));
         }
         (_, false) => Some(caller.0.team.clone()),
     };
     let limit = q.limit.unwrap_or(1000).clamp(1, 100_000);
     let jobs = state.control.db.jobs(team.as_deref(), &states, limit).await?;
-    Ok(Json(json!({ "jobs": jobs.iter().map(job_json).collect::<Vec<_>>() })))
+    Ok(Json(JobList { jobs: jobs.iter().map(crate::view::job).collect() }))
 }
 
-async fn job_status(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<Json<Value>> {
-    let job = visible_job(&state, &caller, &id).await?;
-    Ok(Json(job_view(&state.control, &job).await?))
+#[utoipa::path(
+    get, path = "/api/v1/jobs/{id}", tag = "jobs",
+    params(JobPath),
+    responses(
+        (status = 200, description = "The job with its workers, events, spec and summary", body = JobDetail),
+        JobErrors,
+    )
+)]
+async fn job_status(
+    State(state): State<AppState>,
+    caller: Caller,
+    id: std::result::Result<Path<String>, PathRejection>,
+) -> ApiResult<Json<JobDetail>> {
+    let job = visible_job(&state, &caller, &job_id(id)?).await?;
+    Ok(Json(crate::view::job_detail(&state.control, &job).await?))
 }
 
-async fn cancel(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<Response> {
+#[utoipa::path(
+    post, path = "/api/v1/jobs/{id}/cancel", tag = "jobs",
+    params(JobPath),
+    responses(
+        (status = 202, description = "Cancel recorded; the job ends `cancelled` once its workers are gone", body = CancelAccepted),
+        JobErrors,
+        (status = 409, description = "The job already ended", body = ErrorBody),
+    )
+)]
+async fn cancel(
+    State(state): State<AppState>,
+    caller: Caller,
+    id: std::result::Result<Path<String>, PathRejection>,
+) -> ApiResult<(StatusCode, Json<CancelAccepted>)> {
+    let id = job_id(id)?;
     let job = visible_job(&state, &caller, &id).await?;
     if job.state.is_final() {
-        return Err(ControlError::Conflict(format!("job {id} already {}", job.state.as_str())));
+        return Err(ApiError::conflict(format!("job {id} already {}", job.state.as_str())));
     }
     state.control.db.request_cancel(&id).await?;
     state.control.db.event(&id, "cancel", job.state, &format!("cancel requested by {}", caller.0.user)).await?;
     state.control.wake.notify_one();
-    Ok((StatusCode::ACCEPTED, Json(json!({ "id": id, "state": job.state, "cancel_requested": true }))).into_response())
+    Ok((StatusCode::ACCEPTED, Json(CancelAccepted { id, state: job.state, cancel_requested: true })))
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, IntoParams)]
 #[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
 struct LogQuery {
     /// The token, for clients that cannot set headers (see [`Caller`]).
     #[serde(default, rename = "access_token")]
+    #[param(ignore)]
     _token: Option<String>,
+    /// The worker's rank (default 0).
     #[serde(default)]
     rank: Option<i64>,
+    /// The attempt, from 1 (default: the current one).
     #[serde(default)]
     attempt: Option<i64>,
+    /// Where to start, in bytes (default 0).
     #[serde(default)]
     offset: Option<u64>,
+    /// Stream the log as it grows, until the attempt ends.
     #[serde(default)]
     follow: Option<bool>,
 }
 
+#[utoipa::path(
+    get, path = "/api/v1/jobs/{id}/logs", tag = "jobs",
+    params(JobPath, LogQuery),
+    responses(
+        (status = 200, description = "The worker's output from `offset`, at most 1 MiB (or all of it as it grows, \
+                                      with `follow=true`)", body = String, content_type = "text/plain",
+            headers(
+                ("x-log-size" = u64, description = "How long the log is now (not with `follow`)"),
+                ("x-log-next" = u64, description = "The offset to ask for next (not with `follow`)"),
+            )
+        ),
+        (status = 400, description = "A rank or attempt the job does not have, or a bad query", body = ErrorBody),
+        JobErrors,
+    )
+)]
 async fn logs(
     State(state): State<AppState>,
     caller: Caller,
-    Path(id): Path<String>,
+    id: std::result::Result<Path<String>, PathRejection>,
     q: std::result::Result<Query<LogQuery>, QueryRejection>,
-) -> Result<Response> {
+) -> ApiResult<Response> {
+    let id = job_id(id)?;
     let q = query(q)?;
     let job = visible_job(&state, &caller, &id).await?;
     let rank = q.rank.unwrap_or(0);
     if rank < 0 || rank >= job.workers.max(1) {
-        return Err(ControlError::bad_field("rank", format!("job {id} has ranks 0..{}", job.workers.max(1) - 1)));
+        return Err(ApiError::bad_field("rank", format!("job {id} has ranks 0..{}", job.workers.max(1) - 1)));
     }
     let attempt = match q.attempt {
         None => job.attempt,
         Some(a) if (1..=job.attempt).contains(&a) => a,
         Some(a) if job.attempt == 0 => {
-            return Err(ControlError::bad_field("attempt", format!("{a}: job {id} has not started yet")));
+            return Err(ApiError::bad_field("attempt", format!("{a}: job {id} has not started yet")));
         }
         Some(a) => {
-            return Err(ControlError::bad_field("attempt", format!("{a}: job {id} has attempts 1..={}", job.attempt)));
+            return Err(ApiError::bad_field("attempt", format!("{a}: job {id} has attempts 1..={}", job.attempt)));
         }
     };
     let path = state.control.exec.log_path(&id, attempt, rank);
@@ -370,76 +600,115 @@ async fn logs(
     Ok(([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], Body::from_stream(stream)).into_response())
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, IntoParams)]
 #[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
 struct AfterQuery {
     /// The token, for clients that cannot set headers (see [`Caller`]).
     #[serde(default, rename = "access_token")]
+    #[param(ignore)]
     _token: Option<String>,
+    /// Only events after this event id (default 0: all).
     #[serde(default)]
     after: Option<i64>,
 }
 
+#[utoipa::path(
+    get, path = "/api/v1/jobs/{id}/events", tag = "jobs",
+    params(JobPath, AfterQuery),
+    responses(
+        (status = 200, description = "Its events, oldest first", body = EventList),
+        (status = 400, description = "A bad query", body = ErrorBody),
+        JobErrors,
+    )
+)]
 async fn events(
     State(state): State<AppState>,
     caller: Caller,
-    Path(id): Path<String>,
+    id: std::result::Result<Path<String>, PathRejection>,
     q: std::result::Result<Query<AfterQuery>, QueryRejection>,
-) -> Result<Json<Value>> {
+) -> ApiResult<Json<EventList>> {
+    let id = job_id(id)?;
     let q = query(q)?;
     let job = visible_job(&state, &caller, &id).await?;
     let ev = state.control.db.events(&job.id, q.after.unwrap_or(0)).await?;
-    Ok(Json(json!({ "events": ev })))
+    Ok(Json(EventList { events: ev.iter().map(crate::view::event).collect() }))
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct MetricsBatch {
-    metrics: Vec<MetricRow>,
-}
-
+#[utoipa::path(
+    post, path = "/api/v1/jobs/{id}/metrics", tag = "jobs",
+    params(JobPath),
+    request_body(content = MetricsBatch, content_type = "application/json"),
+    responses(
+        (status = 200, description = "How many lines were new", body = MetricsStored),
+        (status = 400, description = "A malformed batch, or a negative rank or step", body = ErrorBody),
+        JobErrors,
+        (status = 413, description = "Over 1 MiB", body = ErrorBody),
+    )
+)]
 async fn post_metrics(
     State(state): State<AppState>,
     caller: Caller,
-    Path(id): Path<String>,
+    id: std::result::Result<Path<String>, PathRejection>,
     b: std::result::Result<Bytes, BytesRejection>,
-) -> Result<Json<Value>> {
+) -> ApiResult<Json<MetricsStored>> {
+    let id = job_id(id)?;
     let b = body(b)?;
     let job = visible_job(&state, &caller, &id).await?;
-    let batch: MetricsBatch =
-        serde_json::from_slice(&b).map_err(|e| ControlError::bad(format!("metrics batch: {e}")))?;
+    let batch: MetricsBatch = serde_json::from_slice(&b).map_err(|e| ApiError::bad(format!("metrics batch: {e}")))?;
     if let Some((i, m)) = batch.metrics.iter().enumerate().find(|(_, m)| m.rank < 0 || m.step < 0) {
-        return Err(ControlError::bad_field(
+        return Err(ApiError::bad_field(
             format!("metrics[{i}]"),
             format!("rank {} step {}: must be >= 0", m.rank, m.step),
         ));
     }
-    let n = state.control.db.insert_metrics(&job.id, &batch.metrics).await?;
-    Ok(Json(json!({ "stored": n })))
+    // A line is a JSON object (what readers, the dashboard and the downsampling take apart by key).
+    if let Some((i, m)) = batch.metrics.iter().enumerate().find(|(_, m)| !m.data.is_object()) {
+        return Err(ApiError::bad_field(format!("metrics[{i}].data"), format!("{}: must be a JSON object", m.data)));
+    }
+    let rows: Vec<_> = batch.metrics.into_iter().map(crate::view::metric_row).collect();
+    let stored = state.control.db.insert_metrics(&job.id, &rows).await?;
+    Ok(Json(MetricsStored { stored }))
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, IntoParams)]
 #[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
 struct MetricsQuery {
     /// The token, for clients that cannot set headers (see [`Caller`]).
     #[serde(default, rename = "access_token")]
+    #[param(ignore)]
     _token: Option<String>,
+    /// One rank's lines only (-1: the evaluations).
     #[serde(default)]
     rank: Option<i64>,
+    /// Only steps after this one.
     #[serde(default)]
     after: Option<i64>,
+    /// At most this many lines.
     #[serde(default)]
     limit: Option<i64>,
+    /// About this many lines per rank, as bucket means (at least 2).
     #[serde(default)]
     max_points: Option<usize>,
 }
 
+#[utoipa::path(
+    get, path = "/api/v1/jobs/{id}/metrics", tag = "jobs",
+    params(JobPath, MetricsQuery),
+    responses(
+        (status = 200, description = "Stored metrics lines by step, then rank", body = MetricList),
+        (status = 400, description = "A bad query", body = ErrorBody),
+        JobErrors,
+    )
+)]
 async fn get_metrics(
     State(state): State<AppState>,
     caller: Caller,
-    Path(id): Path<String>,
+    id: std::result::Result<Path<String>, PathRejection>,
     q: std::result::Result<Query<MetricsQuery>, QueryRejection>,
-) -> Result<Json<Value>> {
+) -> ApiResult<Json<MetricList>> {
+    let id = job_id(id)?;
     let q = query(q)?;
     let job = visible_job(&state, &caller, &id).await?;
     let m = state
@@ -451,13 +720,27 @@ async fn get_metrics(
         Some(n) => crate::observe::downsample(m, n.max(2)),
         None => m,
     };
-    Ok(Json(json!({ "metrics": m })))
+    Ok(Json(MetricList { metrics: m.into_iter().map(crate::view::metric).collect() }))
 }
 
-async fn queues(State(state): State<AppState>, _caller: Caller) -> Result<Json<Value>> {
-    Ok(Json(json!({ "queues": queues_json(&state.control).await? })))
+#[utoipa::path(
+    get, path = "/api/v1/queues", tag = "cluster",
+    responses(
+        (status = 200, description = "Queues with their guarantees and what their jobs hold", body = QueueList),
+        AuthErrors,
+    )
+)]
+async fn queues(State(state): State<AppState>, _caller: Caller) -> ApiResult<Json<QueueList>> {
+    Ok(Json(QueueList { queues: crate::view::queues(&state.control).await? }))
 }
 
-async fn nodes(State(state): State<AppState>, _caller: Caller) -> Result<Json<Value>> {
-    Ok(Json(json!({ "nodes": [node_json(&state.control)] })))
+#[utoipa::path(
+    get, path = "/api/v1/nodes", tag = "cluster",
+    responses(
+        (status = 200, description = "Nodes with their capacity and allocation", body = NodeList),
+        AuthErrors,
+    )
+)]
+async fn nodes(State(state): State<AppState>, _caller: Caller) -> Json<NodeList> {
+    Json(NodeList { nodes: vec![crate::view::node(&state.control)] })
 }

@@ -11,96 +11,19 @@
 //! kwh = 0.15          # per kWh, for the energy estimate where GPUs report power
 //! ```
 
-use serde::{Deserialize, Serialize};
+pub use shoal_wire::{CostReport, Hours, JobCost, Prices, TeamCost};
 
 use crate::db::{JobRow, SampleRow, TaskRow};
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Prices {
-    #[serde(default = "usd")]
-    pub currency: String,
-    #[serde(default)]
-    pub cpu_hour: f64,
-    #[serde(default)]
-    pub gib_hour: f64,
-    #[serde(default)]
-    pub gpu_hour: f64,
-    #[serde(default)]
-    pub kwh: f64,
-}
-
-fn usd() -> String {
-    "USD".into()
-}
-
-impl Default for Prices {
-    /// On-demand list prices of the order of a general-purpose cloud VM and a data-centre GPU; set your own.
-    fn default() -> Self {
-        Prices { currency: usd(), cpu_hour: 0.04, gib_hour: 0.005, gpu_hour: 2.5, kwh: 0.15 }
-    }
-}
-
-impl Prices {
-    /// Parses a price table; errors name the key.
-    pub fn parse(text: &str) -> Result<Prices, String> {
-        let p: Prices = toml::from_str(text).map_err(|e| e.to_string())?;
-        for (k, v) in [("cpu_hour", p.cpu_hour), ("gib_hour", p.gib_hour), ("gpu_hour", p.gpu_hour), ("kwh", p.kwh)] {
-            if !v.is_finite() || v < 0.0 {
-                return Err(format!("{k}: must be a finite number >= 0, not {v}"));
-            }
+/// Parses a price table (TOML); errors name the key.
+pub fn parse_prices(text: &str) -> Result<Prices, String> {
+    let p: Prices = toml::from_str(text).map_err(|e| e.to_string())?;
+    for (k, v) in [("cpu_hour", p.cpu_hour), ("gib_hour", p.gib_hour), ("gpu_hour", p.gpu_hour), ("kwh", p.kwh)] {
+        if !v.is_finite() || v < 0.0 {
+            return Err(format!("{k}: must be a finite number >= 0, not {v}"));
         }
-        Ok(p)
     }
-}
-
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
-pub struct Hours {
-    pub cpu_hours: f64,
-    pub gib_hours: f64,
-    pub gpu_hours: f64,
-}
-
-impl Hours {
-    fn add(&mut self, o: &Hours) {
-        self.cpu_hours += o.cpu_hours;
-        self.gib_hours += o.gib_hours;
-        self.gpu_hours += o.gpu_hours;
-    }
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct JobCost {
-    pub id: String,
-    pub name: String,
-    pub team: String,
-    pub state: String,
-    /// From submission to the first start (to now while still waiting).
-    pub queue_s: f64,
-    pub allocated: Hours,
-    pub used: Hours,
-    pub cost: f64,
-    /// Energy where GPUs report power (NVML); none otherwise.
-    pub energy_kwh: Option<f64>,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct TeamCost {
-    pub team: String,
-    pub jobs: usize,
-    pub queue_s: f64,
-    pub allocated: Hours,
-    pub used: Hours,
-    pub cost: f64,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct Report {
-    pub prices: Prices,
-    pub currency: String,
-    pub jobs: Vec<JobCost>,
-    pub teams: Vec<TeamCost>,
-    pub total_cost: f64,
+    Ok(p)
 }
 
 /// One job's cost. `per_worker` is `(cpus, memory bytes, gpus)` held by each worker.
@@ -169,7 +92,7 @@ pub fn job_cost(
 }
 
 /// Sums jobs into teams and a total.
-pub fn report(jobs: Vec<JobCost>, prices: &Prices) -> Report {
+pub fn report(jobs: Vec<JobCost>, prices: &Prices) -> CostReport {
     let mut teams: Vec<TeamCost> = Vec::new();
     for j in &jobs {
         let t = match teams.iter_mut().position(|t| t.team == j.team) {
@@ -195,7 +118,7 @@ pub fn report(jobs: Vec<JobCost>, prices: &Prices) -> Report {
     }
     teams.sort_by(|a, b| a.team.cmp(&b.team));
     let total_cost = jobs.iter().map(|j| j.cost).sum();
-    Report { prices: prices.clone(), currency: prices.currency.clone(), jobs, teams, total_cost }
+    CostReport { prices: prices.clone(), currency: prices.currency.clone(), jobs, teams, total_cost }
 }
 
 #[cfg(test)]
@@ -292,8 +215,8 @@ mod tests {
 
     #[test]
     fn price_tables_are_checked() {
-        assert!(Prices::parse("cpu_hour = 0.1\ngpu_hour = 2").is_ok());
-        assert!(Prices::parse("cpu_hour = -1").is_err_and(|e| e.contains("cpu_hour")));
-        assert!(Prices::parse("cpu_hours = 1").is_err());
+        assert!(parse_prices("cpu_hour = 0.1\ngpu_hour = 2").is_ok());
+        assert!(parse_prices("cpu_hour = -1").is_err_and(|e| e.contains("cpu_hour")));
+        assert!(parse_prices("cpu_hours = 1").is_err());
     }
 }

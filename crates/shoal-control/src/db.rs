@@ -8,56 +8,15 @@
 
 use std::sync::atomic::{AtomicI64, Ordering};
 
-use serde::Serialize;
 use sqlx::any::{AnyPoolOptions, AnyRow};
 use sqlx::{AnyPool, Row};
 
 use crate::error::{ControlError, Result};
 
-/// Where a job stands.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum JobState {
-    Pending,
-    Running,
-    Preempted,
-    Succeeded,
-    Failed,
-    Cancelled,
-}
+/// Where a job or a task stands: the API's vocabulary (`shoal-wire`), stored by name (`as_str`, `parse`).
+pub use shoal_wire::{JobState, TaskState};
 
-impl JobState {
-    pub const ALL: [JobState; 6] = [
-        JobState::Pending,
-        JobState::Running,
-        JobState::Preempted,
-        JobState::Succeeded,
-        JobState::Failed,
-        JobState::Cancelled,
-    ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            JobState::Pending => "pending",
-            JobState::Running => "running",
-            JobState::Preempted => "preempted",
-            JobState::Succeeded => "succeeded",
-            JobState::Failed => "failed",
-            JobState::Cancelled => "cancelled",
-        }
-    }
-
-    pub fn parse(s: &str) -> Option<JobState> {
-        JobState::ALL.into_iter().find(|st| st.as_str() == s)
-    }
-
-    /// Succeeded, failed or cancelled: nothing will change it any more.
-    pub fn is_final(self) -> bool {
-        matches!(self, JobState::Succeeded | JobState::Failed | JobState::Cancelled)
-    }
-}
-
-/// One job as stored (the API shows it as a [`crate::view::JobView`]).
+/// One job as stored (the API shows it as a [`shoal_wire::JobView`], built in `view.rs`).
 #[derive(Debug, Clone)]
 pub struct JobRow {
     pub id: String,
@@ -90,36 +49,7 @@ pub struct JobRow {
     pub checkpoint_key: Option<String>,
 }
 
-/// Where one task stands.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum TaskState {
-    /// Recorded before its process starts (the intent): a server that crashes before the process is recorded
-    /// finds the row, kills whatever of the job's runs unrecorded, and starts the attempt again.
-    Starting,
-    Running,
-    Exited,
-    Lost,
-}
-
-impl TaskState {
-    pub const ALL: [TaskState; 4] = [TaskState::Starting, TaskState::Running, TaskState::Exited, TaskState::Lost];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            TaskState::Starting => "starting",
-            TaskState::Running => "running",
-            TaskState::Exited => "exited",
-            TaskState::Lost => "lost",
-        }
-    }
-
-    pub fn parse(s: &str) -> Option<TaskState> {
-        TaskState::ALL.into_iter().find(|st| st.as_str() == s)
-    }
-}
-
-/// One worker process of one attempt (the API shows it as a [`crate::view::TaskView`]).
+/// One worker process of one attempt (the API shows it as a [`shoal_wire::TaskView`]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct TaskRow {
     pub job_id: String,
@@ -147,8 +77,8 @@ pub struct TaskRow {
     pub cpu_seconds: Option<f64>,
 }
 
-/// One resource sample of one task.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+/// One resource sample of one task (the API shows it as a [`shoal_wire::Sample`]).
+#[derive(Debug, Clone, PartialEq)]
 pub struct SampleRow {
     pub rank: i64,
     pub time_ms: i64,
@@ -164,8 +94,8 @@ pub struct SampleRow {
     pub gpu_power_w: Option<f64>,
 }
 
-/// Cluster-wide allocation at one time.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+/// Cluster-wide allocation at one time (the API shows it as a [`shoal_wire::ClusterSample`]).
+#[derive(Debug, Clone, PartialEq)]
 pub struct ClusterSample {
     pub time_ms: i64,
     pub cpus_allocated: f64,
@@ -175,8 +105,8 @@ pub struct ClusterSample {
     pub running: i64,
 }
 
-/// One transition or notable fact of a job.
-#[derive(Debug, Clone, Serialize)]
+/// One transition or notable fact of a job (the API shows it as a [`shoal_wire::Event`]).
+#[derive(Debug, Clone)]
 pub struct EventRow {
     pub id: i64,
     pub job_id: String,
@@ -190,15 +120,15 @@ pub struct EventRow {
 }
 
 /// A bearer token's owner.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Principal {
     pub user: String,
     pub team: String,
     pub admin: bool,
 }
 
-/// One metrics line of one rank.
-#[derive(Debug, Clone, Serialize, serde::Deserialize)]
+/// One metrics line of one rank (the API's is a [`shoal_wire::Metric`]).
+#[derive(Debug, Clone, PartialEq)]
 pub struct MetricRow {
     pub rank: i64,
     pub step: i64,
@@ -216,11 +146,20 @@ pub struct Db {
 }
 
 /// Which database is behind the store.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Backend {
     Sqlite,
     Postgres,
+}
+
+impl Backend {
+    /// `sqlite` or `postgres`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Backend::Sqlite => "sqlite",
+            Backend::Postgres => "postgres",
+        }
+    }
 }
 
 /// Schema migrations, applied in order; `schema_version` holds how many ran.

@@ -15,8 +15,6 @@
 //! - **underutilized**: nothing above, yet the workers use < [`IDLE_SHARE`] of the CPUs they hold;
 //! - **healthy**: none of these.
 
-use serde::Serialize;
-
 use crate::db::{MetricRow, SampleRow};
 
 pub const WINDOW: usize = 200;
@@ -27,7 +25,8 @@ pub const COMM_SHARE: f64 = 0.35;
 pub const MEMORY_SHARE: f64 = 0.9;
 pub const IDLE_SHARE: f64 = 0.3;
 
-#[derive(Debug, Clone, PartialEq, Serialize)]
+/// One finding (the API shows it as a [`shoal_wire::Finding`]).
+#[derive(Debug, Clone, PartialEq)]
 pub struct Finding {
     /// `data_loading`, `communication`, `straggler`, `underutilized`, `memory_pressure` or `healthy`.
     pub kind: &'static str,

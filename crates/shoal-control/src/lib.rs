@@ -1,6 +1,8 @@
 //! `shoal-control`: Shoal's control plane — the server behind `shoal server` and `shoal demo`.
 //!
-//! - [`api`]: the HTTP+JSON API (axum) under `/api/v1/`, every error JSON and 4xx when the caller can fix it.
+//! - [`api`]: the HTTP+JSON API (axum) under `/api/v1/` and its OpenAPI 3 document; bodies are `shoal-wire` types,
+//!   built from the store's rows in [`view`]. [`api_error`]: every error JSON with a stable `code`, a 4xx when the
+//!   caller can fix it.
 //! - [`auth`]: bearer tokens stored hashed, mapped to a user and a team.
 //! - [`db`]: the state store, SQLite (default, WAL) or PostgreSQL through one set of SQL statements.
 //! - [`control`]: the loop that keeps store, scheduler (`shoal-sched`) and processes in agreement.
@@ -23,6 +25,7 @@
 //! `--gpus` declares and their samples are empty.
 
 pub mod api;
+pub mod api_error;
 pub mod auth;
 pub mod control;
 pub mod cost;

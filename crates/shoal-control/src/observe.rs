@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use axum::Json;
 use axum::body::Bytes;
-use axum::extract::rejection::QueryRejection;
+use axum::extract::rejection::{PathRejection, QueryRejection};
 use axum::extract::{MatchedPath, Path, Query, Request, State};
 use axum::http::{StatusCode, header};
 use axum::middleware::Next;
@@ -19,13 +19,15 @@ use futures_util::{Stream, StreamExt};
 use prometheus::{Encoder, GaugeVec, Opts, Registry, TextEncoder};
 use serde::Deserialize;
 use serde_json::{Value, json};
+use shoal_wire::{CostReport, Diagnosis, ErrorBody, MetricList, Overview, SampleList};
+use utoipa::IntoParams;
 
+use crate::api_error::{ApiError, ApiResult, AuthErrors, JobErrors};
 use crate::control::{Control, parse_stored_spec};
 use crate::db::{JobRow, JobState, MetricRow, now};
 use crate::diagnose::{Context, diagnose};
 use crate::error::{ControlError, Result};
-use crate::http::{AppState, Caller, query, visible_job};
-use crate::view::{job_view, node_json, queues_json};
+use crate::http::{AppState, Caller, JobPath, job_id, query, visible_job};
 
 include!(concat!(env!("OUT_DIR"), "/assets.rs"));
 
@@ -54,7 +56,7 @@ pub async fn asset(Path(path): Path<String>) -> Response {
 
 fn asset_response(path: &str) -> Response {
     let Some((_, body)) = ASSETS.iter().find(|(p, _)| *p == path) else {
-        return ControlError::NotFound(format!("no asset {path:?}")).into_response();
+        return ApiError::not_found(format!("no asset {path:?}")).into_response();
     };
     let ct = match path.rsplit('.').next() {
         Some("html") => "text/html; charset=utf-8",
@@ -71,32 +73,16 @@ fn asset_response(path: &str) -> Response {
 // ---------------------------------------------------------------------------------------------------------------
 // overview
 
-async fn overview_json(c: &Control) -> Result<Value> {
-    let mut counts = serde_json::Map::new();
-    for st in JobState::ALL {
-        counts.insert(st.as_str().into(), json!(0));
-    }
-    for j in c.db.jobs(None, &[], 100_000).await? {
-        if let Some(v) = counts.get_mut(j.state.as_str()) {
-            *v = json!(v.as_i64().unwrap_or(0) + 1);
-        }
-    }
-    let node = node_json(c);
-    let history = c.db.cluster_samples(0, 2000).await?;
-    Ok(json!({
-        "cluster": {
-            "cpus": node["cpus"], "memory_bytes": node["memory_bytes"],
-            "gpus": node["gpus"].as_array().map_or(0, Vec::len),
-            "allocated": node["allocated"],
-        },
-        "jobs": counts,
-        "queues": queues_json(c).await?,
-        "history": history,
-    }))
-}
-
-pub async fn overview(State(state): State<AppState>, _caller: Caller) -> Result<Json<Value>> {
-    Ok(Json(overview_json(&state.control).await?))
+#[utoipa::path(
+    get, path = "/api/v1/overview", tag = "cluster",
+    responses(
+        (status = 200, description = "The cluster at a glance: capacity, allocation, jobs by state, queues, history",
+            body = Overview),
+        AuthErrors,
+    )
+)]
+pub async fn overview(State(state): State<AppState>, _caller: Caller) -> ApiResult<Json<Overview>> {
+    Ok(Json(crate::view::overview(&state.control).await?))
 }
 
 /// Event streams one caller may hold open at once.
@@ -110,12 +96,12 @@ pub struct StreamSlot {
 }
 
 impl StreamSlot {
-    fn take(control: &std::sync::Arc<Control>, caller: &Caller) -> Result<StreamSlot> {
+    fn take(control: &std::sync::Arc<Control>, caller: &Caller) -> ApiResult<StreamSlot> {
         let who = format!("{}@{}", caller.0.user, caller.0.team);
         let mut open = control.streams.lock().unwrap_or_else(|p| p.into_inner());
         let n = open.entry(who.clone()).or_default();
         if *n >= MAX_STREAMS_PER_CALLER {
-            return Err(crate::ControlError::TooMany(format!(
+            return Err(ApiError::too_many(format!(
                 "{who} already has {MAX_STREAMS_PER_CALLER} event streams open; close one first"
             )));
         }
@@ -136,10 +122,28 @@ impl Drop for StreamSlot {
     }
 }
 
+/// The `access_token` query parameter the event streams take (a browser's `EventSource` cannot set headers).
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct StreamQuery {
+    /// The bearer token, when no `Authorization` header can be sent.
+    #[serde(default)]
+    pub access_token: Option<String>,
+}
+
+#[utoipa::path(
+    get, path = "/api/v1/overview/stream", tag = "cluster", params(StreamQuery),
+    responses(
+        (status = 200, description = "Server-sent events: an `overview` event (an `Overview` object) every 2 s",
+            body = String, content_type = "text/event-stream"),
+        AuthErrors,
+        (status = 429, description = "The caller holds too many event streams", body = ErrorBody),
+    )
+)]
 pub async fn overview_stream(
     State(state): State<AppState>,
     caller: Caller,
-) -> Result<Sse<impl Stream<Item = std::result::Result<Event, Infallible>>>> {
+) -> ApiResult<Sse<impl Stream<Item = std::result::Result<Event, Infallible>>>> {
     let control = state.control.clone();
     let slot = StreamSlot::take(&control, &caller)?;
     // The slot rides in the stream's state: it is freed when the stream is dropped.
@@ -149,8 +153,9 @@ pub async fn overview_stream(
             if !first {
                 tokio::time::sleep(Duration::from_secs(2)).await;
             }
-            let ev = match overview_json(&control).await {
-                Ok(v) => Event::default().event("overview").data(v.to_string()),
+            let ev = match crate::view::overview(&control).await.map(|v| serde_json::to_string(&v)) {
+                Ok(Ok(v)) => Event::default().event("overview").data(v),
+                Ok(Err(e)) => Event::default().event("error").data(json!({ "error": e.to_string() }).to_string()),
                 Err(e) => Event::default().event("error").data(json!({ "error": e.to_string() }).to_string()),
             };
             Some((Ok(ev), (false, slot)))
@@ -199,29 +204,43 @@ pub fn downsample(rows: Vec<MetricRow>, max_points: usize) -> Vec<MetricRow> {
     out
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, IntoParams)]
 #[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
 pub struct SamplesQuery {
     #[serde(default, rename = "access_token")]
+    #[param(ignore)]
     _token: Option<String>,
+    /// Only samples after this time (ms since the epoch).
     #[serde(default)]
     after: Option<i64>,
+    /// About this many samples per rank, evenly spaced (at least 2).
     #[serde(default)]
     max_points: Option<usize>,
 }
 
+#[utoipa::path(
+    get, path = "/api/v1/jobs/{id}/samples", tag = "jobs",
+    params(JobPath, SamplesQuery),
+    responses(
+        (status = 200, description = "Resource samples of its workers, oldest first", body = SampleList),
+        (status = 400, description = "A bad query", body = ErrorBody),
+        JobErrors,
+    )
+)]
 pub async fn samples(
     State(state): State<AppState>,
     caller: Caller,
-    Path(id): Path<String>,
+    id: std::result::Result<Path<String>, PathRejection>,
     q: std::result::Result<Query<SamplesQuery>, QueryRejection>,
-) -> Result<Json<Value>> {
+) -> ApiResult<Json<SampleList>> {
+    let id = job_id(id)?;
     let q = query(q)?;
     let job = visible_job(&state, &caller, &id).await?;
     let mut rows = state.control.db.samples(&job.id, q.after.unwrap_or(0), 1_000_000).await?;
     if let Some(n) = q.max_points.filter(|n| *n >= 2) {
         let ranks = rows.iter().map(|r| r.rank).collect::<std::collections::BTreeSet<_>>().len().max(1);
-        let keep = (n * ranks).max(2);
+        let keep = n.saturating_mul(ranks).max(2);
         if rows.len() > keep {
             let stride = rows.len().div_ceil(keep);
             let last = rows.len() - 1;
@@ -229,7 +248,7 @@ pub async fn samples(
                 rows.into_iter().enumerate().filter(|(i, _)| i % stride == 0 || *i == last).map(|(_, r)| r).collect();
         }
     }
-    Ok(Json(json!({ "samples": rows })))
+    Ok(Json(SampleList { samples: rows.iter().map(crate::view::sample).collect() }))
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -258,12 +277,11 @@ async fn stream_round(st: &mut StreamState) -> Vec<Event> {
             return events;
         }
     };
-    if let Ok(v) = job_view(&st.control, &job).await {
-        let text = v.to_string();
-        if text != st.last_job {
-            events.push(Event::default().event("job").data(text.clone()));
-            st.last_job = text;
-        }
+    if let Ok(Ok(text)) = crate::view::job_detail(&st.control, &job).await.map(|v| serde_json::to_string(&v))
+        && text != st.last_job
+    {
+        events.push(Event::default().event("job").data(text.clone()));
+        st.last_job = text;
     }
     // New metrics of every rank (and evaluations, rank -1).
     let min_after = st.after_step.values().copied().min().unwrap_or(-1);
@@ -277,14 +295,20 @@ async fn stream_round(st: &mut StreamState) -> Vec<Event> {
         }
         if !fresh.is_empty() {
             let fresh = if st.first { downsample(fresh, 2000) } else { fresh };
-            events.push(Event::default().event("metrics").data(json!({ "metrics": fresh }).to_string()));
+            let list = MetricList { metrics: fresh.into_iter().map(crate::view::metric).collect() };
+            if let Ok(text) = serde_json::to_string(&list) {
+                events.push(Event::default().event("metrics").data(text));
+            }
         }
     }
     if let Ok(s) = st.control.db.samples(&st.id, st.after_sample, 100_000).await
         && let Some(last) = s.last()
     {
         st.after_sample = last.time_ms;
-        events.push(Event::default().event("samples").data(json!({ "samples": s }).to_string()));
+        let list = SampleList { samples: s.iter().map(crate::view::sample).collect() };
+        if let Ok(text) = serde_json::to_string(&list) {
+            events.push(Event::default().event("samples").data(text));
+        }
     }
     // New output of rank 0 of the current attempt (at most 64 KiB per round).
     if job.attempt != st.log_attempt {
@@ -296,8 +320,10 @@ async fn stream_round(st: &mut StreamState) -> Vec<Event> {
         && !data.is_empty()
     {
         st.log_offset += data.len() as u64;
-        let text = String::from_utf8_lossy(&data).into_owned();
-        events.push(Event::default().event("log").data(json!({ "rank": 0, "text": text }).to_string()));
+        let log = shoal_wire::LogText { rank: 0, text: String::from_utf8_lossy(&data).into_owned() };
+        if let Ok(text) = serde_json::to_string(&log) {
+            events.push(Event::default().event("log").data(text));
+        }
     }
     st.first = false;
     if job.state.is_final() {
@@ -306,12 +332,23 @@ async fn stream_round(st: &mut StreamState) -> Vec<Event> {
     events
 }
 
+#[utoipa::path(
+    get, path = "/api/v1/jobs/{id}/stream", tag = "jobs",
+    params(JobPath, StreamQuery),
+    responses(
+        (status = 200, description = "Server-sent events until the job ends: `job` (a `JobDetail`, when it changed), \
+                                      `metrics` (a `MetricList` of new lines), `samples` (a `SampleList`), `log` (a \
+                                      `LogText` of rank 0's new output)", body = String, content_type = "text/event-stream"),
+        JobErrors,
+        (status = 429, description = "The caller holds too many event streams", body = ErrorBody),
+    )
+)]
 pub async fn job_stream(
     State(state): State<AppState>,
     caller: Caller,
-    Path(id): Path<String>,
-) -> Result<Sse<impl Stream<Item = std::result::Result<Event, Infallible>>>> {
-    let job = visible_job(&state, &caller, &id).await?;
+    id: std::result::Result<Path<String>, PathRejection>,
+) -> ApiResult<Sse<impl Stream<Item = std::result::Result<Event, Infallible>>>> {
+    let job = visible_job(&state, &caller, &job_id(id)?).await?;
     let slot = StreamSlot::take(&state.control, &caller)?;
     let st = StreamState {
         _slot: slot,
@@ -405,17 +442,32 @@ async fn bench_reference(c: &Control) -> Vec<(u64, f64)> {
     cached.clone()
 }
 
-pub async fn diagnosis(State(state): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<Json<Value>> {
-    let job = visible_job(&state, &caller, &id).await?;
+#[utoipa::path(
+    get, path = "/api/v1/jobs/{id}/diagnosis", tag = "jobs",
+    params(JobPath),
+    responses(
+        (status = 200, description = "What holds the job back, with evidence and an action", body = Diagnosis),
+        JobErrors,
+    )
+)]
+pub async fn diagnosis(
+    State(state): State<AppState>,
+    caller: Caller,
+    id: std::result::Result<Path<String>, PathRejection>,
+) -> ApiResult<Json<Diagnosis>> {
+    let job = visible_job(&state, &caller, &job_id(id)?).await?;
     let findings = diagnosis_of(&state.control, &job).await?;
-    Ok(Json(json!({ "id": job.id, "state": job.state, "findings": findings })))
+    Ok(Json(Diagnosis { id: job.id, state: job.state, findings: findings.iter().map(crate::view::finding).collect() }))
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, IntoParams)]
 #[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
 pub struct CostQuery {
     #[serde(default, rename = "access_token")]
+    #[param(ignore)]
     _token: Option<String>,
+    /// An admin's choice of team (another caller may name only its own); an admin sees all teams by default.
     #[serde(default)]
     team: Option<String>,
     /// Jobs created at or after this time (ms since the epoch).
@@ -423,16 +475,26 @@ pub struct CostQuery {
     since: Option<i64>,
 }
 
+#[utoipa::path(
+    get, path = "/api/v1/cost", tag = "cluster", params(CostQuery),
+    responses(
+        (status = 200, description = "Resource-hours and money per job and team at the server's prices",
+            body = CostReport),
+        (status = 400, description = "A bad query", body = ErrorBody),
+        AuthErrors,
+        (status = 403, description = "Another team's costs", body = ErrorBody),
+    )
+)]
 pub async fn cost(
     State(state): State<AppState>,
     caller: Caller,
     q: std::result::Result<Query<CostQuery>, QueryRejection>,
-) -> Result<Json<Value>> {
+) -> ApiResult<Json<CostReport>> {
     let q = query(q)?;
     let team = match (q.team, caller.0.admin) {
         (t, true) => t,
         (Some(t), false) if t != caller.0.team => {
-            return Err(ControlError::Forbidden(format!("you are in team {}, not {t}", caller.0.team)));
+            return Err(ApiError::forbidden(format!("you are in team {}, not {t}", caller.0.team)));
         }
         (_, false) => Some(caller.0.team.clone()),
     };
@@ -448,8 +510,7 @@ pub async fn cost(
             (spec.resources.cpus as f64 / 1000.0, spec.resources.memory, spec.resources.gpus as f64 / 1000.0);
         costs.push(crate::cost::job_cost(j, per_worker, &tasks, &samples, &c.config.prices, now_ms));
     }
-    let report = crate::cost::report(costs, &c.config.prices);
-    Ok(Json(serde_json::to_value(report).unwrap_or(Value::Null)))
+    Ok(Json(crate::cost::report(costs, &c.config.prices)))
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -479,18 +540,17 @@ async fn scrape(c: &Control, team: Option<&str>) -> Result<String> {
             r.with_label_values(&[q.name.as_str()]).set(n(JobState::Running));
         }
     }
-    let node = node_json(c);
-    let id = node["id"].as_str().unwrap_or("local").to_owned();
+    let node = crate::view::node(c);
     for (name, help, v) in [
-        ("shoal_node_cpus", "CPUs a node offers", node["cpus"].as_f64()),
-        ("shoal_node_cpus_allocated", "CPUs allocated to jobs", node["allocated"]["cpus"].as_f64()),
-        ("shoal_node_memory_bytes", "Memory a node offers", node["memory_bytes"].as_f64()),
-        ("shoal_node_memory_allocated_bytes", "Memory allocated to jobs", node["allocated"]["memory_bytes"].as_f64()),
-        ("shoal_node_gpus", "GPUs a node offers", node["gpus"].as_array().map(|a| a.len() as f64)),
-        ("shoal_node_gpus_allocated", "GPUs allocated to jobs", node["allocated"]["gpus"].as_f64()),
+        ("shoal_node_cpus", "CPUs a node offers", node.cpus),
+        ("shoal_node_cpus_allocated", "CPUs allocated to jobs", node.allocated.cpus),
+        ("shoal_node_memory_bytes", "Memory a node offers", node.memory_bytes as f64),
+        ("shoal_node_memory_allocated_bytes", "Memory allocated to jobs", node.allocated.memory_bytes as f64),
+        ("shoal_node_gpus", "GPUs a node offers", node.gpus.len() as f64),
+        ("shoal_node_gpus_allocated", "GPUs allocated to jobs", node.allocated.gpus),
     ] {
         if let Some(g) = gauge(&reg, name, help, &["node"]) {
-            g.with_label_values(&[id.as_str()]).set(v.unwrap_or(0.0));
+            g.with_label_values(&[node.id.as_str()]).set(v);
         }
     }
     let loss = gauge(&reg, "shoal_job_loss", "Newest training loss of a running job", &["job", "name"]);
@@ -547,7 +607,16 @@ async fn scrape(c: &Control, team: Option<&str>) -> Result<String> {
 /// `GET /metrics`: needs a token like the API (Prometheus sends it with `authorization: {credentials: ...}`).
 /// `/metrics`: an admin's token sees every job's series, a team's token its own team's only (the node's capacity
 /// and allocation are the same for all).
-pub async fn prometheus(State(state): State<AppState>, caller: Caller) -> Result<Response> {
+#[utoipa::path(
+    get, path = "/metrics", tag = "meta",
+    responses(
+        (status = 200, description = "Prometheus text exposition: the server's own metrics, jobs, queues, the node, \
+                                      running jobs' loss, step, throughput and workers' resources",
+            body = String, content_type = "text/plain; version=0.0.4"),
+        AuthErrors,
+    )
+)]
+pub async fn prometheus(State(state): State<AppState>, caller: Caller) -> ApiResult<Response> {
     let team = (!caller.0.admin).then_some(caller.0.team.as_str());
     let text = scrape(&state.control, team).await?;
     Ok((StatusCode::OK, [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response())

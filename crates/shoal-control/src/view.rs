@@ -1,177 +1,211 @@
-//! What the API shows of jobs, tasks, queues and nodes: its own types and JSON, built from the store's rows and the
-//! scheduler's books, so that a column added to the store (a secret, a checkpoint key, a process' start time) never
-//! reaches a client by accident, and a row can change shape without changing the API.
+//! What the API shows of jobs, tasks, queues, nodes, events, metrics and samples: the `shoal-wire` types, built
+//! here from the store's rows and the scheduler's books, so that a column added to the store (a secret, a
+//! checkpoint key, a process' start time) never reaches a client by accident, and a row can change shape without
+//! changing the API.
 
-use serde::Serialize;
-use serde_json::{Value, json};
+use shoal_wire as wire;
 
-use crate::control::Control;
-use crate::db::{JobRow, JobState, TaskRow, TaskState};
+use crate::control::{Control, parse_stored_spec};
+use crate::db::{ClusterSample, EventRow, JobRow, JobState, MetricRow, Principal, SampleRow, TaskRow};
 use crate::error::Result;
 
-/// A job in listings (and the head of `GET /api/v1/jobs/{id}`).
-#[derive(Debug, Clone, Serialize)]
-pub struct JobView<'a> {
-    pub id: &'a str,
-    pub name: &'a str,
-    pub user: &'a str,
-    pub team: &'a str,
-    pub queue: &'a str,
-    pub priority: i64,
-    pub state: JobState,
-    pub restarts: i64,
-    pub attempt: i64,
-    /// Workers of the current (or last) attempt.
-    pub worker_count: i64,
-    pub created_ms: i64,
-    pub started_ms: Option<i64>,
-    pub finished_ms: Option<i64>,
-    pub reason: &'a str,
-    pub cancel_requested: bool,
-}
-
-impl<'a> From<&'a JobRow> for JobView<'a> {
-    fn from(j: &'a JobRow) -> Self {
-        JobView {
-            id: &j.id,
-            name: &j.name,
-            user: &j.user,
-            team: &j.team,
-            queue: &j.queue,
-            priority: j.priority,
-            state: j.state,
-            restarts: j.restarts,
-            attempt: j.attempt,
-            worker_count: j.workers,
-            created_ms: j.created_ms,
-            started_ms: j.started_ms,
-            finished_ms: j.finished_ms,
-            reason: &j.reason,
-            cancel_requested: j.cancel_requested,
-        }
-    }
-}
-
-/// One worker of a job's current attempt.
-#[derive(Debug, Clone, Serialize)]
-pub struct TaskView<'a> {
-    pub job_id: &'a str,
-    pub attempt: i64,
-    pub rank: i64,
-    pub node: &'a str,
-    pub host: &'a str,
-    /// The training process itself: the one to signal, profile or attach a debugger to.
-    pub pid: Option<i64>,
-    /// The exit-status wrapper, leader of the task's session (its process group gets the server's signals).
-    pub wrapper_pid: Option<i64>,
-    pub state: TaskState,
-    pub exit_code: Option<i64>,
-    pub reason: &'a str,
-    /// CPUs it is pinned to (`0-3,6`), empty when not pinned.
-    pub cpus: &'a str,
-    /// `CUDA_VISIBLE_DEVICES` it got, empty for none.
-    pub gpus: &'a str,
-    pub started_ms: Option<i64>,
-    pub ended_ms: Option<i64>,
-    pub cpu_seconds: Option<f64>,
-}
-
-impl<'a> From<&'a TaskRow> for TaskView<'a> {
-    fn from(t: &'a TaskRow) -> Self {
-        TaskView {
-            job_id: &t.job_id,
-            attempt: t.attempt,
-            rank: t.rank,
-            node: &t.node,
-            host: &t.host,
-            pid: t.worker_pid,
-            wrapper_pid: t.pid,
-            state: t.state,
-            exit_code: t.exit_code,
-            reason: &t.reason,
-            cpus: &t.cpus,
-            gpus: &t.gpus,
-            started_ms: t.started_ms,
-            ended_ms: t.ended_ms,
-            cpu_seconds: t.cpu_seconds,
-        }
-    }
-}
-
 /// A job in listings.
-pub(crate) fn job_json(j: &JobRow) -> Value {
-    serde_json::to_value(crate::view::JobView::from(j)).unwrap_or(Value::Null)
+pub fn job(j: &JobRow) -> wire::JobView {
+    wire::JobView {
+        id: j.id.clone(),
+        name: j.name.clone(),
+        user: j.user.clone(),
+        team: j.team.clone(),
+        queue: j.queue.clone(),
+        priority: j.priority,
+        state: j.state,
+        restarts: j.restarts,
+        attempt: j.attempt,
+        worker_count: j.workers,
+        created_ms: j.created_ms,
+        started_ms: j.started_ms,
+        finished_ms: j.finished_ms,
+        reason: j.reason.clone(),
+        cancel_requested: j.cancel_requested,
+    }
+}
+
+/// One worker of a job's attempt.
+pub fn task(t: &TaskRow) -> wire::TaskView {
+    wire::TaskView {
+        job_id: t.job_id.clone(),
+        attempt: t.attempt,
+        rank: t.rank,
+        node: t.node.clone(),
+        host: t.host.clone(),
+        pid: t.worker_pid,
+        wrapper_pid: t.pid,
+        state: t.state,
+        exit_code: t.exit_code,
+        reason: t.reason.clone(),
+        cpus: t.cpus.clone(),
+        gpus: t.gpus.clone(),
+        started_ms: t.started_ms,
+        ended_ms: t.ended_ms,
+        cpu_seconds: t.cpu_seconds,
+    }
+}
+
+pub fn event(e: &EventRow) -> wire::Event {
+    wire::Event {
+        id: e.id,
+        job_id: e.job_id.clone(),
+        time_ms: e.time_ms,
+        kind: e.kind.clone(),
+        state: e.state.clone(),
+        message: e.message.clone(),
+    }
+}
+
+pub fn metric(m: MetricRow) -> wire::Metric {
+    wire::Metric { rank: m.rank, step: m.step, time_ms: m.time_ms, data: m.data }
+}
+
+/// A metrics line a client sent, as the store keeps it.
+pub fn metric_row(m: wire::Metric) -> MetricRow {
+    MetricRow { rank: m.rank, step: m.step, time_ms: m.time_ms, data: m.data }
+}
+
+pub fn sample(s: &SampleRow) -> wire::Sample {
+    wire::Sample {
+        rank: s.rank,
+        time_ms: s.time_ms,
+        cpu_percent: s.cpu_percent,
+        rss_bytes: s.rss_bytes,
+        cpu_seconds: s.cpu_seconds,
+        net_rx_bytes_per_s: s.net_rx_bytes_per_s,
+        net_tx_bytes_per_s: s.net_tx_bytes_per_s,
+        gpu_util_percent: s.gpu_util_percent,
+        gpu_memory_bytes: s.gpu_memory_bytes,
+        gpu_temperature_c: s.gpu_temperature_c,
+        gpu_power_w: s.gpu_power_w,
+    }
+}
+
+pub fn cluster_sample(c: &ClusterSample) -> wire::ClusterSample {
+    wire::ClusterSample {
+        time_ms: c.time_ms,
+        cpus_allocated: c.cpus_allocated,
+        memory_allocated_bytes: c.memory_allocated_bytes,
+        gpus_allocated: c.gpus_allocated,
+        pending: c.pending,
+        running: c.running,
+    }
+}
+
+pub fn whoami(p: &Principal) -> wire::WhoAmI {
+    wire::WhoAmI { user: p.user.clone(), team: p.team.clone(), admin: p.admin }
+}
+
+pub fn finding(f: &crate::diagnose::Finding) -> wire::Finding {
+    wire::Finding { kind: f.kind.to_owned(), rank: f.rank, evidence: f.evidence.clone(), action: f.action.clone() }
 }
 
 /// A job as `GET /api/v1/jobs/{id}` shows it: the row, its current workers, its events, spec, summary and the
-/// newest metrics line.
-pub(crate) async fn job_view(control: &Control, job: &JobRow) -> Result<Value> {
+/// newest metrics line of rank 0.
+pub async fn job_detail(control: &Control, job: &JobRow) -> Result<wire::JobDetail> {
     let db = &control.db;
     let tasks = db.tasks(&job.id, job.attempt).await?;
     let events = db.events(&job.id, 0).await?;
     let last = db.metrics(&job.id, Some(0), db.last_metric_step(&job.id, 0).await? - 1, 1).await?;
-    let mut v = job_json(job);
-    if let Some(obj) = v.as_object_mut() {
-        let workers: Vec<crate::view::TaskView<'_>> = tasks.iter().map(Into::into).collect();
-        obj.insert("workers".into(), serde_json::to_value(&workers).unwrap_or(Value::Null));
-        obj.insert("events".into(), serde_json::to_value(&events).unwrap_or(Value::Null));
-        obj.insert("spec".into(), serde_json::from_str(&job.spec).unwrap_or(Value::Null));
-        obj.insert(
-            "summary".into(),
-            job.summary.as_deref().and_then(|s| serde_json::from_str(s).ok()).unwrap_or(Value::Null),
-        );
-        obj.insert("last_metrics".into(), last.first().map_or(Value::Null, |m| m.data.clone()));
-    }
-    Ok(v)
+    Ok(wire::JobDetail {
+        job: self::job(job),
+        workers: tasks.iter().map(task).collect(),
+        events: events.iter().map(event).collect(),
+        // Parsed afresh rather than through the control loop's cache, which holds active jobs only.
+        spec: parse_stored_spec(job).ok(),
+        summary: job.summary.as_deref().and_then(|s| serde_json::from_str(s).ok()),
+        last_metrics: last.into_iter().next().map(|m| m.data).filter(|d| !d.is_null()),
+    })
 }
 
 /// The queues with their guarantees and what their jobs hold now.
-pub(crate) async fn queues_json(c: &Control) -> Result<Vec<Value>> {
+pub async fn queues(c: &Control) -> Result<Vec<wire::QueueView>> {
     let active = c.db.jobs_in(&[JobState::Pending, JobState::Running, JobState::Preempted]).await?;
     let mut out = Vec::new();
     for q in &c.queues {
-        let count = |s: JobState| active.iter().filter(|j| j.queue == q.name && j.state == s).count();
-        let (mut cpus, mut mem, mut gpus) = (0.0, 0u64, 0.0);
+        let count = |s: JobState| active.iter().filter(|j| j.queue == q.name && j.state == s).count() as u64;
+        let mut held = wire::Resources::default();
         for j in
             active.iter().filter(|j| j.queue == q.name && matches!(j.state, JobState::Running | JobState::Preempted))
         {
             if let Ok(spec) = c.spec_of(j) {
                 let n = j.workers as f64;
-                cpus += n * spec.resources.cpus as f64 / 1000.0;
-                mem += j.workers.max(0) as u64 * spec.resources.memory;
-                gpus += n * spec.resources.gpus as f64 / 1000.0;
+                held.cpus += n * spec.resources.cpus as f64 / 1000.0;
+                held.memory_bytes += j.workers.max(0) as u64 * spec.resources.memory;
+                held.gpus += n * spec.resources.gpus as f64 / 1000.0;
             }
         }
-        out.push(json!({
-            "name": q.name,
-            "guaranteed": { "cpus": q.guaranteed.cpus_milli as f64 / 1000.0, "memory_bytes": q.guaranteed.memory_bytes,
-                            "gpus": q.guaranteed.gpus_milli as f64 / 1000.0 },
-            "can_borrow": q.can_borrow,
-            "pending": count(JobState::Pending),
-            "running": count(JobState::Running),
-            "preempted": count(JobState::Preempted),
-            "allocated": { "cpus": cpus, "memory_bytes": mem, "gpus": gpus },
-        }));
+        out.push(wire::QueueView {
+            name: q.name.clone(),
+            guaranteed: wire::Resources {
+                cpus: q.guaranteed.cpus_milli as f64 / 1000.0,
+                memory_bytes: q.guaranteed.memory_bytes,
+                gpus: q.guaranteed.gpus_milli as f64 / 1000.0,
+            },
+            can_borrow: q.can_borrow,
+            pending: count(JobState::Pending),
+            running: count(JobState::Running),
+            preempted: count(JobState::Preempted),
+            allocated: held,
+        });
     }
     Ok(out)
 }
 
 /// The node with its capacity and what is allocated on it.
-pub(crate) fn node_json(c: &Control) -> Value {
+pub fn node(c: &Control) -> wire::NodeView {
     let alloc = c.allocations();
     let n = &c.node;
     let a = alloc.iter().find(|a| a.node == n.id);
-    let node = json!({
-        "id": n.id,
-        "host": n.host,
-        "cpus": n.cpus_milli as f64 / 1000.0,
-        "memory_bytes": n.memory_bytes,
-        "gpus": n.gpus.iter().map(|g| json!({ "index": g.index, "kind": g.kind, "memory_bytes": g.memory_bytes })).collect::<Vec<_>>(),
-        "allocated": {
-            "cpus": a.map_or(0.0, |a| a.cpus_milli as f64 / 1000.0),
-            "memory_bytes": a.map_or(0, |a| a.memory_bytes),
-            "gpus": a.map_or(0.0, |a| a.gpus.iter().map(|(share, _)| f64::from(*share)).sum::<f64>() / 1000.0 + 0.0),
+    wire::NodeView {
+        id: n.id.clone(),
+        host: n.host.clone(),
+        cpus: n.cpus_milli as f64 / 1000.0,
+        memory_bytes: n.memory_bytes,
+        gpus: n
+            .gpus
+            .iter()
+            .map(|g| wire::GpuView { index: g.index, kind: g.kind.clone(), memory_bytes: g.memory_bytes })
+            .collect(),
+        allocated: wire::Resources {
+            cpus: a.map_or(0.0, |a| a.cpus_milli as f64 / 1000.0),
+            memory_bytes: a.map_or(0, |a| a.memory_bytes),
+            gpus: a.map_or(0.0, |a| a.gpus.iter().map(|(share, _)| f64::from(*share)).sum::<f64>() / 1000.0 + 0.0),
         },
-    });
-    node
+    }
+}
+
+/// The cluster at a glance: capacity and allocation, jobs by state, queues, allocation over time.
+pub async fn overview(c: &Control) -> Result<wire::Overview> {
+    let mut jobs = wire::JobCounts::default();
+    for j in c.db.jobs(None, &[], 100_000).await? {
+        let n = match j.state {
+            JobState::Pending => &mut jobs.pending,
+            JobState::Running => &mut jobs.running,
+            JobState::Preempted => &mut jobs.preempted,
+            JobState::Succeeded => &mut jobs.succeeded,
+            JobState::Failed => &mut jobs.failed,
+            JobState::Cancelled => &mut jobs.cancelled,
+        };
+        *n += 1;
+    }
+    let node = node(c);
+    let history = c.db.cluster_samples(0, 2000).await?;
+    Ok(wire::Overview {
+        cluster: wire::ClusterView {
+            cpus: node.cpus,
+            memory_bytes: node.memory_bytes,
+            gpus: node.gpus.len() as u64,
+            allocated: node.allocated,
+        },
+        jobs,
+        queues: queues(c).await?,
+        history: history.iter().map(cluster_sample).collect(),
+    })
 }

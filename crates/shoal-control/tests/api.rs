@@ -336,9 +336,44 @@ async fn lifecycle_with_real_processes(e: &Env) {
     )
     .await;
     assert_eq!((st, v["stored"].as_i64()), (StatusCode::OK, Some(0)), "a repeated batch is stored once: {v}");
+    // A line is a JSON object: anything else is refused, naming it, and never stored.
+    let odd = json!({ "metrics": [{ "rank": 0, "step": 3, "time_ms": 3, "data": [null, null] }] });
+    let (st, v) = call(
+        a,
+        "POST",
+        &format!("/api/v1/jobs/{id}/metrics"),
+        Some(t),
+        "application/json",
+        odd.to_string().into_bytes(),
+    )
+    .await;
+    assert_eq!((st, v["field"].as_str()), (StatusCode::BAD_REQUEST, Some("metrics[0].data")), "{v}");
     let (_, v) = get(a, &format!("/api/v1/jobs/{id}/metrics?after=1"), t).await;
     assert_eq!(v["metrics"].as_array().map(Vec::len), Some(1), "{v}");
     assert_eq!(v["metrics"][0]["data"]["loss"], 2.0, "{v}");
+
+    // Resource samples, thinned to about max_points per rank, however large the number asked for.
+    let rows: Vec<shoal_control::db::SampleRow> = (0..40)
+        .map(|i| shoal_control::db::SampleRow {
+            rank: i % 2,
+            time_ms: 1_000 + i,
+            cpu_percent: Some(50.0),
+            rss_bytes: Some(1 << 20),
+            cpu_seconds: None,
+            net_rx_bytes_per_s: None,
+            net_tx_bytes_per_s: None,
+            gpu_util_percent: None,
+            gpu_memory_bytes: None,
+            gpu_temperature_c: None,
+            gpu_power_w: None,
+        })
+        .collect();
+    e.p.control.db.insert_samples(&id, &rows).await.expect("insert samples");
+    let (st, v) = get(a, &format!("/api/v1/jobs/{id}/samples?max_points=5"), t).await;
+    let n = v["samples"].as_array().map_or(0, Vec::len);
+    assert!(st == StatusCode::OK && (10..=12).contains(&n), "{n} samples for 5 per rank: {v}");
+    let (st, v) = get(a, &format!("/api/v1/jobs/{id}/samples?max_points={}", usize::MAX), t).await;
+    assert_eq!((st, v["samples"].as_array().map(Vec::len)), (StatusCode::OK, Some(40)), "{v}");
 }
 
 /// A job of higher priority preempts a running one: the victim gets SIGTERM and its grace period, goes back to the

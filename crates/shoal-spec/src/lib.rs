@@ -40,6 +40,8 @@
 //!   through the accessor of the same name (`TrainSpec::momentum()`, `ModelSpec::hidden()`, ...).
 //! - `[train.model]` and `model = "kind"` are the same key: TOML cannot hold both, so the table form names the
 //!   kind with `kind = "..."`.
+//! - Feature `openapi`: the spec's types describe themselves to OpenAPI documents (`utoipa::ToSchema`; the forms
+//!   deriving cannot say, quantities and the model's two forms, in `schema.rs`), for the server's API document.
 //!
 //! # Defaults
 //!
@@ -91,6 +93,8 @@ pub mod data;
 use data::{Kind, Options, Split};
 
 mod platform;
+#[cfg(feature = "openapi")]
+mod schema;
 mod stats;
 
 pub use platform::{
@@ -160,12 +164,15 @@ type Result<T, E = SpecError> = std::result::Result<T, E>;
 
 /// A whole job.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct JobSpec {
     /// The job's name: 1–128 characters of `[A-Za-z0-9._-]`, not starting with `.` (it names directories).
+    #[cfg_attr(feature = "openapi", schema(pattern = "^[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$"))]
     pub name: String,
     /// The queue it waits in on a platform (default `default`).
     #[serde(default = "default_queue")]
+    #[cfg_attr(feature = "openapi", schema(pattern = "^[A-Za-z0-9._-]{1,64}$"))]
     pub queue: String,
     /// Higher runs first and may preempt lower (default 0).
     #[serde(default)]
@@ -189,6 +196,7 @@ fn default_queue() -> String {
 }
 
 /// How work is spread over the workers.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Strategy {
@@ -250,6 +258,7 @@ impl<'de> Deserialize<'de> for Strategy {
 }
 
 /// The built-in models.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum ModelKind {
@@ -287,6 +296,7 @@ impl fmt::Display for ModelKind {
 }
 
 /// The optimizers.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum OptimizerKind {
@@ -307,6 +317,7 @@ impl OptimizerKind {
 }
 
 /// The learning-rate schedule after the linear warm-up.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Schedule {
@@ -318,6 +329,7 @@ pub enum Schedule {
 }
 
 /// When the gradient all-reduce runs.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Overlap {
@@ -332,24 +344,29 @@ pub enum Overlap {
 }
 
 /// `[train]`.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TrainSpec {
     /// `model = "mlp"` or a `[train.model]` table with `kind = "mlp"` and sizes.
     pub model: ModelSpec,
     /// A built-in dataset (see `data::catalogue()`).
+    #[cfg_attr(feature = "openapi", schema(value_type = crate::schema::DatasetName))]
     pub dataset: String,
     #[serde(default)]
     pub strategy: Strategy,
     /// Samples per optimizer step, over all ranks and all accumulation micro-steps together.
+    #[cfg_attr(feature = "openapi", schema(minimum = 1))]
     pub global_batch: usize,
     /// Optimizer steps.
+    #[cfg_attr(feature = "openapi", schema(minimum = 1))]
     pub steps: usize,
     #[serde(default)]
     pub seed: u64,
     #[serde(default)]
     pub optimizer: OptimizerKind,
     /// Peak learning rate.
+    #[cfg_attr(feature = "openapi", schema(exclusive_minimum = 0.0))]
     pub lr: f64,
     /// SGD only (default 0.9); read [`TrainSpec::momentum`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -359,12 +376,14 @@ pub struct TrainSpec {
     pub weight_decay: Option<f64>,
     /// AdamW only (default [0.9, 0.999]); read [`TrainSpec::betas`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(min_items = 2, max_items = 2))]
     pub betas: Option<[f64; 2]>,
     /// AdamW only (default 1e-8); read [`TrainSpec::eps`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub eps: Option<f64>,
     /// Micro-steps per optimizer step: each takes `global_batch / grad_accum` samples over all ranks.
     #[serde(default = "one")]
+    #[cfg_attr(feature = "openapi", schema(minimum = 1))]
     pub grad_accum: usize,
     #[serde(default)]
     pub warmup_steps: usize,
@@ -439,6 +458,7 @@ pub struct ModelSpec {
 
 /// The table form of [`ModelSpec`] (the derived, strict deserializer).
 #[derive(Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 struct ModelTable {
     kind: ModelKind,
@@ -495,6 +515,7 @@ impl<'de> Deserialize<'de> for ModelSpec {
 }
 
 /// `[checkpoint]`.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CheckpointSpec {

@@ -31,14 +31,18 @@ pub const MAX_BYTES: u64 = 1 << 60;
 pub const MAX_MILLI: u64 = 1_000_000_000_000;
 
 /// `[workers]`: a fixed `count`, or `min..=max` for an elastic job.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct WorkersSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 65536))]
     pub count: Option<u32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 65536))]
     pub min: Option<u32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 65536))]
     pub max: Option<u32>,
     /// One worker per host instead of packing.
     #[serde(default)]
@@ -81,16 +85,21 @@ impl WorkersSpec {
 }
 
 /// `[resources]`, per worker. CPUs and GPUs are kept in thousandths, memory in bytes.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ResourcesSpec {
     #[serde(default = "one_cpu", deserialize_with = "milli_de", serialize_with = "cpus_ser")]
+    #[cfg_attr(feature = "openapi", schema(value_type = crate::schema::Quantity))]
     pub cpus: u64,
     #[serde(default = "one_gib", deserialize_with = "bytes_de")]
+    #[cfg_attr(feature = "openapi", schema(value_type = crate::schema::Bytes))]
     pub memory: u64,
     #[serde(default, deserialize_with = "milli_de", serialize_with = "gpus_ser")]
+    #[cfg_attr(feature = "openapi", schema(value_type = crate::schema::Quantity))]
     pub gpus: u64,
     #[serde(default, deserialize_with = "bytes_de")]
+    #[cfg_attr(feature = "openapi", schema(value_type = crate::schema::Bytes))]
     pub gpu_memory: u64,
 }
 
@@ -139,6 +148,7 @@ impl ResourcesSpec {
 }
 
 /// `[restart]`.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RestartSpec {

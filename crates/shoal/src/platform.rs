@@ -15,7 +15,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
 use clap::Args;
+use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
+use shoal_wire::{
+    CancelAccepted, CostReport, Diagnosis, ErrorBody, EventList, JobDetail, JobList, NodeList, QueueList, Submitted,
+};
 
 pub const DEFAULT_ADDR: &str = "127.0.0.1:7733";
 
@@ -167,10 +171,7 @@ impl Client {
         }
         let mut resp = resp;
         let text = resp.body_mut().read_to_string().unwrap_or_default();
-        let msg = serde_json::from_str::<Value>(&text)
-            .ok()
-            .and_then(|v| v.get("error").and_then(Value::as_str).map(str::to_owned))
-            .unwrap_or(text);
+        let msg = serde_json::from_str::<ErrorBody>(&text).map_or(text, |e| e.error);
         bail!("{what}: {} {}", status.as_u16(), msg.trim())
     }
 
@@ -227,6 +228,16 @@ impl Client {
         resp.body_mut().read_json().map_err(|e| anyhow!("POST {path}: bad JSON from the server: {e}"))
     }
 
+    /// GET, read as one of the API's types.
+    pub fn get_as<T: DeserializeOwned>(&self, path: &str) -> Result<T> {
+        typed(self.get(path)?, &format!("GET {path}"))
+    }
+
+    /// POST, the answer read as one of the API's types.
+    pub fn post_as<T: DeserializeOwned>(&self, path: &str, content_type: &str, body: &[u8]) -> Result<T> {
+        typed(self.post(path, content_type, body)?, &format!("POST {path}"))
+    }
+
     /// Streams a text body to `out` until the server ends it.
     pub fn stream(&self, path: &str, out: &mut dyn Write) -> Result<()> {
         let mut req = self.agent.get(format!("{}{path}", self.base));
@@ -246,6 +257,11 @@ impl Client {
             out.flush()?;
         }
     }
+}
+
+/// A response body read as one of the API's types (`shoal_wire`); `what` names the request in the error.
+fn typed<T: DeserializeOwned>(v: Value, what: &str) -> Result<T> {
+    serde_json::from_value(v).map_err(|e| anyhow!("{what}: the server's answer is not what this client expects: {e}"))
 }
 
 // ------------------------------------------------------------------------------------------------------------
@@ -332,7 +348,7 @@ pub fn server_options(args: &ServerArgs) -> Result<shoal_control::ServerOptions>
     }
     if let Some(p) = &args.prices {
         let text = std::fs::read_to_string(p).with_context(|| format!("--prices {}", p.display()))?;
-        o.prices = shoal_control::cost::Prices::parse(&text).map_err(|e| anyhow!("--prices {}: {e}", p.display()))?;
+        o.prices = shoal_control::cost::parse_prices(&text).map_err(|e| anyhow!("--prices {}: {e}", p.display()))?;
     }
     Ok(o)
 }
@@ -362,8 +378,8 @@ pub fn submit(client: &Client, job: &Path, json_out: bool) -> Result<bool> {
     within_body_limit(job, text.len())?;
     // Check locally first: errors then name the file and line.
     let spec = shoal_spec::parse_job(&text, &job.display().to_string()).map_err(|e| anyhow!("{e}"))?;
-    let v = client.post("/api/v1/jobs", "application/toml", text.as_bytes())?;
-    let id = v.get("id").and_then(Value::as_str).unwrap_or("?");
+    let v: Submitted = client.post_as("/api/v1/jobs", "application/toml", text.as_bytes())?;
+    let id = v.id.as_str();
     if json_out {
         println!("{}", json!({ "id": id }));
     } else {
@@ -399,93 +415,73 @@ fn age(ms: Option<i64>) -> String {
     }
 }
 
-fn s<'a>(v: &'a Value, k: &str) -> &'a str {
-    v.get(k).and_then(Value::as_str).unwrap_or("")
-}
-
-fn i(v: &Value, k: &str) -> i64 {
-    v.get(k).and_then(Value::as_i64).unwrap_or(0)
-}
-
 pub fn jobs(client: &Client, state: Option<&str>, json_out: bool) -> Result<bool> {
     let q = state.map(|s| format!("?state={s}")).unwrap_or_default();
-    let v = client.get(&format!("/api/v1/jobs{q}"))?;
+    let path = format!("/api/v1/jobs{q}");
+    let v = client.get(&path)?;
     if json_out {
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(true);
     }
-    let empty = Vec::new();
-    let list = v.get("jobs").and_then(Value::as_array).unwrap_or(&empty);
+    let list: JobList = typed(v, &format!("GET {path}"))?;
     println!(
         "{:<11} {:<24} {:<10} {:<10} {:<9} {:>7} {:>8} {:>6}",
         "ID", "NAME", "STATE", "TEAM", "QUEUE", "WORKERS", "RESTARTS", "AGE"
     );
-    for j in list {
+    for j in &list.jobs {
         println!(
             "{:<11} {:<24} {:<10} {:<10} {:<9} {:>7} {:>8} {:>6}",
-            s(j, "id"),
-            s(j, "name"),
-            s(j, "state"),
-            s(j, "team"),
-            s(j, "queue"),
-            i(j, "worker_count"),
-            i(j, "restarts"),
-            age(j.get("created_ms").and_then(Value::as_i64))
+            j.id,
+            j.name,
+            j.state.as_str(),
+            j.team,
+            j.queue,
+            j.worker_count,
+            j.restarts,
+            age(Some(j.created_ms))
         );
     }
     Ok(true)
 }
 
 pub fn status(client: &Client, id: &str, json_out: bool) -> Result<bool> {
-    let v = client.get(&format!("/api/v1/jobs/{id}"))?;
+    let path = format!("/api/v1/jobs/{id}");
+    let v = client.get(&path)?;
     if json_out {
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(true);
     }
-    println!("{} {} — {}", s(&v, "id"), s(&v, "name"), s(&v, "state"));
-    println!(
-        "  team {} (user {}), queue {}, priority {}",
-        s(&v, "team"),
-        s(&v, "user"),
-        s(&v, "queue"),
-        i(&v, "priority")
-    );
-    println!("  attempt {}, restarts {}; {}", i(&v, "attempt"), i(&v, "restarts"), s(&v, "reason"));
-    if let Some(m) = v.get("last_metrics").filter(|m| !m.is_null()) {
-        let steps = v.pointer("/spec/train/steps").and_then(Value::as_i64).unwrap_or(0);
+    let d: JobDetail = typed(v, &format!("GET {path}"))?;
+    let j = &d.job;
+    println!("{} {} — {}", j.id, j.name, j.state.as_str());
+    println!("  team {} (user {}), queue {}, priority {}", j.team, j.user, j.queue, j.priority);
+    println!("  attempt {}, restarts {}; {}", j.attempt, j.restarts, j.reason);
+    if let Some(m) = &d.last_metrics {
+        let steps = d.spec.as_ref().map_or(0, |s| s.train.steps);
         println!(
             "  step {}/{steps}, loss {:.4}",
             m.get("step").and_then(Value::as_i64).unwrap_or(0),
             m.get("loss").and_then(Value::as_f64).unwrap_or(f64::NAN)
         );
     }
-    if let Some(ws) = v.get("workers").and_then(Value::as_array) {
-        println!("  {:<5} {:<8} {:<16} {:<8} {:>5} {:<8}", "RANK", "PID", "HOST", "STATE", "EXIT", "CPUS");
-        for w in ws {
-            println!(
-                "  {:<5} {:<8} {:<16} {:<8} {:>5} {:<8}",
-                i(w, "rank"),
-                w.get("pid").and_then(Value::as_i64).map_or("-".into(), |p| p.to_string()),
-                s(w, "host"),
-                s(w, "state"),
-                w.get("exit_code").and_then(Value::as_i64).map_or("-".into(), |c| c.to_string()),
-                s(w, "cpus")
-            );
-        }
+    println!("  {:<5} {:<8} {:<16} {:<8} {:>5} {:<8}", "RANK", "PID", "HOST", "STATE", "EXIT", "CPUS");
+    for w in &d.workers {
+        println!(
+            "  {:<5} {:<8} {:<16} {:<8} {:>5} {:<8}",
+            w.rank,
+            w.pid.map_or("-".into(), |p| p.to_string()),
+            w.host,
+            w.state.as_str(),
+            w.exit_code.map_or("-".into(), |c| c.to_string()),
+            w.cpus
+        );
     }
-    if let Some(sum) = v.get("summary").filter(|m| !m.is_null()) {
+    if let Some(sum) = &d.summary {
         print_summary(sum);
     }
-    if let Some(evs) = v.get("events").and_then(Value::as_array) {
-        println!("  events:");
-        for e in evs {
-            println!(
-                "    {:>6} {:<10} {}",
-                age(e.get("time_ms").and_then(Value::as_i64)),
-                s(e, "kind"),
-                s(e, "message")
-            );
-        }
+    println!("  events:");
+    for e in &d.events {
+        println!("    {:>6} {:<10} {}", age(Some(e.time_ms)), e.kind, e.message);
     }
     Ok(true)
 }
@@ -541,11 +537,13 @@ impl<W: Write> Write for Counting<W> {
 }
 
 pub fn cancel(client: &Client, id: &str, json_out: bool) -> Result<bool> {
-    let v = client.post(&format!("/api/v1/jobs/{id}/cancel"), "application/json", b"{}")?;
+    let path = format!("/api/v1/jobs/{id}/cancel");
+    let v = client.post(&path, "application/json", b"{}")?;
     if json_out {
         println!("{v}");
     } else {
-        println!("cancelling {id}");
+        let c: CancelAccepted = typed(v, &format!("POST {path}"))?;
+        println!("cancelling {}", c.id);
     }
     Ok(true)
 }
@@ -556,22 +554,23 @@ pub fn queues(client: &Client, json_out: bool) -> Result<bool> {
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(true);
     }
+    let list: QueueList = typed(v, "GET /api/v1/queues")?;
     println!(
         "{:<12} {:>8} {:>12} {:>6} {:>7} {:>8} {:>8} {:>9}",
         "QUEUE", "CPUS", "MEMORY", "GPUS", "BORROW", "PENDING", "RUNNING", "PREEMPTED"
     );
-    for q in v.get("queues").and_then(Value::as_array).into_iter().flatten() {
-        let g = q.get("guaranteed").cloned().unwrap_or(Value::Null);
+    for q in &list.queues {
+        let g = &q.guaranteed;
         println!(
             "{:<12} {:>8} {:>12} {:>6} {:>7} {:>8} {:>8} {:>9}",
-            s(q, "name"),
-            g.get("cpus").and_then(Value::as_f64).unwrap_or(0.0),
-            bytes(g.get("memory_bytes").and_then(Value::as_u64).unwrap_or(0)),
-            g.get("gpus").and_then(Value::as_f64).unwrap_or(0.0),
-            q.get("can_borrow").and_then(Value::as_bool).unwrap_or(false),
-            i(q, "pending"),
-            i(q, "running"),
-            i(q, "preempted")
+            q.name,
+            g.cpus,
+            bytes(g.memory_bytes),
+            g.gpus,
+            q.can_borrow,
+            q.pending,
+            q.running,
+            q.preempted
         );
     }
     Ok(true)
@@ -587,42 +586,36 @@ pub fn nodes(client: &Client, json_out: bool) -> Result<bool> {
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(true);
     }
+    let list: NodeList = typed(v, "GET /api/v1/nodes")?;
     println!("{:<8} {:<16} {:>11} {:>23} {:>9}", "NODE", "HOST", "CPUS", "MEMORY", "GPUS");
-    for n in v.get("nodes").and_then(Value::as_array).into_iter().flatten() {
-        let a = n.get("allocated").cloned().unwrap_or(Value::Null);
-        let gpus = n.get("gpus").and_then(Value::as_array).map_or(0, Vec::len);
+    for n in &list.nodes {
+        let a = &n.allocated;
         println!(
             "{:<8} {:<16} {:>11} {:>23} {:>9}",
-            s(n, "id"),
-            s(n, "host"),
-            format!(
-                "{}/{}",
-                a.get("cpus").and_then(Value::as_f64).unwrap_or(0.0),
-                n.get("cpus").and_then(Value::as_f64).unwrap_or(0.0)
-            ),
-            format!(
-                "{}/{}",
-                bytes(a.get("memory_bytes").and_then(Value::as_u64).unwrap_or(0)),
-                bytes(n.get("memory_bytes").and_then(Value::as_u64).unwrap_or(0))
-            ),
-            format!("{}/{gpus}", a.get("gpus").and_then(Value::as_f64).unwrap_or(0.0))
+            n.id,
+            n.host,
+            format!("{}/{}", a.cpus, n.cpus),
+            format!("{}/{}", bytes(a.memory_bytes), bytes(n.memory_bytes)),
+            format!("{}/{}", a.gpus, n.gpus.len())
         );
     }
     Ok(true)
 }
 
 pub fn diagnose(client: &Client, id: &str, json_out: bool) -> Result<bool> {
-    let v = client.get(&format!("/api/v1/jobs/{id}/diagnosis"))?;
+    let path = format!("/api/v1/jobs/{id}/diagnosis");
+    let v = client.get(&path)?;
     if json_out {
         println!("{}", serde_json::to_string_pretty(&json!({ "findings": v["findings"] }))?);
         return Ok(true);
     }
-    println!("{id} ({}):", s(&v, "state"));
-    for f in v.get("findings").and_then(Value::as_array).into_iter().flatten() {
-        let rank = f.get("rank").and_then(Value::as_i64).map_or(String::new(), |r| format!(" (rank {r})"));
-        println!("  {}{rank}", s(f, "kind"));
-        println!("    evidence: {}", s(f, "evidence"));
-        println!("    action:   {}", s(f, "action"));
+    let d: Diagnosis = typed(v, &format!("GET {path}"))?;
+    println!("{id} ({}):", d.state.as_str());
+    for f in &d.findings {
+        let rank = f.rank.map_or(String::new(), |r| format!(" (rank {r})"));
+        println!("  {}{rank}", f.kind);
+        println!("    evidence: {}", f.evidence);
+        println!("    action:   {}", f.action);
     }
     Ok(true)
 }
@@ -659,39 +652,35 @@ pub fn cost(client: &Client, team: Option<&str>, since: Option<&str>, json_out: 
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(true);
     }
-    let cur = s(&v, "currency").to_owned();
-    let h = |x: &Value, k: &str| x.pointer(k).and_then(Value::as_f64).unwrap_or(0.0);
+    let r: CostReport = typed(v, &format!("GET {path}"))?;
+    let cur = &r.currency;
     println!(
         "{:<11} {:<20} {:<8} {:<10} {:>8} {:>9} {:>9} {:>8} {:>9} {:>10}",
         "JOB", "NAME", "TEAM", "STATE", "QUEUED", "CPU-H", "USED", "GIB-H", "GPU-H", "COST"
     );
-    for j in v.get("jobs").and_then(Value::as_array).into_iter().flatten() {
+    for j in &r.jobs {
         println!(
             "{:<11} {:<20} {:<8} {:<10} {:>7.0}s {:>9.4} {:>9.4} {:>8.4} {:>9.4} {:>10}",
-            s(j, "id"),
-            s(j, "name"),
-            s(j, "team"),
-            s(j, "state"),
-            h(j, "/queue_s"),
-            h(j, "/allocated/cpu_hours"),
-            h(j, "/used/cpu_hours"),
-            h(j, "/allocated/gib_hours"),
-            h(j, "/allocated/gpu_hours"),
-            format!("{:.4} {cur}", h(j, "/cost"))
+            j.id,
+            j.name,
+            j.team,
+            j.state,
+            j.queue_s,
+            j.allocated.cpu_hours,
+            j.used.cpu_hours,
+            j.allocated.gib_hours,
+            j.allocated.gpu_hours,
+            format!("{:.4} {cur}", j.cost)
         );
     }
     println!();
-    for t in v.get("teams").and_then(Value::as_array).into_iter().flatten() {
+    for t in &r.teams {
         println!(
             "team {:<12} {:>4} jobs  {:.4} CPU-h  {:.4} GPU-h  {:.4} {cur}",
-            s(t, "team"),
-            i(t, "jobs"),
-            h(t, "/allocated/cpu_hours"),
-            h(t, "/allocated/gpu_hours"),
-            h(t, "/cost")
+            t.team, t.jobs, t.allocated.cpu_hours, t.allocated.gpu_hours, t.cost
         );
     }
-    println!("total {:.4} {cur}", h(&v, "/total_cost"));
+    println!("total {:.4} {cur}", r.total_cost);
     Ok(true)
 }
 
@@ -742,28 +731,23 @@ pub fn demo(keep: bool, steps: Option<usize>, json_out: bool) -> Result<bool> {
     let addr = server.addr;
     say(format!("shoal demo: server on http://{addr} (data in {})", dir.display()));
     let client = Client::new(&addr.to_string(), Some(server.admin_token.clone()));
-    let v = client.post("/api/v1/jobs", "application/json", job.as_bytes())?;
-    let id =
-        v.get("id").and_then(Value::as_str).ok_or_else(|| anyhow!("the server returned no job id: {v}"))?.to_owned();
+    let id = client.post_as::<Submitted>("/api/v1/jobs", "application/json", job.as_bytes())?.id;
     say(format!("submitted the built-in job (a small GPT learning Cicero's Latin, 2 workers, data parallel) as {id}"));
     let ok = follow_job(&client, &id, Duration::from_secs(600), json_out)?;
-    let v = client.get(&format!("/api/v1/jobs/{id}"))?;
-    let summary = v.get("summary").filter(|m| !m.is_null());
-    let findings = client
-        .get(&format!("/api/v1/jobs/{id}/diagnosis"))
-        .ok()
-        .and_then(|d| d.get("findings").cloned())
-        .unwrap_or(Value::Array(Vec::new()));
+    let v: JobDetail = client.get_as(&format!("/api/v1/jobs/{id}"))?;
+    let summary = v.summary.as_ref();
+    let findings =
+        client.get_as::<Diagnosis>(&format!("/api/v1/jobs/{id}/diagnosis")).map(|d| d.findings).unwrap_or_default();
     let dashboard = format!("http://{addr}/#token={}&/jobs/{id}", server.admin_token);
     if json_out {
         println!(
             "{}",
             json!({
                 "id": id,
-                "state": v.get("state"),
+                "state": v.job.state,
                 "succeeded": ok,
                 "summary": summary,
-                "events": v.get("events"),
+                "events": v.events,
                 "diagnosis": findings,
                 "dashboard": if keep { Some(&dashboard) } else { None },
                 "data_dir": dir,
@@ -784,11 +768,11 @@ pub fn demo(keep: bool, steps: Option<usize>, json_out: bool) -> Result<bool> {
             }
         }
         println!("  events:");
-        for e in v.get("events").and_then(Value::as_array).into_iter().flatten() {
-            println!("    {:<10} {}", s(e, "kind"), s(e, "message"));
+        for e in &v.events {
+            println!("    {:<10} {}", e.kind, e.message);
         }
-        for f in findings.as_array().into_iter().flatten() {
-            println!("  diagnosis: {} — {}", s(f, "kind"), s(f, "evidence"));
+        for f in &findings {
+            println!("  diagnosis: {} — {}", f.kind, f.evidence);
         }
     }
     say(format!("dashboard: {dashboard}"));
@@ -826,14 +810,14 @@ pub fn follow_job(client: &Client, id: &str, limit: Duration, to_stderr: bool) -
     let mut last_state = String::new();
     let mut last_print = Instant::now() - Duration::from_secs(60);
     loop {
-        let v = client.get(&format!("/api/v1/jobs/{id}"))?;
-        let state = s(&v, "state").to_owned();
+        let v: JobDetail = client.get_as(&format!("/api/v1/jobs/{id}"))?;
+        let state = v.job.state.as_str();
         if state != last_state {
-            bar.suspend(|| say(format!("  {id}: {state} — {}", s(&v, "reason"))));
-            last_state = state.clone();
+            bar.suspend(|| say(format!("  {id}: {state} — {}", v.job.reason)));
+            state.clone_into(&mut last_state);
         }
-        let steps = v.pointer("/spec/train/steps").and_then(Value::as_u64).unwrap_or(0);
-        if let Some(m) = v.get("last_metrics").filter(|m| !m.is_null()) {
+        let steps = v.spec.as_ref().map_or(0, |s| s.train.steps as u64);
+        if let Some(m) = &v.last_metrics {
             let step = m.get("step").and_then(Value::as_u64).unwrap_or(0);
             let loss = m.get("loss").and_then(Value::as_f64).unwrap_or(f64::NAN);
             bar.set_length(steps);
@@ -845,7 +829,7 @@ pub fn follow_job(client: &Client, id: &str, limit: Duration, to_stderr: bool) -
                 last_print = Instant::now();
             }
         }
-        match state.as_str() {
+        match state {
             "succeeded" => {
                 bar.finish_and_clear();
                 return Ok(true);
@@ -853,11 +837,11 @@ pub fn follow_job(client: &Client, id: &str, limit: Duration, to_stderr: bool) -
             "failed" | "cancelled" => {
                 bar.finish_and_clear();
                 let tail = client
-                    .get(&format!("/api/v1/jobs/{id}/events"))
+                    .get_as::<EventList>(&format!("/api/v1/jobs/{id}/events"))
                     .ok()
-                    .and_then(|e| e.get("events").and_then(Value::as_array).and_then(|a| a.last().cloned()));
+                    .and_then(|e| e.events.into_iter().next_back());
                 if let Some(e) = tail {
-                    eprintln!("{id} {state}: {}", s(&e, "message"));
+                    eprintln!("{id} {state}: {}", e.message);
                 }
                 return Ok(false);
             }

@@ -42,7 +42,7 @@ fn assert_quiet(what: &str, out: &Output) {
 }
 
 /// A server that answers every request with `body` (HTTP/1.1, JSON), on a thread; returns its address.
-fn fake_server(body: &'static str) -> String {
+fn fake_server(body: String) -> String {
     let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
     let addr = listener.local_addr().expect("addr").to_string();
     std::thread::spawn(move || {
@@ -63,19 +63,77 @@ fn fake_server(body: &'static str) -> String {
     addr
 }
 
-const JOBS: &str = r#"{"jobs": [
-  {"id": "j-1", "name": "a", "state": "running", "team": "t", "queue": "default", "worker_count": 2},
-  {"id": "j-2", "name": "b", "state": "pending", "team": "t", "queue": "default", "worker_count": 1}
-]}"#;
+fn job_view(id: &str, name: &str, state: shoal_wire::JobState, workers: i64) -> shoal_wire::JobView {
+    shoal_wire::JobView {
+        id: id.into(),
+        name: name.into(),
+        user: "u".into(),
+        team: "t".into(),
+        queue: "default".into(),
+        priority: 0,
+        state,
+        restarts: 0,
+        attempt: 1,
+        worker_count: workers,
+        created_ms: 0,
+        started_ms: Some(0),
+        finished_ms: None,
+        reason: String::new(),
+        cancel_requested: false,
+    }
+}
 
-const JOB: &str = r#"{"id": "j-1", "name": "a", "state": "running", "team": "t", "user": "u", "queue": "default",
-  "workers": [{"rank": 0, "pid": 10, "host": "h", "state": "running", "cpus": "0"}],
-  "events": [{"time_ms": 0, "kind": "submitted", "message": "m"}]}"#;
+/// What a server answers to `GET /api/v1/jobs`: two jobs.
+fn jobs_body() -> String {
+    let list = shoal_wire::JobList {
+        jobs: vec![
+            job_view("j-1", "a", shoal_wire::JobState::Running, 2),
+            job_view("j-2", "b", shoal_wire::JobState::Pending, 1),
+        ],
+    };
+    serde_json::to_string(&list).expect("serialize")
+}
+
+/// What a server answers to `GET /api/v1/jobs/j-1`: a running job with one worker and one event.
+fn job_body() -> String {
+    let detail = shoal_wire::JobDetail {
+        job: job_view("j-1", "a", shoal_wire::JobState::Running, 1),
+        workers: vec![shoal_wire::TaskView {
+            job_id: "j-1".into(),
+            attempt: 1,
+            rank: 0,
+            node: "local".into(),
+            host: "h".into(),
+            pid: Some(10),
+            wrapper_pid: Some(9),
+            state: shoal_wire::TaskState::Running,
+            exit_code: None,
+            reason: String::new(),
+            cpus: "0".into(),
+            gpus: String::new(),
+            started_ms: Some(0),
+            ended_ms: None,
+            cpu_seconds: None,
+        }],
+        events: vec![shoal_wire::Event {
+            id: 1,
+            job_id: "j-1".into(),
+            time_ms: 0,
+            kind: "submitted".into(),
+            state: "pending".into(),
+            message: "m".into(),
+        }],
+        spec: None,
+        summary: None,
+        last_metrics: None,
+    };
+    serde_json::to_string(&detail).expect("serialize")
+}
 
 #[test]
 fn a_closed_stdout_ends_output_commands_quietly() {
-    let jobs = fake_server(JOBS);
-    let job = fake_server(JOB);
+    let jobs = fake_server(jobs_body());
+    let job = fake_server(job_body());
     let mlp = examples().join("mlp_digits.toml");
     let cases: Vec<(&str, Vec<String>)> = vec![
         ("jobs", vec!["jobs".into(), "--addr".into(), jobs.clone(), "--token".into(), "x".into()]),
