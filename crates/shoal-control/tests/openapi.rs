@@ -394,8 +394,10 @@ fn schemathesis_finds_no_server_error_and_no_response_off_its_schema() {
         &std::env::var("SHOAL_FUZZ_SEED").unwrap_or_else(|_| "7".into()),
         "--generation-database",
         "none",
+        // One worker: with two threads, Hypothesis' description of its own lambdas races in CPython's `ast`
+        // ("AST constructor recursion depth mismatch") and the run reports a tool error, not a finding.
         "--workers",
-        "2",
+        "1",
         "--request-timeout",
         "30",
         // Event streams never end by themselves.
@@ -407,7 +409,18 @@ fn schemathesis_finds_no_server_error_and_no_response_off_its_schema() {
     .map(|s| (*s).to_owned())
     .collect();
     let t0 = Instant::now();
-    let (code, out) = run_bounded(&st, &args, &live.dir, FUZZ_LIMIT);
+    // A run that ends with only errors of the tool itself (`Runtime Error`, no `FAILURES` section: nothing the
+    // checks found) is run again, at most twice; any finding fails at once.
+    let mut attempt = 0;
+    let (code, out) = loop {
+        attempt += 1;
+        let (code, out) = run_bounded(&st, &args, &live.dir, FUZZ_LIMIT);
+        let tool_error_only = code != Some(0) && !out.contains("FAILURES") && out.contains("Runtime Error");
+        if !tool_error_only || attempt == 3 {
+            break (code, out);
+        }
+        eprintln!("schemathesis ended with an error of its own (not a finding); running it again:\n{out}");
+    };
     let took = t0.elapsed();
     assert_eq!(
         code,
