@@ -195,6 +195,25 @@ fn required_usize(name: &str) -> Result<usize> {
     v.parse().map_err(|_| Error::InvalidArgument(format!("{name}={v:?} is not a non-negative integer")))
 }
 
+/// The address this host's TCP links listen on and tell their peers: the one its traffic to the rendezvous leaves
+/// from (the route's source address, found by a UDP `connect`, which sends nothing), so peers on other hosts reach
+/// it the way this host reaches the store; loopback when the store is on loopback or the route cannot be told.
+pub fn advertise_towards(rendezvous: &str) -> std::net::IpAddr {
+    use std::net::{IpAddr, Ipv4Addr, ToSocketAddrs, UdpSocket};
+    let loopback = IpAddr::V4(Ipv4Addr::LOCALHOST);
+    let Some(target) = rendezvous.to_socket_addrs().ok().and_then(|mut a| a.next()) else { return loopback };
+    if target.ip().is_loopback() {
+        return loopback;
+    }
+    let any: std::net::SocketAddr = if target.is_ipv4() { ([0, 0, 0, 0], 0).into() } else { ([0u16; 8], 0).into() };
+    UdpSocket::bind(any)
+        .and_then(|s| s.connect(target).and_then(|()| s.local_addr()))
+        .map(|a| a.ip())
+        .ok()
+        .filter(|ip| !ip.is_unspecified())
+        .unwrap_or(loopback)
+}
+
 /// The parts of the environment contract a communicator needs.
 #[derive(Debug, Clone)]
 pub struct EnvContract {
@@ -237,6 +256,7 @@ impl EnvContract {
             )));
         }
         let host_store = std::env::var(var::RENDEZVOUS_HOST).is_ok_and(|v| v == "1");
+        cfg.advertise = advertise_towards(&rendezvous);
         Ok(EnvContract { rank, world_size, rendezvous, host_store, cfg })
     }
 
@@ -259,6 +279,16 @@ impl EnvContract {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn links_listen_where_the_rendezvous_is_reached_from() {
+        assert_eq!(advertise_towards("127.0.0.1:29500"), std::net::IpAddr::from([127, 0, 0, 1]));
+        assert_eq!(advertise_towards("not a host"), std::net::IpAddr::from([127, 0, 0, 1]));
+        // A routable address (nothing is sent): the source address is this host's, not loopback.
+        let ip = advertise_towards("192.0.2.1:29500");
+        let local = std::net::UdpSocket::bind((ip, 0));
+        assert!(ip.is_loopback() || local.is_ok(), "{ip} is not an address of this host");
+    }
 
     #[test]
     fn rank_zero_can_host_the_store() {

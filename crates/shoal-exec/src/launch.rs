@@ -61,7 +61,43 @@ pub struct LaunchSpec {
     pub env: Vec<(String, String)>,
     /// Grace period for the survivors after a rank fails.
     pub grace: Duration,
+    /// Where these ranks sit among the launchers of several hosts; `None`: this launcher runs the whole job.
+    pub nodes: Option<Nodes>,
 }
+
+/// One launcher of several, one per host (`shoal run --nnodes N --node-rank R --rdzv HOST:PORT`): node 0 hosts the
+/// rendezvous store at `rendezvous`, every node starts `ranks` ranks numbered from `rank * ranks`, and a rank that
+/// fails on one node stops the job on every node, named there too.
+#[derive(Debug, Clone)]
+pub struct Nodes {
+    /// How many launchers (hosts) the job spans.
+    pub count: usize,
+    /// This launcher's place among them, from 0.
+    pub rank: usize,
+    /// `HOST:PORT` of the rendezvous store, hosted by node 0's launcher (which listens on every address at PORT).
+    pub rendezvous: String,
+    /// The secret every node shares (each launcher must be given the same one).
+    pub secret: String,
+}
+
+impl Nodes {
+    /// The rendezvous address split into host and port.
+    pub fn host_port(&self) -> Result<(String, u16)> {
+        let bad = || ExecError::Config(format!("--rdzv {:?}: expected HOST:PORT", self.rendezvous));
+        let (host, port) = self.rendezvous.rsplit_once(':').ok_or_else(bad)?;
+        let host = host.trim_start_matches('[').trim_end_matches(']');
+        let port: u16 = port.parse().map_err(|_| bad())?;
+        if host.is_empty() || port == 0 || port == u16::MAX {
+            return Err(bad());
+        }
+        Ok((host.to_owned(), port))
+    }
+}
+
+/// Store key under which the first launcher whose rank failed says so, for the launchers of the other nodes.
+const FAILED_KEY: &str = "launch/failed";
+/// How often a launcher of several looks for another node's failure.
+const PEER_POLL: Duration = Duration::from_millis(200);
 
 /// What the launcher does to the surviving ranks when one fails.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -99,10 +135,16 @@ pub struct Line {
 /// How a launch ended.
 #[derive(Debug)]
 pub struct Outcome {
+    /// This launcher's ranks, in order: `statuses[i]` is rank `first_rank + i`.
     pub statuses: Vec<Option<ExitStatus>>,
-    /// The first rank that failed, with a description of how (`describe`). Ranks
-    /// the launcher itself signalled are never named here.
+    /// The (global) rank of `statuses[0]`: 0 unless this is one node of several.
+    pub first_rank: usize,
+    /// The first rank of this launcher that failed (its global rank), with a description of how (`describe`).
+    /// Ranks the launcher itself signalled are never named here.
     pub first_failure: Option<(usize, String)>,
+    /// What another node's launcher reported when one of its ranks failed first (this node's ranks were then
+    /// stopped): `rank R on node N exited with status C`.
+    pub peer_failure: Option<String>,
     pub interrupted: bool,
     /// The signal that interrupted the launcher (SIGINT or SIGTERM), if any.
     pub interrupt_signal: Option<i32>,
@@ -143,7 +185,14 @@ fn signal_group(pid: u32, sig: i32) {
 /// if a rank cannot be started, after stopping those already started.
 pub fn launch_with(spec: &LaunchSpec, policy: Policy, mut on_line: impl FnMut(&Line)) -> Result<Outcome> {
     // Before anything is installed or started, so that a failure leaves nothing to undo.
-    let secret = new_secret()?;
+    let secret = match &spec.nodes {
+        Some(n) if n.secret.is_empty() => {
+            return Err(ExecError::Config("a launch over several nodes needs their shared secret".into()));
+        }
+        Some(n) => n.secret.clone(),
+        None => new_secret()?,
+    };
+    let node = spec.nodes.as_ref().map(|n| n.host_port().map(|hp| (n, hp))).transpose()?;
     // SAFETY: installing handlers that only store to atomics; making this process
     // the reaper of its orphaned descendants (see the module comment).
     unsafe {
@@ -153,24 +202,45 @@ pub fn launch_with(spec: &LaunchSpec, policy: Policy, mut on_line: impl FnMut(&L
     }
     let seen_signals = SIGNALS.load(Ordering::SeqCst);
     let guard = Guard::start();
-    let store = StoreServer::bind("127.0.0.1:0", secret.clone().into_bytes())
-        .map_err(|e| ExecError::Config(format!("starting the rendezvous store: {e}")))?;
-    let addr = store.local_addr().to_string();
-    let master_port = shoal_comm::env::free_port().unwrap_or(29500);
+    // One node of several: node 0 hosts the store where every node was told to meet, on every address of its
+    // host (the rendezvous address is how the others reach it); the others host nothing.
+    let (store, addr, master_addr, master_port, first_rank, world) = match node {
+        None => {
+            let store = StoreServer::bind("127.0.0.1:0", secret.clone().into_bytes())
+                .map_err(|e| ExecError::Config(format!("starting the rendezvous store: {e}")))?;
+            let addr = store.local_addr().to_string();
+            (Some(store), addr, "127.0.0.1".to_owned(), shoal_comm::env::free_port().unwrap_or(29500), 0, spec.ranks)
+        }
+        Some((n, (host, port))) => {
+            let store = if n.rank == 0 {
+                let s = StoreServer::bind(("0.0.0.0", port), secret.clone().into_bytes()).map_err(|e| {
+                    ExecError::Config(format!("node 0 hosting the rendezvous store at port {port} (--rdzv): {e}"))
+                })?;
+                Some(s)
+            } else {
+                None
+            };
+            // PyTorch's store (MASTER_PORT) is rank 0's, next to ours: the same on every node without a word
+            // between them.
+            (store, n.rendezvous.clone(), host, port + 1, n.rank * spec.ranks, n.count * spec.ranks)
+        }
+    };
+    let peers = spec.nodes.as_ref().map(|n| PeerWatch::start(n, &secret));
     let (tx, rx) = mpsc::channel::<Line>();
     let mut children: Vec<Child> = Vec::with_capacity(spec.ranks);
     // SAFETY: getpid(2) cannot fail.
     let launcher = unsafe { libc::getpid() };
-    for rank in 0..spec.ranks {
+    for local in 0..spec.ranks {
+        let rank = first_rank + local;
         let contract = shoal_comm::env::TaskEnv {
             job_id: spec.job_id.clone(),
             rank,
-            world_size: spec.ranks,
-            local_rank: rank,
+            world_size: world,
+            local_rank: local,
             local_world_size: spec.ranks,
             rendezvous: addr.clone(),
             secret: secret.clone(),
-            master_addr: "127.0.0.1".into(),
+            master_addr: master_addr.clone(),
             master_port,
             ..Default::default()
         };
@@ -256,6 +326,7 @@ pub fn launch_with(spec: &LaunchSpec, policy: Policy, mut on_line: impl FnMut(&L
     let mut interrupt_signal = None;
     let mut handled_signals = seen_signals;
     let mut pipes_open = true;
+    let mut peer_failure: Option<String> = None;
     loop {
         // Pass on output for at most ~20 ms, then look at the ranks.
         let slice = Instant::now() + Duration::from_millis(20);
@@ -280,19 +351,36 @@ pub fn launch_with(spec: &LaunchSpec, policy: Policy, mut on_line: impl FnMut(&L
         } else {
             std::thread::sleep(Duration::from_millis(20));
         }
-        for (rank, child) in children.iter_mut().enumerate() {
-            if statuses[rank].is_some() {
+        for (local, child) in children.iter_mut().enumerate() {
+            if statuses[local].is_some() {
                 continue;
             }
             if let Ok(Some(st)) = child.try_wait() {
-                statuses[rank] = Some(st);
-                if !st.success() && first_failure.is_none() && !signalled[rank] {
-                    first_failure = Some((rank, describe(&st)));
+                statuses[local] = Some(st);
+                if !st.success() && first_failure.is_none() && !signalled[local] && peer_failure.is_none() {
+                    first_failure = Some((first_rank + local, describe(&st)));
+                    if let (Some(p), Some(n)) = (&peers, &spec.nodes) {
+                        p.report(&format!("rank {} on node {} {}", first_rank + local, n.rank, describe(&st)));
+                    }
                     if !interrupted {
                         kill_at = Some(Instant::now() + spec.grace);
                     }
                 }
             }
+        }
+        // Another node's rank failed first: this node's ranks are stopped as if one of its own had.
+        if peer_failure.is_none()
+            && first_failure.is_none()
+            && !interrupted
+            && let Some(why) = peers.as_ref().and_then(PeerWatch::failure)
+        {
+            for (r, c) in children.iter().enumerate() {
+                signal_group(c.id(), libc::SIGTERM);
+                signalled[r] |= statuses[r].is_none();
+            }
+            any_signalled = true;
+            kill_at = Some(Instant::now() + spec.grace);
+            peer_failure = Some(why);
         }
         // A rank failed: under `Terminate`, the survivors get SIGTERM now.
         if policy.on_failure == OnFailure::Terminate && first_failure.is_some() && !any_signalled && !interrupted {
@@ -361,10 +449,93 @@ pub fn launch_with(spec: &LaunchSpec, policy: Policy, mut on_line: impl FnMut(&L
             .enumerate()
             .find_map(|(r, s)| s.filter(|s| s.signal().is_some() && !signalled[r]).map(|s| (r, s)))
     {
-        first_failure = Some((r, describe(&st)));
+        first_failure = Some((first_rank + r, describe(&st)));
+    }
+    if let Some(p) = peers {
+        p.stop();
     }
     drop(store);
-    Ok(Outcome { statuses, first_failure, interrupted, interrupt_signal })
+    Ok(Outcome { statuses, first_rank, first_failure, peer_failure, interrupted, interrupt_signal })
+}
+
+/// A launcher's link to the launchers of the other nodes, through the rendezvous store: a thread connects (the
+/// store may start after this node's launcher), then looks every [`PEER_POLL`] for a failure reported by another
+/// node; this node's first failure is reported there.
+struct PeerWatch {
+    store: std::sync::Arc<std::sync::Mutex<Option<shoal_comm::TcpStore>>>,
+    seen: std::sync::Arc<std::sync::Mutex<Option<String>>>,
+    /// This node's own report, kept until the store can take it (it may not be connected yet).
+    pending: std::sync::Arc<std::sync::Mutex<Option<String>>>,
+    done: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl PeerWatch {
+    fn start(nodes: &Nodes, secret: &str) -> PeerWatch {
+        use std::sync::{Arc, Mutex, atomic::AtomicBool};
+        let store: Arc<Mutex<Option<shoal_comm::TcpStore>>> = Arc::new(Mutex::new(None));
+        let seen = Arc::new(Mutex::new(None));
+        let pending: Arc<Mutex<Option<String>>> = Arc::new(Mutex::new(None));
+        let done = Arc::new(AtomicBool::new(false));
+        let (addr, secret, node) = (nodes.rendezvous.clone(), secret.as_bytes().to_vec(), nodes.rank);
+        let (st, se, pe, dn) = (store.clone(), seen.clone(), pending.clone(), done.clone());
+        let thread = std::thread::spawn(move || {
+            // Keep trying while the launch runs: node 0 may start after us.
+            let client = loop {
+                if dn.load(Ordering::SeqCst) {
+                    return;
+                }
+                match shoal_comm::TcpStore::connect(&addr, &secret, Duration::from_secs(1)) {
+                    Ok(c) => break c,
+                    Err(_) => std::thread::sleep(PEER_POLL),
+                }
+            };
+            *st.lock().unwrap_or_else(|p| p.into_inner()) = Some(client);
+            while !dn.load(Ordering::SeqCst) {
+                let guard = st.lock().unwrap_or_else(|p| p.into_inner());
+                if let Some(c) = guard.as_ref() {
+                    use shoal_comm::Store;
+                    if let Some(mine) = pe.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                        let _ = c.compare_set(FAILED_KEY, None, mine.as_bytes());
+                    }
+                    if let Ok(Some(v)) = c.try_get(FAILED_KEY) {
+                        let text = String::from_utf8_lossy(&v).into_owned();
+                        // Our own report is not another node's failure.
+                        if !text.contains(&format!(" on node {node} ")) {
+                            *se.lock().unwrap_or_else(|p| p.into_inner()) = Some(text);
+                        }
+                    }
+                }
+                drop(guard);
+                std::thread::sleep(PEER_POLL);
+            }
+        });
+        PeerWatch { store, seen, pending, done, thread: Some(thread) }
+    }
+
+    /// Tells the other nodes that this one's rank failed (the first report wins).
+    fn report(&self, what: &str) {
+        use shoal_comm::Store;
+        let guard = self.store.lock().unwrap_or_else(|p| p.into_inner());
+        match guard.as_ref() {
+            Some(c) => {
+                let _ = c.compare_set(FAILED_KEY, None, what.as_bytes());
+            }
+            None => *self.pending.lock().unwrap_or_else(|p| p.into_inner()) = Some(what.to_owned()),
+        }
+    }
+
+    /// Another node's failure, once one was reported.
+    fn failure(&self) -> Option<String> {
+        self.seen.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    fn stop(mut self) {
+        self.done.store(true, Ordering::SeqCst);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
 }
 
 /// Kills and reaps every child of this process that is not a rank: descendants of

@@ -205,6 +205,7 @@ pub fn run_bench(what: BenchWhat, args: &BenchArgs) -> Result<bool> {
             (var::TIMEOUT.into(), args.timeout.clone()),
         ],
         grace: timeout + Duration::from_secs(5),
+        nodes: None,
     };
     if !args.json {
         println!(

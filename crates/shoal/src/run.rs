@@ -8,6 +8,19 @@
 //! A job file runs with `-n` workers or its `workers.count` (1 when neither is given); when both are given and
 //! differ, it is refused naming both.
 //!
+//! **Several hosts, no cluster manager** (as with `torchrun`): run one launcher per host,
+//!
+//! ```text
+//! shoal run --nnodes N --node-rank R --rdzv HOST:PORT [-n PER_NODE] JOB.toml | -- CMD ARGS…
+//! ```
+//!
+//! with the same secret in `SHOAL_JOB_SECRET` on every host. Node 0 hosts the rendezvous store at `PORT` (on
+//! every address; `HOST` is how the others reach it) and PyTorch's `MASTER_PORT` is `PORT + 1`; node R's ranks
+//! are `R × PER_NODE …`; a job file's `workers.count` is the whole job's (PER_NODE × N). A rank that fails on one
+//! node is named on every node and stops the job everywhere; ranks whose peers never arrive time out naming
+//! them. Only node 0 prints the job's summary (rank 0 writes it); checkpoints are rank 0's, so resuming on
+//! several hosts needs the output directory or `checkpoint.url` shared between them.
+//!
 //! The first form starts the rendezvous store and N processes of CMD on this
 //! machine with the environment contract (`SHOAL_*` and PyTorch's `MASTER_ADDR`,
 //! `MASTER_PORT`, `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`) and
@@ -41,7 +54,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 
-use shoal_exec::launch::{LaunchSpec, OnFailure, Policy, launch_with};
+use shoal_exec::launch::{LaunchSpec, Nodes, OnFailure, Policy, launch_with};
 use shoal_exec::procfs::{describe, signal_name};
 use shoal_exec::{ExecError, SpawnError};
 
@@ -70,6 +83,15 @@ pub struct RunArgs {
     /// Resume a job from its newest valid checkpoint (job files only).
     #[arg(long)]
     pub resume: bool,
+    /// How many hosts (launchers) the job spans; each runs `shoal run` with its own --node-rank.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub nnodes: usize,
+    /// This host's place among the --nnodes launchers, from 0 (node 0 hosts the rendezvous).
+    #[arg(long, value_name = "R")]
+    pub node_rank: Option<usize>,
+    /// Where the launchers meet: node 0's address and a free port on it (several hosts only).
+    #[arg(long, value_name = "HOST:PORT")]
+    pub rdzv: Option<String>,
     /// A job file (built-in models) instead of `-- CMD ARGS…`.
     #[arg(value_name = "JOB.toml")]
     pub job: Option<PathBuf>,
@@ -105,9 +127,10 @@ fn run(args: &RunArgs) -> Result<ExitCode> {
     }
     let grace = shoal_comm::env::parse_duration(&args.timeout_grace)
         .with_context(|| format!("--timeout-grace {:?}", args.timeout_grace))?;
+    let nodes = nodes_of(args)?;
     match (&args.job, args.command.is_empty()) {
         (Some(job), true) if job.extension().is_some_and(|e| e == "toml") => {
-            run_job(args.ranks, job, args.output.as_deref(), args.resume, args.json)
+            run_job(args.ranks, job, args.output.as_deref(), args.resume, args.json, nodes)
         }
         (Some(job), true) => bail!(
             "{} is not a job file (JOB.toml); to run a program, put `--` before it: shoal run -n {} -- {} …",
@@ -123,10 +146,46 @@ fn run(args: &RunArgs) -> Result<ExitCode> {
         (None, false) => {
             let Some(ranks) = args.ranks else { bail!("how many ranks? give -n N before `--`") };
             let program = resolve_program(&args.command[0])?;
-            let opts = RunOptions { ranks, output: args.output.clone(), grace, json: args.json, progress: false };
+            let opts =
+                RunOptions { ranks, output: args.output.clone(), grace, json: args.json, progress: false, nodes };
             run_ranks(&program, &args.command[1..], &[], &opts)
         }
     }
+}
+
+/// Where this launcher sits among several (`--nnodes`, `--node-rank`, `--rdzv`, the secret in `SHOAL_JOB_SECRET`);
+/// `None` for a launch on this host alone. Every missing or contradictory piece is named.
+fn nodes_of(args: &RunArgs) -> Result<Option<Nodes>> {
+    if args.nnodes == 0 {
+        bail!("--nnodes must be at least 1");
+    }
+    if args.nnodes == 1 {
+        if args.node_rank.is_some_and(|r| r != 0) || args.rdzv.is_some() {
+            bail!("--node-rank and --rdzv apply to launches over several hosts: give --nnodes N (N > 1) too");
+        }
+        return Ok(None);
+    }
+    let Some(rank) = args.node_rank else {
+        bail!("--nnodes {}: give this host's --node-rank (0 to {})", args.nnodes, args.nnodes - 1)
+    };
+    if rank >= args.nnodes {
+        bail!("--node-rank {rank} is not below --nnodes {}", args.nnodes);
+    }
+    let Some(rdzv) = args.rdzv.clone() else {
+        bail!("--nnodes {}: give --rdzv HOST:PORT, where node 0 hosts the rendezvous", args.nnodes)
+    };
+    let secret_var = shoal_comm::env::var::JOB_SECRET;
+    let secret = std::env::var(secret_var).unwrap_or_default();
+    if secret.len() < 16 {
+        bail!(
+            "--nnodes {}: set {secret_var} to the same secret (16 characters or more) on every host, e.g. \
+             `export {secret_var}=$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \\n')`",
+            args.nnodes
+        );
+    }
+    let nodes = Nodes { count: args.nnodes, rank, rendezvous: rdzv, secret };
+    nodes.host_port()?;
+    Ok(Some(nodes))
 }
 
 /// How many workers a job file runs with: `-n` or `workers.count`, which must agree when both are given; 1 when
@@ -155,11 +214,24 @@ fn worker_count(spec: &shoal_train::spec::JobSpec, ranks: Option<usize>, job: &P
 }
 
 /// `shoal run [-n N] [--output DIR] [--resume] JOB.toml`.
-pub fn run_job(ranks: Option<usize>, job: &Path, output: Option<&Path>, resume: bool, json: bool) -> Result<ExitCode> {
+pub fn run_job(
+    ranks: Option<usize>,
+    job: &Path,
+    output: Option<&Path>,
+    resume: bool,
+    json: bool,
+    nodes: Option<Nodes>,
+) -> Result<ExitCode> {
     // Every error of the spec names the file and its key path, before any process starts.
     let spec = shoal_train::spec::load_job(job).map_err(|e| anyhow::anyhow!("{e}"))?;
-    let n = worker_count(&spec, ranks, job)?;
-    spec.validate_world(n).map_err(|e| anyhow::anyhow!("{}", e.with_origin(&job.display().to_string())))?;
+    let hosts = nodes.as_ref().map_or(1, |n| n.count);
+    let world = worker_count(&spec, ranks.map(|n| n * hosts), job)?;
+    if world % hosts != 0 {
+        bail!("{}: workers.count = {world} cannot be split evenly over --nnodes {hosts}", job.display());
+    }
+    // Workers on this host.
+    let n = world / hosts;
+    spec.validate_world(world).map_err(|e| anyhow::anyhow!("{}", e.with_origin(&job.display().to_string())))?;
     let out = output.map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("shoal-runs").join(&spec.name));
     std::fs::create_dir_all(&out).with_context(|| format!("creating the output directory {}", out.display()))?;
     let exe = std::env::current_exe().context("locating the shoal executable")?;
@@ -170,16 +242,25 @@ pub fn run_job(ranks: Option<usize>, job: &Path, output: Option<&Path>, resume: 
     args.push(job.display().to_string());
     use std::io::IsTerminal;
     let progress = !json && std::io::stderr().is_terminal();
-    let opts =
-        RunOptions { ranks: n, output: Some(out.clone()), grace: Duration::from_secs(10), json: false, progress };
+    let node_rank = nodes.as_ref().map_or(0, |n| n.rank);
+    let opts = RunOptions {
+        ranks: n,
+        output: Some(out.clone()),
+        grace: Duration::from_secs(10),
+        json: false,
+        progress: progress && node_rank == 0,
+        nodes,
+    };
     if !json {
+        let where_ =
+            if hosts == 1 { String::new() } else { format!(" ({n} on this host, node {node_rank} of {hosts})") };
         eprintln!(
-            "shoal run: {} ({} on {}, {} steps) with {n} worker{} -> {}",
+            "shoal run: {} ({} on {}, {} steps) with {world} worker{}{where_} -> {}",
             spec.name,
             format!("{:?}", spec.train.model.kind).to_lowercase(),
             spec.train.dataset,
             spec.train.steps,
-            if n == 1 { "" } else { "s" },
+            if world == 1 { "" } else { "s" },
             out.display()
         );
     }
@@ -194,6 +275,26 @@ pub fn run_job(ranks: Option<usize>, job: &Path, output: Option<&Path>, resume: 
     let code = run_ranks(&exe, &args, &env, &opts)?;
     if code != ExitCode::SUCCESS {
         return Ok(code);
+    }
+    if node_rank != 0 {
+        // Rank 0, on node 0, writes the job's summary; this host reports its own ranks.
+        let first = node_rank * n;
+        let printed = if json {
+            let doc = serde_json::json!({ "ok": true, "node_rank": node_rank, "ranks": (first..first + n).collect::<Vec<_>>() });
+            writeln!(std::io::stdout().lock(), "{doc}")
+        } else {
+            writeln!(
+                std::io::stdout().lock(),
+                "node {node_rank}: ranks {first}..{} finished; the summary is node 0's",
+                first + n - 1
+            )
+        };
+        if let Err(e) = printed
+            && e.kind() != std::io::ErrorKind::BrokenPipe
+        {
+            eprintln!("shoal run: writing the report: {e}");
+        }
+        return Ok(ExitCode::SUCCESS);
     }
     let path = out.join("summary.json");
     let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
@@ -251,6 +352,8 @@ pub struct RunOptions {
     pub json: bool,
     /// Show rank 0's `step N/M loss L ...` lines as a progress bar (on a terminal).
     pub progress: bool,
+    /// This host's place among several (`--nnodes`); `None`: the whole job runs here.
+    pub nodes: Option<Nodes>,
 }
 
 /// Parses a worker's progress line `step N/M loss L ...`.
@@ -304,11 +407,11 @@ fn not_found(name: &str, why: &str) -> anyhow::Error {
     .context(format!("command `{name}` not found ({why})"))
 }
 
-/// Opens `DIR/logs/rank-R.log` for every rank.
-fn open_logs(dir: &Path, ranks: usize) -> Result<Vec<LineWriter<File>>> {
+/// Opens `DIR/logs/rank-R.log` for every rank of `ranks`.
+fn open_logs(dir: &Path, ranks: std::ops::Range<usize>) -> Result<Vec<LineWriter<File>>> {
     let logs = dir.join("logs");
     std::fs::create_dir_all(&logs).with_context(|| format!("--output: creating {}", logs.display()))?;
-    (0..ranks)
+    ranks
         .map(|r| {
             let p = logs.join(format!("rank-{r}.log"));
             File::create(&p).map(LineWriter::new).with_context(|| format!("--output: creating {}", p.display()))
@@ -319,17 +422,24 @@ fn open_logs(dir: &Path, ranks: usize) -> Result<Vec<LineWriter<File>>> {
 /// Starts `opts.ranks` processes of `program args`, passes their output on, and
 /// reports how they ended. Used by `-- CMD` and, later, by job files.
 pub fn run_ranks(program: &Path, args: &[String], env: &[(String, String)], opts: &RunOptions) -> Result<ExitCode> {
+    let first = opts.nodes.as_ref().map_or(0, |n| n.rank * opts.ranks);
     let mut logs = match &opts.output {
-        Some(dir) => open_logs(dir, opts.ranks)?,
+        Some(dir) => open_logs(dir, first..first + opts.ranks)?,
         None => Vec::new(),
+    };
+    // The job's name must be the same on every host.
+    let job_id = match &opts.nodes {
+        Some(n) => format!("run-{}", n.rendezvous.replace([':', '[', ']'], "-")),
+        None => format!("run-{}", std::process::id()),
     };
     let spec = LaunchSpec {
         program: program.to_path_buf(),
         args: args.to_vec(),
         ranks: opts.ranks,
-        job_id: format!("run-{}", std::process::id()),
+        job_id,
         env: env.to_vec(),
         grace: opts.grace,
+        nodes: opts.nodes.clone(),
     };
     let policy = Policy { on_failure: OnFailure::Terminate, interrupt_grace: opts.grace };
     let started = Instant::now();
@@ -355,7 +465,7 @@ pub fn run_ranks(program: &Path, args: &[String], env: &[(String, String)], opts
             return;
         }
         // Write errors (a closed pipe, a full disk) must not stop supervision.
-        if let Some(log) = logs.get_mut(line.rank)
+        if let Some(log) = logs.get_mut(line.rank - first)
             && let Err(e) = writeln!(log, "{}", line.text)
             && log_error.is_none()
         {
@@ -385,7 +495,7 @@ pub fn run_ranks(program: &Path, args: &[String], env: &[(String, String)], opts
         eprintln!("shoal run: warning: {e}");
     }
 
-    let failure = outcome.first_failure.as_ref().map(|(rank, _)| (*rank, outcome.statuses[*rank]));
+    let failure = outcome.first_failure.as_ref().map(|(rank, _)| (*rank, outcome.statuses[*rank - first]));
     let code: u8 = if outcome.interrupted {
         let sig = outcome.interrupt_signal.unwrap_or(libc::SIGINT);
         eprintln!(
@@ -409,6 +519,7 @@ pub fn run_ranks(program: &Path, args: &[String], env: &[(String, String)], opts
             .statuses
             .iter()
             .enumerate()
+            .map(|(r, s)| (r + first, s))
             .filter(|(r, _)| *r != rank)
             .map(|(r, s)| format!("rank {r}: {}", s.map(|s| describe(&s)).unwrap_or_else(|| "still running".into())))
             .collect();
@@ -417,6 +528,9 @@ pub fn run_ranks(program: &Path, args: &[String], env: &[(String, String)], opts
         }
         // An exit code of 0 cannot report a failure; codes are 8 bits.
         if (1..=255).contains(&code) { code as u8 } else { 1 }
+    } else if let Some(why) = &outcome.peer_failure {
+        eprintln!("shoal run: {why}; stopped the {} rank(s) on this host", opts.ranks);
+        1
     } else {
         0
     };
@@ -428,7 +542,7 @@ pub fn run_ranks(program: &Path, args: &[String], env: &[(String, String)], opts
             .enumerate()
             .map(|(r, s)| {
                 serde_json::json!({
-                    "rank": r,
+                    "rank": r + first,
                     "exit_code": s.and_then(|s| s.code()),
                     "signal": s.and_then(|s| s.signal()),
                 })
@@ -447,6 +561,13 @@ pub fn run_ranks(program: &Path, args: &[String], env: &[(String, String)], opts
             "first_failure": first_failure,
             "elapsed_s": elapsed.as_secs_f64(),
         });
+        let mut doc = doc;
+        if let Some(n) = &opts.nodes {
+            doc["nnodes"] = n.count.into();
+            doc["node_rank"] = n.rank.into();
+            doc["world_size"] = (n.count * opts.ranks).into();
+            doc["peer_failure"] = outcome.peer_failure.clone().into();
+        }
         let _ = writeln!(std::io::stdout().lock(), "{doc}");
     }
     Ok(ExitCode::from(code))

@@ -6,6 +6,8 @@ mod cli;
 mod dashboard;
 mod deploy;
 mod diagnose;
+mod hosts;
+mod multihost;
 mod platform;
 mod remote;
 mod run;
