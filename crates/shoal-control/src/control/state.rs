@@ -193,6 +193,7 @@ pub fn handle(t: &TaskRow) -> Task {
         cpus: t.cpus.clone(),
         gpus: t.gpus.clone(),
         started_ms: t.started_ms,
+        external_id: t.external_id.clone(),
     }
 }
 
