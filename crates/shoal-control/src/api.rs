@@ -34,7 +34,7 @@ use crate::auth::{hash_token, new_token};
 use crate::db::{JobRow, JobState, MetricRow, Principal, now};
 use crate::error::{ControlError, Result};
 use crate::http::{AppState, Caller, MAX_BODY, MAX_LOG_CHUNK, body, query, visible_job};
-use crate::view::{job_json, job_view, node_json, queues_json};
+use crate::view::{job_json, job_view, nodes_json, queues_json};
 
 pub fn router(state: AppState) -> Router {
     Router::new()
@@ -459,5 +459,5 @@ async fn queues(State(state): State<AppState>, _caller: Caller) -> Result<Json<V
 }
 
 async fn nodes(State(state): State<AppState>, _caller: Caller) -> Result<Json<Value>> {
-    Ok(Json(json!({ "nodes": [node_json(&state.control)] })))
+    Ok(Json(json!({ "nodes": nodes_json(&state.control) })))
 }

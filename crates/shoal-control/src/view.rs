@@ -156,22 +156,35 @@ pub(crate) async fn queues_json(c: &Control) -> Result<Vec<Value>> {
     Ok(out)
 }
 
-/// The node with its capacity and what is allocated on it.
+/// Each node with its capacity and what is allocated on it (`GET /api/v1/nodes`).
+pub(crate) fn nodes_json(c: &Control) -> Vec<Value> {
+    let alloc = c.allocations();
+    c.nodes.iter().map(|n| node_value(&[n], &alloc, &n.id, &n.host)).collect()
+}
+
+/// The cluster as one node (the overview, `/metrics`): its only node, or every node's capacity and allocation
+/// summed under the id `cluster`.
 pub(crate) fn node_json(c: &Control) -> Value {
     let alloc = c.allocations();
-    let n = &c.node;
-    let a = alloc.iter().find(|a| a.node == n.id);
-    let node = json!({
-        "id": n.id,
-        "host": n.host,
-        "cpus": n.cpus_milli as f64 / 1000.0,
-        "memory_bytes": n.memory_bytes,
-        "gpus": n.gpus.iter().map(|g| json!({ "index": g.index, "kind": g.kind, "memory_bytes": g.memory_bytes })).collect::<Vec<_>>(),
+    let all: Vec<&shoal_sched::Node> = c.nodes.iter().collect();
+    match all.as_slice() {
+        [n] => node_value(&all, &alloc, &n.id, &n.host),
+        _ => node_value(&all, &alloc, "cluster", &all.iter().map(|n| n.host.as_str()).collect::<Vec<_>>().join(",")),
+    }
+}
+
+fn node_value(nodes: &[&shoal_sched::Node], alloc: &[shoal_sched::NodeAllocation], id: &str, host: &str) -> Value {
+    let a: Vec<_> = alloc.iter().filter(|a| nodes.iter().any(|n| n.id == a.node)).collect();
+    json!({
+        "id": id,
+        "host": host,
+        "cpus": nodes.iter().map(|n| n.cpus_milli).sum::<u64>() as f64 / 1000.0,
+        "memory_bytes": nodes.iter().map(|n| n.memory_bytes).sum::<u64>(),
+        "gpus": nodes.iter().flat_map(|n| &n.gpus).map(|g| json!({ "index": g.index, "kind": g.kind, "memory_bytes": g.memory_bytes })).collect::<Vec<_>>(),
         "allocated": {
-            "cpus": a.map_or(0.0, |a| a.cpus_milli as f64 / 1000.0),
-            "memory_bytes": a.map_or(0, |a| a.memory_bytes),
-            "gpus": a.map_or(0.0, |a| a.gpus.iter().map(|(share, _)| f64::from(*share)).sum::<f64>() / 1000.0 + 0.0),
+            "cpus": a.iter().map(|a| a.cpus_milli).sum::<u64>() as f64 / 1000.0,
+            "memory_bytes": a.iter().map(|a| a.memory_bytes).sum::<u64>(),
+            "gpus": a.iter().flat_map(|a| &a.gpus).map(|(share, _)| f64::from(*share)).sum::<f64>() / 1000.0 + 0.0,
         },
-    });
-    node
+    })
 }

@@ -255,6 +255,17 @@ pub struct ServerArgs {
     /// missing); `root` runs them with the server's privileges.
     #[arg(long)]
     pub task_user: Option<String>,
+    /// What runs the tasks: `local` (this machine's processes) or `slurm` (each job one Slurm allocation on the
+    /// cluster SLURM_CONF names, whose nodes the scheduler places on).
+    #[arg(long, value_enum, default_value_t = ExecutorArg::Local)]
+    pub executor: ExecutorArg,
+}
+
+/// `shoal server --executor`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ExecutorArg {
+    Local,
+    Slurm,
 }
 
 pub fn server_options(args: &ServerArgs) -> Result<shoal_control::ServerOptions> {
@@ -272,6 +283,10 @@ pub fn server_options(args: &ServerArgs) -> Result<shoal_control::ServerOptions>
     o.no_auth = args.no_auth;
     o.init = args.init;
     o.task_user = args.task_user.clone();
+    o.executor_kind = match args.executor {
+        ExecutorArg::Local => shoal_control::ExecutorKind::Local,
+        ExecutorArg::Slurm => shoal_control::ExecutorKind::Slurm,
+    };
     o.policy.allow_loader_env = args.allow_loader_env;
     o.policy.storage_root = match &args.storage_root {
         Some(r) => Some(std::path::absolute(r).with_context(|| format!("--storage-root {}", r.display()))?),
