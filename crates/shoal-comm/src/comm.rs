@@ -353,7 +353,8 @@ impl Communicator {
             transports.push(Arc::new(t));
         }
         // Everyone is linked before anyone starts an operation.
-        Self::store_barrier(&*store, &name, "ready", rank, size, deadline)?;
+        let everyone: Vec<usize> = (0..size).collect();
+        Self::store_barrier(&*store, &name, "ready", rank, &everyone, deadline)?;
         let inner = Arc::new(Inner {
             rank,
             size,
@@ -446,9 +447,10 @@ impl Communicator {
             }
             RingTransport::new(kind, cfg.ring, size, group.to_vec(), me, regions)
         })();
-        // Once every rank has mapped every segment, the names can go: nothing is
-        // left in /dev/shm even if a process dies later.
-        let barrier = Self::store_barrier(store, name, &format!("{tag}/mapped"), rank, size, deadline);
+        // Once every rank of the group has mapped every segment, the names can go: nothing is
+        // left in /dev/shm even if a process dies later. Only the group waits: a rank with
+        // nobody to share memory with never builds rings and never comes here.
+        let barrier = Self::store_barrier(store, name, &format!("{tag}/mapped"), rank, group, deadline);
         if let Some(p) = own_path {
             let _ = std::fs::remove_file(p);
         } else if let Ok(mut reg) = inproc_registry().lock() {
@@ -464,11 +466,11 @@ impl Communicator {
         name: &str,
         what: &str,
         rank: usize,
-        size: usize,
+        members: &[usize],
         deadline: Instant,
     ) -> Result<()> {
         store.set(&key(name, &format!("{what}/{rank}")), b"1")?;
-        let keys: Vec<String> = (0..size).map(|r| key(name, &format!("{what}/{r}"))).collect();
+        let keys: Vec<String> = members.iter().map(|r| key(name, &format!("{what}/{r}"))).collect();
         let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
         store.wait(&refs, deadline.saturating_duration_since(Instant::now()))
     }

@@ -742,5 +742,5 @@ async fn queues(State(state): State<AppState>, _caller: Caller) -> ApiResult<Jso
     )
 )]
 async fn nodes(State(state): State<AppState>, _caller: Caller) -> Json<NodeList> {
-    Json(NodeList { nodes: vec![crate::view::node(&state.control)] })
+    Json(NodeList { nodes: crate::view::nodes(&state.control) })
 }

@@ -168,6 +168,7 @@ mod tests {
             started_ms: Some(start),
             ended_ms: Some(end),
             cpu_seconds: Some(cpu_s),
+            external_id: None,
         }
     }
 

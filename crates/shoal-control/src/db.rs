@@ -75,6 +75,8 @@ pub struct TaskRow {
     pub ended_ms: Option<i64>,
     /// CPU time its processes used (user + system), as last sampled.
     pub cpu_seconds: Option<f64>,
+    /// The cluster manager's id of what runs it (the Slurm executor: the Slurm job id), `None` for local tasks.
+    pub external_id: Option<String>,
 }
 
 /// One resource sample of one task (the API shows it as a [`shoal_wire::Sample`]).
@@ -191,6 +193,7 @@ const MIGRATIONS: &[&str] = &[
     "ALTER TABLE tasks ADD COLUMN worker_pid BIGINT",
     "ALTER TABLE jobs ADD COLUMN checkpoint_key TEXT",
     "CREATE UNIQUE INDEX jobs_checkpoint_key ON jobs (checkpoint_key)",
+    "ALTER TABLE tasks ADD COLUMN external_id TEXT",
 ];
 
 fn now_ms() -> i64 {
@@ -247,11 +250,12 @@ fn task_from(row: &AnyRow) -> Result<TaskRow> {
         started_ms: row.try_get("started_ms")?,
         ended_ms: row.try_get("ended_ms")?,
         cpu_seconds: un_nan(row.try_get("cpu_seconds")?),
+        external_id: row.try_get("external_id")?,
     })
 }
 
 const TASK_COLUMNS: &str = "job_id, attempt, rank, node, host, pid, start_ticks, state, exit_code, reason, cpus, gpus, \
-                            started_ms, ended_ms, cpu_seconds, worker_pid";
+                            started_ms, ended_ms, cpu_seconds, worker_pid, external_id";
 
 /// What a state change also writes.
 #[derive(Debug, Default, Clone)]
@@ -661,7 +665,7 @@ impl Db {
             .await?;
         sqlx::query(&format!(
             "INSERT INTO tasks ({TASK_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, \
-             $16)"
+             $16, $17)"
         ))
         .bind(&t.job_id)
         .bind(t.attempt)
@@ -679,6 +683,7 @@ impl Db {
         .bind(t.ended_ms)
         .bind(nan(t.cpu_seconds))
         .bind(t.worker_pid)
+        .bind(&t.external_id)
         .execute(&mut *tx)
         .await?;
         tx.commit().await?;

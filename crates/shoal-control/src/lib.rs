@@ -6,7 +6,8 @@
 //! - [`auth`]: bearer tokens stored hashed, mapped to a user and a team.
 //! - [`db`]: the state store, SQLite (default, WAL) or PostgreSQL through one set of SQL statements.
 //! - [`control`]: the loop that keeps store, scheduler (`shoal-sched`) and processes in agreement.
-//! - Tasks run through `shoal-exec`'s `Executor` (the local one by default): this crate starts no process itself.
+//! - Tasks run through `shoal-exec`'s `Executor` (the local one by default, or Slurm's): this crate starts no
+//!   process itself.
 //! - [`server`]: start-up (data-directory lock, admin token, recovery) and shutdown.
 //! - [`observe`]: the dashboard (assets embedded from `assets/` by `build.rs`), overview, live streams (SSE),
 //!   resource samples, `/metrics` for Prometheus; [`diagnose`]: what holds a job back; [`cost`]: what it costs.
@@ -42,4 +43,4 @@ pub mod tls;
 pub mod view;
 
 pub use error::{ControlError, Result};
-pub use server::{Server, ServerOptions, start};
+pub use server::{ExecutorKind, Server, ServerOptions, start};

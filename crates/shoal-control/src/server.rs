@@ -1,6 +1,7 @@
 //! Starting and stopping a server: lock the data directory, open and migrate the store, make sure an admin token
-//! exists (written to `DATA/admin.token`, mode 0600, on first start), describe this machine as the cluster's node,
-//! adopt what still runs, then serve the API and run the control loop until shut down.
+//! exists (written to `DATA/admin.token`, mode 0600, on first start), choose the executor and describe the cluster's
+//! nodes (this machine, or what the executor's cluster manager says), adopt what still runs, then serve the API and
+//! run the control loop until shut down.
 
 use std::io::Write;
 use std::net::SocketAddr;
@@ -17,7 +18,18 @@ use crate::control::{Control, ControlConfig};
 use crate::db::{Db, Principal};
 use crate::error::{ControlError, Result};
 use crate::http::AppState;
-use shoal_exec::procfs;
+use shoal_exec::{Executor, NodeInfo, procfs};
+
+/// What runs the tasks of a server (`shoal server --executor`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum ExecutorKind {
+    /// This machine's processes ([`shoal_exec::LocalExecutor`]).
+    #[default]
+    Local,
+    /// A Slurm cluster: each job's gang one allocation ([`shoal_exec::SlurmExecutor`]); its nodes are the
+    /// scheduler's.
+    Slurm,
+}
 
 /// How to run a server.
 #[derive(Debug, Clone)]
@@ -46,7 +58,9 @@ pub struct ServerOptions {
     /// `--task-user NAME` (`root` to run tasks with the server's privileges); default: see
     /// [`shoal_exec::TaskUser::resolve`].
     pub task_user: Option<String>,
-    /// What runs the tasks; default: the local executor (this machine's processes, as `task_user`).
+    /// Which executor runs the tasks (`--executor`; default local), as `task_user`.
+    pub executor_kind: ExecutorKind,
+    /// An executor made by the caller (tests), instead of the one `executor_kind` names.
     pub executor: Option<Arc<dyn shoal_exec::Executor>>,
     /// Serve HTTPS with this certificate and key (`--tls-cert`, `--tls-key`); `None`: plain HTTP.
     pub tls: Option<crate::tls::TlsFiles>,
@@ -71,6 +85,7 @@ impl ServerOptions {
             init: false,
             policy: crate::policy::Policy::default(),
             task_user: None,
+            executor_kind: ExecutorKind::Local,
             executor: None,
             tls: None,
         }
@@ -289,30 +304,24 @@ pub async fn prepare(opts: &ServerOptions) -> Result<Prepared> {
     }
     let secret_key = server_key(&opts.data_dir)?;
     let token = admin_token(&db, &opts.data_dir).await?;
-    let host = procfs::hostname();
-    let node = Node {
-        id: "local".into(),
-        host: host.clone(),
-        cpus_milli: opts.cpus_milli.unwrap_or(procfs::cpu_count() as u64 * 1000),
-        memory_bytes: opts.memory_bytes.unwrap_or_else(procfs::total_memory),
-        gpus: if opts.gpus > 0 {
-            (0..opts.gpus).map(|i| Gpu { index: i, memory_bytes: opts.gpu_memory_bytes, kind: "gpu".into() }).collect()
-        } else {
-            // Discovered through NVML (feature `nvml`); none otherwise.
-            crate::gpu::Gpus::new()
-                .list()
-                .into_iter()
-                .map(|g| Gpu { index: g.index, memory_bytes: g.memory_bytes, kind: g.name })
-                .collect()
-        },
-        labels: Default::default(),
+    let exec: Arc<dyn Executor> = match (&opts.executor, opts.executor_kind) {
+        (Some(exec), _) => exec.clone(),
+        (None, ExecutorKind::Local) => Arc::new(shoal_exec::LocalExecutor::new(&opts.data_dir, task_user.clone())),
+        (None, ExecutorKind::Slurm) => Arc::new(
+            shoal_exec::SlurmExecutor::new(&opts.data_dir, task_user.clone())
+                .map_err(|e| ControlError::Config(format!("--executor slurm: {e}")))?,
+        ),
+    };
+    let nodes = match exec.nodes().map_err(|e| ControlError::Config(format!("the executor's nodes: {e}")))? {
+        Some(list) => cluster_nodes(&list, opts),
+        None => vec![this_node(opts)],
     };
     let queues = vec![Queue {
         name: "default".into(),
         guaranteed: Quota {
-            cpus_milli: node.cpus_milli,
-            memory_bytes: node.memory_bytes,
-            gpus_milli: node.gpus.len() as u64 * 1000,
+            cpus_milli: nodes.iter().map(|n| n.cpus_milli).sum(),
+            memory_bytes: nodes.iter().map(|n| n.memory_bytes).sum(),
+            gpus_milli: nodes.iter().map(|n| n.gpus.len() as u64 * 1000).sum(),
         },
         can_borrow: true,
     }];
@@ -332,12 +341,57 @@ pub async fn prepare(opts: &ServerOptions) -> Result<Prepared> {
         task_user,
         secret_key,
     };
-    let control = Arc::new(match &opts.executor {
-        Some(exec) => Control::with_executor(db, config, node, queues, exec.clone())?,
-        None => Control::new(db, config, node, queues)?,
-    });
+    let control = Arc::new(Control::with_executor(db, config, nodes, queues, exec)?);
     control.recover().await?;
     Ok(Prepared { control, admin_token: token, database_url: url, lock })
+}
+
+/// This machine as the cluster's one node: what the options declare, else what it has.
+fn this_node(opts: &ServerOptions) -> Node {
+    Node {
+        id: "local".into(),
+        host: procfs::hostname(),
+        cpus_milli: opts.cpus_milli.unwrap_or(procfs::cpu_count() as u64 * 1000),
+        memory_bytes: opts.memory_bytes.unwrap_or_else(procfs::total_memory),
+        gpus: if opts.gpus > 0 {
+            (0..opts.gpus).map(|i| Gpu { index: i, memory_bytes: opts.gpu_memory_bytes, kind: "gpu".into() }).collect()
+        } else {
+            // Discovered through NVML (feature `nvml`); none otherwise.
+            crate::gpu::Gpus::new()
+                .list()
+                .into_iter()
+                .map(|g| Gpu { index: g.index, memory_bytes: g.memory_bytes, kind: g.name })
+                .collect()
+        },
+        labels: Default::default(),
+    }
+}
+
+/// The nodes an executor's cluster manager describes, as the scheduler's model (each GPU with the declared GPU
+/// memory). The options that describe this machine do not apply to them.
+fn cluster_nodes(list: &[NodeInfo], opts: &ServerOptions) -> Vec<Node> {
+    if opts.cpus_milli.is_some() || opts.memory_bytes.is_some() || opts.gpus > 0 {
+        tracing::warn!("--cpus, --memory and --gpus describe this machine; the executor's nodes say what they offer");
+    }
+    let nodes: Vec<Node> = list
+        .iter()
+        .map(|n| Node {
+            id: n.name.clone(),
+            host: n.host.clone(),
+            cpus_milli: n.cpus_milli,
+            memory_bytes: n.memory_bytes,
+            gpus: (0..n.gpus)
+                .map(|i| Gpu { index: i, memory_bytes: opts.gpu_memory_bytes, kind: n.gpu_kind.clone() })
+                .collect(),
+            labels: Default::default(),
+        })
+        .collect();
+    tracing::info!(
+        nodes = %nodes.iter().map(|n| format!("{} ({} CPUs, {} MiB, {} GPUs)", n.id, n.cpus_milli / 1000,
+            n.memory_bytes >> 20, n.gpus.len())).collect::<Vec<_>>().join(", "),
+        "the cluster's nodes, from the executor"
+    );
+    nodes
 }
 
 /// How long a client may take to send a request's headers — and how long a kept-alive connection may sit idle

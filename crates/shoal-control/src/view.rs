@@ -158,25 +158,48 @@ pub async fn queues(c: &Control) -> Result<Vec<wire::QueueView>> {
     Ok(out)
 }
 
-/// The node with its capacity and what is allocated on it.
+/// Each node with its capacity and what is allocated on it (`GET /api/v1/nodes`): this host, or the cluster
+/// manager's nodes (Slurm's).
+pub fn nodes(c: &Control) -> Vec<wire::NodeView> {
+    let alloc = c.allocations();
+    c.nodes.iter().map(|n| node_view(&[n], &alloc, &n.id, &n.host)).collect()
+}
+
+/// The cluster as one node (the overview, `/metrics`): its only node, or every node's capacity and allocation
+/// summed under the id `cluster`.
 pub fn node(c: &Control) -> wire::NodeView {
     let alloc = c.allocations();
-    let n = &c.node;
-    let a = alloc.iter().find(|a| a.node == n.id);
+    let all: Vec<&shoal_sched::Node> = c.nodes.iter().collect();
+    match all.as_slice() {
+        [n] => node_view(&all, &alloc, &n.id, &n.host),
+        _ => {
+            let hosts = all.iter().map(|n| n.host.as_str()).collect::<Vec<_>>().join(",");
+            node_view(&all, &alloc, "cluster", &hosts)
+        }
+    }
+}
+
+fn node_view(
+    nodes: &[&shoal_sched::Node],
+    alloc: &[shoal_sched::NodeAllocation],
+    id: &str,
+    host: &str,
+) -> wire::NodeView {
+    let a: Vec<_> = alloc.iter().filter(|a| nodes.iter().any(|n| n.id == a.node)).collect();
     wire::NodeView {
-        id: n.id.clone(),
-        host: n.host.clone(),
-        cpus: n.cpus_milli as f64 / 1000.0,
-        memory_bytes: n.memory_bytes,
-        gpus: n
-            .gpus
+        id: id.to_owned(),
+        host: host.to_owned(),
+        cpus: nodes.iter().map(|n| n.cpus_milli).sum::<u64>() as f64 / 1000.0,
+        memory_bytes: nodes.iter().map(|n| n.memory_bytes).sum::<u64>(),
+        gpus: nodes
             .iter()
+            .flat_map(|n| &n.gpus)
             .map(|g| wire::GpuView { index: g.index, kind: g.kind.clone(), memory_bytes: g.memory_bytes })
             .collect(),
         allocated: wire::Resources {
-            cpus: a.map_or(0.0, |a| a.cpus_milli as f64 / 1000.0),
-            memory_bytes: a.map_or(0, |a| a.memory_bytes),
-            gpus: a.map_or(0.0, |a| a.gpus.iter().map(|(share, _)| f64::from(*share)).sum::<f64>() / 1000.0 + 0.0),
+            cpus: a.iter().map(|a| a.cpus_milli).sum::<u64>() as f64 / 1000.0,
+            memory_bytes: a.iter().map(|a| a.memory_bytes).sum::<u64>(),
+            gpus: a.iter().flat_map(|a| &a.gpus).map(|(share, _)| f64::from(*share)).sum::<f64>() / 1000.0 + 0.0,
         },
     }
 }

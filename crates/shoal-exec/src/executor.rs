@@ -1,5 +1,5 @@
-//! The `Executor` trait: what the control loop asks of whatever runs its tasks (this machine's processes today;
-//! Slurm allocations and Kubernetes pods behind the same calls), and the types that cross it.
+//! The `Executor` trait: what the control loop asks of whatever runs its tasks (this machine's processes, a Slurm
+//! cluster's allocations; Kubernetes pods behind the same calls), and the types that cross it.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -51,6 +51,32 @@ pub struct Task {
     pub gpus: String,
     /// When it started (ms since the epoch).
     pub started_ms: Option<i64>,
+    /// The cluster manager's own id of what runs the task (the Slurm executor: the Slurm job id of its gang's
+    /// allocation), `None` for the local executor.
+    pub external_id: Option<String>,
+}
+
+/// A gang start that failed: the tasks that did start (the caller stops them and waits until they are gone), the
+/// rank that could not, and why.
+#[derive(Debug)]
+pub struct GangError {
+    pub started: Vec<Task>,
+    pub rank: usize,
+    pub error: crate::error::ExecError,
+}
+
+/// A node of a cluster an executor runs tasks on, with what it offers to jobs (for the scheduler's model).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NodeInfo {
+    /// The name tasks are placed by ([`TaskLaunch::node`]).
+    pub name: String,
+    /// Its address or host name, as the cluster manager knows it.
+    pub host: String,
+    pub cpus_milli: u64,
+    pub memory_bytes: u64,
+    pub gpus: u32,
+    /// The GPUs' kind (`gpu` when the cluster manager does not say).
+    pub gpu_kind: String,
 }
 
 /// What became of a task.
@@ -88,22 +114,32 @@ pub struct Usage {
     pub cpu_seconds: f64,
 }
 
-/// A process an executor started that no task it was told about owns (left by a crash between a start and its
+/// Something an executor started that no task it was told about owns (left by a crash between a start and its
 /// record).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Stray {
+    /// The process (the local executor) or the cluster manager's job (the Slurm executor's job id).
     pub pid: i64,
-    /// The task's handle it belongs to ([`Task::pid`]: the session for the local executor).
+    /// The task's handle it belongs to ([`Task::pid`]: the session for the local executor; 0 when none).
     pub owner: i64,
     pub job_id: String,
+    /// What it is, for logs and events (`process 4242`, `Slurm job 17`).
+    pub what: String,
 }
 
-/// Runs a job's tasks. Implementations: [`crate::LocalExecutor`] (this machine's processes); with the `fake`
-/// feature, `FakeExecutor` (scripted, for the control loop's tests). Every call is quick and never waits on a task:
-/// the control loop calls them every tick for every task.
+/// Runs a job's tasks. Implementations: [`crate::LocalExecutor`] (this machine's processes),
+/// [`crate::SlurmExecutor`] (a Slurm cluster's allocations); with the `fake` feature, `FakeExecutor` (scripted, for
+/// the control loop's tests). Every call is quick and never waits on a task: the control loop calls them every tick
+/// for every task.
 pub trait Executor: Send + Sync + std::fmt::Debug {
-    /// The host the executor starts tasks on (shown with every task).
+    /// The host the executor starts tasks from (shown with a task until it has started).
     fn host(&self) -> &str;
+
+    /// The nodes tasks run on, with what each offers, when the executor has a cluster of its own to describe
+    /// (read once, when the server starts); `None`: this host alone, as the server's options describe it.
+    fn nodes(&self) -> Result<Option<Vec<NodeInfo>>> {
+        Ok(None)
+    }
 
     /// Where rank 0 of a job placed on `node` hosts the job's rendezvous store (`host:port`), reachable from every
     /// rank.
@@ -117,6 +153,25 @@ pub trait Executor: Send + Sync + std::fmt::Debug {
 
     /// Starts one task, with the environment contract.
     fn start(&self, launch: &TaskLaunch) -> Result<Task>;
+
+    /// Starts every rank of one attempt (`launches`, in rank order) and gives their handles in the same order. An
+    /// executor whose cluster manager allocates a gang at once (Slurm) makes it one request; by default, each task
+    /// is started in turn and the first failure ends the start.
+    fn start_gang(&self, launches: &[TaskLaunch]) -> std::result::Result<Vec<Task>, GangError> {
+        let mut started = Vec::with_capacity(launches.len());
+        for l in launches {
+            match self.start(l) {
+                Ok(t) => started.push(t),
+                Err(error) => return Err(GangError { started, rank: l.rank, error }),
+            }
+        }
+        Ok(started)
+    }
+
+    /// How a started task is described in the job's events (where it runs and under which identity).
+    fn describe(&self, task: &Task) -> String {
+        format!("pid {} cpus {}", task.worker_pid.or(task.pid).unwrap_or(0), task.cpus)
+    }
 
     /// Whether the task still runs, how it ended, or that it is lost. A task is over only when everything it
     /// started is gone. An error says the executor cannot tell now (its cluster manager does not answer): never
@@ -132,8 +187,8 @@ pub trait Executor: Send + Sync + std::fmt::Debug {
     /// Takes over a task found in the store after a restart of the control plane.
     fn adopt(&self, task: &Task);
 
-    /// Processes this executor started that belong to no task in `owners` ([`Task::pid`]s of adopted tasks).
-    fn strays(&self, owners: &std::collections::HashSet<i64>) -> Vec<Stray>;
+    /// What this executor started that belongs to none of the `adopted` tasks.
+    fn strays(&self, adopted: &[Task]) -> Vec<Stray>;
 
     /// Kills a stray found by [`Executor::strays`].
     fn kill_stray(&self, stray: &Stray);
@@ -142,8 +197,16 @@ pub trait Executor: Send + Sync + std::fmt::Debug {
     fn log_path(&self, job: &str, attempt: i64, rank: i64) -> PathBuf;
 }
 
-/// The one place a task's command meets its environment: the contract ([`TaskEnv::vars`], its one writer), then
-/// the job's own variables (which may tune thread counts; the contract's own names are refused by the spec).
+/// The one place a task's environment is put together: the contract ([`TaskEnv::vars`], its one writer), then the
+/// job's own variables (which may tune thread counts; the contract's own names are refused by the spec), in the
+/// order they are to be set.
+pub(crate) fn task_env(contract: &TaskEnv, env: &[(String, String)]) -> Vec<(String, String)> {
+    let mut vars: Vec<(String, String)> = contract.vars().into_iter().map(|(k, v)| (k.to_owned(), v)).collect();
+    vars.extend(env.iter().cloned());
+    vars
+}
+
+/// Sets a local task's environment ([`task_env`]) on its command.
 pub(crate) fn set_env(cmd: &mut Command, contract: &TaskEnv, env: &[(String, String)]) {
-    cmd.envs(contract.vars()).envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+    cmd.envs(task_env(contract, env));
 }

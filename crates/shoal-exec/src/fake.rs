@@ -186,6 +186,7 @@ impl Executor for FakeExecutor {
             cpus: String::new(),
             gpus: l.gpus.iter().map(|(i, _)| i.to_string()).collect::<Vec<_>>().join(","),
             started_ms: Some(0),
+            external_id: None,
         };
         st.tasks.insert(key(&t), (TaskStatus::Running, Usage { rss_bytes: 1 << 20, cpu_seconds: 0.0 }));
         Ok(t)
@@ -225,7 +226,7 @@ impl Executor for FakeExecutor {
         self.state().adopted.push(key(t));
     }
 
-    fn strays(&self, _owners: &HashSet<i64>) -> Vec<Stray> {
+    fn strays(&self, _adopted: &[Task]) -> Vec<Stray> {
         Vec::new()
     }
 

@@ -3,7 +3,8 @@
 //! - [`Executor`] ([`executor`]): what the control loop asks of whatever runs its tasks — start one with the
 //!   environment contract, probe it, stop it, sample it, adopt it after a restart, find strays, say where its log
 //!   is and where its job's rendezvous is hosted. [`LocalExecutor`] ([`local`]) runs tasks as processes of this
-//!   machine that outlive the server; the Slurm and Kubernetes executors implement the same trait.
+//!   machine that outlive the server; [`SlurmExecutor`] ([`slurm`]) runs a job's gang as one Slurm allocation, a
+//!   step per rank; a Kubernetes executor would implement the same trait.
 //! - [`launch`]: the attached launcher of `shoal run` and `shoal bench` — ranks as children that live and die with
 //!   it, output passed on by rank, one gang supervised.
 //! - [`procfs`]: what both read of processes and the machine.
@@ -11,10 +12,13 @@
 //!
 //! Invariants:
 //! - The environment contract is written only by `shoal_comm::env::TaskEnv::vars`, and it reaches a process only
-//!   through this crate (`executor::set_env`): no other code sets a task's contract variables.
-//! - Nothing started here is left behind: a local task is over only when every process of its session is gone; an
-//!   attached rank dies with its launcher (death signal, process group, a guard process, subreaping).
-//! - A task is identified by its PID *and* its start time, so a reused PID is never signalled or taken for it.
+//!   through this crate (`executor::task_env`, for a local process's command or a Slurm step's exports): no other
+//!   code sets a task's contract variables.
+//! - Nothing started here is left behind: a local task is over only when every process of its session is gone, a
+//!   Slurm task's success only once its allocation has ended; an attached rank dies with its launcher (death
+//!   signal, process group, a guard process, subreaping).
+//! - A local task is identified by its PID *and* its start time, so a reused PID is never signalled or taken for
+//!   it; a Slurm task by its Slurm job id.
 //! - No async runtime and nothing of the control plane's store: the control loop maps its rows to [`Task`].
 
 pub mod error;
@@ -24,7 +28,9 @@ pub mod fake;
 pub mod launch;
 pub mod local;
 pub mod procfs;
+pub mod slurm;
 
 pub use error::{ExecError, Result, SpawnError};
-pub use executor::{Executor, Stop, Stray, Task, TaskLaunch, TaskStatus, Usage};
+pub use executor::{Executor, GangError, NodeInfo, Stop, Stray, Task, TaskLaunch, TaskStatus, Usage};
 pub use local::{DEFAULT_TASK_USER, LocalExecutor, TaskUser};
+pub use slurm::SlurmExecutor;

@@ -273,6 +273,7 @@ impl LocalExecutor {
             cpus: cpu_list(&cpus),
             gpus: l.gpus.iter().map(|(i, _)| i.to_string()).collect::<Vec<_>>().join(","),
             started_ms: Some(now_ms()),
+            external_id: None,
         };
         self.children.lock().unwrap_or_else(|p| p.into_inner()).insert(key(&row), child);
         self.pinned.lock().unwrap_or_else(|p| p.into_inner()).insert(key(&row), cpus);
@@ -359,6 +360,23 @@ impl LocalExecutor {
     }
 }
 
+/// Creates `dir` (and its parents) for a job's tasks: owned by the task user (when there is one), mode 0700.
+pub(crate) fn task_dir_for(dir: &Path, user: Option<&TaskUser>) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(|e| ExecError::io(format!("creating {}", dir.display()), e))?;
+    give_to(dir, user)?;
+    std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o700))
+        .map_err(|e| ExecError::io(format!("chmod 0700 {}", dir.display()), e))
+}
+
+/// Hands a file or directory over to the task user (no-op without one).
+pub(crate) fn give_to(path: &Path, user: Option<&TaskUser>) -> Result<()> {
+    if let Some(u) = user {
+        std::os::unix::fs::chown(path, Some(u.uid), Some(u.gid))
+            .map_err(|e| ExecError::io(format!("chown {} to {}", path.display(), u.name), e))?;
+    }
+    Ok(())
+}
+
 /// The training process's PID, which the wrapper writes beside the exit file as soon as it has started it
 /// (waiting up to `limit` for it).
 fn worker_pid_of(exit_path: &Path, limit: std::time::Duration) -> Option<i64> {
@@ -391,21 +409,12 @@ impl Executor for LocalExecutor {
         Ok(format!("127.0.0.1:{port}"))
     }
 
-    /// Owned by the task user, mode 0700.
     fn task_dir(&self, dir: &Path) -> Result<()> {
-        std::fs::create_dir_all(dir).map_err(|e| ExecError::io(format!("creating {}", dir.display()), e))?;
-        self.give(dir)?;
-        std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o700))
-            .map_err(|e| ExecError::io(format!("chmod 0700 {}", dir.display()), e))
+        task_dir_for(dir, self.user.as_ref())
     }
 
-    /// Hands a file or directory over to the task user (no-op without one).
     fn give(&self, path: &Path) -> Result<()> {
-        if let Some(u) = &self.user {
-            std::os::unix::fs::chown(path, Some(u.uid), Some(u.gid))
-                .map_err(|e| ExecError::io(format!("chown {} to {}", path.display(), u.name), e))?;
-        }
-        Ok(())
+        give_to(path, self.user.as_ref())
     }
 
     fn start(&self, launch: &TaskLaunch) -> Result<Task> {
@@ -431,15 +440,21 @@ impl Executor for LocalExecutor {
     }
 
     /// Processes whose environment names this executor's data directory (`SHOAL_SERVER_DATA`), outside the
-    /// sessions of `owners`.
-    fn strays(&self, owners: &HashSet<i64>) -> Vec<Stray> {
+    /// sessions of the adopted tasks.
+    fn strays(&self, adopted: &[Task]) -> Vec<Stray> {
+        let owners: HashSet<i64> = adopted.iter().filter_map(|t| t.pid).collect();
         let marker = format!("{}={}", var::SERVER_DATA, self.data_dir.display());
         let me = i64::from(std::process::id());
         processes_marked(&marker, var::JOB_ID)
             .into_iter()
             .filter_map(|(pid, job_id)| {
                 let owner = session_of(pid).unwrap_or(0);
-                (pid != me && !owners.contains(&owner)).then_some(Stray { pid, owner, job_id })
+                (pid != me && !owners.contains(&owner)).then(|| Stray {
+                    pid,
+                    owner,
+                    job_id,
+                    what: format!("process {pid}"),
+                })
             })
             .collect()
     }

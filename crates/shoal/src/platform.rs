@@ -316,6 +316,17 @@ pub struct ServerArgs {
     /// The private key of --tls-cert (PEM).
     #[arg(long, value_name = "FILE", requires = "tls_cert")]
     pub tls_key: Option<PathBuf>,
+    /// What runs the tasks: `local` (this machine's processes) or `slurm` (each job one Slurm allocation on the
+    /// cluster SLURM_CONF names, whose nodes the scheduler places on).
+    #[arg(long, value_enum, default_value_t = ExecutorArg::Local)]
+    pub executor: ExecutorArg,
+}
+
+/// `shoal server --executor`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ExecutorArg {
+    Local,
+    Slurm,
 }
 
 pub fn server_options(args: &ServerArgs) -> Result<shoal_control::ServerOptions> {
@@ -333,6 +344,10 @@ pub fn server_options(args: &ServerArgs) -> Result<shoal_control::ServerOptions>
     o.no_auth = args.no_auth;
     o.init = args.init;
     o.task_user = args.task_user.clone();
+    o.executor_kind = match args.executor {
+        ExecutorArg::Local => shoal_control::ExecutorKind::Local,
+        ExecutorArg::Slurm => shoal_control::ExecutorKind::Slurm,
+    };
     if let (Some(cert), Some(key)) = (&args.tls_cert, &args.tls_key) {
         o.tls = Some(shoal_control::tls::TlsFiles { cert: cert.clone(), key: key.clone() });
     }

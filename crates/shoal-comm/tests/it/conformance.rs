@@ -257,6 +257,33 @@ fn split_by_colour_builds_independent_groups() {
 }
 
 #[test]
+fn a_host_with_one_rank_joins_hosts_with_several() {
+    // Three ranks on "host0", one alone on "host1" (an uneven layout, as a cluster's placement may give): the ranks
+    // that share memory link among themselves without waiting for the one that has nobody to share it with.
+    let n = 4;
+    let host = |r: usize| if r < 3 { "host0" } else { "host1" };
+    let store: std::sync::Arc<dyn shoal_comm::Store> = std::sync::Arc::new(shoal_comm::MemStore::default());
+    let t0 = std::time::Instant::now();
+    let hs: Vec<_> = (0..n)
+        .map(|r| {
+            let store = store.clone();
+            std::thread::spawn(move || {
+                let c = CommConfig { host_id: Some(host(r).into()), ..cfg(TransportChoice::Auto) };
+                let c = Communicator::init(store, r, n, c).map_err(|e| format!("rank {r} init: {e}"))?;
+                let mut v = vec![r as i32 + 1; 1000];
+                c.all_reduce(&mut v, ReduceOp::Sum).map_err(|e| format!("rank {r} all_reduce: {e}"))?;
+                Ok::<_, String>(v)
+            })
+        })
+        .collect();
+    for h in hs {
+        let v = h.join().expect("rank panicked").unwrap_or_else(|e| panic!("{e}"));
+        assert!(v.iter().all(|x| *x == 10), "sum of 1..=4 everywhere");
+    }
+    assert!(t0.elapsed() < Duration::from_secs(8), "linking took {:?}: someone waited for a timeout", t0.elapsed());
+}
+
+#[test]
 fn hierarchical_all_reduce_across_simulated_hosts() {
     // Two "hosts" of three ranks each: shared memory inside, TCP across.
     let n = 6;

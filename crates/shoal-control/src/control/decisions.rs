@@ -137,7 +137,14 @@ impl Control {
             // Adopted jobs are placed again at recovery: their processes already run.
             return Ok(());
         }
+        // Rank 0's node hosts the rendezvous.
         let node = assignments.first().map_or("?", |a| a.node.as_str()).to_owned();
+        let mut nodes: Vec<&str> = Vec::new();
+        for a in assignments {
+            if !nodes.contains(&a.node.as_str()) {
+                nodes.push(&a.node);
+            }
+        }
         // Nothing is recorded or started yet: a failure here gives the scheduler its resources back.
         let ready = self.spec_of(&job).and_then(|spec| Ok((spec, self.exec.rendezvous(&node)?)));
         let (spec, rendezvous) = match ready {
@@ -157,7 +164,10 @@ impl Control {
                 JobState::Running,
                 Transition {
                     kind: "placed",
-                    message: format!("attempt {attempt}: {world} workers on {node}; rendezvous {rendezvous}"),
+                    message: format!(
+                        "attempt {attempt}: {world} workers on {}; rendezvous {rendezvous}",
+                        nodes.join(", ")
+                    ),
                     attempt: Some(attempt),
                     workers: Some(world as i64),
                     started_ms: Some(now()),
@@ -197,6 +207,7 @@ impl Control {
                 started_ms: None,
                 ended_ms: None,
                 cpu_seconds: None,
+                external_id: None,
             })
             .collect();
         for t in &intents {
@@ -230,9 +241,10 @@ impl Control {
         let mut env: Vec<(String, String)> = spec.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
         env.extend(self.config.policy.team_env(&job.team));
         let secret = self.job_secret(&job);
-        let mut rows = Vec::with_capacity(world);
-        for (rank, a) in assignments.iter().enumerate() {
-            let launch = TaskLaunch {
+        let launches: Vec<TaskLaunch> = assignments
+            .iter()
+            .enumerate()
+            .map(|(rank, a)| TaskLaunch {
                 job_id: id.to_owned(),
                 attempt,
                 rank,
@@ -245,25 +257,32 @@ impl Control {
                 gpus: a.gpus.clone(),
                 node: a.node.clone(),
                 env: env.clone(),
-            };
-            let row = match self.exec.start(&launch) {
-                Ok(task) => started_row(task, &a.node),
-                Err(e) => {
-                    let why = StopWhy::Failure(format!("could not start rank {rank}: {e}"));
-                    return self.abort_start(&job, attempt, &rows, why).await;
-                }
-            };
+            })
+            .collect();
+        // The gang starts at once (one request to a cluster manager, or each task in turn); what started is
+        // recorded right after, and undone when anything failed.
+        let tasks = match self.exec.start_gang(&launches) {
+            Ok(tasks) => tasks,
+            Err(g) => {
+                let rows: Vec<TaskRow> =
+                    g.started.into_iter().zip(assignments).map(|(t, a)| started_row(t, &a.node)).collect();
+                let why = StopWhy::Failure(format!("could not start rank {}: {}", g.rank, g.error));
+                return self.abort_start(&job, attempt, &rows, why).await;
+            }
+        };
+        let mut rows = Vec::with_capacity(world);
+        for (task, a) in tasks.into_iter().zip(assignments) {
+            let row = started_row(task, &a.node);
             let recorded = self.db.upsert_task(&row).await;
+            let rank = row.rank;
             rows.push(row);
             if let Err(e) = recorded {
                 let why = StopWhy::Requeue(format!("recording rank {rank} failed: {e}"));
                 return self.abort_start(&job, attempt, &rows, why).await;
             }
         }
-        let pinned: Vec<String> = rows
-            .iter()
-            .map(|r| format!("rank {} pid {} cpus {}", r.rank, r.worker_pid.or(r.pid).unwrap_or(0), r.cpus))
-            .collect();
+        let pinned: Vec<String> =
+            rows.iter().map(|r| format!("rank {} {}", r.rank, self.exec.describe(&handle(r)))).collect();
         self.db.event(id, "started", JobState::Running, &format!("attempt {attempt}: {}", pinned.join(", "))).await?;
         Ok(())
     }
@@ -335,5 +354,6 @@ fn started_row(t: Task, node: &str) -> TaskRow {
         started_ms: t.started_ms.or_else(|| Some(now())),
         ended_ms: None,
         cpu_seconds: None,
+        external_id: t.external_id,
     }
 }

@@ -17,7 +17,7 @@ impl Control {
     /// placed again.
     pub async fn recover(&self) -> Result<()> {
         let active = self.db.jobs_in(&[JobState::Running, JobState::Preempted]).await?;
-        let mut adopted_sessions = HashSet::new();
+        let mut adopted = Vec::new();
         for job in &active {
             let tasks = self.db.tasks(&job.id, job.attempt).await?;
             let alive: Vec<&TaskRow> = tasks
@@ -30,7 +30,7 @@ impl Control {
                 .collect();
             for t in &alive {
                 self.exec.adopt(&handle(t));
-                adopted_sessions.extend(t.pid);
+                adopted.push(handle(t));
             }
             if job.state == JobState::Preempted {
                 self.begin_stop(
@@ -40,17 +40,24 @@ impl Control {
                 );
                 continue;
             }
-            let pids: Vec<String> = alive.iter().filter_map(|t| t.pid.map(|p| p.to_string())).collect();
+            // Local tasks by the session their signals go to; others as their executor describes them.
+            let running: Vec<String> = alive
+                .iter()
+                .map(|t| match t.pid {
+                    Some(pid) => format!("pid {pid}"),
+                    None => format!("rank {} {}", t.rank, self.exec.describe(&handle(t))),
+                })
+                .collect();
             self.db
                 .event(
                     &job.id,
                     "adopted",
                     job.state,
                     &format!(
-                        "the server restarted; {} of {} workers still running (pids {}), taken over",
+                        "the server restarted; {} of {} workers still running ({}), taken over",
                         alive.len(),
                         tasks.len(),
-                        if pids.is_empty() { "none".into() } else { pids.join(", ") }
+                        if running.is_empty() { "none".into() } else { running.join(", ") }
                     ),
                 )
                 .await?;
@@ -69,11 +76,11 @@ impl Control {
         }
         // Strays: processes of this server that belong to no task it knows to be running (started just before a
         // crash, before their task was recorded). Nothing of a job may run beside its next attempt.
-        for stray in self.exec.strays(&adopted_sessions) {
-            tracing::warn!(pid = stray.pid, job = %stray.job_id, "killing a stray process of this server");
+        for stray in self.exec.strays(&adopted) {
+            tracing::warn!(stray = %stray.what, job = %stray.job_id, "killing a stray of this server");
             self.exec.kill_stray(&stray);
             if let Ok(Some(j)) = self.db.job(&stray.job_id).await {
-                let message = format!("killed stray process {} found after a restart", stray.pid);
+                let message = format!("killed stray {} found after a restart", stray.what);
                 self.db.event(&j.id, "warning", j.state, &message).await?;
             }
         }

@@ -59,10 +59,11 @@ pub(super) struct Stop {
 #[derive(Debug)]
 pub struct Control {
     pub db: Db,
-    /// What runs the tasks (the local executor, or a scripted one in tests).
+    /// What runs the tasks (the local executor, Slurm's, or a scripted one in tests).
     pub exec: std::sync::Arc<dyn Executor>,
     pub config: ControlConfig,
-    pub node: Node,
+    /// The cluster's nodes: this host, or what the executor describes (Slurm's nodes).
+    pub nodes: Vec<Node>,
     pub queues: Vec<Queue>,
     pub(super) sched: Mutex<Scheduler>,
     pub wake: tokio::sync::Notify,
@@ -95,16 +96,16 @@ pub fn parse_stored_spec(job: &JobRow) -> Result<JobSpec> {
 }
 
 impl Control {
-    pub fn new(db: Db, config: ControlConfig, node: Node, queues: Vec<Queue>) -> Result<Control> {
+    pub fn new(db: Db, config: ControlConfig, nodes: Vec<Node>, queues: Vec<Queue>) -> Result<Control> {
         let exec = std::sync::Arc::new(shoal_exec::LocalExecutor::new(&config.data_dir, config.task_user.clone()));
-        Control::with_executor(db, config, node, queues, exec)
+        Control::with_executor(db, config, nodes, queues, exec)
     }
 
     /// A control loop whose tasks `exec` runs.
     pub fn with_executor(
         db: Db,
         config: ControlConfig,
-        node: Node,
+        nodes: Vec<Node>,
         queues: Vec<Queue>,
         exec: std::sync::Arc<dyn Executor>,
     ) -> Result<Control> {
@@ -112,14 +113,14 @@ impl Control {
             preempt_grace_ms: config.preempt_grace.as_millis() as u64,
             ..shoal_sched::Config::default()
         };
-        let sched = Scheduler::new(vec![node.clone()], queues.clone(), sched_cfg)
+        let sched = Scheduler::new(nodes.clone(), queues.clone(), sched_cfg)
             .map_err(|e| ControlError::Config(format!("cluster model: {e}")))?;
         let bench = config.bench.clone();
         Ok(Control {
             exec,
             db,
             config,
-            node,
+            nodes,
             queues,
             sched: Mutex::new(sched),
             wake: tokio::sync::Notify::new(),
@@ -192,6 +193,7 @@ pub fn handle(t: &TaskRow) -> Task {
         cpus: t.cpus.clone(),
         gpus: t.gpus.clone(),
         started_ms: t.started_ms,
+        external_id: t.external_id.clone(),
     }
 }
 

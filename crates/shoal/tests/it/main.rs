@@ -11,6 +11,7 @@ mod multihost;
 mod platform;
 mod remote;
 mod run;
+mod slurm;
 mod support_s3;
 mod tls;
 mod train;

@@ -54,7 +54,7 @@ pub(crate) fn free_port() -> u16 {
 // processes
 
 /// Whether `pid` exists and is not a zombie.
-fn alive(pid: i64) -> bool {
+pub(crate) fn alive(pid: i64) -> bool {
     let Ok(s) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return false };
     s.rfind(')').and_then(|i| s[i + 1..].split_whitespace().next()).is_some_and(|st| st != "Z" && st != "X")
 }
@@ -76,7 +76,7 @@ fn procs_where(keep: impl Fn(&[&[u8]]) -> bool) -> Vec<i64> {
 }
 
 /// Live processes (task wrappers and the workers they run) of one attempt of a job.
-fn attempt_procs(job: &str, attempt: i64) -> Vec<i64> {
+pub(crate) fn attempt_procs(job: &str, attempt: i64) -> Vec<i64> {
     let (j, a) = (format!("SHOAL_JOB_ID={job}"), format!("SHOAL_ATTEMPT={attempt}"));
     procs_where(|vars| vars.contains(&j.as_bytes()) && vars.contains(&a.as_bytes()))
 }
@@ -196,10 +196,18 @@ pub(crate) struct Platform {
     server_logs: Vec<PathBuf>,
     /// Jobs submitted in this test (for the diagnostics).
     jobs: RefCell<Vec<String>>,
+    /// More arguments and environment for every server of this test.
+    server_args: Vec<String>,
+    server_env: Vec<(String, String)>,
 }
 
 impl Platform {
     pub(crate) fn new(tag: &str) -> Platform {
+        Platform::with_server(tag, &[], &[])
+    }
+
+    /// A platform whose servers get `args` (after the listen address and data directory) and `env`.
+    pub(crate) fn with_server(tag: &str, args: &[&str], env: &[(&str, &str)]) -> Platform {
         let root = tmpdir(tag);
         let data = root.join("data");
         let mut p = Platform {
@@ -210,13 +218,20 @@ impl Platform {
             token: String::new(),
             server_logs: Vec::new(),
             jobs: RefCell::new(Vec::new()),
+            server_args: args.iter().map(|a| (*a).to_owned()).collect(),
+            server_env: env.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect(),
         };
         p.start_server(None);
         p
     }
 
+    /// The data directory.
+    pub(crate) fn data(&self) -> &Path {
+        &self.data
+    }
+
     /// Spawns `shoal server` on the data directory (on `port`, or a free one) and waits until it answers.
-    fn start_server(&mut self, port: Option<u16>) {
+    pub(crate) fn start_server(&mut self, port: Option<u16>) {
         assert!(self.server.is_none(), "a server is already running");
         let mut port = port.unwrap_or_else(free_port);
         for try_no in 0..5 {
@@ -228,9 +243,11 @@ impl Platform {
             let mut child = shoal()
                 .args(["server", "--listen", &addr, "--data-dir"])
                 .arg(&self.data)
+                .args(&self.server_args)
                 .env("SHOAL_LOG", "shoal_control=info,warn")
                 .env("HOME", &self.root)
                 .env_remove("SHOAL_DATA_DIR")
+                .envs(self.server_env.iter().map(|(k, v)| (k, v)))
                 .stdin(Stdio::null())
                 .stdout(out)
                 .stderr(err)
@@ -285,7 +302,7 @@ impl Platform {
     }
 
     /// `kill -9` of the server (its tasks, in their own sessions, live on).
-    fn kill_server(&mut self) -> i64 {
+    pub(crate) fn kill_server(&mut self) -> i64 {
         let mut child = self.server.take().expect("a running server");
         let pid = i64::from(child.id());
         child.kill().expect("SIGKILL the server");
@@ -294,12 +311,12 @@ impl Platform {
         pid
     }
 
-    fn port(&self) -> u16 {
+    pub(crate) fn port(&self) -> u16 {
         self.addr.rsplit_once(':').and_then(|(_, p)| p.parse().ok()).expect("port")
     }
 
     /// The `shoal` CLI against this server as `token`.
-    fn cli(&self, token: &str, args: &[&str]) -> Output {
+    pub(crate) fn cli(&self, token: &str, args: &[&str]) -> Output {
         shoal()
             .args(args)
             .args(["--addr", &self.addr, "--token", token])
@@ -334,14 +351,14 @@ impl Platform {
     }
 
     /// GET as admin; must be 200 with JSON.
-    fn get(&self, path: &str) -> Value {
+    pub(crate) fn get(&self, path: &str) -> Value {
         let r = self.request("GET", path, Some(&self.token), None);
         assert_eq!(r.status, 200, "GET {path}: {}", text(&r.body));
         r.json()
     }
 
     /// The job's status (raw HTTP, as admin), or None while the server does not answer.
-    fn try_status(&self, id: &str) -> Option<Value> {
+    pub(crate) fn try_status(&self, id: &str) -> Option<Value> {
         let r = http(&self.addr, "GET", &format!("/api/v1/jobs/{id}"), Some(&self.token), None).ok()?;
         assert_eq!(r.status, 200, "GET /api/v1/jobs/{id}: {}", text(&r.body));
         Some(r.json())
@@ -367,7 +384,7 @@ impl Platform {
     }
 
     /// Polls `f` until it gives a value; panics naming `what` after the deadline.
-    fn wait<T>(&self, what: &str, mut f: impl FnMut() -> Option<T>) -> T {
+    pub(crate) fn wait<T>(&self, what: &str, mut f: impl FnMut() -> Option<T>) -> T {
         let deadline = Instant::now() + WAIT;
         loop {
             if let Some(t) = f() {
@@ -424,7 +441,7 @@ impl Platform {
         })
     }
 
-    fn job_dir(&self, id: &str) -> PathBuf {
+    pub(crate) fn job_dir(&self, id: &str) -> PathBuf {
         self.data.join("jobs").join(id)
     }
 
@@ -561,7 +578,7 @@ fn endless_job(name: &str, restart_max: u32) -> String {
     digits_job(name, 10_000_000, restart_max, 0, 100, true)
 }
 
-fn events(v: &Value) -> Vec<(i64, String, String)> {
+pub(crate) fn events(v: &Value) -> Vec<(i64, String, String)> {
     v["events"]
         .as_array()
         .unwrap_or_else(|| panic!("status has no events array: {v}"))
@@ -576,7 +593,7 @@ fn events(v: &Value) -> Vec<(i64, String, String)> {
         .collect()
 }
 
-fn kinds(v: &Value) -> Vec<String> {
+pub(crate) fn kinds(v: &Value) -> Vec<String> {
     events(v).into_iter().map(|(_, k, _)| k).collect()
 }
 
