@@ -3,12 +3,16 @@
 under several sets of values, what each render holds (the server's arguments, probes, references between the
 objects), every rendered manifest validated strictly against a pinned Kubernetes version's schemas
 (kubernetes-validate --strict), values that contradict each other refused, and the Dockerfile linted (hadolint).
+With SHOAL_BIN naming a shoal binary, the objects `shoal k8s manifests` prints for the examples are validated the
+same way, and what they hold checked (a Pod per rank, rank 0 hosting the rendezvous store, the job secret taken
+from the Secret, requests equal to limits), their YAML read back equal to their JSON.
 
 Run by scripts/validate-deploy.sh inside its virtual environment; prints what it checked and exits non-zero
 naming every failure.
 """
 
 import base64
+import json
 import os
 import subprocess
 import sys
@@ -63,6 +67,10 @@ REFUSED = {
         "executor kubernetes needs rbac.create",
     ),
 }
+
+# Job specs `shoal k8s manifests` is run on (with SHOAL_BIN): the -n given (None: the spec's count), the ranks.
+K8S_JOBS = {"platform_digits": (None, 2), "mlp_digits": (2, 2)}
+K8S_NAMESPACE = "ml"
 
 failures: list[str] = []
 
@@ -262,6 +270,81 @@ def check_render(scenario: str, merged: dict, docs: list[dict]) -> None:
         check(ref == {"name": pg, "key": "password"}, f"{where} PostgreSQL's password comes from {ref}")
 
 
+def check_job_manifests(job: str, n: int, docs: list[dict]) -> None:
+    where = f"[k8s manifests {job}]"
+    cm = next((d for d in docs if d["kind"] == "ConfigMap"), {})
+    spec = json.loads(cm.get("data", {}).get("job.json", "{}"))
+    check(spec.get("train", {}).get("dataset") == "digits", f"{where} the ConfigMap holds no job.json of the job")
+    base = "shoal-" + spec.get("name", "?").lower()
+    kinds = sorted((d["kind"], d["metadata"]["name"]) for d in docs)
+    want = sorted([("ConfigMap", base), ("Secret", base), ("Service", base)] + [("Pod", f"{base}-{r}") for r in range(n)])
+    check(kinds == want, f"{where} objects {kinds}, expected {want}")
+    for d in docs:
+        check(d["metadata"].get("namespace") == K8S_NAMESPACE, f"{where} {d['kind']} is not in {K8S_NAMESPACE}")
+    svc = next((d for d in docs if d["kind"] == "Service"), {})
+    check(svc.get("spec", {}).get("clusterIP") == "None", f"{where} the Service is not headless")
+    secret = next((d for d in docs if d["kind"] == "Secret"), {})
+    keys = list(secret.get("stringData", {}))
+    check(len(keys) == 1 and len(secret["stringData"][keys[0]]) == 32, f"{where} the Secret holds {keys}")
+    rendezvous = f"{base}-0.{base}.{K8S_NAMESPACE}.svc:29400"
+    pods = sorted((d for d in docs if d["kind"] == "Pod"), key=lambda d: int(d["metadata"]["labels"]["shoal.dev/rank"]))
+    for rank, pod in enumerate(pods):
+        p = f"{where} pod {rank}"
+        check(pod["metadata"]["labels"].get("shoal.dev/rank") == str(rank), f"{p} is labelled rank {pod['metadata']}")
+        check(
+            all(pod["metadata"]["labels"].get(k) == v for k, v in svc["spec"]["selector"].items()),
+            f"{p} is not selected by the Service",
+        )
+        check(pod["spec"].get("subdomain") == base and pod["spec"].get("hostname") == f"{base}-{rank}", f"{p} DNS")
+        check(pod["spec"].get("restartPolicy") == "Never", f"{p} restarts")
+        (c,) = pod["spec"]["containers"]
+        env = {e["name"]: e for e in c.get("env", [])}
+        check(env.get("SHOAL_RANK", {}).get("value") == str(rank), f"{p} SHOAL_RANK is {env.get('SHOAL_RANK')}")
+        check(env.get("SHOAL_WORLD_SIZE", {}).get("value") == str(n), f"{p} SHOAL_WORLD_SIZE is wrong")
+        check(env.get("SHOAL_RENDEZVOUS", {}).get("value") == rendezvous, f"{p} SHOAL_RENDEZVOUS is wrong")
+        if rank == 0:
+            check(env.get("SHOAL_RENDEZVOUS_HOST", {}).get("value") == "1", f"{p} does not host the store")
+        ref = env.get("SHOAL_JOB_SECRET", {})
+        check(
+            "value" not in ref and ref.get("valueFrom", {}).get("secretKeyRef") == {"name": base, "key": keys[0]},
+            f"{p} SHOAL_JOB_SECRET is {ref}, not from the Secret",
+        )
+        res = c.get("resources", {})
+        check(res.get("requests") and res.get("requests") == res.get("limits"), f"{p} requests != limits: {res}")
+        check(c.get("command", [])[:2] == ["shoal", "worker"], f"{p} runs {c.get('command')}")
+
+
+def k8s_manifests(shoal: str, out: Path) -> list[Path]:
+    """Runs `shoal k8s manifests` on the examples, checks what it prints; the YAML files to validate."""
+    files = []
+    for job, (workers, ranks) in K8S_JOBS.items():
+        args = [shoal, "k8s", "manifests", str(ROOT / "examples" / f"{job}.toml"), "--namespace", K8S_NAMESPACE]
+        args += ["-n", str(workers)] if workers else []
+        texts = []
+        for extra in ([], ["--json"]):
+            r = subprocess.run(args + extra, capture_output=True, text=True)
+            if not check(r.returncode == 0, f"{' '.join(args + extra)} failed: {r.stderr}"):
+                return files
+            texts.append(r.stdout)
+        try:
+            docs = [d for d in yaml.safe_load_all(texts[0]) if d]
+        except yaml.YAMLError as e:
+            fail(f"[k8s manifests {job}] the output is not YAML: {e}")
+            continue
+        # Each run draws its own secret; all else is the same, the YAML read back as the JSON.
+        as_json, as_yaml = json.loads(texts[1]), json.loads(json.dumps(docs))
+        for d in as_yaml + as_json:
+            d.get("stringData", {}).update({k: "-" for k in d.get("stringData", {})})
+        check(as_yaml == as_json, f"[k8s manifests {job}] the YAML does not read back as the JSON")
+        check_job_manifests(job, ranks, docs)
+        f = out / f"k8s-{job}.yaml"
+        f.write_text(texts[0])
+        files.append(f)
+        kinds = ", ".join(f"{d['kind']}/{d['metadata']['name']}" for d in docs)
+        print(f"shoal k8s manifests [{job}]: {kinds}", flush=True)
+    return files
+
+
 def render(values: dict) -> tuple[dict, dict[str, str]]:
     with helm.Chart.load(str(CHART)) as chart:
         merged = chart.merge_values(values)
@@ -305,6 +388,10 @@ def main() -> int:
         except helm.HelmError as e:
             check(message in str(e), f"the chart refuses {what} with {e!s}, not naming {message!r}")
     print(f"refused as they should be: {', '.join(REFUSED)}", flush=True)
+
+    shoal = os.environ.get("SHOAL_BIN")
+    if shoal:
+        files += k8s_manifests(shoal, out)
 
     # The validator itself must catch a wrong field, or a pass means nothing.
     bad = out / "negative-control.yaml"

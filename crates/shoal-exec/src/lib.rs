@@ -8,6 +8,8 @@
 //! - [`launch`]: the attached launcher of `shoal run` and `shoal bench` — ranks as children that live and die with
 //!   it, output passed on by rank, one gang supervised.
 //! - [`procfs`]: what both read of processes and the machine.
+//! - [`k8s`]: the Kubernetes objects that run a job (ConfigMap, Secret, headless Service, a Pod per rank) as JSON
+//!   values, and a YAML writer for them: what `shoal k8s manifests` prints and a Kubernetes executor would create.
 //! - `fake` (feature `fake`): a scripted executor for the control loop's unit tests.
 //!
 //! Invariants:
@@ -25,6 +27,7 @@ pub mod error;
 pub mod executor;
 #[cfg(feature = "fake")]
 pub mod fake;
+pub mod k8s;
 pub mod launch;
 pub mod local;
 pub mod procfs;

@@ -2,6 +2,7 @@
 
 mod bench;
 mod bench_ckpt;
+mod k8s;
 mod nodes;
 mod platform;
 mod run;
@@ -136,6 +137,11 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Kubernetes: the objects that run a job, for `kubectl apply` or GitOps.
+    K8s {
+        #[command(subcommand)]
+        cmd: k8s::K8sCmd,
+    },
     /// List the built-in datasets.
     Datasets {
         /// One JSON array of objects (name, kind, len, features, classes, description).
@@ -214,6 +220,7 @@ fn main() -> std::process::ExitCode {
         Cmd::Nodes { json, client } => platform::Client::from_args(&client).and_then(|c| platform::nodes(&c, json)),
         Cmd::Datasets { json } => datasets(json),
         Cmd::Validate { job, json } => validate::run(&job, json),
+        Cmd::K8s { cmd } => k8s::run(&cmd),
     };
     match result {
         Ok(true) => std::process::ExitCode::SUCCESS,
