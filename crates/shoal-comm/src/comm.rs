@@ -164,6 +164,8 @@ type Job = Box<dyn FnOnce() + Send>;
 
 /// How often a rank publishes which operation it is in.
 const STATUS_INTERVAL: Duration = Duration::from_millis(200);
+/// How long a failure report waits for the store's view of who arrived.
+const REPORT_LIMIT: Duration = Duration::from_secs(2);
 
 pub(crate) struct Inner {
     pub(crate) rank: usize,
@@ -703,15 +705,24 @@ impl Communicator {
         if !e.is_peer_failure() {
             return e;
         }
-        let inner = &self.inner;
-        if seq >> 63 == 0 {
-            let (cur, name) = inner.current.lock().map(|c| *c).unwrap_or((seq, ""));
-            let k = key(&inner.cfg.name, &format!("status/{}", inner.rank));
-            let _ = inner.store.set(&k, format!("{cur} {name}").as_bytes());
-            std::thread::sleep(STATUS_INTERVAL + Duration::from_millis(100));
-        }
+        // The store may sit behind the very link that failed (another host, a cut cable), where each of its
+        // calls waits for its own deadline: ask it on a thread, for at most REPORT_LIMIT, and otherwise report
+        // what this rank's own links know.
+        let asking = self.clone();
+        let (tx, rx) = mpsc::channel();
+        let asked = std::thread::Builder::new().name("shoal-comm-report".into()).spawn(move || {
+            let inner = &asking.inner;
+            if seq >> 63 == 0 {
+                let (cur, name) = inner.current.lock().map(|c| *c).unwrap_or((seq, ""));
+                let k = key(&inner.cfg.name, &format!("status/{}", inner.rank));
+                let _ = inner.store.set(&k, format!("{cur} {name}").as_bytes());
+                std::thread::sleep(STATUS_INTERVAL + Duration::from_millis(100));
+            }
+            let _ = tx.send(asking.participation(seq, true));
+        });
+        let known = asked.ok().and_then(|_| rx.recv_timeout(REPORT_LIMIT).ok());
         let fill = |p: &mut Participation| {
-            *p = self.participation(seq);
+            *p = known.clone().unwrap_or_else(|| self.participation(seq, false));
         };
         match e {
             Error::Timeout { op, seq, rank, waited, waiting_for, mut participation, bytes_moved } => {
@@ -733,7 +744,9 @@ impl Communicator {
 
     /// Which ranks are known to have entered operation `seq` (p2p sequence numbers
     /// are not comparable across ranks, so they report everyone as arrived).
-    fn participation(&self, seq: u64) -> Participation {
+    /// Who reached operation `seq`: from this rank's own links, and from the ranks' published status in the
+    /// store when `ask_store`.
+    fn participation(&self, seq: u64, ask_store: bool) -> Participation {
         let inner = &self.inner;
         let mut p = Participation::default();
         for r in 0..inner.size {
@@ -743,6 +756,9 @@ impl Communicator {
             }
             let local = inner.route[r].and_then(|i| inner.transports[i].peer_progress(r));
             let known = local.or_else(|| {
+                if !ask_store {
+                    return None;
+                }
                 let v = inner.store.try_get(&key(&inner.cfg.name, &format!("status/{r}"))).ok().flatten()?;
                 String::from_utf8_lossy(&v).split(' ').next()?.parse::<u64>().ok()
             });

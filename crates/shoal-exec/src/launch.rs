@@ -460,26 +460,25 @@ pub fn launch_with(spec: &LaunchSpec, policy: Policy, mut on_line: impl FnMut(&L
 
 /// A launcher's link to the launchers of the other nodes, through the rendezvous store: a thread connects (the
 /// store may start after this node's launcher), then looks every [`PEER_POLL`] for a failure reported by another
-/// node; this node's first failure is reported there.
+/// node, and passes on this node's first failure. Only that thread talks to the store: a store behind a cut link
+/// makes its calls wait for their own deadlines, and the launcher's supervision must never wait with them.
 struct PeerWatch {
-    store: std::sync::Arc<std::sync::Mutex<Option<shoal_comm::TcpStore>>>,
     seen: std::sync::Arc<std::sync::Mutex<Option<String>>>,
-    /// This node's own report, kept until the store can take it (it may not be connected yet).
+    /// This node's own report, until the thread has passed it on.
     pending: std::sync::Arc<std::sync::Mutex<Option<String>>>,
     done: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    thread: Option<std::thread::JoinHandle<()>>,
 }
 
 impl PeerWatch {
     fn start(nodes: &Nodes, secret: &str) -> PeerWatch {
         use std::sync::{Arc, Mutex, atomic::AtomicBool};
-        let store: Arc<Mutex<Option<shoal_comm::TcpStore>>> = Arc::new(Mutex::new(None));
         let seen = Arc::new(Mutex::new(None));
         let pending: Arc<Mutex<Option<String>>> = Arc::new(Mutex::new(None));
         let done = Arc::new(AtomicBool::new(false));
         let (addr, secret, node) = (nodes.rendezvous.clone(), secret.as_bytes().to_vec(), nodes.rank);
-        let (st, se, pe, dn) = (store.clone(), seen.clone(), pending.clone(), done.clone());
-        let thread = std::thread::spawn(move || {
+        let (se, pe, dn) = (seen.clone(), pending.clone(), done.clone());
+        let _ = std::thread::Builder::new().name("shoal-launch-peers".into()).spawn(move || {
+            use shoal_comm::Store;
             // Keep trying while the launch runs: node 0 may start after us.
             let client = loop {
                 if dn.load(Ordering::SeqCst) {
@@ -490,39 +489,27 @@ impl PeerWatch {
                     Err(_) => std::thread::sleep(PEER_POLL),
                 }
             };
-            *st.lock().unwrap_or_else(|p| p.into_inner()) = Some(client);
             while !dn.load(Ordering::SeqCst) {
-                let guard = st.lock().unwrap_or_else(|p| p.into_inner());
-                if let Some(c) = guard.as_ref() {
-                    use shoal_comm::Store;
-                    if let Some(mine) = pe.lock().unwrap_or_else(|p| p.into_inner()).take() {
-                        let _ = c.compare_set(FAILED_KEY, None, mine.as_bytes());
-                    }
-                    if let Ok(Some(v)) = c.try_get(FAILED_KEY) {
-                        let text = String::from_utf8_lossy(&v).into_owned();
-                        // Our own report is not another node's failure.
-                        if !text.contains(&format!(" on node {node} ")) {
-                            *se.lock().unwrap_or_else(|p| p.into_inner()) = Some(text);
-                        }
+                let mine = pe.lock().unwrap_or_else(|p| p.into_inner()).take();
+                if let Some(mine) = mine {
+                    let _ = client.compare_set(FAILED_KEY, None, mine.as_bytes());
+                }
+                if let Ok(Some(v)) = client.try_get(FAILED_KEY) {
+                    let text = String::from_utf8_lossy(&v).into_owned();
+                    // Our own report is not another node's failure.
+                    if !text.contains(&format!(" on node {node} ")) {
+                        *se.lock().unwrap_or_else(|p| p.into_inner()) = Some(text);
                     }
                 }
-                drop(guard);
                 std::thread::sleep(PEER_POLL);
             }
         });
-        PeerWatch { store, seen, pending, done, thread: Some(thread) }
+        PeerWatch { seen, pending, done }
     }
 
-    /// Tells the other nodes that this one's rank failed (the first report wins).
+    /// Tells the other nodes that this one's rank failed (the first report wins); never waits.
     fn report(&self, what: &str) {
-        use shoal_comm::Store;
-        let guard = self.store.lock().unwrap_or_else(|p| p.into_inner());
-        match guard.as_ref() {
-            Some(c) => {
-                let _ = c.compare_set(FAILED_KEY, None, what.as_bytes());
-            }
-            None => *self.pending.lock().unwrap_or_else(|p| p.into_inner()) = Some(what.to_owned()),
-        }
+        *self.pending.lock().unwrap_or_else(|p| p.into_inner()) = Some(what.to_owned());
     }
 
     /// Another node's failure, once one was reported.
@@ -530,11 +517,10 @@ impl PeerWatch {
         self.seen.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
-    /// Ends the watch without waiting for it: its thread may sit in a store call to a host that no longer
-    /// answers (a cut link) until that call's own deadline, and the launch's outcome does not depend on it.
-    fn stop(mut self) {
+    /// Ends the watch without waiting for its thread, which may sit in a store call to a host that no longer
+    /// answers until that call's own deadline; the launch's outcome does not depend on it.
+    fn stop(self) {
         self.done.store(true, Ordering::SeqCst);
-        drop(self.thread.take());
     }
 }
 
