@@ -81,6 +81,11 @@ pub struct Nodes {
 }
 
 impl Nodes {
+    /// A job name every host derives alike (`PREFIX-HOST-PORT` of the rendezvous), since they share no other.
+    pub fn job_id(&self, prefix: &str) -> String {
+        format!("{prefix}-{}", self.rendezvous.replace([':', '[', ']'], "-"))
+    }
+
     /// The rendezvous address split into host and port.
     pub fn host_port(&self) -> Result<(String, u16)> {
         let bad = || ExecError::Config(format!("--rdzv {:?}: expected HOST:PORT", self.rendezvous));
@@ -94,8 +99,11 @@ impl Nodes {
     }
 }
 
-/// Store key under which the first launcher whose rank failed says so, for the launchers of the other nodes.
+/// Store key under which the first launcher whose rank failed says so, for the launchers of the other nodes: the
+/// value is `NODE<tab>what happened`.
 const FAILED_KEY: &str = "launch/failed";
+/// How long a launcher of several waits, at its end, for its own failure report to reach the store.
+const REPORT_GRACE: Duration = Duration::from_secs(3);
 /// How often a launcher of several looks for another node's failure.
 const PEER_POLL: Duration = Duration::from_millis(200);
 
@@ -360,7 +368,7 @@ pub fn launch_with(spec: &LaunchSpec, policy: Policy, mut on_line: impl FnMut(&L
                 if !st.success() && first_failure.is_none() && !signalled[local] && peer_failure.is_none() {
                     first_failure = Some((first_rank + local, describe(&st)));
                     if let (Some(p), Some(n)) = (&peers, &spec.nodes) {
-                        p.report(&format!("rank {} on node {} {}", first_rank + local, n.rank, describe(&st)));
+                        p.report(&format!("rank {} on node {} ended: {}", first_rank + local, n.rank, describe(&st)));
                     }
                     if !interrupted {
                         kill_at = Some(Instant::now() + spec.grace);
@@ -489,16 +497,22 @@ impl PeerWatch {
                     Err(_) => std::thread::sleep(PEER_POLL),
                 }
             };
-            while !dn.load(Ordering::SeqCst) {
-                let mine = pe.lock().unwrap_or_else(|p| p.into_inner()).take();
+            loop {
+                // This node's report goes out before the watch ends (`stop` waits for it, briefly).
+                let mine = pe.lock().unwrap_or_else(|p| p.into_inner()).clone();
                 if let Some(mine) = mine {
-                    let _ = client.compare_set(FAILED_KEY, None, mine.as_bytes());
+                    let _ = client.compare_set(FAILED_KEY, None, format!("{node}\t{mine}").as_bytes());
+                    pe.lock().unwrap_or_else(|p| p.into_inner()).take();
+                }
+                if dn.load(Ordering::SeqCst) {
+                    return;
                 }
                 if let Ok(Some(v)) = client.try_get(FAILED_KEY) {
                     let text = String::from_utf8_lossy(&v).into_owned();
+                    let (from, what) = text.split_once('\t').unwrap_or(("", text.as_str()));
                     // Our own report is not another node's failure.
-                    if !text.contains(&format!(" on node {node} ")) {
-                        *se.lock().unwrap_or_else(|p| p.into_inner()) = Some(text);
+                    if from != node.to_string() {
+                        *se.lock().unwrap_or_else(|p| p.into_inner()) = Some(what.to_owned());
                     }
                 }
                 std::thread::sleep(PEER_POLL);
@@ -517,10 +531,15 @@ impl PeerWatch {
         self.seen.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
-    /// Ends the watch without waiting for its thread, which may sit in a store call to a host that no longer
-    /// answers until that call's own deadline; the launch's outcome does not depend on it.
+    /// Ends the watch, waiting at most [`REPORT_GRACE`] for this node's own report to go out, never for the
+    /// thread, which may sit in a store call to a host that no longer answers until that call's own deadline.
     fn stop(self) {
         self.done.store(true, Ordering::SeqCst);
+        // This node's failure must reach the others: give the thread a moment to pass it on, never more.
+        let until = Instant::now() + REPORT_GRACE;
+        while self.pending.lock().unwrap_or_else(|p| p.into_inner()).is_some() && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(10));
+        }
     }
 }
 

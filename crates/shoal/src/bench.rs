@@ -203,10 +203,7 @@ pub fn run_bench(what: BenchWhat, args: &BenchArgs) -> Result<bool> {
         args: vec!["bench-rank".into(), serde_json::to_string(&(op, args))?],
         ranks: args.ranks,
         // The same on every host.
-        job_id: match &nodes {
-            Some(n) => format!("bench-{}", n.rendezvous.replace([':', '[', ']'], "-")),
-            None => format!("bench-{}", std::process::id()),
-        },
+        job_id: nodes.as_ref().map_or_else(|| format!("bench-{}", std::process::id()), |n| n.job_id("bench")),
         env: vec![
             (var::TRANSPORT.into(), args.transport.clone()),
             (var::ALGO.into(), args.algo.clone()),

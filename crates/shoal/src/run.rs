@@ -386,10 +386,7 @@ pub fn run_ranks(program: &Path, args: &[String], env: &[(String, String)], opts
         None => Vec::new(),
     };
     // The job's name must be the same on every host.
-    let job_id = match &opts.nodes {
-        Some(n) => format!("run-{}", n.rendezvous.replace([':', '[', ']'], "-")),
-        None => format!("run-{}", std::process::id()),
-    };
+    let job_id = opts.nodes.as_ref().map_or_else(|| format!("run-{}", std::process::id()), |n| n.job_id("run"));
     let spec = LaunchSpec {
         program: program.to_path_buf(),
         args: args.to_vec(),

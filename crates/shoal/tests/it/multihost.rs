@@ -172,3 +172,55 @@ fn a_cut_link_ends_the_job_on_both_hosts_naming_the_unreachable_ranks() {
     eprintln!("both hosts ended {:.1} s after the cut\nnode 0:\n{err0}\nnode 1:\n{err1}", took.as_secs_f64());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn a_launch_over_several_hosts_names_what_it_lacks_before_anything_starts() {
+    let run = |args: &[&str], secret: Option<&str>| {
+        let mut c = std::process::Command::new(shoal());
+        c.args(["run"]).args(args).args(["-n", "1", "--", "true"]).env_remove("SHOAL_JOB_SECRET");
+        if let Some(s) = secret {
+            c.env("SHOAL_JOB_SECRET", s);
+        }
+        let out = c.output().expect("shoal run");
+        assert!(!out.status.success(), "shoal run {args:?} started although it lacks something");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    assert!(run(&["--nnodes", "2", "--rdzv", "127.0.0.1:29999"], Some(SECRET)).contains("--node-rank"));
+    assert!(
+        run(&["--nnodes", "2", "--node-rank", "2", "--rdzv", "127.0.0.1:29999"], Some(SECRET))
+            .contains("not below --nnodes 2")
+    );
+    assert!(run(&["--nnodes", "2", "--node-rank", "1"], Some(SECRET)).contains("--rdzv"));
+    assert!(
+        run(&["--nnodes", "2", "--node-rank", "1", "--rdzv", "127.0.0.1:29999"], None).contains("SHOAL_JOB_SECRET")
+    );
+    assert!(run(&["--nnodes", "2", "--node-rank", "1", "--rdzv", "127.0.0.1"], Some(SECRET)).contains("HOST:PORT"));
+    assert!(run(&["--node-rank", "1"], Some(SECRET)).contains("--nnodes"));
+}
+
+#[test]
+fn a_rank_failing_on_one_host_stops_the_other_host_naming_it() {
+    // Two launchers on loopback (the report between them goes through the rendezvous store either way): rank 2,
+    // on node 1, exits 3 after a second; every other rank would sleep a minute.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("port");
+    let rdzv = format!("127.0.0.1:{port}");
+    let script = "if [ \"$RANK\" = 2 ]; then sleep 1; exit 3; fi; sleep 60";
+    let start = |node: &str| {
+        std::process::Command::new(shoal())
+            .args(["run", "--nnodes", "2", "--node-rank", node, "--rdzv", &rdzv, "-n", "2", "--timeout-grace", "2s"])
+            .args(["--", "sh", "-c", script])
+            .env("SHOAL_JOB_SECRET", SECRET)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start shoal run")
+    };
+    let (n0, n1) = (start("0"), start("1"));
+    let r1 = wait(n1, Duration::from_secs(60), "node 1");
+    let r0 = wait(n0, Duration::from_secs(60), "node 0 after node 1's rank failed");
+    assert_eq!(r1.status.code(), Some(3), "node 1: {}", String::from_utf8_lossy(&r1.stderr));
+    let err0 = String::from_utf8_lossy(&r0.stderr);
+    assert!(!r0.status.success(), "node 0 succeeded although rank 2 failed");
+    assert!(err0.contains("rank 2 on node 1 ended: exit status 3"), "node 0 does not name the failed rank: {err0}");
+}
