@@ -62,6 +62,10 @@ REFUSED = {
         {"postgresql": {"enabled": True, "auth": {"password": "p@ss:word"}}},
         "letters and digits only",
     ),
+    "the Kubernetes executor without a state volume": (
+        {"executor": "kubernetes", "persistence": {"enabled": False}},
+        "executor kubernetes needs persistence.enabled",
+    ),
     "the Kubernetes executor without RBAC": (
         {"executor": "kubernetes", "rbac": {"create": False}, "serviceAccount": {"create": False}},
         "executor kubernetes needs rbac.create",
@@ -109,7 +113,8 @@ def check_render(scenario: str, merged: dict, docs: list[dict]) -> None:
     if merged["serviceAccount"]["create"]:
         expected.add(("ServiceAccount", merged["serviceAccount"]["name"] or full))
     if merged["rbac"]["create"] and kubernetes:
-        expected |= {("Role", full), ("RoleBinding", full)}
+        nodes = f"{full}-{NAMESPACE}-nodes"
+        expected |= {("Role", full), ("RoleBinding", full), ("ClusterRole", nodes), ("ClusterRoleBinding", nodes)}
     if merged["persistence"]["enabled"] and not merged["persistence"]["existingClaim"]:
         expected.add(("PersistentVolumeClaim", f"{full}-state"))
     if merged["postgresql"]["enabled"]:
@@ -118,7 +123,10 @@ def check_render(scenario: str, merged: dict, docs: list[dict]) -> None:
 
     for (kind, name), d in objs.items():
         meta = d.get("metadata", {})
-        check(meta.get("namespace") == NAMESPACE, f"{where} {kind}/{name} is not in the release's namespace")
+        if kind in ("ClusterRole", "ClusterRoleBinding"):
+            check("namespace" not in meta, f"{where} {kind}/{name} is cluster-scoped but names a namespace")
+        else:
+            check(meta.get("namespace") == NAMESPACE, f"{where} {kind}/{name} is not in the release's namespace")
         labels = meta.get("labels", {})
         for label in ("app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/managed-by"):
             check(label in labels, f"{where} {kind}/{name} has no label {label}")
@@ -155,6 +163,9 @@ def check_render(scenario: str, merged: dict, docs: list[dict]) -> None:
         check(flag(args, "--executor") == "kubernetes", f"{where} --executor is {flag(args, '--executor')}")
         check(flag(args, "--namespace") == NAMESPACE, f"{where} --namespace is {flag(args, '--namespace')}")
         check(flag(args, "--image") == worker, f"{where} --image is {flag(args, '--image')}, expected {worker}")
+        claim = merged["persistence"]["existingClaim"] or f"{full}-state"
+        check(flag(args, "--data-pvc") == claim, f"{where} --data-pvc is {flag(args, '--data-pvc')}, expected {claim}")
+        check(flag(args, "--data-pvc-mount") == "/var/lib/shoal", f"{where} --data-pvc-mount is not the state mount")
         check(pod.get("automountServiceAccountToken") is True, f"{where} the executor's pod mounts no token")
     else:
         check("--executor" not in args and "--image" not in args, f"{where} local executor given {args}")
@@ -232,7 +243,7 @@ def check_render(scenario: str, merged: dict, docs: list[dict]) -> None:
             for group in rule["apiGroups"]:
                 for res in rule["resources"]:
                     granted.setdefault((group, res), set()).update(rule["verbs"])
-        for group, res in (("", "pods"), ("", "services"), ("", "events"), ("batch", "jobs")):
+        for group, res in (("", "pods"), ("", "services"), ("", "secrets")):
             got = granted.get((group, res), set())
             check(VERBS <= got, f"{where} the Role grants {sorted(got)} on {res}, missing {sorted(VERBS - got)}")
         check("*" not in {v for vs in granted.values() for v in vs}, f"{where} the Role grants every verb")
@@ -243,6 +254,18 @@ def check_render(scenario: str, merged: dict, docs: list[dict]) -> None:
             subjects == [("ServiceAccount", want_sa, NAMESPACE)],
             f"{where} the RoleBinding's subjects are {subjects}",
         )
+
+    nodes_role = f"{full}-{NAMESPACE}-nodes"
+    cr = objs.get(("ClusterRole", nodes_role))
+    check((cr is not None) == (kubernetes and merged["rbac"]["create"]), f"{where} ClusterRole {nodes_role}: {cr}")
+    if cr:
+        check(
+            cr["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]}],
+            f"{where} the ClusterRole grants {cr['rules']}, not only reading Nodes",
+        )
+        crb = objs.get(("ClusterRoleBinding", nodes_role), {})
+        subjects = [(s["kind"], s["name"], s.get("namespace")) for s in crb.get("subjects", [])]
+        check(subjects == [("ServiceAccount", want_sa, NAMESPACE)], f"{where} the ClusterRoleBinding binds {subjects}")
 
     if merged["postgresql"]["enabled"]:
         sts = objs.get(("StatefulSet", pg), {})

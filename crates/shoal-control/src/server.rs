@@ -21,7 +21,7 @@ use crate::http::AppState;
 use shoal_exec::{Executor, NodeInfo, procfs};
 
 /// What runs the tasks of a server (`shoal server --executor`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default)]
 pub enum ExecutorKind {
     /// This machine's processes ([`shoal_exec::LocalExecutor`]).
     #[default]
@@ -29,6 +29,10 @@ pub enum ExecutorKind {
     /// A Slurm cluster: each job's gang one allocation ([`shoal_exec::SlurmExecutor`]); its nodes are the
     /// scheduler's.
     Slurm,
+    /// A Kubernetes cluster: each attempt a headless Service and a Pod per rank
+    /// ([`shoal_exec::KubeExecutor`]); its Nodes are the scheduler's.
+    #[cfg(feature = "kubernetes")]
+    Kubernetes(shoal_exec::KubeOptions),
 }
 
 /// How to run a server.
@@ -304,12 +308,17 @@ pub async fn prepare(opts: &ServerOptions) -> Result<Prepared> {
     }
     let secret_key = server_key(&opts.data_dir)?;
     let token = admin_token(&db, &opts.data_dir).await?;
-    let exec: Arc<dyn Executor> = match (&opts.executor, opts.executor_kind) {
+    let exec: Arc<dyn Executor> = match (&opts.executor, &opts.executor_kind) {
         (Some(exec), _) => exec.clone(),
         (None, ExecutorKind::Local) => Arc::new(shoal_exec::LocalExecutor::new(&opts.data_dir, task_user.clone())),
         (None, ExecutorKind::Slurm) => Arc::new(
             shoal_exec::SlurmExecutor::new(&opts.data_dir, task_user.clone())
                 .map_err(|e| ControlError::Config(format!("--executor slurm: {e}")))?,
+        ),
+        #[cfg(feature = "kubernetes")]
+        (None, ExecutorKind::Kubernetes(k)) => Arc::new(
+            shoal_exec::KubeExecutor::new(&opts.data_dir, k.clone())
+                .map_err(|e| ControlError::Config(format!("--executor kubernetes: {e}")))?,
         ),
     };
     let nodes = match exec.nodes().map_err(|e| ControlError::Config(format!("the executor's nodes: {e}")))? {

@@ -28,6 +28,8 @@ pub struct TaskLaunch {
     pub node: String,
     /// The job's own `[env]` (and its team's storage credentials).
     pub env: Vec<(String, String)>,
+    /// The job's queue (a cluster manager with queues of its own may be told: Kueue's label on a Pod).
+    pub queue: String,
 }
 
 /// A started task as its executor identifies it; the control plane stores these fields with the task and hands
@@ -128,7 +130,8 @@ pub struct Stray {
 }
 
 /// Runs a job's tasks. Implementations: [`crate::LocalExecutor`] (this machine's processes),
-/// [`crate::SlurmExecutor`] (a Slurm cluster's allocations); with the `fake` feature, `FakeExecutor` (scripted, for
+/// [`crate::SlurmExecutor`] (a Slurm cluster's allocations); with the `kubernetes` feature,
+/// `KubeExecutor` (Pods through a Kubernetes API server); with the `fake` feature, `FakeExecutor` (scripted, for
 /// the control loop's tests). Every call is quick and never waits on a task: the control loop calls them every tick
 /// for every task.
 pub trait Executor: Send + Sync + std::fmt::Debug {
@@ -141,9 +144,9 @@ pub trait Executor: Send + Sync + std::fmt::Debug {
         Ok(None)
     }
 
-    /// Where rank 0 of a job placed on `node` hosts the job's rendezvous store (`host:port`), reachable from every
-    /// rank.
-    fn rendezvous(&self, node: &str) -> Result<String>;
+    /// Where rank 0 of attempt `attempt` of job `job`, placed on `node`, hosts the job's rendezvous store
+    /// (`host:port`), reachable from every rank.
+    fn rendezvous(&self, job: &str, attempt: i64, node: &str) -> Result<String>;
 
     /// Creates `dir` (and its parents) for a job's tasks to write in, theirs alone.
     fn task_dir(&self, dir: &Path) -> Result<()>;
@@ -177,6 +180,12 @@ pub trait Executor: Send + Sync + std::fmt::Debug {
     /// started is gone. An error says the executor cannot tell now (its cluster manager does not answer): never
     /// that the task ended.
     fn probe(&self, task: &Task) -> Result<TaskStatus>;
+
+    /// What the cluster manager says of a task that has not ended and waits for something (a Pod no node can take,
+    /// an image that cannot be pulled), for the job's events; `None`: nothing to say.
+    fn notes(&self, _task: &Task) -> Option<String> {
+        None
+    }
 
     /// Asks the task (everything it started) to stop.
     fn stop(&self, task: &Task, how: Stop);

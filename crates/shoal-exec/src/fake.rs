@@ -150,7 +150,7 @@ impl Executor for FakeExecutor {
         "fake-host"
     }
 
-    fn rendezvous(&self, node: &str) -> Result<String> {
+    fn rendezvous(&self, _job: &str, _attempt: i64, node: &str) -> Result<String> {
         match &self.state().no_rendezvous {
             Some(why) => Err(ExecError::Unavailable(why.clone())),
             None => Ok(format!("{node}:29400")),

@@ -125,28 +125,12 @@ impl JobObjects<'_> {
     }
 
     pub fn secret(&self) -> Value {
-        json!({
-            "apiVersion": "v1",
-            "kind": "Secret",
-            "metadata": self.metadata(self.base_name()),
-            "type": "Opaque",
-            "stringData": { SECRET_KEY: self.secret },
-        })
+        secret(self.metadata(self.base_name()), self.secret)
     }
 
     pub fn service(&self) -> Value {
-        json!({
-            "apiVersion": "v1",
-            "kind": "Service",
-            "metadata": self.metadata(self.base_name()),
-            "spec": {
-                "clusterIP": "None",
-                // Ranks resolve rank 0 while it starts, before it is ready.
-                "publishNotReadyAddresses": true,
-                "selector": { "shoal.dev/job": dns_name(&self.spec.name) },
-                "ports": [{ "name": "rendezvous", "port": RENDEZVOUS_PORT, "targetPort": RENDEZVOUS_PORT }],
-            },
-        })
+        let selector = json!({ "shoal.dev/job": dns_name(&self.spec.name) });
+        headless_service(self.metadata(self.base_name()), selector)
     }
 
     /// The contract rank `rank` gets (the secret included; [`JobObjects::pod`] takes it from the Secret instead).
@@ -177,22 +161,7 @@ impl JobObjects<'_> {
     /// Requests (equal to the limits) from `[resources]`.
     pub fn resources(&self) -> Result<Value, SpecError> {
         let r = &self.spec.resources;
-        let mut m = Map::new();
-        m.insert("cpu".into(), format!("{}m", r.cpus).into());
-        m.insert("memory".into(), r.memory.to_string().into());
-        if r.gpus > 0 {
-            if !r.gpus.is_multiple_of(1000) {
-                return Err(spec_error(
-                    "resources.gpus",
-                    format!(
-                        "{} GPUs: a Kubernetes pod asks for whole GPUs (nvidia.com/gpu); ask for 1 or more",
-                        r.gpus as f64 / 1000.0
-                    ),
-                ));
-            }
-            m.insert("nvidia.com/gpu".into(), (r.gpus / 1000).to_string().into());
-        }
-        Ok(json!({ "requests": m.clone(), "limits": m }))
+        resources(r.cpus, r.memory, r.gpus).map_err(|m| spec_error("resources.gpus", m))
     }
 
     pub fn pod(&self, rank: usize) -> Result<Value, SpecError> {
@@ -212,19 +181,7 @@ impl JobObjects<'_> {
             labels.insert("kueue.x-k8s.io/queue-name".into(), self.spec.queue.clone().into());
         }
         let job_env: Vec<(String, String)> = self.spec.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
-        let env: Vec<Value> = crate::executor::task_env(&self.task_env(rank), &job_env)
-            .into_iter()
-            .map(|(name, value)| {
-                if name == var::JOB_SECRET {
-                    json!({
-                        "name": name,
-                        "valueFrom": { "secretKeyRef": { "name": self.base_name(), "key": SECRET_KEY } },
-                    })
-                } else {
-                    json!({ "name": name, "value": value })
-                }
-            })
-            .collect();
+        let env = env_values(crate::executor::task_env(&self.task_env(rank), &job_env), &self.base_name());
         let name = self.pod_name(rank);
         Ok(json!({
             "apiVersion": "v1",
@@ -253,6 +210,82 @@ impl JobObjects<'_> {
             },
         }))
     }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Pieces shared with the Kubernetes executor
+
+/// A Secret holding the job secret under [`SECRET_KEY`].
+pub(crate) fn secret(metadata: Value, secret: &str) -> Value {
+    json!({
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": metadata,
+        "type": "Opaque",
+        "stringData": { SECRET_KEY: secret },
+    })
+}
+
+/// A headless Service over the Pods `selector` picks, publishing them before they are ready (ranks resolve rank 0
+/// while it starts), with the rendezvous port.
+pub(crate) fn headless_service(metadata: Value, selector: Value) -> Value {
+    json!({
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata,
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": true,
+            "selector": selector,
+            "ports": [{ "name": "rendezvous", "port": RENDEZVOUS_PORT, "targetPort": RENDEZVOUS_PORT }],
+        },
+    })
+}
+
+/// A container's requests, equal to its limits: CPUs in thousandths, memory in bytes, GPUs in thousandths (whole
+/// ones only: `nvidia.com/gpu` counts devices).
+pub(crate) fn resources(cpus_milli: u64, memory_bytes: u64, gpus_milli: u64) -> Result<Value, String> {
+    let mut m = Map::new();
+    m.insert("cpu".into(), format!("{cpus_milli}m").into());
+    m.insert("memory".into(), memory_quantity(memory_bytes).into());
+    if gpus_milli > 0 {
+        if !gpus_milli.is_multiple_of(1000) {
+            return Err(format!(
+                "{} GPUs: a Kubernetes pod asks for whole GPUs (nvidia.com/gpu); ask for 1 or more",
+                gpus_milli as f64 / 1000.0
+            ));
+        }
+        m.insert("nvidia.com/gpu".into(), (gpus_milli / 1000).to_string().into());
+    }
+    Ok(json!({ "requests": m.clone(), "limits": m }))
+}
+
+/// Bytes as a Kubernetes quantity: `Gi` or `Mi` when exact, else a plain number.
+pub(crate) fn memory_quantity(bytes: u64) -> String {
+    if bytes > 0 && bytes.is_multiple_of(1 << 30) {
+        format!("{}Gi", bytes >> 30)
+    } else if bytes > 0 && bytes.is_multiple_of(1 << 20) {
+        format!("{}Mi", bytes >> 20)
+    } else {
+        bytes.to_string()
+    }
+}
+
+/// A container's `env`, in order: every variable by value except the job secret, taken from the Secret
+/// `secret_name`.
+pub(crate) fn env_values(vars: Vec<(String, String)>, secret_name: &str) -> Vec<Value> {
+    vars.into_iter()
+        .map(|(name, value)| {
+            if name == var::JOB_SECRET {
+                json!({
+                    "name": name,
+                    "valueFrom": { "secretKeyRef": { "name": secret_name, "key": SECRET_KEY } },
+                })
+            } else {
+                json!({ "name": name, "value": value })
+            }
+        })
+        .collect()
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -462,7 +495,7 @@ mod tests {
             assert_eq!(get("MY_FLAG")["value"], "on");
             let res = &pod["spec"]["containers"][0]["resources"];
             assert_eq!(res["requests"], res["limits"]);
-            assert_eq!(res["requests"], json!({ "cpu": "1500m", "memory": "1073741824", "nvidia.com/gpu": "2" }));
+            assert_eq!(res["requests"], json!({ "cpu": "1500m", "memory": "1Gi", "nvidia.com/gpu": "2" }));
             assert!(!to_yaml(pod).contains("s3cret"));
         }
     }

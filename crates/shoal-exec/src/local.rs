@@ -403,7 +403,7 @@ impl Executor for LocalExecutor {
     }
 
     /// Rank 0 hosts the store on loopback, at a port free now: every rank runs here.
-    fn rendezvous(&self, _node: &str) -> Result<String> {
+    fn rendezvous(&self, _job: &str, _attempt: i64, _node: &str) -> Result<String> {
         let port =
             shoal_comm::env::free_port().map_err(|e| ExecError::io("finding a free port for the rendezvous", e))?;
         Ok(format!("127.0.0.1:{port}"))

@@ -704,7 +704,7 @@ impl Executor for SlurmExecutor {
 
     /// Rank 0's node, at the address Slurm reaches it by, and a port drawn at random (rank 0 binds it there; a
     /// port taken meanwhile fails the attempt, which restarts by its policy).
-    fn rendezvous(&self, node: &str) -> Result<String> {
+    fn rendezvous(&self, _job: &str, _attempt: i64, node: &str) -> Result<String> {
         let addr = self.node_addr(node)?;
         let mut h = std::collections::hash_map::RandomState::new().build_hasher();
         h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
@@ -947,6 +947,7 @@ mod tests {
             gpus: Vec::new(),
             node: node.into(),
             env: vec![("FOO".into(), "a b,c".into())],
+            queue: "default".into(),
         }
     }
 

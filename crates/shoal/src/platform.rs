@@ -316,10 +316,33 @@ pub struct ServerArgs {
     /// The private key of --tls-cert (PEM).
     #[arg(long, value_name = "FILE", requires = "tls_cert")]
     pub tls_key: Option<PathBuf>,
-    /// What runs the tasks: `local` (this machine's processes) or `slurm` (each job one Slurm allocation on the
-    /// cluster SLURM_CONF names, whose nodes the scheduler places on).
+    /// What runs the tasks: `local` (this machine's processes), `slurm` (each job one Slurm allocation on the
+    /// cluster SLURM_CONF names, whose nodes the scheduler places on) or `kubernetes` (each attempt a headless
+    /// Service and a Pod per rank, on the cluster's Nodes).
     #[arg(long, value_enum, default_value_t = ExecutorArg::Local)]
     pub executor: ExecutorArg,
+    /// With --executor kubernetes: the kubeconfig (default: KUBECONFIG, ~/.kube/config, or the Pod's service
+    /// account).
+    #[arg(long, value_name = "FILE")]
+    pub kubeconfig: Option<PathBuf>,
+    /// With --executor kubernetes: the namespace of the jobs' objects (default: the kubeconfig's).
+    #[arg(long, value_name = "NS")]
+    pub namespace: Option<String>,
+    /// With --executor kubernetes: the workers' image (default ghcr.io/shoal/shoal:<this version>).
+    #[arg(long, value_name = "IMAGE")]
+    pub image: Option<String>,
+    /// With --executor kubernetes: the PersistentVolumeClaim that holds the data directory, mounted in every
+    /// worker's Pod at the data directory's path (ReadWriteMany when workers run on several nodes).
+    #[arg(long, value_name = "NAME", default_value = "shoal-data")]
+    pub data_pvc: String,
+    /// With --executor kubernetes: where this server has --data-pvc mounted, when above the data directory (the
+    /// workers mount it at the same path).
+    #[arg(long, value_name = "DIR")]
+    pub data_pvc_mount: Option<PathBuf>,
+    /// With --executor kubernetes: this server's name among others in the namespace (the label
+    /// shoal.dev/instance of its Pods).
+    #[arg(long, value_name = "NAME", default_value = "shoal")]
+    pub instance: String,
 }
 
 /// `shoal server --executor`.
@@ -327,6 +350,8 @@ pub struct ServerArgs {
 pub enum ExecutorArg {
     Local,
     Slurm,
+    #[cfg(feature = "kubernetes")]
+    Kubernetes,
 }
 
 pub fn server_options(args: &ServerArgs) -> Result<shoal_control::ServerOptions> {
@@ -347,7 +372,19 @@ pub fn server_options(args: &ServerArgs) -> Result<shoal_control::ServerOptions>
     o.executor_kind = match args.executor {
         ExecutorArg::Local => shoal_control::ExecutorKind::Local,
         ExecutorArg::Slurm => shoal_control::ExecutorKind::Slurm,
+        #[cfg(feature = "kubernetes")]
+        ExecutorArg::Kubernetes => {
+            let default_image = format!("ghcr.io/shoal/shoal:{}", env!("CARGO_PKG_VERSION"));
+            let mut k = shoal_exec::KubeOptions::new(args.image.as_deref().unwrap_or(&default_image));
+            k.kubeconfig = args.kubeconfig.clone();
+            k.namespace = args.namespace.clone();
+            k.data_pvc = args.data_pvc.clone();
+            k.data_mount = args.data_pvc_mount.clone();
+            k.instance = args.instance.clone();
+            shoal_control::ExecutorKind::Kubernetes(k)
+        }
     };
+
     if let (Some(cert), Some(key)) = (&args.tls_cert, &args.tls_key) {
         o.tls = Some(shoal_control::tls::TlsFiles { cert: cert.clone(), key: key.clone() });
     }

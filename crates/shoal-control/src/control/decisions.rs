@@ -146,7 +146,8 @@ impl Control {
             }
         }
         // Nothing is recorded or started yet: a failure here gives the scheduler its resources back.
-        let ready = self.spec_of(&job).and_then(|spec| Ok((spec, self.exec.rendezvous(&node)?)));
+        let attempt = job.attempt + 1;
+        let ready = self.spec_of(&job).and_then(|spec| Ok((spec, self.exec.rendezvous(id, attempt, &node)?)));
         let (spec, rendezvous) = match ready {
             Ok(r) => r,
             Err(e) => {
@@ -154,7 +155,6 @@ impl Control {
                 return Err(e);
             }
         };
-        let attempt = job.attempt + 1;
         let world = assignments.len();
         let moved = self
             .db
@@ -257,6 +257,7 @@ impl Control {
                 gpus: a.gpus.clone(),
                 node: a.node.clone(),
                 env: env.clone(),
+                queue: job.queue.clone(),
             })
             .collect();
         // The gang starts at once (one request to a cluster manager, or each task in turn); what started is

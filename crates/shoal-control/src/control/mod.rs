@@ -13,13 +13,15 @@
 //! (probed dead), and the data directory is locked by one server.
 //!
 //! The parts, each one concern over the shared [`state::Control`]: `admission.rs` (the scheduler's check),
-//! `supervise.rs` (probing, limits, stopping and what follows a stop), `decisions.rs` (placing, preempting,
+//! `supervise.rs` (probing, limits, stopping and what follows a stop), `notes.rs` (what the executor says of a task
+//! that waits), `decisions.rs` (placing, preempting,
 //! requeueing), `ingest.rs` (metrics files into the store), `sampling.rs` (resource samples), `recovery.rs` (after a
 //! server restart); this file holds the loop itself.
 
 mod admission;
 mod decisions;
 mod ingest;
+mod notes;
 mod recovery;
 mod sampling;
 mod state;

@@ -87,6 +87,8 @@ pub struct Control {
     pub(super) trouble: Mutex<HashMap<String, String>>,
     /// Open event streams per caller (see [`crate::observe::StreamSlot`]).
     pub streams: Mutex<HashMap<String, usize>>,
+    /// Per task: what its executor last said of why it waits (recorded as an event when it changes).
+    pub(super) notes: Mutex<HashMap<TaskKey, String>>,
 }
 
 pub fn parse_stored_spec(job: &JobRow) -> Result<JobSpec> {
@@ -136,6 +138,7 @@ impl Control {
             specs: Mutex::new(HashMap::new()),
             trouble: Mutex::new(HashMap::new()),
             streams: Mutex::new(HashMap::new()),
+            notes: Mutex::new(HashMap::new()),
         })
     }
 

@@ -116,6 +116,9 @@ impl Control {
             if t.state == TaskState::Running && st != TaskStatus::Running {
                 self.record_end(t, &st).await?;
             }
+            if st == TaskStatus::Running {
+                self.note(job, t).await?;
+            }
             statuses.push((t, st));
         }
         self.ingest_metrics(&job.id, job.workers).await;

@@ -72,7 +72,8 @@ impl Hosts {
         format!("shoal-sw-{}", self.tag)
     }
 
-    fn ns(&self, i: usize) -> String {
+    /// Host `i`'s network namespace (`ip netns exec` mounts the files of `/etc/netns/<it>/` over `/etc`).
+    pub fn ns(&self, i: usize) -> String {
         format!("shoal-h{i}-{}", self.tag)
     }
 

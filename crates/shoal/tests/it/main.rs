@@ -7,6 +7,8 @@ mod dashboard;
 mod deploy;
 mod diagnose;
 mod hosts;
+mod kubelet;
+mod kubernetes;
 mod multihost;
 mod platform;
 mod remote;

@@ -30,6 +30,31 @@ fn tmpdir(tag: &str) -> PathBuf {
     d
 }
 
+/// Runs `bash SCRIPT start` (a test cluster's set-up), killing it after `limit`: its output, or what went wrong
+/// (`what` names the cluster).
+pub(crate) fn run_setup(script: &Path, limit: Duration, what: &str) -> Result<std::process::Output, String> {
+    let child = Command::new("bash")
+        .arg(script)
+        .arg("start")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("cannot run {}: {e}", script.display()))?;
+    let pid = child.id();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    match rx.recv_timeout(limit) {
+        Ok(out) => out.map_err(|e| format!("waiting for {}: {e}", script.display())),
+        Err(_) => {
+            // SAFETY: kill(2) on our own child, not reaped yet (its thread still waits for it).
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+            Err(format!("{what} did not start within {} s", limit.as_secs()))
+        }
+    }
+}
+
 pub(crate) fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
 }

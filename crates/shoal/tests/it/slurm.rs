@@ -45,26 +45,7 @@ fn script() -> PathBuf {
 /// Runs `scripts/test-slurm.sh start`; the path of the cluster's slurm.conf.
 fn start_cluster() -> Result<String, String> {
     let t0 = Instant::now();
-    let child = Command::new("bash")
-        .arg(script())
-        .arg("start")
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .map_err(|e| format!("cannot run {}: {e}", script().display()))?;
-    let pid = child.id();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(child.wait_with_output());
-    });
-    let out = match rx.recv_timeout(SETUP) {
-        Ok(out) => out.map_err(|e| format!("waiting for {}: {e}", script().display()))?,
-        Err(_) => {
-            // SAFETY: kill(2) on our own child, not reaped yet (its thread still waits for it).
-            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
-            return Err(format!("the Slurm test cluster did not start within {} s", SETUP.as_secs()));
-        }
-    };
+    let out = crate::platform::run_setup(&script(), SETUP, "the Slurm test cluster")?;
     let stdout = text(&out.stdout);
     let ok = stdout.lines().find(|l| l.starts_with("OK "));
     let conf = ok.and_then(|l| l.split_whitespace().find_map(|w| w.strip_prefix("SLURM_CONF=")));

@@ -103,6 +103,9 @@ app.kubernetes.io/part-of: shoal
 {{- if and (eq .Values.executor "kubernetes") (not .Values.rbac.create) (not .Values.serviceAccount.name) }}
 {{- fail "executor kubernetes needs rbac.create, or serviceAccount.name naming an account that may manage pods" }}
 {{- end }}
+{{- if and (eq .Values.executor "kubernetes") (not .Values.persistence.enabled) }}
+{{- fail "executor kubernetes needs persistence.enabled: the workers' Pods mount the state volume" }}
+{{- end }}
 {{- if and .Values.postgresql.auth.password (not (regexMatch "^[A-Za-z0-9]+$" .Values.postgresql.auth.password)) }}
 {{- fail "postgresql.auth.password: letters and digits only (it is written into the database URL)" }}
 {{- end }}
