@@ -48,6 +48,12 @@ pub mod var {
     pub const TORCH_LOCAL_RANK: &str = "LOCAL_RANK";
     pub const TORCH_LOCAL_WORLD_SIZE: &str = "LOCAL_WORLD_SIZE";
     pub const VISIBLE_GPUS: &str = "CUDA_VISIBLE_DEVICES";
+    /// What Kubeflow Trainer's torch runtime sets on each node (read when Shoal's own contract is absent; one
+    /// process per node).
+    pub const PET_NNODES: &str = "PET_NNODES";
+    pub const PET_NODE_RANK: &str = "PET_NODE_RANK";
+    pub const PET_MASTER_ADDR: &str = "PET_MASTER_ADDR";
+    pub const PET_MASTER_PORT: &str = "PET_MASTER_PORT";
     /// Thread counts of the task's compute libraries (a job may override them).
     pub const RAYON_THREADS: &str = "RAYON_NUM_THREADS";
     pub const OMP_THREADS: &str = "OMP_NUM_THREADS";
@@ -228,9 +234,16 @@ pub struct EnvContract {
 impl EnvContract {
     /// Reads the contract from the process environment.
     pub fn from_env() -> Result<EnvContract> {
-        let rank = required_usize(var::RANK)?;
-        let world_size = required_usize(var::WORLD_SIZE)?;
-        let rendezvous = required(var::RENDEZVOUS)?;
+        // Under Kubeflow Trainer's torch runtime (a TrainJob from `shoal k8s manifests --format trainjob`), its
+        // variables stand for the contract's: one rank per node, rank 0 hosting the store at the master address.
+        let trainer = std::env::var(var::RANK).is_err() && std::env::var(var::PET_NODE_RANK).is_ok();
+        let (rank, world_size, rendezvous) = if trainer {
+            let addr = required(var::PET_MASTER_ADDR)?;
+            let port = required(var::PET_MASTER_PORT)?;
+            (required_usize(var::PET_NODE_RANK)?, required_usize(var::PET_NNODES)?, format!("{addr}:{port}"))
+        } else {
+            (required_usize(var::RANK)?, required_usize(var::WORLD_SIZE)?, required(var::RENDEZVOUS)?)
+        };
         let mut cfg = CommConfig { secret: required(var::JOB_SECRET)?.into_bytes(), ..CommConfig::default() };
         if let Ok(job) = std::env::var(var::JOB_ID) {
             cfg.name = format!("{job}/world");
@@ -255,7 +268,7 @@ impl EnvContract {
                 var::WORLD_SIZE
             )));
         }
-        let host_store = std::env::var(var::RENDEZVOUS_HOST).is_ok_and(|v| v == "1");
+        let host_store = trainer || std::env::var(var::RENDEZVOUS_HOST).is_ok_and(|v| v == "1");
         cfg.advertise = advertise_towards(&rendezvous);
         Ok(EnvContract { rank, world_size, rendezvous, host_store, cfg })
     }

@@ -115,6 +115,78 @@ impl JobObjects<'_> {
         Ok(out)
     }
 
+    /// The objects that run the job under Kubeflow Trainer v2 instead of as bare Pods: the ConfigMap, the Secret,
+    /// and a `TrainJob` (`trainer.kubeflow.org/v1alpha1`) on the `torch-distributed` runtime with one process per
+    /// node, whose variables (`PET_NODE_RANK`, `PET_NNODES`, `PET_MASTER_ADDR`, `PET_MASTER_PORT`) the worker reads
+    /// in place of Shoal's contract; the spec and an output directory reach the `node` container through
+    /// `podSpecOverrides`.
+    pub fn trainjob_objects(&self) -> Result<Vec<Value>, SpecError> {
+        Ok(vec![self.config_map(), self.secret(), self.train_job()?])
+    }
+
+    pub fn train_job(&self) -> Result<Value, SpecError> {
+        let mut meta = self.metadata(self.base_name());
+        if let Some(q) = self.queue_label()? {
+            meta["labels"]["kueue.x-k8s.io/queue-name"] = q.into();
+        }
+        let c = self.task_env(0);
+        let mut vars: Vec<(String, String)> = vec![
+            (var::JOB_ID.to_owned(), c.job_id.clone()),
+            (var::JOB_SECRET.to_owned(), String::new()),
+            (var::RAYON_THREADS.to_owned(), c.threads.unwrap_or(1).to_string()),
+            (var::OMP_THREADS.to_owned(), c.threads.unwrap_or(1).to_string()),
+        ];
+        vars.extend(self.spec.env.iter().map(|(k, v)| (k.clone(), v.clone())));
+        Ok(json!({
+            "apiVersion": "trainer.kubeflow.org/v1alpha1",
+            "kind": "TrainJob",
+            "metadata": meta,
+            "spec": {
+                "runtimeRef": { "name": "torch-distributed" },
+                "trainer": {
+                    "image": self.image,
+                    "command": ["shoal", "worker", "--output", RUN_DIR, format!("{SPEC_DIR}/{SPEC_FILE}")],
+                    "numNodes": self.world_size,
+                    "numProcPerNode": 1,
+                    "resourcesPerNode": self.resources()?,
+                    "env": env_values(vars, &self.base_name()),
+                },
+                "podSpecOverrides": [{
+                    "targetJobs": [{ "name": "node" }],
+                    "volumes": [
+                        { "name": "spec", "configMap": { "name": self.base_name() } },
+                        { "name": "run", "emptyDir": {} },
+                    ],
+                    "containers": [{
+                        "name": "node",
+                        "volumeMounts": [
+                            { "name": "spec", "mountPath": SPEC_DIR, "readOnly": true },
+                            { "name": "run", "mountPath": RUN_DIR },
+                        ],
+                    }],
+                }],
+            },
+        }))
+    }
+
+    /// Kueue's label value for the job's queue (`None` for `default`).
+    fn queue_label(&self) -> Result<Option<String>, SpecError> {
+        if self.spec.queue == "default" {
+            return Ok(None);
+        }
+        if !is_label_value(&self.spec.queue) {
+            return Err(spec_error(
+                "queue",
+                format!(
+                    "{:?} cannot be a Kubernetes label value (at most 63 characters, starting and ending with a \
+                     letter or digit)",
+                    self.spec.queue
+                ),
+            ));
+        }
+        Ok(Some(self.spec.queue.clone()))
+    }
+
     pub fn config_map(&self) -> Value {
         json!({
             "apiVersion": "v1",
@@ -167,18 +239,8 @@ impl JobObjects<'_> {
     pub fn pod(&self, rank: usize) -> Result<Value, SpecError> {
         let mut labels = self.labels();
         labels.insert("shoal.dev/rank".into(), rank.to_string().into());
-        if self.spec.queue != "default" {
-            if !is_label_value(&self.spec.queue) {
-                return Err(spec_error(
-                    "queue",
-                    format!(
-                        "{:?} cannot be a Kubernetes label value (at most 63 characters, starting and ending with \
-                         a letter or digit)",
-                        self.spec.queue
-                    ),
-                ));
-            }
-            labels.insert("kueue.x-k8s.io/queue-name".into(), self.spec.queue.clone().into());
+        if let Some(q) = self.queue_label()? {
+            labels.insert("kueue.x-k8s.io/queue-name".into(), q.into());
         }
         let job_env: Vec<(String, String)> = self.spec.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
         let env = env_values(crate::executor::task_env(&self.task_env(rank), &job_env), &self.base_name());
@@ -498,6 +560,41 @@ mod tests {
             assert_eq!(res["requests"], json!({ "cpu": "1500m", "memory": "1Gi", "nvidia.com/gpu": "2" }));
             assert!(!to_yaml(pod).contains("s3cret"));
         }
+    }
+
+    #[test]
+    fn a_trainjob_runs_the_worker_on_kubeflow_trainers_torch_runtime() {
+        let s = spec("queue = \"team-a\"\n[env]\nMY_FLAG = \"on\"\n[resources]\ncpus = 2");
+        let text = serde_json::to_string(&s).unwrap_or_default();
+        let objs = JobObjects {
+            job_id: "my-job-v2",
+            spec: &s,
+            spec_json: &text,
+            namespace: "ml",
+            image: "registry.example/shoal:1",
+            world_size: 4,
+            secret: "s3cret",
+        }
+        .trainjob_objects()
+        .unwrap_or_default();
+        let kinds: Vec<&str> = objs.iter().filter_map(|o| o["kind"].as_str()).collect();
+        assert_eq!(kinds, ["ConfigMap", "Secret", "TrainJob"]);
+        let tj = &objs[2];
+        assert_eq!(tj["apiVersion"], "trainer.kubeflow.org/v1alpha1");
+        assert_eq!(tj["metadata"]["labels"]["kueue.x-k8s.io/queue-name"], "team-a");
+        assert_eq!(tj["spec"]["runtimeRef"]["name"], "torch-distributed");
+        let t = &tj["spec"]["trainer"];
+        assert_eq!((t["numNodes"].as_u64(), t["numProcPerNode"].as_u64()), (Some(4), Some(1)));
+        assert_eq!(t["resourcesPerNode"]["limits"]["cpu"], "2000m");
+        let env = t["env"].as_array().cloned().unwrap_or_default();
+        let get = |k: &str| env.iter().find(|e| e["name"] == k).cloned().unwrap_or_default();
+        assert_eq!(get(var::JOB_SECRET)["valueFrom"]["secretKeyRef"]["name"], "shoal-my-job-v2");
+        assert_eq!(get("MY_FLAG")["value"], "on");
+        assert!(get(var::RANK).is_null(), "the rank comes from the runtime");
+        assert!(!to_yaml(tj).contains("s3cret"));
+        let o = &tj["spec"]["podSpecOverrides"][0];
+        assert_eq!(o["containers"][0]["volumeMounts"][0]["mountPath"], SPEC_DIR);
+        assert_eq!(o["volumes"][0]["configMap"]["name"], "shoal-my-job-v2");
     }
 
     #[test]

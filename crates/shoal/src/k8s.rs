@@ -1,5 +1,5 @@
-//! `shoal k8s manifests JOB.toml [-n N] [--namespace NS] [--image IMAGE] [--json]`: the Kubernetes objects that
-//! run a job, built by `shoal_exec::k8s` (what a Kubernetes executor would create), printed as YAML documents
+//! `shoal k8s manifests JOB.toml [-n N] [--namespace NS] [--image IMAGE] [--format pods|trainjob] [--json]`: the
+//! Kubernetes objects that run a job (bare Pods, or a Kubeflow Trainer v2 TrainJob), built by `shoal_exec::k8s` (what a Kubernetes executor would create), printed as YAML documents
 //! separated by `---`, or one JSON array with `--json`, for `kubectl apply -f -` or a GitOps repository. A fresh
 //! job secret is drawn each time; it is only in the Secret.
 
@@ -27,18 +27,36 @@ pub enum K8sCmd {
         /// One JSON array of the objects instead of YAML.
         #[arg(long)]
         json: bool,
+        /// `pods`: a headless Service and a Pod per rank; `trainjob`: a Kubeflow Trainer v2 TrainJob on the
+        /// `torch-distributed` runtime in their place (for clusters that run Kubeflow Trainer).
+        #[arg(long, value_enum, default_value_t = Format::Pods)]
+        format: Format,
     },
+}
+
+/// What runs the job's ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Format {
+    Pods,
+    Trainjob,
 }
 
 pub fn run(cmd: &K8sCmd) -> Result<bool> {
     match cmd {
-        K8sCmd::Manifests { job, workers, namespace, image, json } => {
-            manifests(job, *workers, namespace, image.as_deref(), *json)
+        K8sCmd::Manifests { job, workers, namespace, image, json, format } => {
+            manifests(job, *workers, namespace, image.as_deref(), *json, *format)
         }
     }
 }
 
-fn manifests(job: &Path, workers: Option<u32>, namespace: &str, image: Option<&str>, json: bool) -> Result<bool> {
+fn manifests(
+    job: &Path,
+    workers: Option<u32>,
+    namespace: &str,
+    image: Option<&str>,
+    json: bool,
+    format: Format,
+) -> Result<bool> {
     if !k8s::is_dns_label(namespace) {
         bail!(
             "--namespace {namespace:?} is not a Kubernetes namespace name (lowercase letters, digits and '-', at most 63)"
@@ -56,7 +74,7 @@ fn manifests(job: &Path, workers: Option<u32>, namespace: &str, image: Option<&s
     let spec_json = serde_json::to_string(&spec)?;
     let secret = shoal_exec::launch::new_secret()?;
     let job_id = k8s::dns_name(&spec.name);
-    let objects = JobObjects {
+    let objs = JobObjects {
         job_id: &job_id,
         spec: &spec,
         spec_json: &spec_json,
@@ -64,8 +82,11 @@ fn manifests(job: &Path, workers: Option<u32>, namespace: &str, image: Option<&s
         image,
         world_size,
         secret: &secret,
+    };
+    let objects = match format {
+        Format::Pods => objs.objects(),
+        Format::Trainjob => objs.trainjob_objects(),
     }
-    .objects()
     .map_err(|e| anyhow!("{}", e.with_origin(&origin)))?;
     let text = if json { serde_json::to_string_pretty(&objects)? + "\n" } else { k8s::to_yaml_stream(&objects) };
     let mut out = std::io::stdout().lock();

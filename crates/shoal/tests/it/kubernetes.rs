@@ -454,3 +454,71 @@ fn kubernetes_pods_that_wait_say_why() {
     assert_eq!(code, 200, "{r}");
     p.wait_state(&id, "succeeded");
 }
+
+/// What `shoal k8s manifests --format trainjob` prints runs as Kubeflow Trainer's torch runtime would run it: two
+/// `node` processes given only the runtime's variables (`PET_*`) and the TrainJob's own environment, the spec from
+/// its ConfigMap, train one model together (no cluster needed: the runtime's part is the variables).
+#[test]
+fn a_trainjobs_nodes_train_on_kubeflow_trainers_variables() {
+    let dir = std::env::temp_dir().join(format!("shoal-trainjob-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let toml = dir.join("job.toml");
+    std::fs::write(&toml, job("tj", 40, "1GiB", 0)).expect("spec");
+    let out = crate::platform::shoal()
+        .args(["k8s", "manifests", "--format", "trainjob", "--json", "--namespace", "ml"])
+        .arg(&toml)
+        .output()
+        .expect("shoal k8s manifests");
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let objs: Vec<Value> = serde_json::from_slice(&out.stdout).expect("JSON array");
+    let kinds: Vec<&str> = objs.iter().filter_map(|o| o["kind"].as_str()).collect();
+    assert_eq!(kinds, ["ConfigMap", "Secret", "TrainJob"]);
+    let spec_path = dir.join("job.json");
+    std::fs::write(&spec_path, objs[0]["data"]["job.json"].as_str().expect("job.json")).expect("spec file");
+    let secret = objs[1]["stringData"]["secret"].as_str().expect("secret").to_owned();
+    let trainer = &objs[2]["spec"]["trainer"];
+    assert_eq!(trainer["numNodes"], 2);
+    let command: Vec<String> = trainer["command"]
+        .as_array()
+        .expect("command")
+        .iter()
+        .map(|a| a.as_str().unwrap_or("").replace("/etc/shoal/job.json", &spec_path.display().to_string()))
+        .collect();
+    let port = crate::platform::free_port().to_string();
+    let children: Vec<_> = (0..2)
+        .map(|rank| {
+            let out_dir = dir.join(format!("run-{rank}"));
+            let args: Vec<String> = command[1..]
+                .iter()
+                .map(|a| if a == "/var/lib/shoal/run" { out_dir.display().to_string() } else { a.clone() })
+                .collect();
+            let mut c = crate::platform::shoal();
+            c.args(&args).env_clear().env("PATH", std::env::var("PATH").unwrap_or_default());
+            for e in trainer["env"].as_array().expect("env") {
+                let name = e["name"].as_str().expect("name");
+                let value = if e.get("valueFrom").is_some() {
+                    secret.clone()
+                } else {
+                    e["value"].as_str().unwrap_or("").into()
+                };
+                c.env(name, value);
+            }
+            c.envs([
+                ("PET_NNODES", "2".to_owned()),
+                ("PET_NODE_RANK", rank.to_string()),
+                ("PET_MASTER_ADDR", "127.0.0.1".to_owned()),
+                ("PET_MASTER_PORT", port.clone()),
+            ]);
+            c.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn().expect("spawn a node")
+        })
+        .collect();
+    for (rank, c) in children.into_iter().enumerate() {
+        let out = c.wait_with_output().expect("node process");
+        assert!(out.status.success(), "node {rank}: {}{}", text(&out.stdout), text(&out.stderr));
+    }
+    let summary = std::fs::read_to_string(dir.join("run-0/summary.json")).expect("rank 0's summary");
+    let v: Value = serde_json::from_str(&summary).expect("summary JSON");
+    assert_eq!(v["world_size"], 2, "the two nodes trained together: {v}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
