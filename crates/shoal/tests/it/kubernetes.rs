@@ -522,3 +522,33 @@ fn a_trainjobs_nodes_train_on_kubeflow_trainers_variables() {
     assert_eq!(v["world_size"], 2, "the two nodes trained together: {v}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn kubernetes_a_restarted_server_adopts_its_running_pods() {
+    let mut k = KubePlatform::new("k8s-adopt");
+    let id = k.p.submit("long", &job("long", 1_000_000, "1GiB", 0));
+    k.wait_for("both Pods to run", |k| {
+        let pods = k.pods();
+        pods.len() == 2 && pods.iter().all(|x| x["status"]["phase"] == "Running")
+    });
+    let before: Vec<String> =
+        k.pods().iter().filter_map(|x| x["metadata"]["name"].as_str().map(str::to_owned)).collect();
+    k.p.kill_server();
+    k.p.start_server(None);
+    // The same attempt goes on in the same Pods: nothing was restarted, nothing taken for a stray.
+    std::thread::sleep(Duration::from_secs(3));
+    let v = k.p.try_status(&id).expect("status");
+    assert_eq!((v["state"].as_str(), v["attempt"].as_i64()), (Some("running"), Some(1)), "{v}");
+    let mut after: Vec<String> =
+        k.pods().iter().filter_map(|x| x["metadata"]["name"].as_str().map(str::to_owned)).collect();
+    let mut before = before;
+    before.sort();
+    after.sort();
+    assert_eq!(before, after, "the same Pods run");
+    assert!(k.pods().iter().all(|x| x["status"]["phase"] == "Running" && x["metadata"]["deletionTimestamp"].is_null()));
+    // And it still controls them.
+    let out = k.p.cli(&admin_token(&k.p), &["cancel", &id]);
+    assert!(out.status.success(), "shoal cancel: {}", text(&out.stderr));
+    k.p.wait_state(&id, "cancelled");
+    k.wait_for("the Pods to be deleted", |k| k.pods().is_empty());
+}
