@@ -112,6 +112,11 @@ struct KubePlatform {
 
 impl KubePlatform {
     fn new(tag: &str) -> KubePlatform {
+        KubePlatform::with_image(tag, IMAGE)
+    }
+
+    /// A platform whose workers' image is `image` (the stand-in has only [`IMAGE`]).
+    fn with_image(tag: &str, image: &str) -> KubePlatform {
         let (one, c) = cluster();
         let ns = format!("t-{tag}-{}", std::process::id());
         let (code, v) = c.request("POST", "/api/v1/namespaces", Some(&json!({ "metadata": { "name": ns } })));
@@ -169,7 +174,7 @@ impl KubePlatform {
             logs,
         });
         let kc = c.kubeconfig.display().to_string();
-        let args = ["--executor", "kubernetes", "--kubeconfig", &kc, "--namespace", &ns, "--image", IMAGE];
+        let args = ["--executor", "kubernetes", "--kubeconfig", &kc, "--namespace", &ns, "--image", image];
         let p = Platform::with_server(tag, &args, &[("SHOAL_LOG", "shoal_control=info,shoal_exec=info,warn")]);
         assert_eq!(p.data(), data, "the claim stands for the platform's data directory");
         KubePlatform { p, c, ns, kubelet: Some(kubelet), _one: one }
@@ -450,6 +455,7 @@ fn kubernetes_pods_that_wait_say_why() {
     let note = events(&v).into_iter().find(|(_, kd, _)| kd == "waiting").map(|(_, _, m)| m).unwrap_or_default();
     assert!(note.contains("Insufficient cpu"), "the cluster's scheduler's words: {note}");
     // The capacity comes back: the job runs and succeeds.
+
     let (code, r) = k.c.request("DELETE", &format!("/api/v1/namespaces/{}/pods/hog?gracePeriodSeconds=1", k.ns), None);
     assert_eq!(code, 200, "{r}");
     p.wait_state(&id, "succeeded");
@@ -551,4 +557,21 @@ fn kubernetes_a_restarted_server_adopts_its_running_pods() {
     assert!(out.status.success(), "shoal cancel: {}", text(&out.stderr));
     k.p.wait_state(&id, "cancelled");
     k.wait_for("the Pods to be deleted", |k| k.pods().is_empty());
+}
+
+#[test]
+fn kubernetes_an_image_that_cannot_be_pulled_is_said_and_cancel_still_cleans_up() {
+    let k = KubePlatform::with_image("k8s-pull", "registry.example/nowhere:1");
+    let p = &k.p;
+    let id = p.submit("pull", &job("pull", 100, "1GiB", 0));
+    let v = p.wait_state_where(&id, "an event saying the image cannot be pulled", |v| {
+        events(v).iter().any(|(_, kd, m)| kd == "waiting" && m.contains("ImagePullBackOff"))
+    });
+    let note = events(&v).into_iter().find(|(_, kd, _)| kd == "waiting").map(|(_, _, m)| m).unwrap_or_default();
+    assert!(note.contains("registry.example/nowhere:1"), "names the image: {note}");
+    assert_eq!(v["state"], "running", "it waits (the pull may still succeed): {v}");
+    let out = p.cli(&admin_token(p), &["cancel", &id]);
+    assert!(out.status.success(), "shoal cancel: {}", text(&out.stderr));
+    p.wait_state(&id, "cancelled");
+    k.wait_for("the Pods and Service to be deleted", |k| k.pods().is_empty() && k.services().is_empty());
 }
