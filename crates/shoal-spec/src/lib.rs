@@ -203,23 +203,27 @@ pub enum Strategy {
     /// Data parallel: every rank holds the whole model and a share of each global batch.
     #[default]
     Ddp,
+    /// ZeRO stage 1: data parallel with the optimizer state sharded over the ranks.
+    Zero1,
 }
 
 impl Strategy {
     /// The strategies that can run, as written in a spec.
-    pub const NAMES: [&'static str; 1] = ["ddp"];
+    pub const NAMES: [&'static str; 2] = ["ddp", "zero1"];
     /// Strategies a spec may name that do not exist yet (refused with a message saying so).
-    pub const PLANNED: [&'static str; 7] = ["zero1", "zero2", "zero3", "fsdp", "pipeline", "tensor", "ps"];
+    pub const PLANNED: [&'static str; 6] = ["zero2", "zero3", "fsdp", "pipeline", "tensor", "ps"];
 
     pub fn as_str(self) -> &'static str {
         match self {
             Strategy::Ddp => "ddp",
+            Strategy::Zero1 => "zero1",
         }
     }
 
     fn from_name(name: &str) -> Option<Self> {
         match name {
             "ddp" => Some(Strategy::Ddp),
+            "zero1" => Some(Strategy::Zero1),
             _ => None,
         }
     }
@@ -1415,9 +1419,8 @@ lr = 0.01
             ),
             (MLP.replace("model = \"mlp\"", "model = { hidden = [3] }"), "train.model: missing field `kind`"),
             (mlp("strategy = \"ddp\"", ""), ""),
-            (mlp("strategy = \"fsdp\"", ""), "train.strategy: \"fsdp\" is not available yet; available: ddp"),
-            (mlp("strategy = \"zero1\"", ""), "train.strategy: \"zero1\" is not available yet; available: ddp"),
-            (mlp("strategy = \"zero3\"", ""), "train.strategy: \"zero3\" is not available yet; available: ddp"),
+            (mlp("strategy = \"fsdp\"", ""), "train.strategy: \"fsdp\" is not available yet; available: ddp, zero1"),
+            (mlp("strategy = \"zero3\"", ""), "train.strategy: \"zero3\" is not available yet; available: ddp, zero1"),
             (mlp("strategy = \"pipeline\"", ""), "train.strategy: \"pipeline\" is not available yet"),
             (mlp("strategy = \"tensor\"", ""), "train.strategy: \"tensor\" is not available yet"),
             (mlp("strategy = \"ps\"", ""), "train.strategy: \"ps\" is not available yet"),

@@ -61,47 +61,27 @@ impl Optimizer {
             }
         }
         self.t += 1;
-        let lr32 = lr as f32;
         for (i, ((_, var), g)) in params.vars().iter().zip(grads).enumerate() {
             let p = var.as_tensor();
             match self.cfg {
-                OptimConfig::Sgd { momentum, weight_decay } => {
-                    let (mu, wd) = (momentum as f32, weight_decay as f32);
+                OptimConfig::Sgd { momentum, .. } => {
                     if momentum == 0.0 {
-                        with_slice_mut(p, |p| {
-                            for (p, &g) in p.iter_mut().zip(*g) {
-                                *p -= lr32 * (g + wd * *p);
-                            }
-                        })?;
+                        with_slice_mut(p, |p| update(self.cfg, self.t, lr, p, g, None, None))??;
                         continue;
                     }
                     match &self.m[i] {
                         // The first step's buffer is the gradient itself (PyTorch's convention).
                         None => {
-                            let mut buf = g.to_vec();
-                            with_slice_mut(p, |p| {
-                                for (p, b) in p.iter_mut().zip(buf.iter_mut()) {
-                                    *b += wd * *p;
-                                    *p -= lr32 * *b;
-                                }
-                            })?;
+                            let mut buf = vec![0f32; g.len()];
+                            with_slice_mut(p, |p| update(self.cfg, self.t, lr, p, g, Some((&mut buf, true)), None))??;
                             self.m[i] = Some(Tensor::from_vec(buf, var.shape(), p.device())?);
                         }
                         Some(m) => with_slice_mut(p, |p| {
-                            with_slice_mut(m, |m| {
-                                for ((p, b), &g) in p.iter_mut().zip(m.iter_mut()).zip(*g) {
-                                    *b = mu * *b + (g + wd * *p);
-                                    *p -= lr32 * *b;
-                                }
-                            })
-                        })??,
+                            with_slice_mut(m, |m| update(self.cfg, self.t, lr, p, g, Some((m, false)), None))
+                        })???,
                     }
                 }
-                OptimConfig::AdamW { beta1, beta2, eps, weight_decay } => {
-                    let c1 = (1.0 - beta1.powi(self.t as i32)) as f32;
-                    let c2 = (1.0 - beta2.powi(self.t as i32)) as f32;
-                    let (b1, b2, eps) = (beta1 as f32, beta2 as f32, eps as f32);
-                    let decay = (1.0 - lr * weight_decay) as f32;
+                OptimConfig::AdamW { .. } => {
                     for slot in [&mut self.m[i], &mut self.v[i]] {
                         if slot.is_none() {
                             *slot = Some(p.zeros_like()?);
@@ -110,20 +90,23 @@ impl Optimizer {
                     let (Some(m), Some(v)) = (&self.m[i], &self.v[i]) else { continue };
                     with_slice_mut(p, |p| {
                         with_slice_mut(m, |m| {
-                            with_slice_mut(v, |v| {
-                                for (((p, m), v), &g) in p.iter_mut().zip(m.iter_mut()).zip(v.iter_mut()).zip(*g) {
-                                    *m = b1 * *m + (1.0 - b1) * g;
-                                    *v = b2 * *v + (1.0 - b2) * g * g;
-                                    let update = (*m / c1) / ((*v / c2).sqrt() + eps);
-                                    *p = *p * decay - lr32 * update;
-                                }
-                            })
+                            with_slice_mut(v, |v| update(self.cfg, self.t, lr, p, g, Some((m, false)), Some(v)))
                         })
-                    })???;
+                    })????;
                 }
             }
         }
         Ok(())
+    }
+
+    /// Bytes of state this optimizer holds now.
+    pub fn state_bytes(&self) -> usize {
+        self.m.iter().chain(&self.v).flatten().map(|t| t.elem_count() * 4).sum()
+    }
+
+    /// The optimizer and its hyper-parameters.
+    pub fn config(&self) -> OptimConfig {
+        self.cfg
     }
 
     /// Sizes of the tensors [`Self::state`] will hold once every parameter has been updated, in its order.
@@ -177,6 +160,60 @@ impl Optimizer {
         }
         Ok(())
     }
+}
+
+/// One optimizer update of `p` from `g` at update number `t` (1-based), in place: the one formula every strategy
+/// applies, to whole parameters or to flat shards of them. SGD: `m` is the momentum buffer (`first`: its first use,
+/// when it becomes the gradient itself, PyTorch's convention; `None` without momentum). AdamW: `m` and `v` are the
+/// moments. Every slice is as long as `p`.
+pub fn update(
+    cfg: OptimConfig,
+    t: u64,
+    lr: f64,
+    p: &mut [f32],
+    g: &[f32],
+    m: Option<(&mut [f32], bool)>,
+    v: Option<&mut [f32]>,
+) -> Result<()> {
+    let lr32 = lr as f32;
+    match (cfg, m, v) {
+        (OptimConfig::Sgd { weight_decay, .. }, None, _) => {
+            let wd = weight_decay as f32;
+            for (p, &g) in p.iter_mut().zip(g) {
+                *p -= lr32 * (g + wd * *p);
+            }
+        }
+        (OptimConfig::Sgd { momentum, weight_decay }, Some((buf, first)), _) => {
+            let (mu, wd) = (momentum as f32, weight_decay as f32);
+            if first {
+                for ((p, b), &g) in p.iter_mut().zip(buf.iter_mut()).zip(g) {
+                    *b = g + wd * *p;
+                    *p -= lr32 * *b;
+                }
+            } else {
+                for ((p, b), &g) in p.iter_mut().zip(buf.iter_mut()).zip(g) {
+                    *b = mu * *b + (g + wd * *p);
+                    *p -= lr32 * *b;
+                }
+            }
+        }
+        (OptimConfig::AdamW { beta1, beta2, eps, weight_decay }, Some((m, _)), Some(v)) => {
+            let c1 = (1.0 - beta1.powi(t as i32)) as f32;
+            let c2 = (1.0 - beta2.powi(t as i32)) as f32;
+            let (b1, b2, eps) = (beta1 as f32, beta2 as f32, eps as f32);
+            let decay = (1.0 - lr * weight_decay) as f32;
+            for (((p, m), v), &g) in p.iter_mut().zip(m.iter_mut()).zip(v.iter_mut()).zip(g) {
+                *m = b1 * *m + (1.0 - b1) * g;
+                *v = b2 * *v + (1.0 - b2) * g * g;
+                let update = (*m / c1) / ((*v / c2).sqrt() + eps);
+                *p = *p * decay - lr32 * update;
+            }
+        }
+        (OptimConfig::AdamW { .. }, _, _) => {
+            return Err(Error::InvalidArgument("AdamW needs both of its moments".into()));
+        }
+    }
+    Ok(())
 }
 
 /// Learning rate at `step` (0-based): linear warm-up to `lr`, then cosine decay

@@ -124,6 +124,22 @@ impl Trainer {
         self.strategy.comm()
     }
 
+    /// Bytes of optimizer state this rank holds.
+    pub fn optimizer_bytes(&self) -> usize {
+        self.strategy.optimizer_bytes(&self.opt)
+    }
+
+    /// The optimizer state as whole named tensors, for a checkpoint: a collective when the strategy shards it
+    /// (every rank calls it at the same step).
+    pub fn optimizer_state(&self) -> Result<Vec<(String, Tensor)>> {
+        self.strategy.optimizer_state(&self.params, &self.opt)
+    }
+
+    /// Restores optimizer state saved as whole named tensors, at update count `t`.
+    pub fn load_optimizer_state(&mut self, t: u64, named: &std::collections::HashMap<String, Tensor>) -> Result<()> {
+        self.strategy.load_optimizer_state(&self.params, &mut self.opt, t, named)
+    }
+
     /// The strategy that runs (what the manifest and `summary.json` record).
     pub fn strategy_name(&self) -> &'static str {
         self.strategy.name()

@@ -7,11 +7,14 @@
 //!
 //! - [`ddp`]: data parallel — every rank holds everything; gradients are summed with bucketed all-reduces that
 //!   start while backward still runs.
+//! - [`zero`]: ZeRO stage 1 — gradients reduce-scattered, each rank updates its shard of the flat parameters with
+//!   its shard of the optimizer state, the shards all-gathered; checkpoints hold whole tensors, as DDP's.
 //!
 //! The worker builds the strategy `train.strategy` names; a name with no strategy yet is refused when the spec is
 //! validated (`shoal_spec::Strategy`), never silently replaced.
 
 pub mod ddp;
+pub mod zero;
 
 use candle_core::Tensor;
 use shoal_comm::Communicator;
@@ -81,6 +84,29 @@ pub trait Strategy: Send {
     /// Ends the step: the gradients combined across ranks, clipped to a global norm of `clip`, and `opt` applied
     /// with `lr`, the same update on every rank that holds a parameter.
     fn step(&mut self, params: &Params, opt: &mut Optimizer, lr: f64, clip: Option<f64>) -> Result<StepTimes>;
+
+    /// Bytes of optimizer state this rank holds (a strategy that shards it: its shard).
+    fn optimizer_bytes(&self, opt: &Optimizer) -> usize {
+        opt.state_bytes()
+    }
+
+    /// The optimizer state as whole named tensors, for a checkpoint (by default the optimizer's own; a strategy
+    /// that shards it gathers it: then every rank calls this at the same step).
+    fn optimizer_state(&self, params: &Params, opt: &Optimizer) -> Result<Vec<(String, Tensor)>> {
+        Ok(opt.state(params))
+    }
+
+    /// Restores optimizer state saved as whole named tensors (by any strategy, at any world size); a strategy that
+    /// shards it keeps its shard.
+    fn load_optimizer_state(
+        &mut self,
+        params: &Params,
+        opt: &mut Optimizer,
+        t: u64,
+        named: &std::collections::HashMap<String, Tensor>,
+    ) -> Result<()> {
+        opt.load_state(params, t, named)
+    }
 }
 
 /// Copies a tensor's values into `out`, which must be exactly as long.

@@ -219,7 +219,10 @@ impl StepLoop {
                 }
             }
             let every = spec.checkpoint.every;
-            if ((every > 0 && (step + 1) % every == 0) || step + 1 == t.steps) && saver.is_some() {
+            let checkpoint_now = (every > 0 && (step + 1) % every == 0) || step + 1 == t.steps;
+            // Gathered on every rank (a collective when the strategy shards the state), kept by rank 0's saver.
+            let opt_state = if checkpoint_now { Some(trainer.optimizer_state()?) } else { None };
+            if let (true, Some(opt_h)) = (checkpoint_now && saver.is_some(), opt_state) {
                 // The step loop pays only for cheap handles here: the copy into
                 // plain buffers runs on a thread while the next step computes,
                 // and is joined before the next optimizer update changes the
@@ -228,7 +231,6 @@ impl StepLoop {
                 let params = trainer.params();
                 let model_h: Vec<(String, Tensor)> =
                     params.vars().iter().map(|(n, v)| (n.clone(), v.as_tensor().clone())).collect();
-                let opt_h = trainer.optimizer().state(params);
                 let meta = ManifestMeta {
                     epoch: sampler_state.epoch,
                     sampler: serde_json::to_value(sampler_state).map_err(|e| Error::Checkpoint(e.to_string()))?,

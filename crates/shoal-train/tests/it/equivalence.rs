@@ -25,6 +25,8 @@ struct Run {
     hand: bool,
     /// All-reduce buckets during backward (else in `step`, on the training thread).
     overlap: bool,
+    /// ZeRO stage 1 instead of DDP.
+    zero: bool,
 }
 
 fn dataset(which: Which) -> Arc<dyn Dataset> {
@@ -59,7 +61,12 @@ fn train_rank(run: &Run, comm: Option<Communicator>, world: usize, rank: usize) 
         overlap: run.overlap,
         ..TrainerConfig::default()
     };
-    let mut trainer = Trainer::new(params, comm, cfg).expect("trainer");
+    let mut trainer = if run.zero {
+        let strategy = Box::new(shoal_train::strategy::zero::Zero1::new(comm));
+        Trainer::with_strategy(params, strategy, cfg).expect("trainer")
+    } else {
+        Trainer::new(params, comm, cfg).expect("trainer")
+    };
     let micro = run.global_batch / run.grad_accum;
     let mut sampler = DistributedSampler::new(SamplerConfig::new(data.len(), micro), world, rank).expect("sampler");
     let mut losses = Vec::new();
@@ -122,7 +129,7 @@ fn train_world(run: Run, world: usize) -> Vec<(String, Vec<f32>)> {
         .collect();
     let outs: Vec<_> = hs.into_iter().map(|h| h.join().expect("rank")).collect();
     for o in &outs[1..] {
-        assert_eq!(o, &outs[0], "DDP ranks must hold identical parameters");
+        assert_eq!(o, &outs[0], "the ranks must hold identical parameters");
     }
     outs.into_iter().next().unwrap_or_default()
 }
@@ -144,7 +151,7 @@ const SGD: OptimConfig = OptimConfig::Sgd { momentum: 0.9, weight_decay: 0.0 };
 /// The MLP with SGD (48 samples a step), or with AdamW and 2 micro-batches a step (60 samples).
 fn mlp(hand: bool, overlap: bool, adamw_accum: bool) -> Run {
     let (global_batch, grad_accum, optimizer) = if adamw_accum { (60, 2, ADAMW) } else { (48, 1, SGD) };
-    Run { which: Which::Mlp, steps: 50, global_batch, grad_accum, optimizer, hand, overlap }
+    Run { which: Which::Mlp, steps: 50, global_batch, grad_accum, optimizer, hand, overlap, zero: false }
 }
 
 /// Every way of computing and reducing gradients: autograd or the hand-written
@@ -197,6 +204,7 @@ fn gpt_ddp_matches_one_worker_at_2_and_4_workers() {
         optimizer: SGD,
         hand: false,
         overlap: true,
+        zero: false,
     };
     let one = train_world(run(), 1);
     for n in [2, 4] {
@@ -214,9 +222,81 @@ fn loss_falls_on_real_data() {
         optimizer: ADAMW,
         hand: false,
         overlap: true,
+        zero: false,
     };
     let (_, losses) = train_rank(&run, None, 1, 0);
     let first: f32 = losses[..5].iter().sum::<f32>() / 5.0;
     let last: f32 = losses[losses.len() - 5..].iter().sum::<f32>() / 5.0;
     assert!(last < first * 0.5, "loss should fall: first {first}, last {last}");
+}
+
+/// ZeRO stage 1 (optimizer state sharded, gradients reduce-scattered, shards all-gathered) ends where one worker
+/// does, with AdamW and gradient accumulation, through autograd and the hand-written backward, at world sizes that
+/// do and do not divide the parameter count; and so with momentum SGD.
+#[test]
+fn mlp_zero1_matches_one_worker_with_adamw_and_sgd() {
+    for (hand, _) in PATHS {
+        let one = train_world(mlp(hand, true, true), 1);
+        for n in [2, 3, 4] {
+            let zero = train_world(Run { zero: true, ..mlp(hand, true, true) }, n);
+            assert_close(&one, &zero, &format!("mlp zero1 (hand {hand}), AdamW, {n} workers, grad_accum 2"));
+        }
+    }
+    let one = train_world(mlp(false, true, false), 1);
+    assert_close(&one, &train_world(Run { zero: true, ..mlp(false, true, false) }, 3), "mlp zero1, SGD, 3 workers");
+}
+
+/// A ZeRO-1 rank holds a 1/N shard of the optimizer state, and what it saves is the whole state, equal to what
+/// one worker's optimizer holds after the same steps.
+#[test]
+fn zero1_shards_the_optimizer_state_and_saves_it_whole() {
+    let world = 4;
+    let cfg =
+        CommConfig { transport: TransportChoice::InProc, timeout: Duration::from_secs(120), ..CommConfig::default() };
+    let comms = Communicator::local_world(world, cfg).expect("world");
+    let hs: Vec<_> = comms
+        .into_iter()
+        .map(|c| {
+            std::thread::spawn(move || {
+                let mut params = Params::default();
+                let mut rng = SeededRng::new(7);
+                let model = Mlp::new(&mut params, &mut rng, 64, &[32, 16], 10).expect("mlp");
+                let count = params.count();
+                let tcfg = TrainerConfig { optimizer: ADAMW, ..TrainerConfig::default() };
+                let zero = shoal_train::strategy::zero::Zero1::new(Some(c));
+                let mut trainer = Trainer::with_strategy(params, Box::new(zero), tcfg).expect("trainer");
+                let data = dataset(Which::Mlp);
+                let samples: Vec<_> = (0..8).map(|i| data.get(i).expect("sample")).collect();
+                let t = to_tensors(&samples).expect("tensors").expect("batch");
+                for _ in 0..3 {
+                    let logits = model.forward(&t.input).expect("forward");
+                    let l = (candle_nn::loss::cross_entropy(&logits, &t.target).expect("loss") * 0.25).expect("w");
+                    trainer.backward(Some(&l), true).expect("backward");
+                    trainer.step(1e-2).expect("step");
+                }
+                let state = trainer.optimizer_state().expect("gathered state");
+                let held = trainer.optimizer_bytes();
+                (
+                    count,
+                    held,
+                    state
+                        .into_iter()
+                        .map(|(n, t)| (n, t.flatten_all().and_then(|t| t.to_vec1::<f32>()).expect("v")))
+                        .collect::<Vec<_>>(),
+                )
+            })
+        })
+        .collect();
+    let outs: Vec<_> = hs.into_iter().map(|h| h.join().expect("rank")).collect();
+    let (count, _, state) = &outs[0];
+    for (_, held, _) in &outs {
+        // m and v of a quarter of the parameters (rounded up), in f32.
+        assert_eq!(*held, 2 * count.div_ceil(world) * 4, "each rank holds its shard of the state only");
+    }
+    let saved: usize = state.iter().map(|(_, v)| v.len()).sum();
+    assert_eq!(saved, 2 * count, "the whole AdamW state (m and v of every parameter) is saved");
+    for (_, _, s) in &outs[1..] {
+        assert_eq!(s, state, "every rank gathers the same whole state");
+    }
+    assert!(state.iter().any(|(n, _)| n.ends_with(".m")) && state.iter().any(|(n, _)| n.ends_with(".v")));
 }

@@ -88,12 +88,12 @@ fn syntax_errors_and_unreadable_files_are_errors_too() {
 
     let job = tmpfile(
         "strategy",
-        "name = \"x\"\n[train]\nmodel = \"mlp\"\ndataset = \"digits\"\nglobal_batch = 8\nsteps = 3\nlr = 0.1\nstrategy = \"zero1\"\n",
+        "name = \"x\"\n[train]\nmodel = \"mlp\"\ndataset = \"digits\"\nglobal_batch = 8\nsteps = 3\nlr = 0.1\nstrategy = \"zero3\"\n",
     );
     let out = validate(&[], &job);
     assert_eq!(out.status.code(), Some(1));
     let stderr = text(&out.stderr);
-    assert!(stderr.contains("train.strategy: \"zero1\" is not available yet; available: ddp"), "{stderr}");
+    assert!(stderr.contains("train.strategy: \"zero3\" is not available yet; available: ddp, zero1"), "{stderr}");
     let _ = std::fs::remove_file(job);
 
     let missing = std::env::temp_dir().join("shoal-validate-no-such-job.toml");
