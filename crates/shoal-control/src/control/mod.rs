@@ -2,8 +2,10 @@
 //!
 //! Every tick (and at once after a submission or a cancellation) it
 //! 1. probes the tasks of running jobs: a job whose tasks all exited 0 succeeded; one with a task that failed,
-//!    was lost or went over its memory is stopped whole, then restarted (pending again, `restarts + 1`) while its
-//!    restart budget lasts, else failed;
+//!    was lost, went over its memory or stopped sending heartbeats, or that hung (no step for
+//!    `fault_tolerance.hang_timeout` while every rank lives; dumped first), is stopped whole, then by its
+//!    `fault_tolerance.policy` restarted (pending again, `restarts + 1`, after the backoff) while
+//!    `max_restarts` lasts, else failed;
 //! 2. carries out cancellations (SIGTERM to every task's process group, SIGKILL after the grace period);
 //! 3. copies new lines of rank 0's `metrics.jsonl` into the store;
 //! 4. hands pending jobs to the scheduler and carries out its decisions (place: start every task; preempt: SIGTERM
@@ -13,17 +15,20 @@
 //! (probed dead), and the data directory is locked by one server.
 //!
 //! The parts, each one concern over the shared [`state::Control`]: `admission.rs` (the scheduler's check),
-//! `supervise.rs` (probing, limits, stopping and what follows a stop), `decisions.rs` (placing, preempting,
+//! `supervise.rs` (probing, limits, stopping and what follows a stop), `watch.rs` (heartbeats, hangs and their
+//! dumps), `chaos.rs` (faults injected on purpose), `decisions.rs` (placing, preempting,
 //! requeueing), `ingest.rs` (metrics files into the store), `sampling.rs` (resource samples), `recovery.rs` (after a
 //! server restart); this file holds the loop itself.
 
 mod admission;
+mod chaos;
 mod decisions;
 mod ingest;
 mod recovery;
 mod sampling;
 mod state;
 mod supervise;
+mod watch;
 
 use std::collections::HashSet;
 use std::time::Instant;
@@ -70,6 +75,8 @@ impl Control {
         let ids: HashSet<&str> = active.iter().map(|j| j.id.as_str()).collect();
         self.specs.lock().unwrap_or_else(|p| p.into_inner()).retain(|id, _| ids.contains(id.as_str()));
         self.trouble.lock().unwrap_or_else(|p| p.into_inner()).retain(|id, _| ids.contains(id.as_str()));
+        self.watched.lock().unwrap_or_else(|p| p.into_inner()).retain(|id, _| ids.contains(id.as_str()));
+        self.not_before.lock().unwrap_or_else(|p| p.into_inner()).retain(|id, _| ids.contains(id.as_str()));
         let t0 = Instant::now();
         let decisions = self.sched().schedule(now() as u64);
         self.metrics.scheduler_pass.with_label_values(&[] as &[&str]).observe(t0.elapsed().as_secs_f64());

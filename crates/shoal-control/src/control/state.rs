@@ -41,7 +41,7 @@ pub struct ControlConfig {
 #[derive(Debug, Clone)]
 pub(super) enum StopWhy {
     Cancel,
-    /// A task failed, was lost or broke a limit: restart or fail the job.
+    /// A task failed, was lost or broke a limit, or the job hung: restart or fail the job by its policy.
     Failure(String),
     /// The server could not place an adopted job again: requeue it.
     Requeue(String),
@@ -87,6 +87,10 @@ pub struct Control {
     pub(super) trouble: Mutex<HashMap<String, String>>,
     /// Open event streams per caller (see [`crate::observe::StreamSlot`]).
     pub streams: Mutex<HashMap<String, usize>>,
+    /// Per running job: its ranks' heartbeats as last seen, and its step counter (`watch.rs`).
+    pub(super) watched: Mutex<HashMap<String, Watch>>,
+    /// Per job waiting out a restart's backoff: when it may start again (ms since the epoch; `None`: no wait).
+    pub(super) not_before: Mutex<HashMap<String, Option<i64>>>,
 }
 
 pub fn parse_stored_spec(job: &JobRow) -> Result<JobSpec> {
@@ -136,6 +140,8 @@ impl Control {
             specs: Mutex::new(HashMap::new()),
             trouble: Mutex::new(HashMap::new()),
             streams: Mutex::new(HashMap::new()),
+            watched: Mutex::new(HashMap::new()),
+            not_before: Mutex::new(HashMap::new()),
         })
     }
 
@@ -177,6 +183,31 @@ impl Control {
             return job.secret.clone();
         }
         crate::auth::derive_secret(&self.config.secret_key, &job.id)
+    }
+}
+
+/// A rank's heartbeat as last read, and when (by this server's clock) it last changed.
+#[derive(Debug)]
+pub(super) struct Seen {
+    pub(super) hb: shoal_wire::Heartbeat,
+    pub(super) changed: Instant,
+}
+
+/// What the control loop keeps of one running job's heartbeats.
+#[derive(Debug)]
+pub(crate) struct Watch {
+    pub(super) attempt: i64,
+    pub(super) ranks: HashMap<i64, Seen>,
+    /// The highest step any rank reported.
+    pub(super) step: u64,
+    /// When that step counter last moved, or when every rank was first seen training; `None` while not every
+    /// rank trains (starting, resuming, finishing), when no hang is judged.
+    pub(super) step_moved: Option<Instant>,
+}
+
+impl Watch {
+    pub(super) fn new(attempt: i64) -> Watch {
+        Watch { attempt, ranks: HashMap::new(), step: 0, step_moved: None }
     }
 }
 

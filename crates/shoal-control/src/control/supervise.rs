@@ -1,18 +1,20 @@
-//! Supervision: pending jobs handed to the scheduler or cancelled; running jobs' tasks probed, their memory held to
-//! the request, failures turned into a stop of the whole gang, and a stopped job restarted, failed, cancelled or
-//! requeued only once every process of its attempt is gone.
+//! Supervision: pending jobs handed to the scheduler (once a restart's backoff is over) or cancelled; running jobs'
+//! tasks probed, their memory held to the request, their heartbeats judged (`watch.rs`), failures, silent ranks
+//! and hangs turned into a stop of the whole gang, and a stopped job restarted (by `fault_tolerance.policy`),
+//! failed, cancelled or requeued only once every process of its attempt is gone.
 
 use std::collections::HashMap;
 use std::time::Instant;
 
 use shoal_exec::{Stop as Halt, TaskStatus, Usage};
-use shoal_spec::JobSpec;
+use shoal_spec::{FaultPolicy, JobSpec};
 
 use crate::db::{JobRow, JobState, TaskRow, TaskState, Transition, now};
 use crate::error::Result;
 
 use super::admission::request_of;
 use super::state::{Control, Stop, StopWhy, handle};
+use super::watch::{Verdict, dump_text};
 
 fn mib(b: u64) -> String {
     if b >= 1 << 30 { format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64) } else { format!("{} MiB", b >> 20) }
@@ -35,15 +37,47 @@ impl Control {
     }
 
     pub(super) fn begin_stop(&self, job: &JobRow, tasks: &[TaskRow], why: StopWhy) {
+        self.begin_stop_with(job, tasks, why, Halt::Term);
+    }
+
+    /// Stops every running task of `job` with `how`: SIGTERM first (SIGKILL after the grace), or SIGKILL at once
+    /// for a gang that cannot stop cleanly (a hang: its ranks wait in a collective, or are stopped themselves).
+    pub(super) fn begin_stop_with(&self, job: &JobRow, tasks: &[TaskRow], why: StopWhy, how: Halt) {
         let mut stopping = self.stopping.lock().unwrap_or_else(|p| p.into_inner());
         if stopping.contains_key(&job.id) {
             return;
         }
-        tracing::info!(job = %job.id, ?why, "stopping job");
+        tracing::info!(job = %job.id, ?why, ?how, "stopping job");
         for t in tasks.iter().filter(|t| t.state == TaskState::Running) {
-            self.exec.stop(&handle(t), Halt::Term);
+            self.exec.stop(&handle(t), how);
         }
-        stopping.insert(job.id.clone(), Stop { since: Instant::now(), killed: false, why });
+        stopping.insert(job.id.clone(), Stop { since: Instant::now(), killed: how == Halt::Kill, why });
+    }
+
+    /// How long a job that restarted must still wait before it starts again (its backoff), if at all: the newest
+    /// `restarted` event's time plus `fault_tolerance.backoff` doubled once per earlier restart — read from the
+    /// store on first need, so a server restart does not cut a backoff short.
+    async fn backoff_left(&self, job: &JobRow, spec: &JobSpec) -> Result<Option<i64>> {
+        let ft = &spec.fault_tolerance;
+        if job.restarts == 0 || ft.policy != FaultPolicy::Restart {
+            return Ok(None);
+        }
+        let known = self.not_before.lock().unwrap_or_else(|p| p.into_inner()).get(&job.id).copied();
+        let until = match known {
+            Some(u) => u,
+            None => {
+                let events = self.db.events(&job.id, 0).await?;
+                let wait = ft.backoff_before(u32::try_from(job.restarts).unwrap_or(u32::MAX));
+                let until = events
+                    .iter()
+                    .rev()
+                    .find(|e| e.kind == "restarted")
+                    .map(|e| e.time_ms.saturating_add(wait.as_millis() as i64));
+                self.not_before.lock().unwrap_or_else(|p| p.into_inner()).insert(job.id.clone(), until);
+                until
+            }
+        };
+        Ok(until.map(|u| u - now()).filter(|left| *left > 0))
     }
 
     pub(super) async fn tick_pending(&self, job: &JobRow) -> Result<()> {
@@ -66,6 +100,10 @@ impl Control {
         }
         if self.sched().status(&job.id).is_none() {
             let spec = self.spec_of(job)?;
+            if let Some(left) = self.backoff_left(job, &spec).await? {
+                tracing::debug!(job = %job.id, left_ms = left, "waiting out the restart's backoff");
+                return Ok(());
+            }
             let submitted = self.sched().submit(request_of(job, &spec));
             if let Err(e) = submitted {
                 self.db
@@ -170,16 +208,53 @@ impl Control {
                 return Ok(());
             }
         }
-        let failed = statuses.iter().find_map(|(t, s)| match s {
-            TaskStatus::Exited(c) if *c != 0 => {
-                Some(format!("rank {} exited with status {c}{}", t.rank, signal_note(*c)))
+        // A rank killed by a signal or lost is named first: the others' errors (a peer gone from a collective) most
+        // often follow from it.
+        let mut failures: Vec<(bool, String)> = statuses
+            .iter()
+            .filter_map(|(t, s)| match s {
+                TaskStatus::Exited(c) if *c != 0 => {
+                    Some((*c > 128, format!("rank {} exited with status {c}{}", t.rank, signal_note(*c))))
+                }
+                TaskStatus::Lost(why) => Some((true, format!("rank {} was lost: {why}", t.rank))),
+                _ => None,
+            })
+            .collect();
+        failures.sort_by_key(|(cause, _)| !*cause);
+        let failed = match failures.as_slice() {
+            [] => None,
+            [(_, one)] => Some(one.clone()),
+            [(_, first), rest @ ..] => {
+                let rest: Vec<&str> = rest.iter().map(|(_, w)| w.as_str()).collect();
+                Some(format!("{first} (also {})", rest.join(", ")))
             }
-            TaskStatus::Lost(why) => Some(format!("rank {} was lost: {why}", t.rank)),
-            _ => None,
-        });
+        };
         if let Some(why) = failed {
             self.begin_stop(job, &tasks, StopWhy::Failure(why));
             return Ok(());
+        }
+        match self.observe(job, &spec, &statuses) {
+            Verdict::Fine => {}
+            Verdict::Silent { why, dump } => {
+                self.save_dump(&dump);
+                self.db.event(&job.id, "heartbeat", job.state, &format!("{why}. {}", dump_text(&dump))).await?;
+                self.begin_stop_with(job, &tasks, StopWhy::Failure(why), Halt::Kill);
+                return Ok(());
+            }
+            Verdict::Hang { why, dump } => {
+                self.save_dump(&dump);
+                self.db.event(&job.id, "hang", job.state, &format!("{why}. {}", dump_text(&dump))).await?;
+                let culprits = if dump.culprits.is_empty() {
+                    String::new()
+                } else {
+                    format!(
+                        " (holding it up: rank {})",
+                        dump.culprits.iter().map(i64::to_string).collect::<Vec<_>>().join(", rank ")
+                    )
+                };
+                self.begin_stop_with(job, &tasks, StopWhy::Failure(format!("{why}{culprits}")), Halt::Kill);
+                return Ok(());
+            }
         }
         if !statuses.is_empty() && statuses.iter().all(|(_, s)| *s == TaskStatus::Exited(0)) {
             let _ = self.sched().finish(&job.id);
@@ -222,40 +297,7 @@ impl Control {
                     )
                     .await?;
             }
-            StopWhy::Failure(why) if (job.restarts as u64) < u64::from(spec.restart.max) => {
-                self.db
-                    .transition(
-                        &job.id,
-                        &from,
-                        JobState::Pending,
-                        Transition {
-                            kind: "restarted",
-                            message: format!(
-                                "{why}; restart {} of {} (resumes from its newest checkpoint)",
-                                job.restarts + 1,
-                                spec.restart.max
-                            ),
-                            restarts: Some(job.restarts + 1),
-                            ..Default::default()
-                        },
-                    )
-                    .await?;
-            }
-            StopWhy::Failure(why) => {
-                let message = if spec.restart.max == 0 {
-                    why
-                } else {
-                    format!("{why}; no restarts left ({} used)", job.restarts)
-                };
-                self.db
-                    .transition(
-                        &job.id,
-                        &from,
-                        JobState::Failed,
-                        Transition { kind: "failed", message, finished_ms: Some(now()), ..Default::default() },
-                    )
-                    .await?;
-            }
+            StopWhy::Failure(why) => self.after_failure(job, spec, why).await?,
             StopWhy::Requeue(why) => {
                 self.db
                     .transition(
@@ -270,6 +312,62 @@ impl Control {
         self.wake.notify_one();
         Ok(())
     }
+    /// A job stopped for a failure, a lost or silent rank or a hang, every process gone: restarted or failed by
+    /// `fault_tolerance`.
+    async fn after_failure(&self, job: &JobRow, spec: &JobSpec, why: String) -> Result<()> {
+        let from = [JobState::Running, JobState::Preempted];
+        let ft = &spec.fault_tolerance;
+        let n = job.restarts + 1;
+        let restart = match ft.policy {
+            FaultPolicy::None => None,
+            _ if (job.restarts as u64) >= u64::from(ft.max_restarts) => None,
+            FaultPolicy::Restart => {
+                let wait = ft.backoff_before(u32::try_from(n).unwrap_or(u32::MAX));
+                let wait = if wait.is_zero() {
+                    "at once".to_owned()
+                } else {
+                    format!(
+                        "after a backoff of {} (fault_tolerance.backoff = {}, doubled for each restart)",
+                        shoal_spec::Seconds(wait),
+                        ft.backoff
+                    )
+                };
+                Some(format!(
+                    "{why}; restart {n} of {}: every worker stopped; all {} start again {wait} and resume from its \
+                     newest checkpoint",
+                    ft.max_restarts, job.workers
+                ))
+            }
+            FaultPolicy::Elastic => {
+                let (lo, hi) = spec.workers.range();
+                Some(format!(
+                    "{why}; restart {n} of {} (elastic): every worker stopped; starts again at once with as many \
+                     workers as are free within {lo}..{hi} and resumes from its newest checkpoint at that size",
+                    ft.max_restarts
+                ))
+            }
+        };
+        self.not_before.lock().unwrap_or_else(|p| p.into_inner()).remove(&job.id);
+        let (to, t) = match restart {
+            Some(message) => {
+                (JobState::Pending, Transition { kind: "restarted", message, restarts: Some(n), ..Default::default() })
+            }
+            None => {
+                let message = match ft.policy {
+                    FaultPolicy::None => format!("{why}; fault_tolerance.policy = \"none\": not restarted"),
+                    _ if ft.max_restarts == 0 => format!("{why}; fault_tolerance.max_restarts = 0: not restarted"),
+                    _ => format!("{why}; no restarts left ({} used)", job.restarts),
+                };
+                (
+                    JobState::Failed,
+                    Transition { kind: "failed", message, finished_ms: Some(now()), ..Default::default() },
+                )
+            }
+        };
+        self.db.transition(&job.id, &from, to, t).await?;
+        Ok(())
+    }
+
     /// Stores how a task ended (its end time and last sampled CPU time with it). Probing is not repeated here:
     /// a probe that reported the end has already released the task, so `status` is the only record of it.
     pub(super) async fn record_end(&self, t: &TaskRow, status: &TaskStatus) -> Result<()> {

@@ -121,6 +121,7 @@ impl StepLoop {
         setup: &Setup,
         tr: &mut Training,
         resumed: Option<&Loaded>,
+        beat: Option<&super::heartbeat::Beat>,
     ) -> Result<Trained> {
         let t = &spec.train;
         let (world, rank, comm, model, eval) = (setup.world, setup.rank, &setup.comm, &setup.model, &setup.eval);
@@ -191,6 +192,9 @@ impl StepLoop {
             comm_t.push(comm_s);
             opt_t.push(times.optimizer_s);
             step_t.push(step_started.elapsed().as_secs_f64());
+            if let Some(b) = beat {
+                b.step(step as u64 + 1);
+            }
             if let Some(f) = metrics.as_mut() {
                 let m = StepMetrics {
                     step: step + 1,

@@ -6,6 +6,7 @@ mod cli;
 mod dashboard;
 mod deploy;
 mod diagnose;
+mod faults;
 mod hosts;
 mod multihost;
 mod platform;
