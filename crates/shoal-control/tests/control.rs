@@ -14,8 +14,8 @@ use shoal_control::api::router;
 use shoal_control::db::JobState;
 use shoal_control::http::AppState;
 use shoal_control::server::{Prepared, ServerOptions, prepare};
-use shoal_exec::Stop;
 use shoal_exec::fake::FakeExecutor;
+use shoal_exec::{Executor, Stop};
 use tower::ServiceExt;
 
 struct Env {
@@ -353,14 +353,23 @@ async fn policy_none_fails_at_once_with_the_reason() {
     assert_eq!((st, v["field"].as_str()), (StatusCode::BAD_REQUEST, Some("rank")), "{v}");
     let (st, v) = e.call("POST", &format!("/api/v1/jobs/{id}/chaos"), r#"{"action": "explode", "rank": 0}"#).await;
     assert_eq!(st, StatusCode::BAD_REQUEST, "{v}");
+    // Rank 1 fails by itself (its log's last error line says why) just after rank 0 is killed: the kill is named
+    // first, rank 1's own report after it.
+    let log = e.fake.log_path(&id, 1, 1);
+    std::fs::create_dir_all(log.parent().expect("logs dir")).expect("logs dir");
+    std::fs::write(&log, "step 3\nerror: all_reduce #12 failed: peer 0 lost; entered: [1], not: [0]\n").expect("log");
     let (st, v) = e.call("POST", &format!("/api/v1/jobs/{id}/chaos"), r#"{"action": "kill", "rank": 0}"#).await;
     assert_eq!(st, StatusCode::OK, "{v}");
+    assert!(e.fake.exit(&id, 1, 1));
     e.tick().await;
     e.tick().await;
     assert_eq!(e.state(&id).await, JobState::Failed);
     let why = e.reason(&id).await;
     assert!(
-        why.contains("rank 0 exited with status 137") && why.contains("fault_tolerance.policy = \"none\""),
+        why.starts_with(
+            "rank 0 exited with status 137 (killed: SIGKILL) (also rank 1 exited with status 1: \
+                         all_reduce #12 failed: peer 0 lost; entered: [1], not: [0])"
+        ) && why.contains("fault_tolerance.policy = \"none\""),
         "{why}"
     );
     assert!(e.events(&id, "restarted").await.is_empty());
@@ -480,5 +489,50 @@ async fn a_rank_whose_heartbeats_stop_is_taken_for_dead() {
     }
     assert_eq!(e.fake.running(&id), vec![(2, 0), (2, 1)]);
     assert!(e.events(&id, "restarted").await[0].contains("rank 1 sent no heartbeat"));
+    let _ = std::fs::remove_dir_all(&e.dir);
+}
+
+fn job_range(name: &str, lo: u32, hi: u32, fault_tolerance: &str) -> String {
+    job_with(name, 1, fault_tolerance).replace("count = 1", &format!("min = {lo}\nmax = {hi}"))
+}
+
+/// After a failure, policy `elastic` starts again at once with as many workers as are free within
+/// `[workers] min..max` (here more than it ran with); policy `restart` asks for the number it ran with.
+#[tokio::test]
+async fn elastic_restarts_at_the_size_that_is_free_and_restart_at_the_same_size() {
+    let e = env("elastic").await;
+    for (policy, after) in [("elastic", 4usize), ("restart", 2)] {
+        let holder = e.submit(&job_with(&format!("holder-{policy}"), 2, "")).await;
+        e.tick().await;
+        assert_eq!(e.fake.running(&holder).len(), 2);
+        let id = e
+            .submit(&job_range(policy, 1, 4, &format!("policy = \"{policy}\"\nbackoff = \"0s\"\nmax_restarts = 1")))
+            .await;
+        e.tick().await;
+        assert_eq!(e.fake.running(&id).len(), 2, "{policy}: two CPUs of four were free");
+        e.fake.exit_job(&holder, 0);
+        e.tick().await;
+        assert_eq!(e.state(&holder).await, JobState::Succeeded);
+        let (st, v) = e.call("POST", &format!("/api/v1/jobs/{id}/chaos"), r#"{"action": "kill", "rank": 0}"#).await;
+        assert_eq!(st, StatusCode::OK, "{v}");
+        for _ in 0..3 {
+            e.tick().await;
+        }
+        let running = e.fake.running(&id);
+        assert_eq!(running.len(), after, "{policy}: {running:?}");
+        assert!(running.iter().all(|(attempt, _)| *attempt == 2), "{policy}: {running:?}");
+        let launched = e.fake.launches().into_iter().filter(|l| l.job_id == id && l.attempt == 2).count();
+        assert_eq!(launched, after, "{policy}");
+        let restarted = e.events(&id, "restarted").await;
+        assert_eq!(restarted.len(), 1, "{restarted:?}");
+        if policy == "elastic" {
+            assert!(restarted[0].contains("(elastic)") && restarted[0].contains("within 1..4"), "{restarted:?}");
+        } else {
+            assert!(restarted[0].contains("all 2 start again at once"), "{restarted:?}");
+        }
+        e.fake.exit_job(&id, 0);
+        e.tick().await;
+        assert_eq!(e.state(&id).await, JobState::Succeeded, "{}", e.reason(&id).await);
+    }
     let _ = std::fs::remove_dir_all(&e.dir);
 }

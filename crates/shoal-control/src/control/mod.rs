@@ -79,6 +79,7 @@ impl Control {
         self.not_before.lock().unwrap_or_else(|p| p.into_inner()).retain(|id, _| ids.contains(id.as_str()));
         let t0 = Instant::now();
         let decisions = self.sched().schedule(now() as u64);
+        let decisions = self.fold_growth(decisions);
         self.metrics.scheduler_pass.with_label_values(&[] as &[&str]).observe(t0.elapsed().as_secs_f64());
         for d in decisions {
             if let Err(e) = self.carry_out(d).await {

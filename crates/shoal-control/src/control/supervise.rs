@@ -214,7 +214,11 @@ impl Control {
             .iter()
             .filter_map(|(t, s)| match s {
                 TaskStatus::Exited(c) if *c != 0 => {
-                    Some((*c > 128, format!("rank {} exited with status {c}{}", t.rank, signal_note(*c))))
+                    // A rank that failed by itself says why on its last error line (a collective's report: the
+                    // operation, its sequence number, who had entered it).
+                    let said = if *c > 128 { None } else { self.last_error(t) };
+                    let said = said.map_or(String::new(), |e| format!(": {e}"));
+                    Some((*c > 128, format!("rank {} exited with status {c}{}{said}", t.rank, signal_note(*c))))
                 }
                 TaskStatus::Lost(why) => Some((true, format!("rank {} was lost: {why}", t.rank))),
                 _ => None,
@@ -312,6 +316,17 @@ impl Control {
         self.wake.notify_one();
         Ok(())
     }
+    /// The last line starting with `error:` in the newest 8 KiB of a task's log, without the prefix, at most 400
+    /// characters.
+    fn last_error(&self, t: &TaskRow) -> Option<String> {
+        let path = self.exec.log_path(&t.job_id, t.attempt, t.rank);
+        let len = std::fs::metadata(&path).ok()?.len();
+        let (tail, _) = shoal_exec::procfs::read_from(&path, len.saturating_sub(8192), 8192).ok()?;
+        let text = String::from_utf8_lossy(&tail);
+        let line = text.lines().rev().find_map(|l| l.trim().strip_prefix("error:"))?.trim();
+        Some(line.chars().take(400).collect())
+    }
+
     /// A job stopped for a failure, a lost or silent rank or a hang, every process gone: restarted or failed by
     /// `fault_tolerance`.
     async fn after_failure(&self, job: &JobRow, spec: &JobSpec, why: String) -> Result<()> {
