@@ -1,7 +1,8 @@
 //! Faults end to end, with real processes: a worker killed with `kill -9` (policy `restart`: the gang starts again
 //! after its backoff from the newest checkpoint and the job succeeds; policy `none`: the job fails with the
 //! reason), a worker stopped with SIGSTOP (a hang: dumped within `hang_timeout` + 5 s naming the stopped rank, then
-//! recovered), and `shoal chaos` killing workers while the job still succeeds.
+//! recovered), a server killed with `kill -9` while a restart waits out its backoff, and `shoal chaos` killing workers
+//! while the job still succeeds.
 //!
 //! Each job slows its data source (`SHOAL_FAULT_DATA_DELAY`, a test hook of the `failpoints` build) so that it is
 //! certainly still training when the test acts on it, however fast the machine.
@@ -82,6 +83,13 @@ fn kill_9_of_a_worker_restarts_the_gang_after_its_backoff_and_the_job_succeeds()
     let v = training(&p, &id, 1, 120);
     let t0 = now_ms();
     kill(worker_pid(&v, 1), libc::SIGKILL);
+    // The first step attempt 2 completes after the checkpoint it resumed from, as its rank 0's heartbeat tells it.
+    let beat = p.job_dir(&id).join("run/heartbeat.rank-0.json");
+    let stepped = p.wait("a step of attempt 2", || {
+        let hb: Value = serde_json::from_slice(&std::fs::read(&beat).ok()?).ok()?;
+        let resumed = hb["step"].as_u64()?;
+        (hb["attempt"] == 2 && hb["phase"] == "train" && resumed % 50 != 0).then(now_ms)
+    });
     let v = p.wait_state(&id, "succeeded");
     assert_eq!((v["restarts"].as_i64(), v["attempt"].as_i64()), (Some(1), Some(2)), "{v}");
     let ev = events(&v);
@@ -97,9 +105,14 @@ fn kill_9_of_a_worker_restarts_the_gang_after_its_backoff_and_the_job_succeeds()
     );
     // Attempt 2 started only once the backoff was over.
     let waited = event_time(&v, "started", 1) - event_time(&v, "restarted", 0);
+    let (restarted_at, started_at) = (event_time(&v, "restarted", 0), event_time(&v, "started", 1));
     eprintln!(
-        "kill -9 to the restart decided (every process gone): {} ms; then the backoff and the start: {waited} ms",
-        event_time(&v, "restarted", 0) - t0
+        "recovery from kill -9, restart from storage: {} ms to the restart decided (detection and every process \
+         gone), {waited} ms backoff (2 s) and placement to attempt 2 started, {} ms from the start to its first step \
+         (rendezvous, checkpoint load, step); {} ms in all",
+        restarted_at - t0,
+        stepped - started_at,
+        stepped - t0
     );
     assert!(waited >= 2000, "attempt 2 started {waited} ms after the restart, within its 2 s backoff: {ev:?}");
     // It resumed from a checkpoint of attempt 1 and finished every step.
@@ -207,4 +220,24 @@ fn chaos_kills_workers_and_the_job_still_succeeds() {
     assert!(restarts >= 1 && restarts <= faults.len(), "{restarts} restarts for {} kills: {ev:?}", faults.len());
     assert!(ev.iter().filter(|e| e.1 == "restarted").all(|e| e.2.contains("exited with status 137")), "{ev:?}");
     assert_eq!(v["summary"]["steps"], 1500, "{}", v["summary"]);
+}
+
+#[test]
+#[cfg_attr(not(feature = "failpoints"), ignore = "slows the job's data: needs `--features shoal/failpoints`")]
+fn a_server_killed_during_a_restarts_backoff_still_waits_it_out() {
+    let mut p = Platform::new("faults-server");
+    let id = p.submit("patient", &job("patient", 400, "max_restarts = 1\nbackoff = \"6s\""));
+    let v = training(&p, &id, 1, 60);
+    kill(worker_pid(&v, 0), libc::SIGKILL);
+    p.wait_state_where(&id, "the restart", |v| events(v).iter().any(|e| e.1 == "restarted"));
+    p.kill_server();
+    p.start_server(None);
+    let v = p.wait_state(&id, "succeeded");
+    assert_eq!((v["restarts"].as_i64(), v["attempt"].as_i64()), (Some(1), Some(2)), "{v}");
+    let waited = event_time(&v, "started", 1) - event_time(&v, "restarted", 0);
+    assert!(
+        waited >= 6000,
+        "attempt 2 started {waited} ms after the restart: the new server cut the 6 s backoff short"
+    );
+    assert_eq!(v["summary"]["steps"], 400, "{}", v["summary"]);
 }
