@@ -263,9 +263,14 @@ impl Env {
 
     /// Writes rank `rank`'s heartbeat as its worker would.
     fn beat(&self, id: &str, attempt: i64, rank: i64, hb: (u64, u64, &str, u64, bool)) {
+        self.beat_in(id, attempt, rank, "train", hb);
+    }
+
+    /// [`Env::beat`] in another phase than `train`.
+    fn beat_in(&self, id: &str, attempt: i64, rank: i64, phase: &str, hb: (u64, u64, &str, u64, bool)) {
         let (beat, step, op, seq, in_op) = hb;
         let v = serde_json::json!({
-            "rank": rank, "attempt": attempt, "pid": 4000 + rank, "beat": beat, "time_ms": 0, "phase": "train",
+            "rank": rank, "attempt": attempt, "pid": 4000 + rank, "beat": beat, "time_ms": 0, "phase": phase,
             "step": step, "op": op, "seq": seq, "in_op": in_op, "op_s": 0.0, "ops_done": seq,
         });
         let dir = self.p.control.run_dir(id);
@@ -534,5 +539,45 @@ async fn elastic_restarts_at_the_size_that_is_free_and_restart_at_the_same_size(
         e.tick().await;
         assert_eq!(e.state(&id).await, JobState::Succeeded, "{}", e.reason(&id).await);
     }
+    let _ = std::fs::remove_dir_all(&e.dir);
+}
+
+/// A rank handing a checkpoint to its saver (or evaluating) stops the hang clock, however long it takes while it
+/// beats: the others waiting for it meanwhile is no hang. Once it trains again and the steps stay still, it is.
+#[tokio::test]
+async fn a_long_checkpoint_is_no_hang() {
+    let e = env("checkpoint").await;
+    let id = e.submit(&job_with("saving", 2, "backoff = \"0s\"\nhang_timeout = \"1s\"")).await;
+    e.tick().await;
+    let mut beat = 0;
+    for step in 1..=2u64 {
+        beat += 1;
+        for r in 0..2 {
+            e.beat(&id, 1, r, (beat, step, "all_reduce", step, false));
+        }
+        e.tick().await;
+    }
+    let t0 = std::time::Instant::now();
+    while t0.elapsed() < Duration::from_millis(2500) {
+        beat += 1;
+        e.beat_in(&id, 1, 0, "checkpoint", (beat, 2, "all_reduce", 2, false));
+        e.beat(&id, 1, 1, (beat, 2, "all_reduce", 3, true));
+        e.tick().await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(e.events(&id, "hang").await.is_empty(), "a checkpoint taken for a hang");
+    assert_eq!(e.state(&id).await, JobState::Running);
+    let t1 = std::time::Instant::now();
+    while e.events(&id, "hang").await.is_empty() {
+        assert!(t1.elapsed() < Duration::from_secs(20), "the hang after the checkpoint was never found");
+        beat += 1;
+        e.beat(&id, 1, 0, (beat, 2, "all_reduce", 2, false));
+        e.beat(&id, 1, 1, (beat, 2, "all_reduce", 3, true));
+        e.tick().await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(t1.elapsed() >= Duration::from_secs(1), "the clock did not start again when training resumed");
+    let hang = e.events(&id, "hang").await;
+    assert!(hang[0].contains("rank 1 waits in all_reduce #3") && hang[0].contains("not in it: rank 0"), "{hang:?}");
     let _ = std::fs::remove_dir_all(&e.dir);
 }

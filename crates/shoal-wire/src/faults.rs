@@ -18,7 +18,8 @@ pub struct Heartbeat {
     /// When it was written (ms since the epoch).
     pub time_ms: i64,
     /// `resume` (loading a checkpoint; the first heartbeat comes once the communicator is built), `train` (the
-    /// step loop) or `finish` (final evaluation and summary).
+    /// step loop), `checkpoint` (handing a checkpoint to the saver), `eval` (a periodic evaluation) or `finish`
+    /// (final evaluation and summary). Only `train` is judged for hangs.
     pub phase: String,
     /// Optimizer steps completed (counting the ones a resumed run started from).
     pub step: u64,

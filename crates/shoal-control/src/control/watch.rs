@@ -1,7 +1,8 @@
 //! Watching running jobs through their ranks' heartbeats (`heartbeat.rank-R.json` in the run directory, written
 //! twice a second by each worker; see `shoal_wire::Heartbeat`): a rank whose heartbeat stops changing for
 //! `fault_tolerance.heartbeat_timeout` while its process runs is taken for dead; a job whose step counter does not
-//! move for `fault_tolerance.hang_timeout` while every rank lives and trains is hung. Either way the verdict comes
+//! move for `fault_tolerance.hang_timeout` while every rank lives and trains is hung (a rank resuming, handing a
+//! checkpoint to its saver, evaluating or finishing stops the clock: those may take long without being hangs). Either way the verdict comes
 //! with a dump of every rank — the collective it is in, its sequence number and for how long, or how long it has
 //! been silent — naming the ranks that hold the others up. The dump of the last hang is kept in the job's
 //! directory (`hang-dump.json`) for `shoal status`; [`Control::debug_dump`] takes one on demand.

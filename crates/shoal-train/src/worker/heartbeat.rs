@@ -22,7 +22,11 @@ pub const INTERVAL: Duration = Duration::from_millis(500);
 pub(super) enum Phase {
     Resume = 0,
     Train = 1,
-    Finish = 2,
+    /// Waiting for a checkpoint's copy to be handed to the saver (rank 0).
+    Checkpoint = 2,
+    /// A periodic evaluation.
+    Eval = 3,
+    Finish = 4,
 }
 
 impl Phase {
@@ -30,6 +34,8 @@ impl Phase {
         match v {
             0 => "resume",
             1 => "train",
+            2 => "checkpoint",
+            3 => "eval",
             _ => "finish",
         }
     }
