@@ -288,12 +288,12 @@ fn job_with(name: &str, workers: u32, fault_tolerance: &str) -> String {
 }
 
 /// A worker killed through the chaos endpoint fails its rank (137); policy `restart` stops the gang and starts it
-/// again only after the backoff, which doubles with each restart, the events saying what it waits for; after
-/// `max_restarts` the job fails naming the last cause.
+/// again only after the backoff, which doubles while attempts complete no step and is back to its base after one
+/// that trained, the events saying what it waits for and why; after `max_restarts` the job fails naming the cause.
 #[tokio::test]
 async fn a_killed_worker_restarts_the_gang_after_a_doubling_backoff() {
     let e = env("backoff").await;
-    let id = e.submit(&job_with("backoff", 2, "max_restarts = 2\nbackoff = \"1s\"")).await;
+    let id = e.submit(&job_with("backoff", 2, "max_restarts = 3\nbackoff = \"1s\"")).await;
     e.tick().await;
     assert_eq!(e.fake.running(&id), vec![(1, 0), (1, 1)]);
     let (st, v) = e.call("POST", &format!("/api/v1/jobs/{id}/chaos"), r#"{"action": "kill", "rank": 1}"#).await;
@@ -308,8 +308,8 @@ async fn a_killed_worker_restarts_the_gang_after_a_doubling_backoff() {
     assert_eq!(restarted.len(), 1, "{restarted:?}");
     assert!(
         restarted[0].contains("rank 1 exited with status 137 (killed: SIGKILL)")
-            && restarted[0].contains("restart 1 of 2")
-            && restarted[0].contains("after a backoff of 1s"),
+            && restarted[0].contains("restart 1 of 3")
+            && restarted[0].contains("after a backoff of 1s (fault_tolerance.backoff = 1s)"),
         "{restarted:?}"
     );
     // Within the backoff nothing starts, however often the loop turns.
@@ -322,12 +322,15 @@ async fn a_killed_worker_restarts_the_gang_after_a_doubling_backoff() {
     e.tick().await;
     assert_eq!(e.fake.running(&id), vec![(2, 0), (2, 1)], "the whole gang starts again after the backoff");
 
-    // The second restart waits twice as long.
+    // Attempt 2 completed no step (no heartbeat ever said so): the second restart waits twice as long.
     assert!(e.fake.exit(&id, 0, 1));
     e.tick().await;
     e.tick().await;
     let restarted = e.events(&id, "restarted").await;
-    assert!(restarted.len() == 2 && restarted[1].contains("after a backoff of 2s"), "{restarted:?}");
+    assert!(
+        restarted.len() == 2 && restarted[1].contains("after a backoff of 2s (the attempt completed no step"),
+        "{restarted:?}"
+    );
     tokio::time::sleep(Duration::from_millis(1100)).await;
     e.tick().await;
     assert_eq!(e.state(&id).await, JobState::Pending, "the second backoff is 2 s, not 1 s");
@@ -336,6 +339,27 @@ async fn a_killed_worker_restarts_the_gang_after_a_doubling_backoff() {
     e.tick().await;
     assert_eq!(e.fake.running(&id), vec![(3, 0), (3, 1)]);
 
+    // Attempt 3 trains (its heartbeats show steps going by): after its failure the backoff is back to 1 s.
+    for (beat, step) in [(1, 40), (2, 41), (3, 42)] {
+        for r in 0..2 {
+            e.beat(&id, 3, r, (beat, step, "all_reduce", step, false));
+        }
+        e.tick().await;
+    }
+    let (st, _) = e.call("POST", &format!("/api/v1/jobs/{id}/chaos"), r#"{"action": "kill", "rank": 1}"#).await;
+    assert_eq!(st, StatusCode::OK);
+    e.tick().await;
+    e.tick().await;
+    let restarted = e.events(&id, "restarted").await;
+    assert!(
+        restarted.len() == 3 && restarted[2].contains("after a backoff of 1s (the attempt trained"),
+        "{restarted:?}"
+    );
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    e.tick().await;
+    e.tick().await;
+    assert_eq!(e.fake.running(&id), vec![(4, 0), (4, 1)]);
+
     // No restarts left: the job fails, naming the cause.
     let (st, _) = e.call("POST", &format!("/api/v1/jobs/{id}/chaos"), r#"{"action": "kill", "rank": 0}"#).await;
     assert_eq!(st, StatusCode::OK);
@@ -343,7 +367,7 @@ async fn a_killed_worker_restarts_the_gang_after_a_doubling_backoff() {
     e.tick().await;
     assert_eq!(e.state(&id).await, JobState::Failed);
     let why = e.reason(&id).await;
-    assert!(why.contains("rank 0 exited with status 137") && why.contains("no restarts left (2 used)"), "{why}");
+    assert!(why.contains("rank 0 exited with status 137") && why.contains("no restarts left (3 used)"), "{why}");
     let _ = std::fs::remove_dir_all(&e.dir);
 }
 

@@ -1726,9 +1726,17 @@ lr = 0.001
         assert_eq!(d, FaultToleranceSpec::default());
         assert_eq!((d.policy, d.max_restarts, d.replace_stragglers), (FaultPolicy::Restart, 3, false));
         assert_eq!((d.backoff.0.as_secs(), d.heartbeat_timeout.0.as_secs(), d.hang_timeout.0.as_secs()), (2, 10, 60));
-        let secs: Vec<u64> = (1..=4).map(|n| d.backoff_before(n).as_secs()).collect();
-        assert_eq!(secs, vec![2, 4, 8, 16], "the backoff doubles with each restart");
-        assert_eq!(d.backoff_before(40).as_secs(), 3600, "and stops at an hour");
+        let mut waits = Vec::new();
+        let mut last = None;
+        for _ in 0..4 {
+            let w = d.next_backoff(last, false);
+            waits.push(w.as_secs());
+            last = Some(w);
+        }
+        assert_eq!(waits, vec![2, 4, 8, 16], "the backoff doubles while attempts complete no step");
+        assert_eq!(d.next_backoff(last, true).as_secs(), 2, "and starts again after an attempt that trained");
+        let long = Some(std::time::Duration::from_secs(3000));
+        assert_eq!(d.next_backoff(long, false).as_secs(), 3600, "it stops at an hour");
         // The defaults are spelled out and read back the same.
         let text = parse_job(MLP, "JOB.toml").expect("valid").resolved().to_toml().expect("TOML");
         assert!(text.contains("[fault_tolerance]") && text.contains("hang_timeout = \"60s\""), "{text}");

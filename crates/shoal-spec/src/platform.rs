@@ -17,7 +17,7 @@
 //! [fault_tolerance]          # what happens when a worker dies, stops sending heartbeats or the job hangs
 //! policy = "restart"         # restart (default) | elastic | none
 //! max_restarts = 3           # times the job is started again before it fails
-//! backoff = "2s"             # wait before the first restart, doubled for each one after it
+//! backoff = "2s"             # wait before a restart; doubled while attempts complete no step
 //! heartbeat_timeout = "10s"  # a worker whose heartbeats stop this long is taken for dead
 //! hang_timeout = "60s"       # no step completed this long while every worker lives: a hang
 //! replace_stragglers = false # (elastic) replace a persistent straggler
@@ -264,8 +264,8 @@ pub struct FaultToleranceSpec {
     /// How many times the job is started again after a failure, a lost worker or a hang (default 3).
     #[serde(default = "three")]
     pub max_restarts: u32,
-    /// The wait before the first restart, doubled for each one after it (default `"2s"`; `elastic` starts again
-    /// at once).
+    /// The wait before a restart (default `"2s"`), doubled for each restart in a row whose attempt completed no
+    /// step (a crash loop) and back to this after one that trained; `elastic` starts again at once.
     #[serde(default = "two_seconds")]
     #[cfg_attr(feature = "openapi", schema(value_type = String, example = "2s"))]
     pub backoff: Seconds,
@@ -310,10 +310,13 @@ impl Default for FaultToleranceSpec {
 }
 
 impl FaultToleranceSpec {
-    /// The wait before restart number `n` (1-based): the backoff doubled `n - 1` times, at most an hour.
-    pub fn backoff_before(&self, n: u32) -> Duration {
-        let doublings = n.saturating_sub(1).min(20);
-        self.backoff.0.saturating_mul(1 << doublings).min(Duration::from_secs(3600))
+    /// The wait before a restart: `backoff` for the first one and after an attempt that trained (completed a
+    /// step); after an attempt that completed none (a crash loop), twice the `previous` wait, at most an hour.
+    pub fn next_backoff(&self, previous: Option<Duration>, progressed: bool) -> Duration {
+        match previous {
+            Some(p) if !progressed => p.saturating_mul(2).max(self.backoff.0).min(Duration::from_secs(3600)),
+            _ => self.backoff.0,
+        }
     }
 
     pub(crate) fn validate(&self) -> Result<(), (String, String)> {

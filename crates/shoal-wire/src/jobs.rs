@@ -170,8 +170,8 @@ pub struct JobDetail {
     /// Rank 0's newest metrics line, as the worker wrote it (`step`, `loss`, timings, ...).
     #[schema(value_type = Option<Object>)]
     pub last_metrics: Option<Value>,
-    /// The dump taken when the job last hung: every rank's collective, sequence number and time in it
-    /// (`null`: it never hung).
+    /// The dump taken when the job last hung or a rank of it fell silent: every rank's collective, sequence number
+    /// and time in it (`null`: neither happened).
     pub hang_dump: Option<crate::faults::HangDump>,
 }
 

@@ -89,8 +89,8 @@ pub struct Control {
     pub streams: Mutex<HashMap<String, usize>>,
     /// Per running job: its ranks' heartbeats as last seen, and its step counter (`watch.rs`).
     pub(super) watched: Mutex<HashMap<String, Watch>>,
-    /// Per job waiting out a restart's backoff: when it may start again (ms since the epoch; `None`: no wait).
-    pub(super) not_before: Mutex<HashMap<String, Option<i64>>>,
+    /// Per restarted job: when it may start again (ms since the epoch) and the backoff it waits out.
+    pub(super) backoff: Mutex<HashMap<String, (i64, Duration)>>,
 }
 
 pub fn parse_stored_spec(job: &JobRow) -> Result<JobSpec> {
@@ -141,7 +141,7 @@ impl Control {
             trouble: Mutex::new(HashMap::new()),
             streams: Mutex::new(HashMap::new()),
             watched: Mutex::new(HashMap::new()),
-            not_before: Mutex::new(HashMap::new()),
+            backoff: Mutex::new(HashMap::new()),
         })
     }
 
@@ -200,6 +200,8 @@ pub(crate) struct Watch {
     pub(super) ranks: HashMap<i64, Seen>,
     /// The highest step any rank reported.
     pub(super) step: u64,
+    /// The step the attempt was first seen training at: it trained when `step` went past it.
+    pub(super) first_step: Option<u64>,
     /// When that step counter last moved, or when every rank was first seen training; `None` while not every
     /// rank trains (starting, resuming, finishing), when no hang is judged.
     pub(super) step_moved: Option<Instant>,
@@ -207,7 +209,7 @@ pub(crate) struct Watch {
 
 impl Watch {
     pub(super) fn new(attempt: i64) -> Watch {
-        Watch { attempt, ranks: HashMap::new(), step: 0, step_moved: None }
+        Watch { attempt, ranks: HashMap::new(), step: 0, first_step: None, step_moved: None }
     }
 }
 

@@ -4,10 +4,10 @@
 //! failed, cancelled or requeued only once every process of its attempt is gone.
 
 use std::collections::HashMap;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use shoal_exec::{Stop as Halt, TaskStatus, Usage};
-use shoal_spec::{FaultPolicy, JobSpec};
+use shoal_spec::{FaultPolicy, JobSpec, Seconds};
 
 use crate::db::{JobRow, JobState, TaskRow, TaskState, Transition, now};
 use crate::error::Result;
@@ -54,30 +54,44 @@ impl Control {
         stopping.insert(job.id.clone(), Stop { since: Instant::now(), killed: how == Halt::Kill, why });
     }
 
-    /// How long a job that restarted must still wait before it starts again (its backoff), if at all: the newest
-    /// `restarted` event's time plus `fault_tolerance.backoff` doubled once per earlier restart — read from the
-    /// store on first need, so a server restart does not cut a backoff short.
+    /// How long a job that restarted must still wait before it starts again (its backoff), if at all; after a
+    /// server restart, from the newest `restarted` event (its time and the backoff it announced), so a server
+    /// restart does not cut a backoff short.
     async fn backoff_left(&self, job: &JobRow, spec: &JobSpec) -> Result<Option<i64>> {
         let ft = &spec.fault_tolerance;
         if job.restarts == 0 || ft.policy != FaultPolicy::Restart {
             return Ok(None);
         }
-        let known = self.not_before.lock().unwrap_or_else(|p| p.into_inner()).get(&job.id).copied();
+        let known = self.backoff.lock().unwrap_or_else(|p| p.into_inner()).get(&job.id).copied();
         let until = match known {
-            Some(u) => u,
-            None => {
-                let events = self.db.events(&job.id, 0).await?;
-                let wait = ft.backoff_before(u32::try_from(job.restarts).unwrap_or(u32::MAX));
-                let until = events
-                    .iter()
-                    .rev()
-                    .find(|e| e.kind == "restarted")
-                    .map(|e| e.time_ms.saturating_add(wait.as_millis() as i64));
-                self.not_before.lock().unwrap_or_else(|p| p.into_inner()).insert(job.id.clone(), until);
-                until
-            }
+            Some((until, _)) => until,
+            None => match self.last_restart(job, spec).await? {
+                Some((at, wait)) => {
+                    let until = at.saturating_add(wait.as_millis() as i64);
+                    self.backoff.lock().unwrap_or_else(|p| p.into_inner()).insert(job.id.clone(), (until, wait));
+                    until
+                }
+                None => return Ok(None),
+            },
         };
-        Ok(until.map(|u| u - now()).filter(|left| *left > 0))
+        Ok(Some(until - now()).filter(|left| *left > 0))
+    }
+
+    /// The newest `restarted` event of `job`: when, and the backoff it announced (`after a backoff of 4s`; none
+    /// when it started again at once; the spec's backoff when it says neither).
+    async fn last_restart(&self, job: &JobRow, spec: &JobSpec) -> Result<Option<(i64, Duration)>> {
+        let events = self.db.events(&job.id, 0).await?;
+        let Some(e) = events.iter().rev().find(|e| e.kind == "restarted") else { return Ok(None) };
+        let announced = e.message.split_once("after a backoff of ").and_then(|(_, rest)| {
+            let word = rest.split([' ', ')', ',', ';']).next()?;
+            shoal_comm::env::parse_duration(word).ok()
+        });
+        let wait = match announced {
+            Some(w) => w,
+            None if e.message.contains("start again at once") => Duration::ZERO,
+            None => spec.fault_tolerance.backoff.0,
+        };
+        Ok(Some((e.time_ms, wait)))
     }
 
     pub(super) async fn tick_pending(&self, job: &JobRow) -> Result<()> {
@@ -333,19 +347,31 @@ impl Control {
         let from = [JobState::Running, JobState::Preempted];
         let ft = &spec.fault_tolerance;
         let n = job.restarts + 1;
+        let mut backoff = None;
         let restart = match ft.policy {
             FaultPolicy::None => None,
             _ if (job.restarts as u64) >= u64::from(ft.max_restarts) => None,
             FaultPolicy::Restart => {
-                let wait = ft.backoff_before(u32::try_from(n).unwrap_or(u32::MAX));
+                let previous = self.backoff.lock().unwrap_or_else(|p| p.into_inner()).get(&job.id).map(|(_, w)| *w);
+                let previous = match previous {
+                    Some(w) => Some(w),
+                    None if job.restarts > 0 => self.last_restart(job, spec).await?.map(|(_, w)| w),
+                    None => None,
+                };
+                let trained = self.progressed(&job.id, job.attempt);
+                let wait = ft.next_backoff(previous, trained);
+                backoff = Some(wait);
+                let why_wait = match previous {
+                    None => format!("fault_tolerance.backoff = {}", ft.backoff),
+                    Some(_) if trained => {
+                        format!("the attempt trained: fault_tolerance.backoff = {} again", ft.backoff)
+                    }
+                    Some(p) => format!("the attempt completed no step: twice the last wait of {}", Seconds(p)),
+                };
                 let wait = if wait.is_zero() {
-                    "at once".to_owned()
+                    format!("at once ({why_wait})")
                 } else {
-                    format!(
-                        "after a backoff of {} (fault_tolerance.backoff = {}, doubled for each restart)",
-                        shoal_spec::Seconds(wait),
-                        ft.backoff
-                    )
+                    format!("after a backoff of {} ({why_wait})", Seconds(wait))
                 };
                 Some(format!(
                     "{why}; restart {n} of {}: every worker stopped; all {} start again {wait} and resume from its \
@@ -362,7 +388,15 @@ impl Control {
                 ))
             }
         };
-        self.not_before.lock().unwrap_or_else(|p| p.into_inner()).remove(&job.id);
+        match backoff {
+            Some(wait) if restart.is_some() => {
+                let until = now().saturating_add(wait.as_millis() as i64);
+                self.backoff.lock().unwrap_or_else(|p| p.into_inner()).insert(job.id.clone(), (until, wait));
+            }
+            _ => {
+                self.backoff.lock().unwrap_or_else(|p| p.into_inner()).remove(&job.id);
+            }
+        }
         let (to, t) = match restart {
             Some(message) => {
                 (JobState::Pending, Transition { kind: "restarted", message, restarts: Some(n), ..Default::default() })

@@ -84,6 +84,15 @@ impl Control {
                 }
             }
         }
+        if w.first_step.is_none() {
+            w.first_step = w.ranks.values().filter(|s| s.hb.phase == "train").map(|s| s.hb.step).min();
+        }
+    }
+
+    /// Whether attempt `attempt` of job `id` completed a training step after it was first seen training.
+    pub(super) fn progressed(&self, id: &str, attempt: i64) -> bool {
+        let watched = self.watched.lock().unwrap_or_else(|p| p.into_inner());
+        watched.get(id).is_some_and(|w| w.attempt == attempt && w.first_step.is_some_and(|f| w.step > f))
     }
 
     /// Judges a running job (not being stopped) by its ranks' heartbeats; `statuses` are its current attempt's
