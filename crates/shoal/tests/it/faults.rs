@@ -1,8 +1,8 @@
 //! Faults end to end, with real processes: a worker killed with `kill -9` (policy `restart`: the gang starts again
 //! after its backoff from the newest checkpoint and the job succeeds; policy `none`: the job fails with the
 //! reason), a worker stopped with SIGSTOP (a hang: dumped within `hang_timeout` + 5 s naming the stopped rank, then
-//! recovered), a server killed with `kill -9` while a restart waits out its backoff, and `shoal chaos` killing workers
-//! while the job still succeeds.
+//! recovered), a server killed with `kill -9` while a restart waits out its backoff, `shoal chaos` killing workers
+//! while the job still succeeds, and `shoal chaos --stop` hanging one that is found and recovered.
 //!
 //! Each job slows its data source (`SHOAL_FAULT_DATA_DELAY`, a test hook of the `failpoints` build) so that it is
 //! certainly still training when the test acts on it, however fast the machine.
@@ -240,4 +240,33 @@ fn a_server_killed_during_a_restarts_backoff_still_waits_it_out() {
         "attempt 2 started {waited} ms after the restart: the new server cut the 6 s backoff short"
     );
     assert_eq!(v["summary"]["steps"], 400, "{}", v["summary"]);
+}
+
+#[test]
+#[cfg_attr(not(feature = "failpoints"), ignore = "slows the job's data: needs `--features shoal/failpoints`")]
+fn chaos_stop_hangs_a_worker_that_is_found_dumped_and_recovered() {
+    let p = Platform::new("faults-chaos-stop");
+    let spec =
+        job("frozen", 600, "max_restarts = 2\nbackoff = \"0s\"\nhang_timeout = \"3s\"\nheartbeat_timeout = \"60s\"");
+    let id = p.submit("frozen", &spec);
+    training(&p, &id, 1, 40);
+    let out =
+        p.cli(p.token(), &["chaos", &id, "--kill-every", "1s", "--for", "1500ms", "--stop", "--seed", "3", "--json"]);
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "shoal chaos --stop failed: {}\n{stdout}", text(&out.stderr));
+    let stops: Vec<Value> = stdout
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|l| l["action"] == "stop" && l["rank"].is_i64())
+        .collect();
+    assert_eq!(stops.len(), 1, "{stdout}");
+    let (rank, pid) = (stops[0]["rank"].as_i64().expect("rank"), stops[0]["pid"].as_i64().expect("pid"));
+    assert!(stops[0]["message"].as_str().is_some_and(|m| m.contains("SIGSTOP to pid")), "{stdout}");
+    let v = p.wait_state_where(&id, "a hang event", |v| events(v).iter().any(|e| e.1 == "hang"));
+    assert_eq!(v["hang_dump"]["culprits"], serde_json::json!([rank]), "{}", v["hang_dump"]);
+    assert_eq!(v["hang_dump"]["ranks"][rank as usize]["pid"].as_i64(), Some(pid), "{}", v["hang_dump"]);
+    let v = p.wait_state(&id, "succeeded");
+    assert!(!alive(pid), "the stopped worker {pid} outlived its job");
+    assert_eq!((v["restarts"].as_i64(), v["attempt"].as_i64()), (Some(1), Some(2)), "{v}");
+    assert_eq!(v["summary"]["steps"], 600, "{}", v["summary"]);
 }
