@@ -1,6 +1,7 @@
 //! The control loop: keeps the store, the scheduler and the processes in agreement.
 //!
-//! Every tick (and at once after a submission or a cancellation) it
+//! Every tick (every 50 ms while a job is being stopped, when a restart's backoff ends, and at once after a
+//! submission or a cancellation) it
 //! 1. probes the tasks of running jobs: a job whose tasks all exited 0 succeeded; one with a task that failed,
 //!    was lost, went over its memory or stopped sending heartbeats, or that hung (no step for
 //!    `fault_tolerance.hang_timeout` while every rank lives; dumped first), is stopped whole, then by its
@@ -41,6 +42,9 @@ pub use ingest::read_from_async;
 pub use sampling::{CLUSTER_SAMPLE_EVERY_MS, SAMPLE_EVERY_MS};
 pub use state::{Control, ControlConfig, handle, parse_stored_spec};
 
+/// How often the loop turns while a job is being stopped.
+const STOPPING_TICK: std::time::Duration = std::time::Duration::from_millis(50);
+
 impl Control {
     /// Runs the loop until `shutdown` resolves.
     pub async fn run(self: std::sync::Arc<Self>, mut shutdown: tokio::sync::watch::Receiver<bool>) {
@@ -48,8 +52,25 @@ impl Control {
             if let Err(e) = self.tick().await {
                 tracing::error!(error = %e, "control loop tick failed");
             }
+            // While a gang is being stopped, look again soon: what follows (a restart) waits only for its processes
+            // to be gone, which takes milliseconds after SIGTERM or SIGKILL.
+            let stopping = !self.stopping.lock().unwrap_or_else(|p| p.into_inner()).is_empty();
+            let mut pause = if stopping { self.config.tick.min(STOPPING_TICK) } else { self.config.tick };
+            // A backoff that ends before the next turn: turn when it ends.
+            let t = now();
+            let ends = self
+                .backoff
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .values()
+                .map(|(u, _)| *u)
+                .filter(|u| *u > t)
+                .min();
+            if let Some(u) = ends {
+                pause = pause.min(std::time::Duration::from_millis((u - t) as u64));
+            }
             tokio::select! {
-                _ = tokio::time::sleep(self.config.tick) => {}
+                _ = tokio::time::sleep(pause) => {}
                 _ = self.wake.notified() => {}
                 _ = shutdown.changed() => return,
             }
