@@ -229,6 +229,8 @@ pub struct EnvContract {
     /// Rank 0 hosts the store itself (`SHOAL_RENDEZVOUS_HOST=1`).
     pub host_store: bool,
     pub cfg: CommConfig,
+    /// The platform's attempt number (`SHOAL_ATTEMPT`; absent for `shoal run`).
+    pub attempt: Option<i64>,
 }
 
 impl EnvContract {
@@ -270,7 +272,14 @@ impl EnvContract {
         }
         let host_store = trainer || std::env::var(var::RENDEZVOUS_HOST).is_ok_and(|v| v == "1");
         cfg.advertise = advertise_towards(&rendezvous);
-        Ok(EnvContract { rank, world_size, rendezvous, host_store, cfg })
+        let attempt = match std::env::var(var::ATTEMPT) {
+            Ok(a) => Some(
+                a.parse::<i64>()
+                    .map_err(|_| Error::InvalidArgument(format!("{}={a:?} is not an attempt number", var::ATTEMPT)))?,
+            ),
+            Err(_) => None,
+        };
+        Ok(EnvContract { rank, world_size, rendezvous, host_store, cfg, attempt })
     }
 
     /// Connects to the rendezvous store and builds the world communicator. With
@@ -322,6 +331,7 @@ mod tests {
                         rendezvous: format!("127.0.0.1:{port}"),
                         host_store: rank == 0,
                         cfg,
+                        attempt: None,
                     };
                     let c = env.connect()?;
                     let mut v = vec![rank as i32; 5];

@@ -50,7 +50,7 @@ pub mod store;
 pub mod tcp;
 pub mod transport;
 
-pub use comm::{Algo, CommConfig, Communicator, Pending, TransportChoice};
+pub use comm::{Activity, Algo, CommConfig, Communicator, Pending, TransportChoice};
 pub use dtype::{DType, Element, ReduceOp};
 pub use error::{Error, Participation, Result};
 pub use store::{MemStore, Store, StoreServer, TcpStore};

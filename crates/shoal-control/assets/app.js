@@ -1234,7 +1234,7 @@ async function jobView(ctx, root, seg) {
     const facts = [
       ['state', st],
       ['attempt', fmtInt(job.attempt)],
-      ['restarts', `${fmtInt(job.restarts)}${isNum(num(at(job, 'spec', 'restart', 'max'))) ? ` of ${job.spec.restart.max}` : ''}`],
+      ['restarts', `${fmtInt(job.restarts)}${isNum(num(at(job, 'spec', 'fault_tolerance', 'max_restarts'))) ? ` of ${job.spec.fault_tolerance.max_restarts}` : ''}`],
       ['workers', fmtInt(job.worker_count)],
       ['queue · priority', `${str(job.queue)} · ${fmtInt(job.priority)}`],
       ['user · team', `${str(job.user)} · ${str(job.team)}`],

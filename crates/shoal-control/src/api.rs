@@ -35,6 +35,8 @@
 //! | GET | `/api/v1/jobs/{id}/samples?after=&max_points=` | resource samples of its workers |
 //! | GET | `/api/v1/jobs/{id}/stream` | live job, metrics, samples and log events (`text/event-stream`) |
 //! | GET | `/api/v1/jobs/{id}/diagnosis` | what holds it back |
+//! | GET | `/api/v1/jobs/{id}/debug` | a running job's ranks now: collective, sequence number, time in it, silence |
+//! | POST | `/api/v1/jobs/{id}/chaos` | kill (SIGKILL) or stop (SIGSTOP) one running worker `{"action", "rank"}` |
 //! | GET | `/api/v1/queues` | queues with their guarantees and what they hold |
 //! | GET | `/api/v1/nodes` | nodes with capacity and allocation |
 //! | GET | `/api/v1/overview` | the cluster at a glance; `/api/v1/overview/stream` every 2 s (`text/event-stream`) |
@@ -56,8 +58,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{MethodFilter, MethodRouter};
 use serde::Deserialize;
 use shoal_wire::{
-    CancelAccepted, ErrorBody, EventList, Health, JobDetail, JobList, MetricList, MetricsBatch, MetricsStored,
-    NewToken, NodeList, QueueList, Submitted, TokenCreated, WhoAmI,
+    CancelAccepted, ChaosDone, ChaosRequest, ErrorBody, EventList, HangDump, Health, JobDetail, JobList, MetricList,
+    MetricsBatch, MetricsStored, NewToken, NodeList, QueueList, Submitted, TokenCreated, WhoAmI,
 };
 use utoipa::{IntoParams, OpenApi};
 
@@ -91,6 +93,8 @@ fn table() -> Vec<(Method, &'static str, MethodRouter<AppState>)> {
         GET "/api/v1/jobs/{id}/samples" => observe::samples,
         GET "/api/v1/jobs/{id}/stream" => observe::job_stream,
         GET "/api/v1/jobs/{id}/diagnosis" => observe::diagnosis,
+        GET "/api/v1/jobs/{id}/debug" => debug,
+        POST "/api/v1/jobs/{id}/chaos" => chaos,
         GET "/api/v1/queues" => queues,
         GET "/api/v1/nodes" => nodes,
         GET "/api/v1/overview" => observe::overview,
@@ -143,6 +147,8 @@ pub fn router(state: AppState) -> Router {
         list_jobs,
         job_status,
         cancel,
+        debug,
+        chaos,
         logs,
         events,
         get_metrics,
@@ -491,6 +497,58 @@ async fn cancel(
     state.control.db.event(&id, "cancel", job.state, &format!("cancel requested by {}", caller.0.user)).await?;
     state.control.wake.notify_one();
     Ok((StatusCode::ACCEPTED, Json(CancelAccepted { id, state: job.state, cancel_requested: true })))
+}
+
+#[utoipa::path(
+    get, path = "/api/v1/jobs/{id}/debug", tag = "jobs",
+    params(JobPath),
+    responses(
+        (status = 200, description = "Every rank of the running job now: the collective it is in (or finished last), \
+            its sequence number and time in it, or how long it has been silent; the ranks holding the others up",
+            body = HangDump),
+        JobErrors,
+        (status = 409, description = "The job is not running", body = ErrorBody),
+    )
+)]
+async fn debug(
+    State(state): State<AppState>,
+    caller: Caller,
+    id: std::result::Result<Path<String>, PathRejection>,
+) -> ApiResult<Json<HangDump>> {
+    let id = job_id(id)?;
+    let job = visible_job(&state, &caller, &id).await?;
+    if job.state != JobState::Running {
+        return Err(ApiError::conflict(format!(
+            "job {id} is {}, not running: it has no ranks to dump",
+            job.state.as_str()
+        )));
+    }
+    Ok(Json(state.control.debug_dump(&job).await?))
+}
+
+#[utoipa::path(
+    post, path = "/api/v1/jobs/{id}/chaos", tag = "jobs",
+    params(JobPath),
+    request_body(content = ChaosRequest, content_type = "application/json"),
+    responses(
+        (status = 200, description = "The fault was injected: what was done to which worker", body = ChaosDone),
+        (status = 400, description = "A malformed request, a rank that is not a running worker, or a job not running",
+            body = ErrorBody),
+        JobErrors,
+        (status = 413, description = "Over 1 MiB", body = ErrorBody),
+    )
+)]
+async fn chaos(
+    State(state): State<AppState>,
+    caller: Caller,
+    id: std::result::Result<Path<String>, PathRejection>,
+    b: std::result::Result<Bytes, BytesRejection>,
+) -> ApiResult<Json<ChaosDone>> {
+    let id = job_id(id)?;
+    let b = body(b)?;
+    let job = visible_job(&state, &caller, &id).await?;
+    let req: ChaosRequest = serde_json::from_slice(&b).map_err(|e| ApiError::bad(format!("chaos request: {e}")))?;
+    Ok(Json(state.control.chaos(&job, req.rank, req.action, &caller.0.user).await?))
 }
 
 #[derive(Deserialize, IntoParams)]

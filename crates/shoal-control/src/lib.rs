@@ -19,6 +19,10 @@
 //!   (PID and start time), and one server holds a data directory's lock.
 //! - Tasks outlive the server (their own sessions, exit status written by a wrapper), so a server restart adopts
 //!   them instead of killing work; a task that vanished is *lost* and its job restarted by its policy.
+//! - A failed, lost or silent rank, or a hang, stops the whole gang; what follows (`[fault_tolerance]`: restart
+//!   after a backoff that doubles while attempts complete no step, elastic, none) is decided only once every process
+//!   of the attempt is gone, and a backoff is counted from the stored `restarted` event, so a server restart does
+//!   not cut it short.
 //! - A user sees and acts on its own team's jobs only; another team's job is reported as not found.
 //! - No candle here: the control plane talks to workers only through processes, files and the wire.
 //!

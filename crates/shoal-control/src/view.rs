@@ -121,6 +121,7 @@ pub async fn job_detail(control: &Control, job: &JobRow) -> Result<wire::JobDeta
         spec: parse_stored_spec(job).ok(),
         summary: job.summary.as_deref().and_then(|s| serde_json::from_str(s).ok()),
         last_metrics: last.into_iter().next().map(|m| m.data).filter(|d| !d.is_null()),
+        hang_dump: control.hang_dump(&job.id),
     })
 }
 

@@ -105,8 +105,9 @@ count = 2
 [resources]
 cpus = 1
 memory = "256MiB"
-[restart]
-max = 1
+[fault_tolerance]
+max_restarts = 1
+backoff = "0s"
 [train]
 model = "mlp"
 dataset = "digits"

@@ -14,8 +14,8 @@ use shoal_control::api::router;
 use shoal_control::db::JobState;
 use shoal_control::http::AppState;
 use shoal_control::server::{Prepared, ServerOptions, prepare};
-use shoal_exec::Stop;
 use shoal_exec::fake::FakeExecutor;
+use shoal_exec::{Executor, Stop};
 use tower::ServiceExt;
 
 struct Env {
@@ -58,8 +58,8 @@ mod users {
 
 fn job(name: &str, workers: u32, restarts: u32) -> String {
     format!(
-        "name = \"{name}\"\n[workers]\ncount = {workers}\n[resources]\ncpus = 1\nmemory = \"256MiB\"\n[restart]\n\
-         max = {restarts}\n[train]\nmodel = \"mlp\"\ndataset = \"digits\"\nglobal_batch = 8\nsteps = 2\nlr = 0.01\n"
+        "name = \"{name}\"\n[workers]\ncount = {workers}\n[resources]\ncpus = 1\nmemory = \"256MiB\"\n[fault_tolerance]\n\
+         max_restarts = {restarts}\nbackoff = \"0s\"\n[train]\nmodel = \"mlp\"\ndataset = \"digits\"\nglobal_batch = 8\nsteps = 2\nlr = 0.01\n"
     )
 }
 
@@ -239,5 +239,369 @@ async fn a_placement_that_cannot_begin_is_tried_again() {
     e.fake.exit_job(&id, 0);
     e.tick().await;
     assert_eq!(e.state(&id).await, JobState::Succeeded, "{}", e.reason(&id).await);
+    let _ = std::fs::remove_dir_all(&e.dir);
+}
+
+impl Env {
+    async fn call(&self, method: &str, uri: &str, body: &str) -> (StatusCode, Value) {
+        let req = Request::builder()
+            .method(method)
+            .uri(uri)
+            .header("content-type", "application/json")
+            .header("authorization", format!("Bearer {}", self.p.admin_token))
+            .body(Body::from(body.to_owned()))
+            .expect("request");
+        let resp = self.app.clone().oneshot(req).await.expect("router answers");
+        let status = resp.status();
+        let bytes = resp.into_body().collect().await.expect("body").to_bytes();
+        (status, serde_json::from_slice(&bytes).unwrap_or(Value::Null))
+    }
+
+    async fn attempt(&self, id: &str) -> i64 {
+        self.p.control.db.job(id).await.expect("store").expect("the job").attempt
+    }
+
+    /// Writes rank `rank`'s heartbeat as its worker would.
+    fn beat(&self, id: &str, attempt: i64, rank: i64, hb: (u64, u64, &str, u64, bool)) {
+        self.beat_in(id, attempt, rank, "train", hb);
+    }
+
+    /// [`Env::beat`] in another phase than `train`.
+    fn beat_in(&self, id: &str, attempt: i64, rank: i64, phase: &str, hb: (u64, u64, &str, u64, bool)) {
+        let (beat, step, op, seq, in_op) = hb;
+        let v = serde_json::json!({
+            "rank": rank, "attempt": attempt, "pid": 4000 + rank, "beat": beat, "time_ms": 0, "phase": phase,
+            "step": step, "op": op, "seq": seq, "in_op": in_op, "op_s": 0.0, "ops_done": seq,
+        });
+        let dir = self.p.control.run_dir(id);
+        std::fs::create_dir_all(&dir).expect("run dir");
+        std::fs::write(dir.join(format!("heartbeat.rank-{rank}.json")), v.to_string()).expect("heartbeat");
+    }
+}
+
+fn job_with(name: &str, workers: u32, fault_tolerance: &str) -> String {
+    format!(
+        "name = \"{name}\"\n[workers]\ncount = {workers}\n[resources]\ncpus = 1\nmemory = \"256MiB\"\n\
+         [fault_tolerance]\n{fault_tolerance}\n[train]\nmodel = \"mlp\"\ndataset = \"digits\"\nglobal_batch = 8\n\
+         steps = 2\nlr = 0.01\n"
+    )
+}
+
+/// A worker killed through the chaos endpoint fails its rank (137); policy `restart` stops the gang and starts it
+/// again only after the backoff, which doubles while attempts complete no step and is back to its base after one
+/// that trained, the events saying what it waits for and why; after `max_restarts` the job fails naming the cause.
+#[tokio::test]
+async fn a_killed_worker_restarts_the_gang_after_a_doubling_backoff() {
+    let e = env("backoff").await;
+    let id = e.submit(&job_with("backoff", 2, "max_restarts = 3\nbackoff = \"1s\"")).await;
+    e.tick().await;
+    assert_eq!(e.fake.running(&id), vec![(1, 0), (1, 1)]);
+    let (st, v) = e.call("POST", &format!("/api/v1/jobs/{id}/chaos"), r#"{"action": "kill", "rank": 1}"#).await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!((v["rank"].as_i64(), v["action"].as_str(), v["attempt"].as_i64()), (Some(1), Some("kill"), Some(1)));
+    assert_eq!(e.fake.faults(&id), vec![(1, 1, shoal_exec::Fault::Kill)]);
+    let chaos = e.events(&id, "chaos").await;
+    assert!(chaos.len() == 1 && chaos[0].contains("kill rank 1"), "{chaos:?}");
+    e.tick().await;
+    e.tick().await;
+    let restarted = e.events(&id, "restarted").await;
+    assert_eq!(restarted.len(), 1, "{restarted:?}");
+    assert!(
+        restarted[0].contains("rank 1 exited with status 137 (killed: SIGKILL)")
+            && restarted[0].contains("restart 1 of 3")
+            && restarted[0].contains("after a backoff of 1s (fault_tolerance.backoff = 1s)"),
+        "{restarted:?}"
+    );
+    // Within the backoff nothing starts, however often the loop turns.
+    e.tick().await;
+    e.tick().await;
+    assert_eq!(e.state(&id).await, JobState::Pending);
+    assert_eq!(e.fake.started(&id), 2, "started again before its backoff was over");
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    e.tick().await;
+    e.tick().await;
+    assert_eq!(e.fake.running(&id), vec![(2, 0), (2, 1)], "the whole gang starts again after the backoff");
+
+    // Attempt 2 completed no step (no heartbeat ever said so): the second restart waits twice as long.
+    assert!(e.fake.exit(&id, 0, 1));
+    e.tick().await;
+    e.tick().await;
+    let restarted = e.events(&id, "restarted").await;
+    assert!(
+        restarted.len() == 2 && restarted[1].contains("after a backoff of 2s (the attempt completed no step"),
+        "{restarted:?}"
+    );
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    e.tick().await;
+    assert_eq!(e.state(&id).await, JobState::Pending, "the second backoff is 2 s, not 1 s");
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    e.tick().await;
+    e.tick().await;
+    assert_eq!(e.fake.running(&id), vec![(3, 0), (3, 1)]);
+
+    // Attempt 3 trains (its heartbeats show steps going by): after its failure the backoff is back to 1 s.
+    for (beat, step) in [(1, 40), (2, 41), (3, 42)] {
+        for r in 0..2 {
+            e.beat(&id, 3, r, (beat, step, "all_reduce", step, false));
+        }
+        e.tick().await;
+    }
+    let (st, _) = e.call("POST", &format!("/api/v1/jobs/{id}/chaos"), r#"{"action": "kill", "rank": 1}"#).await;
+    assert_eq!(st, StatusCode::OK);
+    e.tick().await;
+    e.tick().await;
+    let restarted = e.events(&id, "restarted").await;
+    assert!(
+        restarted.len() == 3 && restarted[2].contains("after a backoff of 1s (the attempt trained"),
+        "{restarted:?}"
+    );
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    e.tick().await;
+    e.tick().await;
+    assert_eq!(e.fake.running(&id), vec![(4, 0), (4, 1)]);
+
+    // No restarts left: the job fails, naming the cause.
+    let (st, _) = e.call("POST", &format!("/api/v1/jobs/{id}/chaos"), r#"{"action": "kill", "rank": 0}"#).await;
+    assert_eq!(st, StatusCode::OK);
+    e.tick().await;
+    e.tick().await;
+    assert_eq!(e.state(&id).await, JobState::Failed);
+    let why = e.reason(&id).await;
+    assert!(why.contains("rank 0 exited with status 137") && why.contains("no restarts left (3 used)"), "{why}");
+    let _ = std::fs::remove_dir_all(&e.dir);
+}
+
+/// Policy `none` fails the job at the first failure, with the reason; the chaos endpoint refuses ranks that do not
+/// run, and jobs that do not run.
+#[tokio::test]
+async fn policy_none_fails_at_once_with_the_reason() {
+    let e = env("none").await;
+    let id = e.submit(&job_with("none", 2, "policy = \"none\"")).await;
+    e.tick().await;
+    let (st, v) = e.call("POST", &format!("/api/v1/jobs/{id}/chaos"), r#"{"action": "kill", "rank": 5}"#).await;
+    assert_eq!((st, v["field"].as_str()), (StatusCode::BAD_REQUEST, Some("rank")), "{v}");
+    let (st, v) = e.call("POST", &format!("/api/v1/jobs/{id}/chaos"), r#"{"action": "explode", "rank": 0}"#).await;
+    assert_eq!(st, StatusCode::BAD_REQUEST, "{v}");
+    // Rank 1 fails by itself (its log's last error line says why) just after rank 0 is killed: the kill is named
+    // first, rank 1's own report after it.
+    let log = e.fake.log_path(&id, 1, 1);
+    std::fs::create_dir_all(log.parent().expect("logs dir")).expect("logs dir");
+    std::fs::write(&log, "step 3\nerror: all_reduce #12 failed: peer 0 lost; entered: [1], not: [0]\n").expect("log");
+    let (st, v) = e.call("POST", &format!("/api/v1/jobs/{id}/chaos"), r#"{"action": "kill", "rank": 0}"#).await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert!(e.fake.exit(&id, 1, 1));
+    e.tick().await;
+    e.tick().await;
+    assert_eq!(e.state(&id).await, JobState::Failed);
+    let why = e.reason(&id).await;
+    assert!(
+        why.starts_with(
+            "rank 0 exited with status 137 (killed: SIGKILL) (also rank 1 exited with status 1: \
+                         all_reduce #12 failed: peer 0 lost; entered: [1], not: [0])"
+        ) && why.contains("fault_tolerance.policy = \"none\""),
+        "{why}"
+    );
+    assert!(e.events(&id, "restarted").await.is_empty());
+    assert_eq!(e.fake.started(&id), 2, "nothing started again");
+    let (st, v) = e.call("POST", &format!("/api/v1/jobs/{id}/chaos"), r#"{"action": "kill", "rank": 0}"#).await;
+    assert_eq!(st, StatusCode::BAD_REQUEST, "a failed job has no worker to hit: {v}");
+    let _ = std::fs::remove_dir_all(&e.dir);
+}
+
+/// A job whose step counter stops while every rank lives is a hang: after `hang_timeout` an event `hang` dumps every
+/// rank (the two waiting in all_reduce #7 and the one that never arrived), `shoal status`'s `hang_dump` holds the
+/// same, and the gang is killed and restarted by its policy. `debug` shows the ranks on demand.
+#[tokio::test]
+async fn a_hang_is_dumped_naming_the_missing_rank_and_recovered() {
+    let e = env("hang").await;
+    let id =
+        e.submit(&job_with("hang", 3, "backoff = \"0s\"\nhang_timeout = \"1s\"\nheartbeat_timeout = \"30s\"")).await;
+    e.tick().await;
+    assert_eq!(e.fake.running(&id).len(), 3);
+    let (st, v) = e.call("GET", &format!("/api/v1/jobs/{id}/debug"), "").await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert!(v["ranks"].as_array().is_some_and(|r| r.iter().all(|r| r["state"] == "unknown")), "{v}");
+    // Training: every rank steps.
+    let mut beat = 0;
+    for step in 1..=3u64 {
+        beat += 1;
+        for r in 0..3 {
+            e.beat(&id, 1, r, (beat, step, "all_reduce", step * 2, false));
+        }
+        e.tick().await;
+    }
+    // Ranks 0 and 1 enter all_reduce #7 and wait; rank 2 stays where it was (its process lives: SIGSTOP).
+    let started = std::time::Instant::now();
+    let mut hang = Vec::new();
+    while hang.is_empty() {
+        assert!(started.elapsed() < Duration::from_secs(20), "no hang found");
+        beat += 1;
+        for r in 0..2 {
+            e.beat(&id, 1, r, (beat, 3, "all_reduce", 7, true));
+        }
+        if beat == 5 {
+            let (st, v) = e.call("GET", &format!("/api/v1/jobs/{id}/debug"), "").await;
+            assert_eq!(st, StatusCode::OK, "{v}");
+            assert_eq!(v["ranks"][0]["state"], "in_collective", "{v}");
+            assert_eq!(v["culprits"], serde_json::json!([2]), "{v}");
+        }
+        e.tick().await;
+        hang = e.events(&id, "hang").await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(started.elapsed() >= Duration::from_secs(1), "a hang before hang_timeout");
+    let msg = &hang[0];
+    assert!(msg.contains("no step completed") && msg.contains("hang_timeout = 1s"), "{msg}");
+    assert!(msg.contains("ranks 0, 1 wait in all_reduce #7") && msg.contains("not in it: rank 2"), "{msg}");
+    let (st, v) = e.call("GET", &format!("/api/v1/jobs/{id}"), "").await;
+    assert_eq!(st, StatusCode::OK);
+    let dump = &v["hang_dump"];
+    assert_eq!(dump["culprits"], serde_json::json!([2]), "{v}");
+    assert_eq!((dump["attempt"].as_i64(), dump["step"].as_u64()), (Some(1), Some(3)), "{dump}");
+    let ranks = dump["ranks"].as_array().expect("ranks");
+    assert_eq!(ranks.len(), 3);
+    for r in &ranks[..2] {
+        assert_eq!(
+            (r["op"].as_str(), r["seq"].as_u64(), r["in_op"].as_bool()),
+            (Some("all_reduce"), Some(7), Some(true))
+        );
+        assert!(r["op_s"].as_f64().is_some_and(|s| s >= 0.0), "{r}");
+    }
+    assert_eq!((ranks[2]["seq"].as_u64(), ranks[2]["in_op"].as_bool()), (Some(6), Some(false)), "{dump}");
+    // Killed at once (a hung gang cannot stop cleanly), then restarted.
+    let kills: Vec<i64> = e.fake.stops(&id).iter().filter(|s| s.2 == Stop::Kill).map(|s| s.1).collect();
+    assert_eq!(kills, vec![0, 1, 2], "{:?}", e.fake.stops(&id));
+    for _ in 0..3 {
+        e.tick().await;
+    }
+    assert_eq!(e.attempt(&id).await, 2);
+    assert_eq!(e.fake.running(&id), vec![(2, 0), (2, 1), (2, 2)]);
+    let restarted = e.events(&id, "restarted").await;
+    assert!(restarted.len() == 1 && restarted[0].contains("hang:") && restarted[0].contains("rank 2"), "{restarted:?}");
+    // The new attempt is judged afresh: old heartbeats (attempt 1) are not its own.
+    e.tick().await;
+    assert_eq!(e.events(&id, "hang").await.len(), 1);
+    e.fake.exit_job(&id, 0);
+    e.tick().await;
+    assert_eq!(e.state(&id).await, JobState::Succeeded, "{}", e.reason(&id).await);
+    let _ = std::fs::remove_dir_all(&e.dir);
+}
+
+/// A rank whose heartbeats stop for `heartbeat_timeout` while its process runs is taken for dead, even while the
+/// others still step: the event names it, and the job restarts by its policy.
+#[tokio::test]
+async fn a_rank_whose_heartbeats_stop_is_taken_for_dead() {
+    let e = env("silent").await;
+    let id = e.submit(&job_with("silent", 2, "backoff = \"0s\"\nheartbeat_timeout = \"1s\"")).await;
+    e.tick().await;
+    let started = std::time::Instant::now();
+    let mut beat = 0;
+    let mut silent = Vec::new();
+    while silent.is_empty() {
+        assert!(started.elapsed() < Duration::from_secs(20), "the silent rank was never found");
+        beat += 1;
+        e.beat(&id, 1, 0, (beat, beat, "all_reduce", beat, false));
+        if beat == 1 {
+            e.beat(&id, 1, 1, (1, 1, "all_reduce", 1, false));
+        }
+        e.tick().await;
+        silent = e.events(&id, "heartbeat").await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(started.elapsed() >= Duration::from_secs(1), "taken for dead before heartbeat_timeout");
+    assert!(
+        silent[0].contains("rank 1 sent no heartbeat for") && silent[0].contains("heartbeat_timeout = 1s"),
+        "{silent:?}"
+    );
+    for _ in 0..3 {
+        e.tick().await;
+    }
+    assert_eq!(e.fake.running(&id), vec![(2, 0), (2, 1)]);
+    assert!(e.events(&id, "restarted").await[0].contains("rank 1 sent no heartbeat"));
+    let _ = std::fs::remove_dir_all(&e.dir);
+}
+
+fn job_range(name: &str, lo: u32, hi: u32, fault_tolerance: &str) -> String {
+    job_with(name, 1, fault_tolerance).replace("count = 1", &format!("min = {lo}\nmax = {hi}"))
+}
+
+/// After a failure, policy `elastic` starts again at once with as many workers as are free within
+/// `[workers] min..max` (here more than it ran with); policy `restart` asks for the number it ran with.
+#[tokio::test]
+async fn elastic_restarts_at_the_size_that_is_free_and_restart_at_the_same_size() {
+    let e = env("elastic").await;
+    for (policy, after) in [("elastic", 4usize), ("restart", 2)] {
+        let holder = e.submit(&job_with(&format!("holder-{policy}"), 2, "")).await;
+        e.tick().await;
+        assert_eq!(e.fake.running(&holder).len(), 2);
+        let id = e
+            .submit(&job_range(policy, 1, 4, &format!("policy = \"{policy}\"\nbackoff = \"0s\"\nmax_restarts = 1")))
+            .await;
+        e.tick().await;
+        assert_eq!(e.fake.running(&id).len(), 2, "{policy}: two CPUs of four were free");
+        e.fake.exit_job(&holder, 0);
+        e.tick().await;
+        assert_eq!(e.state(&holder).await, JobState::Succeeded);
+        let (st, v) = e.call("POST", &format!("/api/v1/jobs/{id}/chaos"), r#"{"action": "kill", "rank": 0}"#).await;
+        assert_eq!(st, StatusCode::OK, "{v}");
+        for _ in 0..3 {
+            e.tick().await;
+        }
+        let running = e.fake.running(&id);
+        assert_eq!(running.len(), after, "{policy}: {running:?}");
+        assert!(running.iter().all(|(attempt, _)| *attempt == 2), "{policy}: {running:?}");
+        let launched = e.fake.launches().into_iter().filter(|l| l.job_id == id && l.attempt == 2).count();
+        assert_eq!(launched, after, "{policy}");
+        let restarted = e.events(&id, "restarted").await;
+        assert_eq!(restarted.len(), 1, "{restarted:?}");
+        if policy == "elastic" {
+            assert!(restarted[0].contains("(elastic)") && restarted[0].contains("within 1..4"), "{restarted:?}");
+        } else {
+            assert!(restarted[0].contains("all 2 start again at once"), "{restarted:?}");
+        }
+        e.fake.exit_job(&id, 0);
+        e.tick().await;
+        assert_eq!(e.state(&id).await, JobState::Succeeded, "{}", e.reason(&id).await);
+    }
+    let _ = std::fs::remove_dir_all(&e.dir);
+}
+
+/// A rank handing a checkpoint to its saver (or evaluating) stops the hang clock, however long it takes while it
+/// beats: the others waiting for it meanwhile is no hang. Once it trains again and the steps stay still, it is.
+#[tokio::test]
+async fn a_long_checkpoint_is_no_hang() {
+    let e = env("checkpoint").await;
+    let id = e.submit(&job_with("saving", 2, "backoff = \"0s\"\nhang_timeout = \"1s\"")).await;
+    e.tick().await;
+    let mut beat = 0;
+    for step in 1..=2u64 {
+        beat += 1;
+        for r in 0..2 {
+            e.beat(&id, 1, r, (beat, step, "all_reduce", step, false));
+        }
+        e.tick().await;
+    }
+    let t0 = std::time::Instant::now();
+    while t0.elapsed() < Duration::from_millis(2500) {
+        beat += 1;
+        e.beat_in(&id, 1, 0, "checkpoint", (beat, 2, "all_reduce", 2, false));
+        e.beat(&id, 1, 1, (beat, 2, "all_reduce", 3, true));
+        e.tick().await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(e.events(&id, "hang").await.is_empty(), "a checkpoint taken for a hang");
+    assert_eq!(e.state(&id).await, JobState::Running);
+    let t1 = std::time::Instant::now();
+    while e.events(&id, "hang").await.is_empty() {
+        assert!(t1.elapsed() < Duration::from_secs(20), "the hang after the checkpoint was never found");
+        beat += 1;
+        e.beat(&id, 1, 0, (beat, 2, "all_reduce", 2, false));
+        e.beat(&id, 1, 1, (beat, 2, "all_reduce", 3, true));
+        e.tick().await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(t1.elapsed() >= Duration::from_secs(1), "the clock did not start again when training resumed");
+    let hang = e.events(&id, "hang").await;
+    assert!(hang[0].contains("rank 1 waits in all_reduce #3") && hang[0].contains("not in it: rank 0"), "{hang:?}");
     let _ = std::fs::remove_dir_all(&e.dir);
 }

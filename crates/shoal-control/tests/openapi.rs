@@ -167,7 +167,7 @@ fn the_openapi_document_describes_every_endpoint_of_the_router() {
     assert!(submit["application/toml"].is_object(), "{submit:#}");
     let spec = &doc["components"]["schemas"]["JobSpec"];
     assert_eq!(spec["required"], json!(["name", "train"]), "{spec:#}");
-    for part in ["WorkersSpec", "ResourcesSpec", "RestartSpec", "TrainSpec", "ModelSpec", "CheckpointSpec"] {
+    for part in ["WorkersSpec", "ResourcesSpec", "FaultToleranceSpec", "TrainSpec", "ModelSpec", "CheckpointSpec"] {
         assert!(doc["components"]["schemas"][part].is_object(), "no {part} schema");
     }
 
@@ -302,7 +302,7 @@ fn a_finished_job(live: &Live) -> String {
         "name": "fuzz-target",
         "workers": { "count": 2 },
         "resources": { "cpus": 0.5, "memory": "64MiB" },
-        "restart": { "max": 0 },
+        "fault_tolerance": { "max_restarts": 0 },
         "train": { "model": "mlp", "dataset": "digits", "global_batch": 8, "steps": 2, "lr": 0.1 },
     });
     let (st, v) = live.call("POST", "/api/v1/jobs", Some(&live.admin), Some(&spec));

@@ -16,6 +16,9 @@ pub enum ExecError {
     /// The executor cannot tell now (its cluster manager does not answer); nothing is known to have changed.
     #[error("{0}")]
     Unavailable(String),
+    /// Something this executor cannot do.
+    #[error("{0}")]
+    Unsupported(String),
     #[error("{what}: {source}")]
     Io { what: String, source: std::io::Error },
 }

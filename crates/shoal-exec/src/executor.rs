@@ -109,6 +109,24 @@ impl Stop {
     }
 }
 
+/// A fault injected into one task on purpose (`shoal chaos`): what happens to its training process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// SIGKILL: it dies as in a crash.
+    Kill,
+    /// SIGSTOP: it lives and does nothing, as in a hang.
+    Pause,
+}
+
+impl Fault {
+    pub fn signal_name(self) -> &'static str {
+        match self {
+            Fault::Kill => "SIGKILL",
+            Fault::Pause => "SIGSTOP",
+        }
+    }
+}
+
 /// What a task's processes use now.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Usage {
@@ -189,6 +207,22 @@ pub trait Executor: Send + Sync + std::fmt::Debug {
 
     /// Asks the task (everything it started) to stop.
     fn stop(&self, task: &Task, how: Stop);
+
+    /// Injects `fault` into the task on purpose (`shoal chaos`) and says what was done (`SIGKILL to pid 4242`).
+    /// What the executor watches sees the result as it would a real fault. By default a kill is
+    /// [`Executor::stop`] with [`Stop::Kill`] (the whole task) and a pause is refused; an executor that reaches the
+    /// training process itself signals that process alone.
+    fn inject(&self, task: &Task, fault: Fault) -> Result<String> {
+        match fault {
+            Fault::Kill => {
+                self.stop(task, Stop::Kill);
+                Ok(format!("stopped rank {} with SIGKILL through the executor", task.rank))
+            }
+            Fault::Pause => {
+                Err(crate::error::ExecError::Unsupported("this executor cannot pause (SIGSTOP) a single worker".into()))
+            }
+        }
+    }
 
     /// What the task uses now (`None`: it has no processes, or the executor cannot tell).
     fn usage(&self, task: &Task) -> Option<Usage>;

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 use crate::error::{ExecError, Result};
-use crate::executor::{Executor, Stop, Stray, Task, TaskLaunch, TaskStatus, Usage};
+use crate::executor::{Executor, Fault, Stop, Stray, Task, TaskLaunch, TaskStatus, Usage};
 
 type Key = (String, i64, i64);
 
@@ -27,6 +27,7 @@ struct State {
     no_rendezvous: Option<String>,
     launches: Vec<TaskLaunch>,
     stops: Vec<(Key, Stop)>,
+    faults: Vec<(Key, Fault)>,
     adopted: Vec<Key>,
 }
 
@@ -60,6 +61,11 @@ impl FakeExecutor {
     /// The stops sent to `job`'s tasks: `(attempt, rank, how)`.
     pub fn stops(&self, job: &str) -> Vec<(i64, i64, Stop)> {
         self.state().stops.iter().filter(|(k, _)| k.0 == job).map(|(k, s)| (k.1, k.2, *s)).collect()
+    }
+
+    /// The faults injected into `job`'s tasks: `(attempt, rank, fault)`.
+    pub fn faults(&self, job: &str) -> Vec<(i64, i64, Fault)> {
+        self.state().faults.iter().filter(|(k, _)| k.0 == job).map(|(k, f)| (k.1, k.2, *f)).collect()
     }
 
     /// Tasks that were adopted: `(job, attempt, rank)`.
@@ -212,6 +218,21 @@ impl Executor for FakeExecutor {
             && !ignores
         {
             *s = TaskStatus::Exited(128 + how.signal());
+        }
+    }
+
+    /// A kill ends the task with 137; a pause leaves it running (the test then plays the hang with heartbeats).
+    fn inject(&self, t: &Task, fault: Fault) -> Result<String> {
+        let mut st = self.state();
+        st.faults.push((key(t), fault));
+        match st.tasks.get_mut(&key(t)) {
+            Some((s, _)) if *s == TaskStatus::Running => {
+                if fault == Fault::Kill {
+                    *s = TaskStatus::Exited(137);
+                }
+                Ok(format!("{} to fake rank {}", fault.signal_name(), t.rank))
+            }
+            _ => Err(ExecError::BadTask(format!("rank {} is not running", t.rank))),
         }
     }
 

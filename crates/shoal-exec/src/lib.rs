@@ -1,8 +1,9 @@
 //! `shoal-exec`: Shoal's launch layer — every process of a job starts here.
 //!
 //! - [`Executor`] ([`executor`]): what the control loop asks of whatever runs its tasks — start one with the
-//!   environment contract, probe it, stop it, sample it, adopt it after a restart, find strays, say where its log
-//!   is and where its job's rendezvous is hosted. [`LocalExecutor`] ([`local`]) runs tasks as processes of this
+//!   environment contract, probe it, stop it, inject a fault into it on purpose (`shoal chaos`: SIGKILL or SIGSTOP
+//!   of the training process), sample it, adopt it after a restart, find strays, say where its log is and where
+//!   its job's rendezvous is hosted. [`LocalExecutor`] ([`local`]) runs tasks as processes of this
 //!   machine that outlive the server; [`SlurmExecutor`] ([`slurm`]) runs a job's gang as one Slurm allocation, a
 //!   step per rank; `KubeExecutor` (`kubernetes`, feature `kubernetes`) runs an attempt as a headless Service and a
 //!   Pod per rank through a Kubernetes API server, watching the Pods.
@@ -39,7 +40,7 @@ pub mod procfs;
 pub mod slurm;
 
 pub use error::{ExecError, Result, SpawnError};
-pub use executor::{Executor, GangError, NodeInfo, Stop, Stray, Task, TaskLaunch, TaskStatus, Usage};
+pub use executor::{Executor, Fault, GangError, NodeInfo, Stop, Stray, Task, TaskLaunch, TaskStatus, Usage};
 #[cfg(feature = "kubernetes")]
 pub use kubernetes::{KubeExecutor, KubeOptions};
 pub use local::{DEFAULT_TASK_USER, LocalExecutor, TaskUser};

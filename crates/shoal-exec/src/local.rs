@@ -27,7 +27,7 @@ use std::sync::Mutex;
 use shoal_comm::env::{TaskEnv, var};
 
 use crate::error::{ExecError, Result};
-use crate::executor::{Executor, Stop, Stray, Task, TaskLaunch, TaskStatus, Usage, set_env};
+use crate::executor::{Executor, Fault, Stop, Stray, Task, TaskLaunch, TaskStatus, Usage, set_env};
 use crate::procfs::{
     cpu_list, hostname, is_zombie, own_cpus, parse_cpu_list, processes_marked, session_alive, session_of,
     session_usage, start_ticks,
@@ -428,6 +428,34 @@ impl Executor for LocalExecutor {
 
     fn stop(&self, task: &Task, how: Stop) {
         self.signal(task, how.signal());
+    }
+
+    /// Signals the training process alone (the wrapper stays and records how it ended), once it is known to be
+    /// the task's: its wrapper is the same process as recorded (start time) and it belongs to the wrapper's session.
+    fn inject(&self, task: &Task, fault: Fault) -> Result<String> {
+        let (Some(pid), Some(worker)) = (task.pid, task.worker_pid) else {
+            return Err(ExecError::BadTask(format!("rank {} has no recorded training process", task.rank)));
+        };
+        let wrapper_same = task.start_ticks.is_none() || start_ticks(pid) == task.start_ticks;
+        if worker <= 1 || !wrapper_same || crate::procfs::session_of(worker) != Some(pid) {
+            return Err(ExecError::BadTask(format!(
+                "rank {}'s training process {worker} is gone (or no longer the task's)",
+                task.rank
+            )));
+        }
+        let sig = match fault {
+            Fault::Kill => libc::SIGKILL,
+            Fault::Pause => libc::SIGSTOP,
+        };
+        // SAFETY: plain syscall on a process checked above to be the task's.
+        let r = unsafe { libc::kill(worker as i32, sig) };
+        if r != 0 {
+            return Err(ExecError::io(
+                format!("{} to pid {worker}", fault.signal_name()),
+                std::io::Error::last_os_error(),
+            ));
+        }
+        Ok(format!("{} to pid {worker} on {}", fault.signal_name(), task.host))
     }
 
     fn usage(&self, task: &Task) -> Option<Usage> {

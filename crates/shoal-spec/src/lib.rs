@@ -2,8 +2,9 @@
 //!
 //! ```toml
 //! name = "mlp-digits"            # [A-Za-z0-9._-], not starting with '.'
-//! queue = "default"              # on a platform: queue, priority, [workers], [resources], [restart]
-//!                                # (see the `platform` module; `shoal run` uses only workers.count)
+//! queue = "default"              # on a platform: queue, priority, [workers], [resources],
+//!                                # [fault_tolerance] (see the `platform` module; `shoal run` uses only
+//!                                # workers.count)
 //! [env]                          # extra environment for every worker (not the contract's own names)
 //! NCCL_DEBUG = "INFO"
 //!
@@ -98,7 +99,8 @@ mod schema;
 mod stats;
 
 pub use platform::{
-    MAX_BYTES, MAX_MILLI, MAX_WORKERS, ResourcesSpec, RestartSpec, WorkersSpec, parse_bytes, parse_milli,
+    FaultPolicy, FaultToleranceSpec, MAX_BYTES, MAX_DURATION, MAX_MILLI, MAX_WORKERS, ResourcesSpec, Seconds,
+    WorkersSpec, parse_bytes, parse_milli,
 };
 pub use stats::median;
 
@@ -181,8 +183,9 @@ pub struct JobSpec {
     pub workers: WorkersSpec,
     #[serde(default)]
     pub resources: ResourcesSpec,
+    /// `[fault_tolerance]`: what follows a failed or lost worker or a hang.
     #[serde(default)]
-    pub restart: RestartSpec,
+    pub fault_tolerance: FaultToleranceSpec,
     /// `[env]`: extra environment variables for every worker (names of the environment contract are refused).
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub env: std::collections::BTreeMap<String, String>,
@@ -626,6 +629,23 @@ fn path_string(path: &serde_path_to_error::Path) -> String {
     if s == "." { String::new() } else { s }
 }
 
+/// Tables a spec may no longer hold, with what replaced them.
+const RETIRED: [(&str, &str); 1] = [(
+    "restart",
+    "`[restart]` was replaced by `[fault_tolerance]`: write `[fault_tolerance]` with `max_restarts = N` (was \
+     `max`) and, if wanted, `policy`, `backoff`, `heartbeat_timeout` and `hang_timeout`",
+)];
+
+/// An unknown top-level key that names a retired table says what replaced it.
+fn retired(mut e: SpecError) -> SpecError {
+    if let Some((_, why)) = RETIRED.iter().find(|(key, _)| e.path == *key)
+        && e.message.starts_with("unknown field")
+    {
+        (*why).clone_into(&mut e.message);
+    }
+    e
+}
+
 fn deserialize_toml(text: &str) -> Result<JobSpec> {
     let from_toml = |e: &toml::de::Error| {
         let (line, column) = match e.span() {
@@ -656,7 +676,7 @@ fn deserialize_toml(text: &str) -> Result<JobSpec> {
         let (message, line, column) = from_toml(e.inner());
         // A data error about the whole document (a missing top-level key) has no useful position.
         let (line, column) = if path.is_empty() { (None, None) } else { (line, column) };
-        SpecError { origin: String::new(), path, message, line, column }
+        retired(SpecError { origin: String::new(), path, message, line, column })
     })
 }
 
@@ -670,7 +690,7 @@ fn deserialize_json(text: &str) -> Result<JobSpec> {
     };
     let mut de = serde_json::Deserializer::from_str(text);
     let spec: JobSpec =
-        serde_path_to_error::deserialize(&mut de).map_err(|e| from_json(path_string(e.path()), e.inner()))?;
+        serde_path_to_error::deserialize(&mut de).map_err(|e| retired(from_json(path_string(e.path()), e.inner())))?;
     de.end().map_err(|e| from_json(String::new(), &e))?;
     Ok(spec)
 }
@@ -976,7 +996,7 @@ impl JobSpec {
     }
 
     /// Every problem [`JobSpec::validate`] finds, one per independent part of the spec (name, queue, `[env]`,
-    /// `[workers]`, `[resources]`, `[train]` numbers, the world size, model and data, `[checkpoint]`), in that
+    /// `[workers]`, `[resources]`, `[fault_tolerance]`, `[train]` numbers, the world size, model and data, `[checkpoint]`), in that
     /// order; empty when the spec is valid. The first one is what `validate` returns.
     pub fn problems(&self) -> Vec<SpecError> {
         self.problems_with_memory(available_memory())
@@ -999,6 +1019,7 @@ impl JobSpec {
             validate_env(&self.env),
             platform(self.workers.validate()),
             platform(self.resources.validate()),
+            platform(self.fault_tolerance.validate()),
             numbers,
             world,
             self.train.validate_model_and_data(available),
@@ -1670,6 +1691,62 @@ lr = 0.001
         let e = parse_job_json(json).expect_err("too large");
         assert_eq!(e.path, "resources.gpu_memory", "{e}");
         assert!(e.message.contains("too large"), "{e}");
+    }
+
+    #[test]
+    fn fault_tolerance_is_read_checked_and_the_old_table_is_refused() {
+        let cases: Vec<(String, &str)> = vec![
+            (mlp("", "[fault_tolerance]\npolicy = \"none\""), ""),
+            (
+                mlp(
+                    "",
+                    "[workers]\nmin = 1\nmax = 4\n[fault_tolerance]\npolicy = \"elastic\"\nmax_restarts = 5\n\
+                     backoff = \"500ms\"\nheartbeat_timeout = \"3s\"\nhang_timeout = \"2m\"\nreplace_stragglers = true",
+                ),
+                "",
+            ),
+            (mlp("", "[fault_tolerance]\npolicy = \"retry\""), "fault_tolerance.policy: unknown variant `retry`"),
+            (mlp("", "[fault_tolerance]\nbackoff = \"2 parsecs\""), "fault_tolerance.backoff:"),
+            (mlp("", "[fault_tolerance]\nbackoff = \"-2s\""), "fault_tolerance.backoff: \"-2s\" is negative"),
+            (mlp("", "[fault_tolerance]\nbackoff = \"2h\""), "fault_tolerance.backoff: 7200s is too long"),
+            (mlp("", "[fault_tolerance]\nhang_timeout = \"8d\""), "fault_tolerance.hang_timeout:"),
+            (
+                mlp("", "[fault_tolerance]\nhang_timeout = \"300ms\""),
+                "fault_tolerance.hang_timeout: 300ms is too short",
+            ),
+            (mlp("", "[fault_tolerance]\nheartbeat_timeout = 0"), "fault_tolerance.heartbeat_timeout: 0s is too short"),
+            (mlp("", "[fault_tolerance]\nmax = 3"), "fault_tolerance.max: unknown field `max`"),
+            (mlp("", "[restart]\nmax = 3"), "JOB.toml: restart: `[restart]` was replaced by `[fault_tolerance]`"),
+        ];
+        check_all(&cases);
+        let json = r#"{"name": "j", "restart": {"max": 1},
+            "train": {"model": "mlp", "dataset": "digits", "global_batch": 8, "steps": 1, "lr": 0.1}}"#;
+        let e = parse_job_json(json).expect_err("the old table");
+        assert_eq!(e.path, "restart", "{e}");
+        assert!(e.message.contains("[fault_tolerance]") && e.message.contains("max_restarts"), "{e}");
+
+        let d = parse_job(MLP, "JOB.toml").expect("valid").fault_tolerance;
+        assert_eq!(d, FaultToleranceSpec::default());
+        assert_eq!((d.policy, d.max_restarts, d.replace_stragglers), (FaultPolicy::Restart, 3, false));
+        assert_eq!((d.backoff.0.as_secs(), d.heartbeat_timeout.0.as_secs(), d.hang_timeout.0.as_secs()), (2, 10, 60));
+        let mut waits = Vec::new();
+        let mut last = None;
+        for _ in 0..4 {
+            let w = d.next_backoff(last, false);
+            waits.push(w.as_secs());
+            last = Some(w);
+        }
+        assert_eq!(waits, vec![2, 4, 8, 16], "the backoff doubles while attempts complete no step");
+        assert_eq!(d.next_backoff(last, true).as_secs(), 2, "and starts again after an attempt that trained");
+        let long = Some(std::time::Duration::from_secs(3000));
+        assert_eq!(d.next_backoff(long, false).as_secs(), 3600, "it stops at an hour");
+        // The defaults are spelled out and read back the same.
+        let text = parse_job(MLP, "JOB.toml").expect("valid").resolved().to_toml().expect("TOML");
+        assert!(text.contains("[fault_tolerance]") && text.contains("hang_timeout = \"60s\""), "{text}");
+        let half = parse_job(&mlp("", "[fault_tolerance]\nbackoff = 0.5"), "JOB.toml").expect("valid");
+        assert_eq!(half.fault_tolerance.backoff.to_string(), "500ms");
+        let back = parse_job(&half.to_toml().expect("TOML"), "JOB.toml").expect("reads back");
+        assert_eq!(back, half);
     }
 
     #[test]

@@ -14,11 +14,19 @@
 //! gpus = 0.5                 # whole or fractional GPUs; default 0
 //! gpu_memory = "10GiB"       # GPU memory per worker; default: none asked
 //!
-//! [restart]
-//! max = 3                    # times a failed or lost job is started again (from its newest checkpoint)
+//! [fault_tolerance]          # what happens when a worker dies, stops sending heartbeats or the job hangs
+//! policy = "restart"         # restart (default) | elastic | none
+//! max_restarts = 3           # times the job is started again before it fails
+//! backoff = "2s"             # wait before a restart; doubled while attempts complete no step
+//! heartbeat_timeout = "10s"  # a worker whose heartbeats stop this long is taken for dead
+//! hang_timeout = "60s"       # no step completed this long while every worker lives: a hang
+//! replace_stragglers = false # (elastic) replace a persistent straggler
 //! ```
+//!
+//! `[restart]`, the table this one replaced, is refused with a message naming `[fault_tolerance]`.
 
 use std::fmt;
+use std::time::Duration;
 
 use serde::de::{self, Deserializer, Visitor};
 use serde::{Deserialize, Serialize, Serializer};
@@ -147,23 +155,185 @@ impl ResourcesSpec {
     }
 }
 
-/// `[restart]`.
+/// What the platform does when a job's worker fails, is lost or the job hangs (`fault_tolerance.policy`).
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FaultPolicy {
+    /// Stop every rank together, wait the backoff, start the gang again (the same number of workers) from the
+    /// newest valid checkpoint.
+    #[default]
+    Restart,
+    /// Stop every rank together and start again at once at the number of workers the free capacity allows within
+    /// `[workers] min..max`, from the newest valid checkpoint (the global batch and the sampler's position carry
+    /// over to the new world size).
+    Elastic,
+    /// Fail the job with the reason.
+    None,
+}
+
+impl FaultPolicy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FaultPolicy::Restart => "restart",
+            FaultPolicy::Elastic => "elastic",
+            FaultPolicy::None => "none",
+        }
+    }
+}
+
+/// A length of time as a spec writes it (`"2s"`, `"500ms"`, `"5m"`, `"1h"`, or a number of seconds).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default)]
+pub struct Seconds(pub Duration);
+
+impl Seconds {
+    pub fn from_secs(s: u64) -> Seconds {
+        Seconds(Duration::from_secs(s))
+    }
+}
+
+impl fmt::Display for Seconds {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let ms = self.0.as_millis();
+        if ms.is_multiple_of(1000) { write!(f, "{}s", ms / 1000) } else { write!(f, "{ms}ms") }
+    }
+}
+
+impl Serialize for Seconds {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.to_string())
+    }
+}
+
+impl<'de> Deserialize<'de> for Seconds {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl Visitor<'_> for V {
+            type Value = Seconds;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a duration such as \"2s\", \"500ms\" or \"5m\"")
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Seconds, E> {
+                if v.trim_start().starts_with('-') {
+                    return Err(E::custom(format!("{v:?} is negative")));
+                }
+                let d = shoal_comm::env::parse_duration(v).map_err(|e| E::custom(e.to_string()))?;
+                if d > MAX_DURATION {
+                    return Err(E::custom(format!("{v:?} is too long: at most 7 days")));
+                }
+                // Whole milliseconds, so that the spec reads back the same.
+                Ok(Seconds(Duration::from_millis(d.as_millis() as u64)))
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<Seconds, E> {
+                if v > MAX_DURATION.as_secs() {
+                    return Err(E::custom(format!("{v} s is too long: at most 7 days")));
+                }
+                Ok(Seconds::from_secs(v))
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<Seconds, E> {
+                match u64::try_from(v) {
+                    Ok(v) => self.visit_u64(v),
+                    Err(_) => Err(E::custom(format!("{v} is negative"))),
+                }
+            }
+            fn visit_f64<E: de::Error>(self, v: f64) -> Result<Seconds, E> {
+                if !v.is_finite() || v < 0.0 {
+                    return Err(E::custom(format!("{v} is not a duration >= 0")));
+                }
+                if v > MAX_DURATION.as_secs_f64() {
+                    return Err(E::custom(format!("{v} s is too long: at most 7 days")));
+                }
+                Ok(Seconds(Duration::from_millis((v * 1000.0).round() as u64)))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// The longest duration a spec may give.
+pub const MAX_DURATION: Duration = Duration::from_secs(7 * 24 * 3600);
+
+/// `[fault_tolerance]`.
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct RestartSpec {
-    /// How many times a failed job, or one whose workers were lost, is started again.
+pub struct FaultToleranceSpec {
+    /// `restart` (default), `elastic` or `none`.
+    #[serde(default)]
+    pub policy: FaultPolicy,
+    /// How many times the job is started again after a failure, a lost worker or a hang (default 3).
     #[serde(default = "three")]
-    pub max: u32,
+    pub max_restarts: u32,
+    /// The wait before a restart (default `"2s"`), doubled for each restart in a row whose attempt completed no
+    /// step (a crash loop) and back to this after one that trained; `elastic` starts again at once.
+    #[serde(default = "two_seconds")]
+    #[cfg_attr(feature = "openapi", schema(value_type = String, example = "2s"))]
+    pub backoff: Seconds,
+    /// A worker whose heartbeats stop for this long while its process runs is taken for dead (default `"10s"`).
+    #[serde(default = "ten_seconds")]
+    #[cfg_attr(feature = "openapi", schema(value_type = String, example = "10s"))]
+    pub heartbeat_timeout: Seconds,
+    /// No training step completed for this long while every worker lives is a hang (default `"60s"`).
+    #[serde(default = "sixty_seconds")]
+    #[cfg_attr(feature = "openapi", schema(value_type = String, example = "60s"))]
+    pub hang_timeout: Seconds,
+    /// With `elastic`: replace a worker that is persistently the slowest (default false). Accepted and kept;
+    /// not acted on yet.
+    #[serde(default)]
+    pub replace_stragglers: bool,
 }
 
 fn three() -> u32 {
     3
 }
+fn two_seconds() -> Seconds {
+    Seconds::from_secs(2)
+}
+fn ten_seconds() -> Seconds {
+    Seconds::from_secs(10)
+}
+fn sixty_seconds() -> Seconds {
+    Seconds::from_secs(60)
+}
 
-impl Default for RestartSpec {
+impl Default for FaultToleranceSpec {
     fn default() -> Self {
-        RestartSpec { max: three() }
+        FaultToleranceSpec {
+            policy: FaultPolicy::default(),
+            max_restarts: three(),
+            backoff: two_seconds(),
+            heartbeat_timeout: ten_seconds(),
+            hang_timeout: sixty_seconds(),
+            replace_stragglers: false,
+        }
+    }
+}
+
+impl FaultToleranceSpec {
+    /// The wait before a restart: `backoff` for the first one and after an attempt that trained (completed a
+    /// step); after an attempt that completed none (a crash loop), twice the `previous` wait, at most an hour.
+    pub fn next_backoff(&self, previous: Option<Duration>, progressed: bool) -> Duration {
+        match previous {
+            Some(p) if !progressed => p.saturating_mul(2).max(self.backoff.0).min(Duration::from_secs(3600)),
+            _ => self.backoff.0,
+        }
+    }
+
+    pub(crate) fn validate(&self) -> Result<(), (String, String)> {
+        let err = |p: &str, m: String| Err((p.to_owned(), m));
+        if self.heartbeat_timeout.0 < Duration::from_secs(1) {
+            return err(
+                "fault_tolerance.heartbeat_timeout",
+                format!("{} is too short: at least 1s (workers beat twice a second)", self.heartbeat_timeout),
+            );
+        }
+        if self.hang_timeout.0 < Duration::from_secs(1) {
+            return err("fault_tolerance.hang_timeout", format!("{} is too short: at least 1s", self.hang_timeout));
+        }
+        if self.backoff.0 > Duration::from_secs(3600) {
+            return err("fault_tolerance.backoff", format!("{} is too long: at most 1h", self.backoff));
+        }
+        Ok(())
     }
 }
 

@@ -8,8 +8,11 @@
 //! - Every rank applies the same update to the same parameters, so the ranks'
 //!   models stay identical; a run of N workers matches a run of one worker with
 //!   the same global batch within floating-point tolerance.
-//! - This crate talks to the control plane only over the wire (it has no
-//!   dependency on it).
+//! - This crate talks to the control plane only over the wire and through the
+//!   files it writes for it (metrics, heartbeats, the summary); it depends on
+//!   none of the control plane, only on the wire types (`shoal-wire`).
+//! - Nothing the control plane needs to hear runs on the training thread: the
+//!   heartbeat is a thread of its own that the step loop only hands a number.
 //!
 //! Feature flags: none yet (CPU only).
 

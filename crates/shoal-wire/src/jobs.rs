@@ -170,6 +170,9 @@ pub struct JobDetail {
     /// Rank 0's newest metrics line, as the worker wrote it (`step`, `loss`, timings, ...).
     #[schema(value_type = Option<Object>)]
     pub last_metrics: Option<Value>,
+    /// The dump taken when the job last hung or a rank of it fell silent: every rank's collective, sequence number
+    /// and time in it (`null`: neither happened).
+    pub hang_dump: Option<crate::faults::HangDump>,
 }
 
 /// `GET /api/v1/jobs`.
@@ -291,12 +294,13 @@ mod tests {
             spec: None,
             summary: None,
             last_metrics: None,
+            hang_dump: None,
         };
         let v = serde_json::to_value(&d).expect("serialize");
         assert_eq!(v["id"], "j-0123abcd");
         assert_eq!(v["state"], "pending");
         assert!(v["started_ms"].is_null() && v.get("started_ms").is_some(), "{v}");
-        for k in ["spec", "summary", "last_metrics"] {
+        for k in ["spec", "summary", "last_metrics", "hang_dump"] {
             assert!(v.get(k).is_some_and(Value::is_null), "{k}: {v}");
         }
         let back: JobDetail = serde_json::from_value(v).expect("deserialize");

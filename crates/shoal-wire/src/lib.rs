@@ -6,6 +6,7 @@
 //! - [`jobs`]: jobs, their workers, events, metrics, diagnosis; submission and cancellation answers.
 //! - [`cluster`]: health, callers and tokens, queues, nodes, resource samples, the overview.
 //! - [`cost`]: prices and the cost report.
+//! - [`faults`]: a worker's heartbeat, the dump of a job's ranks (hangs, `shoal debug`), chaos requests.
 //!
 //! Invariants:
 //! - Plain data: serde, `serde_json` and `utoipa` (every type derives `ToSchema`, so the server's OpenAPI document
@@ -18,6 +19,7 @@
 pub mod cluster;
 pub mod cost;
 pub mod error;
+pub mod faults;
 pub mod jobs;
 
 pub use cluster::{
@@ -26,6 +28,7 @@ pub use cluster::{
 };
 pub use cost::{CostReport, Hours, JobCost, Prices, TeamCost};
 pub use error::{ErrorBody, ErrorCode};
+pub use faults::{ChaosAction, ChaosDone, ChaosRequest, HangDump, Heartbeat, RankDump};
 pub use jobs::{
     CancelAccepted, Diagnosis, Event, EventList, Finding, JobDetail, JobList, JobState, JobView, LogText, Metric,
     MetricList, MetricsBatch, MetricsStored, Submitted, TaskState, TaskView,

@@ -2,6 +2,7 @@
 
 mod bench;
 mod bench_ckpt;
+mod faults;
 mod k8s;
 mod nodes;
 mod platform;
@@ -93,6 +94,19 @@ enum Cmd {
         #[command(flatten)]
         client: platform::ClientArgs,
     },
+    /// A running job's ranks now: the collective each is in (or finished last), its sequence number and time in
+    /// it, or how long it has been silent; the ranks holding the others up.
+    Debug {
+        id: String,
+        /// Print the dump as JSON (`{"job_id", "attempt", "step", "stalled_s", "culprits", "summary", "ranks"}`).
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        client: platform::ClientArgs,
+    },
+    /// Kill (or with --stop, SIGSTOP) a random worker of a running job at an interval, printing each fault:
+    /// `shoal chaos ID --kill-every 30s [--for 5m] [--seed S] [--stop] [--json]`.
+    Chaos(faults::ChaosArgs),
     /// Queues with their guarantees and what they hold.
     Queues {
         #[arg(long)]
@@ -211,6 +225,10 @@ fn main() -> std::process::ExitCode {
         Cmd::Cancel { id, json, client } => {
             platform::Client::from_args(&client).and_then(|c| platform::cancel(&c, &id, json))
         }
+        Cmd::Debug { id, json, client } => {
+            platform::Client::from_args(&client).and_then(|c| faults::debug(&c, &id, json))
+        }
+        Cmd::Chaos(args) => faults::chaos(&args),
         Cmd::Queues { json, client } => platform::Client::from_args(&client).and_then(|c| platform::queues(&c, json)),
         Cmd::Diagnose { id, json, client } => {
             platform::Client::from_args(&client).and_then(|c| platform::diagnose(&c, &id, json))

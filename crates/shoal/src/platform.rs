@@ -531,6 +531,9 @@ pub fn status(client: &Client, id: &str, json_out: bool) -> Result<bool> {
     if let Some(sum) = &d.summary {
         print_summary(sum);
     }
+    if let Some(h) = &d.hang_dump {
+        println!("  last hang (attempt {}, step {}): {}", h.attempt, h.step, h.summary);
+    }
     println!("  events:");
     for e in &d.events {
         println!("    {:>6} {:<10} {}", age(Some(e.time_ms)), e.kind, e.message);

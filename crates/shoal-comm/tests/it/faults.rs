@@ -179,3 +179,38 @@ fn a_failed_communicator_refuses_further_operations() {
         other => panic!("expected Closed, got {other:?}"),
     }
 }
+
+/// A rank's activity names the collective it waits in, its sequence number and for how long, so that a hang can be
+/// dumped; a rank that has not arrived shows the last one it finished.
+#[test]
+fn activity_names_the_collective_a_rank_waits_in_and_who_has_not_arrived() {
+    let mut comms = Communicator::local_world(2, cfg(TransportChoice::InProc, b"s", Duration::from_secs(20)))
+        .expect("a world of 2");
+    let late = comms.pop().expect("rank 1");
+    let early = comms.pop().expect("rank 0");
+    let before = early.activity();
+    assert_eq!((before.op, before.seq, before.in_op, before.done), ("", 0, false, 0));
+    let waiting = early.clone();
+    let t = std::thread::spawn(move || {
+        let mut v = vec![1.0f32; 64];
+        waiting.all_reduce(&mut v, ReduceOp::Sum).map(|_| v)
+    });
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !early.activity().in_op {
+        assert!(Instant::now() < deadline, "rank 0 never entered its all-reduce: {:?}", early.activity());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    let a = early.activity();
+    assert_eq!((a.op, a.seq, a.in_op, a.done), ("all_reduce", 1, true, 0), "{a:?}");
+    assert!(a.for_ >= Duration::from_millis(200), "{a:?}");
+    let b = late.activity();
+    assert_eq!((b.seq, b.in_op), (0, false), "rank 1 has not arrived: {b:?}");
+    let mut v = vec![2.0f32; 64];
+    late.all_reduce(&mut v, ReduceOp::Sum).expect("rank 1's all-reduce");
+    assert_eq!(t.join().expect("rank 0's thread").expect("rank 0's all-reduce"), vec![3.0f32; 64]);
+    for c in [&early, &late] {
+        let a = c.activity();
+        assert_eq!((a.op, a.seq, a.in_op, a.done, a.closed.clone()), ("all_reduce", 1, false, 1, None), "{a:?}");
+    }
+}

@@ -9,9 +9,14 @@ use crate::error::{ControlError, Result};
 
 use super::state::Control;
 
-/// The scheduler's view of a job's request.
+/// The scheduler's view of a job's request. A job restarted by `fault_tolerance.policy = "restart"` asks for the
+/// number of workers it ran with (its gang starts again whole); an elastic one for whatever fits its range.
 pub fn request_of(job: &JobRow, spec: &JobSpec) -> JobRequest {
-    let (lo, hi) = spec.workers.range();
+    let (mut lo, mut hi) = spec.workers.range();
+    let same = job.workers.clamp(i64::from(lo), i64::from(hi)) as u32;
+    if job.restarts > 0 && job.workers > 0 && spec.fault_tolerance.policy == shoal_spec::FaultPolicy::Restart {
+        (lo, hi) = (same, same);
+    }
     JobRequest {
         id: job.id.clone(),
         team: job.team.clone(),

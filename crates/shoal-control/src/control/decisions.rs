@@ -1,5 +1,6 @@
-//! Carrying out the scheduler's decisions: placing a job (record before acting, undo what could not be recorded),
-//! preempting, requeueing, and the elastic resizes the scheduler asks for.
+//! Carrying out the scheduler's decisions: placing a job (record before acting, undo what could not be recorded;
+//! an elastic job grown in the pass that places it starts with the grown size), preempting, requeueing, and the
+//! elastic resizes the scheduler asks for (recorded, not carried out, for a running job).
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -13,6 +14,27 @@ use crate::error::Result;
 use super::state::{Control, StopWhy, handle};
 
 impl Control {
+    /// A job the scheduler places and grows in the same pass has not started yet: it starts with every task it
+    /// was given — as many workers as are free within `[workers] min..max` — when its spec can share a batch among
+    /// that many (otherwise the growth stays an event, as for a running job).
+    pub(super) fn fold_growth(&self, decisions: Vec<Decision>) -> Vec<Decision> {
+        let mut out: Vec<Decision> = Vec::with_capacity(decisions.len());
+        for d in decisions {
+            if let Decision::Grow { job, tasks } = &d
+                && let Some(Decision::Place { assignments, .. }) =
+                    out.iter_mut().find(|p| matches!(p, Decision::Place { job: j, .. } if j == job))
+            {
+                let spec = self.specs.lock().unwrap_or_else(|p| p.into_inner()).get(job).cloned();
+                if spec.is_some_and(|s| s.validate_world(assignments.len() + tasks.len()).is_ok()) {
+                    assignments.extend(tasks.iter().cloned());
+                    continue;
+                }
+            }
+            out.push(d);
+        }
+        out
+    }
+
     pub(super) async fn carry_out(&self, d: Decision) -> Result<()> {
         match d {
             Decision::Place { job, assignments } => self.place(&job, &assignments).await,

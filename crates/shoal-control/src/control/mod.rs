@@ -1,9 +1,12 @@
 //! The control loop: keeps the store, the scheduler and the processes in agreement.
 //!
-//! Every tick (and at once after a submission or a cancellation) it
+//! Every tick (every 50 ms while a job is being stopped, when a restart's backoff ends, and at once after a
+//! submission or a cancellation) it
 //! 1. probes the tasks of running jobs: a job whose tasks all exited 0 succeeded; one with a task that failed,
-//!    was lost or went over its memory is stopped whole, then restarted (pending again, `restarts + 1`) while its
-//!    restart budget lasts, else failed;
+//!    was lost, went over its memory or stopped sending heartbeats, or that hung (no step for
+//!    `fault_tolerance.hang_timeout` while every rank lives; dumped first), is stopped whole, then by its
+//!    `fault_tolerance.policy` restarted (pending again, `restarts + 1`, after the backoff) while
+//!    `max_restarts` lasts, else failed;
 //! 2. carries out cancellations (SIGTERM to every task's process group, SIGKILL after the grace period);
 //! 3. copies new lines of rank 0's `metrics.jsonl` into the store;
 //! 4. hands pending jobs to the scheduler and carries out its decisions (place: start every task; preempt: SIGTERM
@@ -14,11 +17,13 @@
 //!
 //! The parts, each one concern over the shared [`state::Control`]: `admission.rs` (the scheduler's check),
 //! `supervise.rs` (probing, limits, stopping and what follows a stop), `notes.rs` (what the executor says of a task
-//! that waits), `decisions.rs` (placing, preempting,
+//! that waits), `watch.rs` (heartbeats, hangs and their dumps), `chaos.rs` (faults injected on purpose),
+//! `decisions.rs` (placing, preempting,
 //! requeueing), `ingest.rs` (metrics files into the store), `sampling.rs` (resource samples), `recovery.rs` (after a
 //! server restart); this file holds the loop itself.
 
 mod admission;
+mod chaos;
 mod decisions;
 mod ingest;
 mod notes;
@@ -26,6 +31,7 @@ mod recovery;
 mod sampling;
 mod state;
 mod supervise;
+mod watch;
 
 use std::collections::HashSet;
 use std::time::Instant;
@@ -38,6 +44,9 @@ pub use ingest::read_from_async;
 pub use sampling::{CLUSTER_SAMPLE_EVERY_MS, SAMPLE_EVERY_MS};
 pub use state::{Control, ControlConfig, handle, parse_stored_spec};
 
+/// How often the loop turns while a job is being stopped.
+const STOPPING_TICK: std::time::Duration = std::time::Duration::from_millis(50);
+
 impl Control {
     /// Runs the loop until `shutdown` resolves.
     pub async fn run(self: std::sync::Arc<Self>, mut shutdown: tokio::sync::watch::Receiver<bool>) {
@@ -45,8 +54,25 @@ impl Control {
             if let Err(e) = self.tick().await {
                 tracing::error!(error = %e, "control loop tick failed");
             }
+            // While a gang is being stopped, look again soon: what follows (a restart) waits only for its processes
+            // to be gone, which takes milliseconds after SIGTERM or SIGKILL.
+            let stopping = !self.stopping.lock().unwrap_or_else(|p| p.into_inner()).is_empty();
+            let mut pause = if stopping { self.config.tick.min(STOPPING_TICK) } else { self.config.tick };
+            // A backoff that ends before the next turn: turn when it ends.
+            let t = now();
+            let ends = self
+                .backoff
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .values()
+                .map(|(u, _)| *u)
+                .filter(|u| *u > t)
+                .min();
+            if let Some(u) = ends {
+                pause = pause.min(std::time::Duration::from_millis((u - t) as u64));
+            }
             tokio::select! {
-                _ = tokio::time::sleep(self.config.tick) => {}
+                _ = tokio::time::sleep(pause) => {}
                 _ = self.wake.notified() => {}
                 _ = shutdown.changed() => return,
             }
@@ -72,8 +98,11 @@ impl Control {
         let ids: HashSet<&str> = active.iter().map(|j| j.id.as_str()).collect();
         self.specs.lock().unwrap_or_else(|p| p.into_inner()).retain(|id, _| ids.contains(id.as_str()));
         self.trouble.lock().unwrap_or_else(|p| p.into_inner()).retain(|id, _| ids.contains(id.as_str()));
+        self.watched.lock().unwrap_or_else(|p| p.into_inner()).retain(|id, _| ids.contains(id.as_str()));
+        self.backoff.lock().unwrap_or_else(|p| p.into_inner()).retain(|id, _| ids.contains(id.as_str()));
         let t0 = Instant::now();
         let decisions = self.sched().schedule(now() as u64);
+        let decisions = self.fold_growth(decisions);
         self.metrics.scheduler_pass.with_label_values(&[] as &[&str]).observe(t0.elapsed().as_secs_f64());
         for d in decisions {
             if let Err(e) = self.carry_out(d).await {

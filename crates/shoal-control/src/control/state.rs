@@ -41,7 +41,7 @@ pub struct ControlConfig {
 #[derive(Debug, Clone)]
 pub(super) enum StopWhy {
     Cancel,
-    /// A task failed, was lost or broke a limit: restart or fail the job.
+    /// A task failed, was lost or broke a limit, or the job hung: restart or fail the job by its policy.
     Failure(String),
     /// The server could not place an adopted job again: requeue it.
     Requeue(String),
@@ -89,6 +89,10 @@ pub struct Control {
     pub streams: Mutex<HashMap<String, usize>>,
     /// Per task: what its executor last said of why it waits (recorded as an event when it changes).
     pub(super) notes: Mutex<HashMap<TaskKey, String>>,
+    /// Per running job: its ranks' heartbeats as last seen, and its step counter (`watch.rs`).
+    pub(super) watched: Mutex<HashMap<String, Watch>>,
+    /// Per restarted job: when it may start again (ms since the epoch) and the backoff it waits out.
+    pub(super) backoff: Mutex<HashMap<String, (i64, Duration)>>,
 }
 
 pub fn parse_stored_spec(job: &JobRow) -> Result<JobSpec> {
@@ -139,6 +143,8 @@ impl Control {
             trouble: Mutex::new(HashMap::new()),
             streams: Mutex::new(HashMap::new()),
             notes: Mutex::new(HashMap::new()),
+            watched: Mutex::new(HashMap::new()),
+            backoff: Mutex::new(HashMap::new()),
         })
     }
 
@@ -180,6 +186,33 @@ impl Control {
             return job.secret.clone();
         }
         crate::auth::derive_secret(&self.config.secret_key, &job.id)
+    }
+}
+
+/// A rank's heartbeat as last read, and when (by this server's clock) it last changed.
+#[derive(Debug)]
+pub(super) struct Seen {
+    pub(super) hb: shoal_wire::Heartbeat,
+    pub(super) changed: Instant,
+}
+
+/// What the control loop keeps of one running job's heartbeats.
+#[derive(Debug)]
+pub(crate) struct Watch {
+    pub(super) attempt: i64,
+    pub(super) ranks: HashMap<i64, Seen>,
+    /// The highest step any rank reported.
+    pub(super) step: u64,
+    /// The step the attempt was first seen training at: it trained when `step` went past it.
+    pub(super) first_step: Option<u64>,
+    /// When that step counter last moved, or when every rank was first seen training; `None` while not every
+    /// rank trains (starting, resuming, finishing), when no hang is judged.
+    pub(super) step_moved: Option<Instant>,
+}
+
+impl Watch {
+    pub(super) fn new(attempt: i64) -> Watch {
+        Watch { attempt, ranks: HashMap::new(), step: 0, first_step: None, step_moved: None }
     }
 }
 

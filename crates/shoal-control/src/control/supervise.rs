@@ -1,18 +1,20 @@
-//! Supervision: pending jobs handed to the scheduler or cancelled; running jobs' tasks probed, their memory held to
-//! the request, failures turned into a stop of the whole gang, and a stopped job restarted, failed, cancelled or
-//! requeued only once every process of its attempt is gone.
+//! Supervision: pending jobs handed to the scheduler (once a restart's backoff is over) or cancelled; running jobs'
+//! tasks probed, their memory held to the request, their heartbeats judged (`watch.rs`), failures, silent ranks
+//! and hangs turned into a stop of the whole gang, and a stopped job restarted (by `fault_tolerance.policy`),
+//! failed, cancelled or requeued only once every process of its attempt is gone.
 
 use std::collections::HashMap;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use shoal_exec::{Stop as Halt, TaskStatus, Usage};
-use shoal_spec::JobSpec;
+use shoal_spec::{FaultPolicy, JobSpec, Seconds};
 
 use crate::db::{JobRow, JobState, TaskRow, TaskState, Transition, now};
 use crate::error::Result;
 
 use super::admission::request_of;
 use super::state::{Control, Stop, StopWhy, handle};
+use super::watch::{Verdict, dump_text};
 
 fn mib(b: u64) -> String {
     if b >= 1 << 30 { format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64) } else { format!("{} MiB", b >> 20) }
@@ -35,15 +37,61 @@ impl Control {
     }
 
     pub(super) fn begin_stop(&self, job: &JobRow, tasks: &[TaskRow], why: StopWhy) {
+        self.begin_stop_with(job, tasks, why, Halt::Term);
+    }
+
+    /// Stops every running task of `job` with `how`: SIGTERM first (SIGKILL after the grace), or SIGKILL at once
+    /// for a gang that cannot stop cleanly (a hang: its ranks wait in a collective, or are stopped themselves).
+    pub(super) fn begin_stop_with(&self, job: &JobRow, tasks: &[TaskRow], why: StopWhy, how: Halt) {
         let mut stopping = self.stopping.lock().unwrap_or_else(|p| p.into_inner());
         if stopping.contains_key(&job.id) {
             return;
         }
-        tracing::info!(job = %job.id, ?why, "stopping job");
+        tracing::info!(job = %job.id, ?why, ?how, "stopping job");
         for t in tasks.iter().filter(|t| t.state == TaskState::Running) {
-            self.exec.stop(&handle(t), Halt::Term);
+            self.exec.stop(&handle(t), how);
         }
-        stopping.insert(job.id.clone(), Stop { since: Instant::now(), killed: false, why });
+        stopping.insert(job.id.clone(), Stop { since: Instant::now(), killed: how == Halt::Kill, why });
+    }
+
+    /// How long a job that restarted must still wait before it starts again (its backoff), if at all; after a
+    /// server restart, from the newest `restarted` event (its time and the backoff it announced), so a server
+    /// restart does not cut a backoff short.
+    async fn backoff_left(&self, job: &JobRow, spec: &JobSpec) -> Result<Option<i64>> {
+        let ft = &spec.fault_tolerance;
+        if job.restarts == 0 || ft.policy != FaultPolicy::Restart {
+            return Ok(None);
+        }
+        let known = self.backoff.lock().unwrap_or_else(|p| p.into_inner()).get(&job.id).copied();
+        let until = match known {
+            Some((until, _)) => until,
+            None => match self.last_restart(job, spec).await? {
+                Some((at, wait)) => {
+                    let until = at.saturating_add(wait.as_millis() as i64);
+                    self.backoff.lock().unwrap_or_else(|p| p.into_inner()).insert(job.id.clone(), (until, wait));
+                    until
+                }
+                None => return Ok(None),
+            },
+        };
+        Ok(Some(until - now()).filter(|left| *left > 0))
+    }
+
+    /// The newest `restarted` event of `job`: when, and the backoff it announced (`after a backoff of 4s`; none
+    /// when it started again at once; the spec's backoff when it says neither).
+    async fn last_restart(&self, job: &JobRow, spec: &JobSpec) -> Result<Option<(i64, Duration)>> {
+        let events = self.db.events(&job.id, 0).await?;
+        let Some(e) = events.iter().rev().find(|e| e.kind == "restarted") else { return Ok(None) };
+        let announced = e.message.split_once("after a backoff of ").and_then(|(_, rest)| {
+            let word = rest.split([' ', ')', ',', ';']).next()?;
+            shoal_comm::env::parse_duration(word).ok()
+        });
+        let wait = match announced {
+            Some(w) => w,
+            None if e.message.contains("start again at once") => Duration::ZERO,
+            None => spec.fault_tolerance.backoff.0,
+        };
+        Ok(Some((e.time_ms, wait)))
     }
 
     pub(super) async fn tick_pending(&self, job: &JobRow) -> Result<()> {
@@ -66,6 +114,10 @@ impl Control {
         }
         if self.sched().status(&job.id).is_none() {
             let spec = self.spec_of(job)?;
+            if let Some(left) = self.backoff_left(job, &spec).await? {
+                tracing::debug!(job = %job.id, left_ms = left, "waiting out the restart's backoff");
+                return Ok(());
+            }
             let submitted = self.sched().submit(request_of(job, &spec));
             if let Err(e) = submitted {
                 self.db
@@ -173,16 +225,57 @@ impl Control {
                 return Ok(());
             }
         }
-        let failed = statuses.iter().find_map(|(t, s)| match s {
-            TaskStatus::Exited(c) if *c != 0 => {
-                Some(format!("rank {} exited with status {c}{}", t.rank, signal_note(*c)))
+        // A rank killed by a signal or lost is named first: the others' errors (a peer gone from a collective) most
+        // often follow from it.
+        let mut failures: Vec<(bool, String)> = statuses
+            .iter()
+            .filter_map(|(t, s)| match s {
+                TaskStatus::Exited(c) if *c != 0 => {
+                    // A rank that failed by itself says why on its last error line (a collective's report: the
+                    // operation, its sequence number, who had entered it).
+                    let said = if *c > 128 { None } else { self.last_error(t) };
+                    let said = said.map_or(String::new(), |e| format!(": {e}"));
+                    Some((*c > 128, format!("rank {} exited with status {c}{}{said}", t.rank, signal_note(*c))))
+                }
+                TaskStatus::Lost(why) => Some((true, format!("rank {} was lost: {why}", t.rank))),
+                _ => None,
+            })
+            .collect();
+        failures.sort_by_key(|(cause, _)| !*cause);
+        let failed = match failures.as_slice() {
+            [] => None,
+            [(_, one)] => Some(one.clone()),
+            [(_, first), rest @ ..] => {
+                let rest: Vec<&str> = rest.iter().map(|(_, w)| w.as_str()).collect();
+                Some(format!("{first} (also {})", rest.join(", ")))
             }
-            TaskStatus::Lost(why) => Some(format!("rank {} was lost: {why}", t.rank)),
-            _ => None,
-        });
+        };
         if let Some(why) = failed {
             self.begin_stop(job, &tasks, StopWhy::Failure(why));
             return Ok(());
+        }
+        match self.observe(job, &spec, &statuses) {
+            Verdict::Fine => {}
+            Verdict::Silent { why, dump } => {
+                self.save_dump(&dump);
+                self.db.event(&job.id, "heartbeat", job.state, &format!("{why}. {}", dump_text(&dump))).await?;
+                self.begin_stop_with(job, &tasks, StopWhy::Failure(why), Halt::Kill);
+                return Ok(());
+            }
+            Verdict::Hang { why, dump } => {
+                self.save_dump(&dump);
+                self.db.event(&job.id, "hang", job.state, &format!("{why}. {}", dump_text(&dump))).await?;
+                let culprits = if dump.culprits.is_empty() {
+                    String::new()
+                } else {
+                    format!(
+                        " (holding it up: rank {})",
+                        dump.culprits.iter().map(i64::to_string).collect::<Vec<_>>().join(", rank ")
+                    )
+                };
+                self.begin_stop_with(job, &tasks, StopWhy::Failure(format!("{why}{culprits}")), Halt::Kill);
+                return Ok(());
+            }
         }
         if !statuses.is_empty() && statuses.iter().all(|(_, s)| *s == TaskStatus::Exited(0)) {
             let _ = self.sched().finish(&job.id);
@@ -225,40 +318,7 @@ impl Control {
                     )
                     .await?;
             }
-            StopWhy::Failure(why) if (job.restarts as u64) < u64::from(spec.restart.max) => {
-                self.db
-                    .transition(
-                        &job.id,
-                        &from,
-                        JobState::Pending,
-                        Transition {
-                            kind: "restarted",
-                            message: format!(
-                                "{why}; restart {} of {} (resumes from its newest checkpoint)",
-                                job.restarts + 1,
-                                spec.restart.max
-                            ),
-                            restarts: Some(job.restarts + 1),
-                            ..Default::default()
-                        },
-                    )
-                    .await?;
-            }
-            StopWhy::Failure(why) => {
-                let message = if spec.restart.max == 0 {
-                    why
-                } else {
-                    format!("{why}; no restarts left ({} used)", job.restarts)
-                };
-                self.db
-                    .transition(
-                        &job.id,
-                        &from,
-                        JobState::Failed,
-                        Transition { kind: "failed", message, finished_ms: Some(now()), ..Default::default() },
-                    )
-                    .await?;
-            }
+            StopWhy::Failure(why) => self.after_failure(job, spec, why).await?,
             StopWhy::Requeue(why) => {
                 self.db
                     .transition(
@@ -273,6 +333,93 @@ impl Control {
         self.wake.notify_one();
         Ok(())
     }
+    /// The last line starting with `error:` in the newest 8 KiB of a task's log, without the prefix, at most 400
+    /// characters.
+    fn last_error(&self, t: &TaskRow) -> Option<String> {
+        let path = self.exec.log_path(&t.job_id, t.attempt, t.rank);
+        let len = std::fs::metadata(&path).ok()?.len();
+        let (tail, _) = shoal_exec::procfs::read_from(&path, len.saturating_sub(8192), 8192).ok()?;
+        let text = String::from_utf8_lossy(&tail);
+        let line = text.lines().rev().find_map(|l| l.trim().strip_prefix("error:"))?.trim();
+        Some(line.chars().take(400).collect())
+    }
+
+    /// A job stopped for a failure, a lost or silent rank or a hang, every process gone: restarted or failed by
+    /// `fault_tolerance`.
+    async fn after_failure(&self, job: &JobRow, spec: &JobSpec, why: String) -> Result<()> {
+        let from = [JobState::Running, JobState::Preempted];
+        let ft = &spec.fault_tolerance;
+        let n = job.restarts + 1;
+        let mut backoff = None;
+        let restart = match ft.policy {
+            FaultPolicy::None => None,
+            _ if (job.restarts as u64) >= u64::from(ft.max_restarts) => None,
+            FaultPolicy::Restart => {
+                let previous = self.backoff.lock().unwrap_or_else(|p| p.into_inner()).get(&job.id).map(|(_, w)| *w);
+                let previous = match previous {
+                    Some(w) => Some(w),
+                    None if job.restarts > 0 => self.last_restart(job, spec).await?.map(|(_, w)| w),
+                    None => None,
+                };
+                let trained = self.progressed(&job.id, job.attempt);
+                let wait = ft.next_backoff(previous, trained);
+                backoff = Some(wait);
+                let why_wait = match previous {
+                    None => format!("fault_tolerance.backoff = {}", ft.backoff),
+                    Some(_) if trained => {
+                        format!("the attempt trained: fault_tolerance.backoff = {} again", ft.backoff)
+                    }
+                    Some(p) => format!("the attempt completed no step: twice the last wait of {}", Seconds(p)),
+                };
+                let wait = if wait.is_zero() {
+                    format!("at once ({why_wait})")
+                } else {
+                    format!("after a backoff of {} ({why_wait})", Seconds(wait))
+                };
+                Some(format!(
+                    "{why}; restart {n} of {}: every worker stopped; all {} start again {wait} and resume from its \
+                     newest checkpoint",
+                    ft.max_restarts, job.workers
+                ))
+            }
+            FaultPolicy::Elastic => {
+                let (lo, hi) = spec.workers.range();
+                Some(format!(
+                    "{why}; restart {n} of {} (elastic): every worker stopped; starts again at once with as many \
+                     workers as are free within {lo}..{hi} and resumes from its newest checkpoint at that size",
+                    ft.max_restarts
+                ))
+            }
+        };
+        match backoff {
+            Some(wait) if restart.is_some() => {
+                let until = now().saturating_add(wait.as_millis() as i64);
+                self.backoff.lock().unwrap_or_else(|p| p.into_inner()).insert(job.id.clone(), (until, wait));
+            }
+            _ => {
+                self.backoff.lock().unwrap_or_else(|p| p.into_inner()).remove(&job.id);
+            }
+        }
+        let (to, t) = match restart {
+            Some(message) => {
+                (JobState::Pending, Transition { kind: "restarted", message, restarts: Some(n), ..Default::default() })
+            }
+            None => {
+                let message = match ft.policy {
+                    FaultPolicy::None => format!("{why}; fault_tolerance.policy = \"none\": not restarted"),
+                    _ if ft.max_restarts == 0 => format!("{why}; fault_tolerance.max_restarts = 0: not restarted"),
+                    _ => format!("{why}; no restarts left ({} used)", job.restarts),
+                };
+                (
+                    JobState::Failed,
+                    Transition { kind: "failed", message, finished_ms: Some(now()), ..Default::default() },
+                )
+            }
+        };
+        self.db.transition(&job.id, &from, to, t).await?;
+        Ok(())
+    }
+
     /// Stores how a task ended (its end time and last sampled CPU time with it). Probing is not repeated here:
     /// a probe that reported the end has already released the task, so `status` is the only record of it.
     pub(super) async fn record_end(&self, t: &TaskRow, status: &TaskStatus) -> Result<()> {

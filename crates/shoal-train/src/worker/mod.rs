@@ -12,9 +12,11 @@
 //! - `report.rs`: the final evaluation and `summary.json`, or the summary kept when the run was already complete.
 //!
 //! `eval.rs` holds the evaluation pass both the loop and the report run; `wire.rs` the types of the files others
-//! read (`metrics.jsonl`, `eval.jsonl`, `summary.json`).
+//! read (`metrics.jsonl`, `eval.jsonl`, `summary.json`); `heartbeat.rs` the thread that, on the platform, tells the
+//! control loop twice a second that the rank lives, its phase, its step and the collective it is in.
 
 mod eval;
+mod heartbeat;
 mod report;
 mod resume;
 mod setup;
@@ -28,6 +30,7 @@ use crate::error::Result;
 use crate::spec::JobSpec;
 
 pub use eval::unigram_baseline;
+pub use heartbeat::{INTERVAL as HEARTBEAT_INTERVAL, heartbeat_file};
 pub use report::write_json;
 pub use setup::{build_model, checkpoint_remote, checkpoint_root};
 pub use wire::{EvalMetrics, StepMetrics, StepTime, Summary, metrics_file};
@@ -43,6 +46,11 @@ pub struct WorkerOptions {
 pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
     let started = Instant::now();
     let (setup, params) = setup::setup(spec, &opts.output)?;
+    // On the platform, the control loop hears from this rank until it exits.
+    let beat = setup.attempt.and_then(|a| heartbeat::Beat::start(setup.comm.clone(), setup.rank, a, &opts.output));
+    if let Some(b) = &beat {
+        b.phase(heartbeat::Phase::Resume);
+    }
     let resumed = resume::load(spec, opts.resume, &setup, &params)?;
     let mut training = setup::training(spec, &setup, params)?;
     let start_step = match &resumed {
@@ -54,6 +62,13 @@ pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
         return Ok(kept);
     }
     let mut steps = train_loop::StepLoop::open(spec, &setup, &training, start_step, &opts.output)?;
-    let trained = steps.run(spec, &setup, &mut training, resumed.as_ref())?;
+    if let Some(b) = &beat {
+        b.step(start_step as u64);
+        b.phase(heartbeat::Phase::Train);
+    }
+    let trained = steps.run(spec, &setup, &mut training, resumed.as_ref(), beat.as_ref())?;
+    if let Some(b) = &beat {
+        b.phase(heartbeat::Phase::Finish);
+    }
     report::finish(spec, &setup, &training, &steps, trained, started, &opts.output)
 }

@@ -33,6 +33,8 @@ pub(super) struct Setup {
     pub(super) eval: Arc<dyn Dataset>,
     pub(super) train: Arc<dyn Dataset>,
     pub(super) comm: Communicator,
+    /// The platform's attempt (`None` under `shoal run`): the worker then sends heartbeats.
+    pub(super) attempt: Option<i64>,
 }
 
 /// The trainer and the sampler of this rank's batches.
@@ -51,6 +53,7 @@ pub(super) struct Training {
 /// for a checkpoint to be loaded into before the trainer takes them.
 pub(super) fn setup(spec: &JobSpec, output: &Path) -> Result<(Setup, Params)> {
     let env = shoal_comm::env::EnvContract::from_env()?;
+    let attempt = env.attempt;
     let comm = env.connect()?;
     let (world, rank) = (comm.size(), comm.rank());
     spec.validate_world(world).map_err(|e| Error::Spec(e.to_string()))?;
@@ -66,7 +69,7 @@ pub(super) fn setup(spec: &JobSpec, output: &Path) -> Result<(Setup, Params)> {
     let parameters = params.count();
     let ckpt_dir = CheckpointDir::new(checkpoint_root(spec, output)?);
     let remote = if rank == 0 { checkpoint_remote(spec)? } else { None };
-    Ok((Setup { rank, world, remote, ckpt_dir, model, parameters, eval, train, comm }, params))
+    Ok((Setup { rank, world, remote, ckpt_dir, model, parameters, eval, train, comm, attempt }, params))
 }
 
 /// The optimizer, whether all-reduces overlap backward, the trainer over the strategy `train.strategy` names (its

@@ -11,6 +11,7 @@ use candle_core::Tensor;
 use shoal_data::{Loader, LoaderConfig};
 
 use super::eval::{EvalLog, evaluate};
+use super::heartbeat::Phase;
 use super::setup::{Setup, Training};
 use super::wire::{StepMetrics, metrics_file};
 use crate::batch::{Flat, to_flat};
@@ -121,6 +122,7 @@ impl StepLoop {
         setup: &Setup,
         tr: &mut Training,
         resumed: Option<&Loaded>,
+        beat: Option<&super::heartbeat::Beat>,
     ) -> Result<Trained> {
         let t = &spec.train;
         let (world, rank, comm, model, eval) = (setup.world, setup.rank, &setup.comm, &setup.model, &setup.eval);
@@ -180,7 +182,15 @@ impl StepLoop {
                 compute_s += c0.elapsed().as_secs_f64();
             }
             let lr = learning_rate(step, t.steps, t.lr, t.warmup_steps, t.min_lr, t.schedule == Schedule::Cosine);
+            // A checkpoint's hand-over may wait for the saver: not a hang (the control loop judges only training).
+            let handing = snapshot.is_some();
+            if let (true, Some(b)) = (handing, beat) {
+                b.phase(Phase::Checkpoint);
+            }
             stall_s += submit_snapshot(&mut snapshot, saver.as_mut())?;
+            if let (true, Some(b)) = (handing, beat) {
+                b.phase(Phase::Train);
+            }
             let times = trainer.step(lr)?;
             // The global loss: every rank's weighted share, summed with the gradients.
             let comm_s = times.comm_s;
@@ -191,6 +201,9 @@ impl StepLoop {
             comm_t.push(comm_s);
             opt_t.push(times.optimizer_s);
             step_t.push(step_started.elapsed().as_secs_f64());
+            if let Some(b) = beat {
+                b.step(step as u64 + 1);
+            }
             if let Some(f) = metrics.as_mut() {
                 let m = StepMetrics {
                     step: step + 1,
@@ -248,7 +261,14 @@ impl StepLoop {
                 checkpoints += 1;
             }
             if t.eval_every > 0 && (step + 1) % t.eval_every == 0 && step + 1 < t.steps {
-                let (el, ea) = evaluate(model.as_ref(), eval.as_ref(), comm, micro, t.eval_batches)?;
+                if let Some(b) = beat {
+                    b.phase(Phase::Eval);
+                }
+                let evaluated = evaluate(model.as_ref(), eval.as_ref(), comm, micro, t.eval_batches);
+                if let Some(b) = beat {
+                    b.phase(Phase::Train);
+                }
+                let (el, ea) = evaluated?;
                 if rank == 0 {
                     eprintln!("eval at step {}: loss {el:.4} accuracy {ea:.4}", step + 1);
                 }

@@ -126,6 +126,7 @@ fn job_body() -> String {
         spec: None,
         summary: None,
         last_metrics: None,
+        hang_dump: None,
     };
     serde_json::to_string(&detail).expect("serialize")
 }

@@ -23,8 +23,8 @@ count = 2
 [resources]
 cpus = 1
 memory = "1GiB"
-[restart]
-max = 0
+[fault_tolerance]
+max_restarts = 0
 [env]
 {env}
 [train]

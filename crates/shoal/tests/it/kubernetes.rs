@@ -241,8 +241,9 @@ spread = true
 cpus = 1
 memory = "{memory}"
 
-[restart]
-max = {restart_max}
+[fault_tolerance]
+max_restarts = {restart_max}
+backoff = "1s"
 
 [train]
 dataset = "digits"

@@ -6,6 +6,7 @@ mod cli;
 mod dashboard;
 mod deploy;
 mod diagnose;
+mod faults;
 mod hosts;
 mod kubelet;
 mod kubernetes;

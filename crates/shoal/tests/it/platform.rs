@@ -250,6 +250,11 @@ impl Platform {
         p
     }
 
+    /// The admin token of the servers of this test.
+    pub(crate) fn token(&self) -> &str {
+        &self.token
+    }
+
     /// The data directory.
     pub(crate) fn data(&self) -> &Path {
         &self.data
@@ -574,8 +579,9 @@ count = 2
 cpus = 1
 memory = "1GiB"
 
-[restart]
-max = {restart_max}
+[fault_tolerance]
+max_restarts = {restart_max}
+backoff = "1s"
 
 [train]
 dataset = "digits"

@@ -187,8 +187,9 @@ spread = true
 cpus = 1
 memory = "512MiB"
 
-[restart]
-max = {restart_max}
+[fault_tolerance]
+max_restarts = {restart_max}
+backoff = "1s"
 
 [train]
 dataset = "digits"

@@ -1,0 +1,272 @@
+//! Faults end to end, with real processes: a worker killed with `kill -9` (policy `restart`: the gang starts again
+//! after its backoff from the newest checkpoint and the job succeeds; policy `none`: the job fails with the
+//! reason), a worker stopped with SIGSTOP (a hang: dumped within `hang_timeout` + 5 s naming the stopped rank, then
+//! recovered), a server killed with `kill -9` while a restart waits out its backoff, `shoal chaos` killing workers
+//! while the job still succeeds, and `shoal chaos --stop` hanging one that is found and recovered.
+//!
+//! Each job slows its data source (`SHOAL_FAULT_DATA_DELAY`, a test hook of the `failpoints` build) so that it is
+//! certainly still training when the test acts on it, however fast the machine.
+
+use serde_json::Value;
+
+use crate::platform::{Platform, alive, events, text};
+
+/// Two workers training an MLP on the digits, at least 5 ms a step, checkpoints every 50 steps.
+fn job(name: &str, steps: usize, fault_tolerance: &str) -> String {
+    format!(
+        r#"
+name = "{name}"
+[workers]
+count = 2
+[resources]
+cpus = 1
+memory = "1GiB"
+[fault_tolerance]
+{fault_tolerance}
+[env]
+SHOAL_FAULT_DATA_DELAY = "5ms"
+[train]
+dataset = "digits"
+global_batch = 64
+steps = {steps}
+lr = 3e-3
+log_every = 100
+[train.model]
+kind = "mlp"
+hidden = [64]
+[checkpoint]
+every = 50
+keep = 2
+"#
+    )
+}
+
+/// The training process of `rank` (what a user would `kill -9`).
+fn worker_pid(v: &Value, rank: i64) -> i64 {
+    v["workers"]
+        .as_array()
+        .and_then(|ws| ws.iter().find(|w| w["rank"] == rank))
+        .and_then(|w| w["pid"].as_i64())
+        .unwrap_or_else(|| panic!("no training process for rank {rank}: {v}"))
+}
+
+/// Waits until `id` runs attempt `attempt` past step `step`.
+fn training(p: &Platform, id: &str, attempt: i64, step: i64) -> Value {
+    p.wait_state_where(id, &format!("attempt {attempt} past step {step}"), |v| {
+        v["state"] == "running"
+            && v["attempt"] == attempt
+            && v["last_metrics"]["step"].as_i64().is_some_and(|s| s > step)
+            && v["workers"].as_array().is_some_and(|ws| ws.iter().all(|w| w["pid"].as_i64().is_some_and(alive)))
+    })
+}
+
+fn kill(pid: i64, sig: i32) {
+    // SAFETY: plain syscall on a process this test's server started.
+    let r = unsafe { libc::kill(pid as i32, sig) };
+    assert_eq!(r, 0, "signal {sig} to {pid}: {}", std::io::Error::last_os_error());
+}
+
+fn now_ms() -> i64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("clock").as_millis() as i64
+}
+
+fn event_time(v: &Value, kind: &str, nth: usize) -> i64 {
+    let ev: Vec<&Value> = v["events"].as_array().expect("events").iter().filter(|e| e["kind"] == kind).collect();
+    ev.get(nth).and_then(|e| e["time_ms"].as_i64()).unwrap_or_else(|| panic!("no {kind} event #{nth}: {ev:?}"))
+}
+
+#[test]
+#[cfg_attr(not(feature = "failpoints"), ignore = "slows the job's data: needs `--features shoal/failpoints`")]
+fn kill_9_of_a_worker_restarts_the_gang_after_its_backoff_and_the_job_succeeds() {
+    let p = Platform::new("faults-kill");
+    let id = p.submit("kill9", &job("kill9", 600, "policy = \"restart\"\nmax_restarts = 2\nbackoff = \"2s\""));
+    let v = training(&p, &id, 1, 120);
+    let t0 = now_ms();
+    kill(worker_pid(&v, 1), libc::SIGKILL);
+    // The first step attempt 2 completes after the checkpoint it resumed from, as its rank 0's heartbeat tells it.
+    let beat = p.job_dir(&id).join("run/heartbeat.rank-0.json");
+    let stepped = p.wait("a step of attempt 2", || {
+        let hb: Value = serde_json::from_slice(&std::fs::read(&beat).ok()?).ok()?;
+        let resumed = hb["step"].as_u64()?;
+        (hb["attempt"] == 2 && hb["phase"] == "train" && resumed % 50 != 0).then(now_ms)
+    });
+    let v = p.wait_state(&id, "succeeded");
+    assert_eq!((v["restarts"].as_i64(), v["attempt"].as_i64()), (Some(1), Some(2)), "{v}");
+    let ev = events(&v);
+    let restarted: Vec<_> = ev.iter().filter(|e| e.1 == "restarted").collect();
+    assert_eq!(restarted.len(), 1, "{ev:?}");
+    let why = &restarted[0].2;
+    assert!(
+        why.contains("rank 1 exited with status 137 (killed: SIGKILL)")
+            && why.contains("restart 1 of 2")
+            && why.contains("after a backoff of 2s")
+            && why.contains("newest checkpoint"),
+        "{why}"
+    );
+    // Attempt 2 started only once the backoff was over.
+    let waited = event_time(&v, "started", 1) - event_time(&v, "restarted", 0);
+    let (restarted_at, started_at) = (event_time(&v, "restarted", 0), event_time(&v, "started", 1));
+    eprintln!(
+        "recovery from kill -9, restart from storage: {} ms to the restart decided (detection and every process \
+         gone), {waited} ms backoff (2 s) and placement to attempt 2 started, {} ms from the start to its first step \
+         (rendezvous, checkpoint load, step); {} ms in all",
+        restarted_at - t0,
+        stepped - started_at,
+        stepped - t0
+    );
+    assert!(waited >= 2000, "attempt 2 started {waited} ms after the restart, within its 2 s backoff: {ev:?}");
+    // It resumed from a checkpoint of attempt 1 and finished every step.
+    let sum = &v["summary"];
+    assert_eq!(sum["steps"], 600, "{sum}");
+    assert!(sum["resumed_from"].as_i64().is_some_and(|s| s >= 100 && s % 50 == 0), "{sum}");
+}
+
+#[test]
+#[cfg_attr(not(feature = "failpoints"), ignore = "slows the job's data: needs `--features shoal/failpoints`")]
+fn policy_none_fails_the_job_with_the_reason() {
+    let p = Platform::new("faults-none");
+    let id = p.submit("fragile", &job("fragile", 100_000, "policy = \"none\""));
+    let v = training(&p, &id, 1, 20);
+    kill(worker_pid(&v, 0), libc::SIGKILL);
+    let v = p.wait_state(&id, "failed");
+    let reason = v["reason"].as_str().unwrap_or("");
+    assert!(
+        reason.contains("rank 0 exited with status 137") && reason.contains("fault_tolerance.policy = \"none\""),
+        "{reason}"
+    );
+    assert_eq!((v["restarts"].as_i64(), v["attempt"].as_i64()), (Some(0), Some(1)), "{v}");
+    assert!(!events(&v).iter().any(|e| e.1 == "restarted"), "{:?}", events(&v));
+}
+
+#[test]
+#[cfg_attr(not(feature = "failpoints"), ignore = "slows the job's data: needs `--features shoal/failpoints`")]
+fn a_stopped_worker_is_a_hang_dumped_naming_it_and_recovered() {
+    let p = Platform::new("faults-hang");
+    let spec =
+        job("stuck", 800, "max_restarts = 2\nbackoff = \"0s\"\nhang_timeout = \"3s\"\nheartbeat_timeout = \"60s\"");
+    let id = p.submit("stuck", &spec);
+    let v = training(&p, &id, 1, 60);
+    // On demand, while it trains: every rank, where it stands.
+    let d = p.cli_json(&["debug", &id, "--json"]);
+    let ranks = d["ranks"].as_array().unwrap_or_else(|| panic!("{d}"));
+    assert_eq!(ranks.len(), 2, "{d}");
+    for r in ranks {
+        assert!(r["state"] == "in_collective" || r["state"] == "computing", "{d}");
+        assert_eq!(r["phase"], "train", "{d}");
+        assert!(r["op"].as_str().is_some_and(|o| !o.is_empty()) && r["seq"].as_u64().is_some_and(|s| s > 0), "{d}");
+    }
+    let out = p.cli(p.token(), &["debug", &id]);
+    assert!(out.status.success() && text(&out.stdout).contains("RANK"), "{}", text(&out.stdout));
+
+    let stopped = worker_pid(&v, 1);
+    let t0 = now_ms();
+    kill(stopped, libc::SIGSTOP);
+    let v = p.wait_state_where(&id, "a hang event", |v| events(v).iter().any(|e| e.1 == "hang"));
+    let found = event_time(&v, "hang", 0) - t0;
+    eprintln!("SIGSTOP to the hang event: {found} ms (hang_timeout 3 s)");
+    assert!(found <= 8000, "the hang was found {found} ms after the SIGSTOP (hang_timeout 3 s + 5 s)");
+    assert!(found >= 3000, "a hang reported {found} ms after the SIGSTOP, before hang_timeout");
+    let ev = events(&v);
+    let hang = &ev.iter().find(|e| e.1 == "hang").expect("hang").2;
+    assert!(hang.contains("no step completed") && hang.contains("hang_timeout = 3s"), "{hang}");
+    assert!(hang.contains("rank 0 waits in") && hang.contains("not in it: rank 1: no heartbeat"), "{hang}");
+    let dump = &v["hang_dump"];
+    assert_eq!(dump["culprits"], serde_json::json!([1]), "{dump}");
+    assert_eq!(dump["ranks"][1]["state"], "silent", "{dump}");
+    assert_eq!(dump["ranks"][1]["pid"].as_i64(), Some(stopped), "{dump}");
+    assert_eq!(dump["ranks"][0]["state"], "in_collective", "{dump}");
+    assert_eq!(dump["ranks"][0]["in_op"], true, "{dump}");
+    assert!(dump["ranks"][0]["op_s"].as_f64().is_some_and(|s| s >= 2.0), "{dump}");
+
+    // Recovered: the stopped process is gone, attempt 2 trains to the end.
+    let v = p.wait_state(&id, "succeeded");
+    assert!(!alive(stopped), "the stopped worker {stopped} outlived its job");
+    assert_eq!((v["restarts"].as_i64(), v["attempt"].as_i64()), (Some(1), Some(2)), "{v}");
+    let restarted: Vec<_> = events(&v).into_iter().filter(|e| e.1 == "restarted").collect();
+    assert!(restarted.len() == 1 && restarted[0].2.contains("hang:"), "{restarted:?}");
+    assert_eq!(v["summary"]["steps"], 800, "{}", v["summary"]);
+    assert_eq!(v["hang_dump"]["culprits"], serde_json::json!([1]), "the last hang's dump stays: {v}");
+}
+
+#[test]
+#[cfg_attr(not(feature = "failpoints"), ignore = "slows the job's data: needs `--features shoal/failpoints`")]
+fn chaos_kills_workers_and_the_job_still_succeeds() {
+    let p = Platform::new("faults-chaos");
+    let id = p.submit("chaotic", &job("chaotic", 1500, "max_restarts = 10\nbackoff = \"0s\""));
+    training(&p, &id, 1, 20);
+    let out = p.cli(p.token(), &["chaos", &id, "--kill-every", "3s", "--for", "7s", "--seed", "7", "--json"]);
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "shoal chaos failed: {}\n{stdout}", text(&out.stderr));
+    let lines: Vec<Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not a JSON line ({e}): {l}")))
+        .collect();
+    let faults: Vec<&Value> = lines.iter().filter(|l| l["action"] == "kill" && l["rank"].is_i64()).collect();
+    assert!(!faults.is_empty(), "no worker was killed: {stdout}");
+    for f in &faults {
+        assert!(f["message"].as_str().is_some_and(|m| m.contains("SIGKILL to pid")), "{f}");
+        assert!(f["elapsed_s"].as_f64().is_some_and(|s| s >= 3.0), "{f}");
+    }
+    let done = lines.last().expect("lines");
+    assert_eq!(done["done"], true, "{stdout}");
+    assert_eq!(done["faults"].as_u64(), Some(faults.len() as u64), "{stdout}");
+
+    let v = p.wait_state(&id, "succeeded");
+    let ev = events(&v);
+    let chaos = ev.iter().filter(|e| e.1 == "chaos").count();
+    let restarts = ev.iter().filter(|e| e.1 == "restarted").count();
+    assert_eq!(chaos, faults.len(), "{ev:?}");
+    // Every kill ended its attempt; two kills may land on one attempt.
+    assert!(restarts >= 1 && restarts <= faults.len(), "{restarts} restarts for {} kills: {ev:?}", faults.len());
+    assert!(ev.iter().filter(|e| e.1 == "restarted").all(|e| e.2.contains("exited with status 137")), "{ev:?}");
+    assert_eq!(v["summary"]["steps"], 1500, "{}", v["summary"]);
+}
+
+#[test]
+#[cfg_attr(not(feature = "failpoints"), ignore = "slows the job's data: needs `--features shoal/failpoints`")]
+fn a_server_killed_during_a_restarts_backoff_still_waits_it_out() {
+    let mut p = Platform::new("faults-server");
+    let id = p.submit("patient", &job("patient", 400, "max_restarts = 1\nbackoff = \"6s\""));
+    let v = training(&p, &id, 1, 60);
+    kill(worker_pid(&v, 0), libc::SIGKILL);
+    p.wait_state_where(&id, "the restart", |v| events(v).iter().any(|e| e.1 == "restarted"));
+    p.kill_server();
+    p.start_server(None);
+    let v = p.wait_state(&id, "succeeded");
+    assert_eq!((v["restarts"].as_i64(), v["attempt"].as_i64()), (Some(1), Some(2)), "{v}");
+    let waited = event_time(&v, "started", 1) - event_time(&v, "restarted", 0);
+    assert!(
+        waited >= 6000,
+        "attempt 2 started {waited} ms after the restart: the new server cut the 6 s backoff short"
+    );
+    assert_eq!(v["summary"]["steps"], 400, "{}", v["summary"]);
+}
+
+#[test]
+#[cfg_attr(not(feature = "failpoints"), ignore = "slows the job's data: needs `--features shoal/failpoints`")]
+fn chaos_stop_hangs_a_worker_that_is_found_dumped_and_recovered() {
+    let p = Platform::new("faults-chaos-stop");
+    let spec =
+        job("frozen", 600, "max_restarts = 2\nbackoff = \"0s\"\nhang_timeout = \"3s\"\nheartbeat_timeout = \"60s\"");
+    let id = p.submit("frozen", &spec);
+    training(&p, &id, 1, 40);
+    let out =
+        p.cli(p.token(), &["chaos", &id, "--kill-every", "1s", "--for", "1500ms", "--stop", "--seed", "3", "--json"]);
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "shoal chaos --stop failed: {}\n{stdout}", text(&out.stderr));
+    let stops: Vec<Value> = stdout
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|l| l["action"] == "stop" && l["rank"].is_i64())
+        .collect();
+    assert_eq!(stops.len(), 1, "{stdout}");
+    let (rank, pid) = (stops[0]["rank"].as_i64().expect("rank"), stops[0]["pid"].as_i64().expect("pid"));
+    assert!(stops[0]["message"].as_str().is_some_and(|m| m.contains("SIGSTOP to pid")), "{stdout}");
+    let v = p.wait_state_where(&id, "a hang event", |v| events(v).iter().any(|e| e.1 == "hang"));
+    assert_eq!(v["hang_dump"]["culprits"], serde_json::json!([rank]), "{}", v["hang_dump"]);
+    assert_eq!(v["hang_dump"]["ranks"][rank as usize]["pid"].as_i64(), Some(pid), "{}", v["hang_dump"]);
+    let v = p.wait_state(&id, "succeeded");
+    assert!(!alive(pid), "the stopped worker {pid} outlived its job");
+    assert_eq!((v["restarts"].as_i64(), v["attempt"].as_i64()), (Some(1), Some(2)), "{v}");
+    assert_eq!(v["summary"]["steps"], 600, "{}", v["summary"]);
+}
