@@ -208,18 +208,21 @@ pub enum Strategy {
     Ddp,
     /// ZeRO stage 1: data parallel with the optimizer state sharded over the ranks.
     Zero1,
+    /// ZeRO stage 2: the gradients sharded too, each bucket reduce-scattered as backward passes it.
+    Zero2,
 }
 
 impl Strategy {
     /// The strategies that can run, as written in a spec.
-    pub const NAMES: [&'static str; 2] = ["ddp", "zero1"];
+    pub const NAMES: [&'static str; 3] = ["ddp", "zero1", "zero2"];
     /// Strategies a spec may name that do not exist yet (refused with a message saying so).
-    pub const PLANNED: [&'static str; 6] = ["zero2", "zero3", "fsdp", "pipeline", "tensor", "ps"];
+    pub const PLANNED: [&'static str; 5] = ["zero3", "fsdp", "pipeline", "tensor", "ps"];
 
     pub fn as_str(self) -> &'static str {
         match self {
             Strategy::Ddp => "ddp",
             Strategy::Zero1 => "zero1",
+            Strategy::Zero2 => "zero2",
         }
     }
 
@@ -227,6 +230,7 @@ impl Strategy {
         match name {
             "ddp" => Some(Strategy::Ddp),
             "zero1" => Some(Strategy::Zero1),
+            "zero2" => Some(Strategy::Zero2),
             _ => None,
         }
     }
@@ -1440,8 +1444,14 @@ lr = 0.01
             ),
             (MLP.replace("model = \"mlp\"", "model = { hidden = [3] }"), "train.model: missing field `kind`"),
             (mlp("strategy = \"ddp\"", ""), ""),
-            (mlp("strategy = \"fsdp\"", ""), "train.strategy: \"fsdp\" is not available yet; available: ddp, zero1"),
-            (mlp("strategy = \"zero3\"", ""), "train.strategy: \"zero3\" is not available yet; available: ddp, zero1"),
+            (
+                mlp("strategy = \"fsdp\"", ""),
+                "train.strategy: \"fsdp\" is not available yet; available: ddp, zero1, zero2",
+            ),
+            (
+                mlp("strategy = \"zero3\"", ""),
+                "train.strategy: \"zero3\" is not available yet; available: ddp, zero1, zero2",
+            ),
             (mlp("strategy = \"pipeline\"", ""), "train.strategy: \"pipeline\" is not available yet"),
             (mlp("strategy = \"tensor\"", ""), "train.strategy: \"tensor\" is not available yet"),
             (mlp("strategy = \"ps\"", ""), "train.strategy: \"ps\" is not available yet"),

@@ -129,6 +129,11 @@ impl Trainer {
         self.strategy.optimizer_bytes(&self.opt)
     }
 
+    /// Bytes of gradient buffers this rank holds for a step.
+    pub fn gradient_bytes(&self) -> usize {
+        self.strategy.gradient_bytes(&self.params)
+    }
+
     /// The optimizer state as whole named tensors, for a checkpoint: a collective when the strategy shards it
     /// (every rank calls it at the same step).
     pub fn optimizer_state(&self) -> Result<Vec<(String, Tensor)>> {

@@ -90,6 +90,11 @@ pub trait Strategy: Send {
         opt.state_bytes()
     }
 
+    /// Bytes of gradient buffers this rank holds for a step (by default one value per parameter).
+    fn gradient_bytes(&self, params: &Params) -> usize {
+        params.count() * 4
+    }
+
     /// The optimizer state as whole named tensors, for a checkpoint (by default the optimizer's own; a strategy
     /// that shards it gathers it: then every rank calls this at the same step).
     fn optimizer_state(&self, params: &Params, opt: &Optimizer) -> Result<Vec<(String, Tensor)>> {

@@ -1,10 +1,14 @@
-//! ZeRO stage 1: the optimizer state sharded over the ranks.
+//! ZeRO stages 1 and 2: the optimizer state (stage 1), and the gradients too (stage 2), sharded over the ranks.
 //!
 //! - At [`Strategy::init`], rank 0's parameters are broadcast (as DDP) and the flat parameter space (every parameter
-//!   in order, padded to a multiple of the world size) is cut into one equal shard per rank.
-//! - Each micro-batch's gradients are added into one flat buffer (weighted by the rank's share of the global batch,
-//!   as for DDP).
-//! - [`Strategy::step`] reduce-scatters that buffer, so each rank holds the summed gradient of its shard only; the
+//!   in order) is cut into buckets — one over everything for stage 1; for stage 2 about `bucket_bytes` each, from the
+//!   last parameters down (the order backward produces gradients) — and each bucket into one equal slice per rank
+//!   (padded): a rank's shard is its slice of every bucket.
+//! - Stage 1: each micro-batch's gradients are added into one flat buffer (weighted by the rank's share of the
+//!   global batch, as for DDP), reduce-scattered in [`Strategy::step`]. Stage 2: they go into one bucket buffer,
+//!   reduce-scattered as soon as backward has passed the bucket and added into the rank's shard of gradients, so the
+//!   whole gradient is never held (at the price of one reduce-scatter per micro-batch with gradient accumulation).
+//! - Either way each rank ends with the summed gradient of its shard only; the
 //!   global norm for clipping is one all-reduce of the shards' sums of squares; each rank applies the optimizer to
 //!   its shard with the moments of its shard only (`1/N` of the optimizer state per rank; the formula is
 //!   [`crate::optim::update`], the one every strategy uses); an all-gather of the updated shards gives every rank the
@@ -24,16 +28,26 @@ use crate::error::{Error, Result};
 use crate::optim::{OptimConfig, Optimizer, sum_sq, update};
 use crate::params::Params;
 
-/// ZeRO stage 1 (see the module documentation).
-pub struct Zero1 {
+/// ZeRO stage 1 or 2 (see the module documentation).
+pub struct Zero {
     comm: Option<Communicator>,
+    stage: u8,
+    /// Bytes of gradient per bucket (stage 2).
+    bucket_bytes: usize,
     /// Flat offset of each parameter, and the number of values.
     offsets: Vec<usize>,
     total: usize,
-    /// Values per shard (the padded total over the world size).
+    /// The buckets, from the last parameters to the first (the order backward produces gradients): each a range of
+    /// parameter indices and the flat range they cover. Stage 1 has one, over everything.
+    buckets: Vec<(std::ops::Range<usize>, std::ops::Range<usize>)>,
+    /// Where each bucket's slice starts in this rank's shard vectors.
+    shard_offsets: Vec<usize>,
+    /// The length of this rank's shard vectors (the sum of the buckets' slices).
     shard: usize,
-    /// This step's gradients, flat (padded).
+    /// Stage 1: this step's gradients, flat. Stage 2: one bucket being filled.
     acc: Vec<f32>,
+    /// Stage 2: this rank's summed gradients, accumulated bucket by bucket over the step's micro-batches.
+    grad: Vec<f32>,
     /// The step's scalars (summed over ranks in `step`).
     scalars: Vec<f32>,
     /// The optimizer's state for this rank's shard: SGD's momentum or AdamW's first moment, AdamW's second.
@@ -43,20 +57,41 @@ pub struct Zero1 {
     started: bool,
 }
 
-impl std::fmt::Debug for Zero1 {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Zero1").field("world", &self.world()).field("shard", &self.shard).finish_non_exhaustive()
+/// ZeRO stage 1 over `comm`.
+#[derive(Debug)]
+pub struct Zero1;
+
+impl Zero1 {
+    #[allow(clippy::new_ret_no_self)]
+    pub fn new(comm: Option<Communicator>) -> Zero {
+        Zero::new(comm, 1, usize::MAX)
     }
 }
 
-impl Zero1 {
-    pub fn new(comm: Option<Communicator>) -> Zero1 {
-        Zero1 {
+impl std::fmt::Debug for Zero {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Zero")
+            .field("stage", &self.stage)
+            .field("world", &self.world())
+            .field("shard", &self.shard)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Zero {
+    /// Stage 1 or 2 (stage 2 reduce-scatters each bucket of about `bucket_bytes` of gradients as it fills).
+    pub fn new(comm: Option<Communicator>, stage: u8, bucket_bytes: usize) -> Zero {
+        Zero {
             comm,
+            stage,
+            bucket_bytes,
             offsets: Vec::new(),
             total: 0,
+            buckets: Vec::new(),
+            shard_offsets: Vec::new(),
             shard: 0,
             acc: Vec::new(),
+            grad: Vec::new(),
             scalars: Vec::new(),
             m: Vec::new(),
             v: Vec::new(),
@@ -72,32 +107,91 @@ impl Zero1 {
         self.comm.as_ref().map_or(0, Communicator::rank)
     }
 
-    /// This rank's range of the flat parameter space (possibly reaching into the padding).
-    fn range(&self) -> std::ops::Range<usize> {
-        let start = self.rank() * self.shard;
-        start..start + self.shard
+    /// Bucket `b`'s slice length (its values over the world size, rounded up).
+    fn slice_len(&self, b: usize) -> usize {
+        self.buckets[b].1.len().div_ceil(self.world()).max(1)
     }
 
-    /// Gathers a shard-sized vector of every rank into the whole flat space (unpadded).
-    fn gather(&self, shard: &[f32]) -> Result<Vec<f32>> {
-        let mut full = vec![0f32; self.shard * self.world()];
+    /// Reduce-scatters bucket `b`'s gradients (`data`, its flat values) and adds this rank's slice into `out`.
+    fn reduce_bucket(&self, b: usize, data: &[f32], out: &mut [f32]) -> Result<()> {
+        let s = self.slice_len(b);
+        let mut padded = vec![0f32; s * self.world()];
+        padded[..data.len()].copy_from_slice(data);
+        let mut mine = vec![0f32; s];
         match self.comm.as_ref().filter(|c| c.size() > 1) {
-            Some(c) => c.all_gather(shard, &mut full)?,
-            None => full.copy_from_slice(shard),
+            Some(c) => c.reduce_scatter(&padded, &mut mine, ReduceOp::Sum)?,
+            None => mine.copy_from_slice(&padded[..s]),
         }
-        full.truncate(self.total);
+        let o = self.shard_offsets[b];
+        for (a, x) in out[o..o + s].iter_mut().zip(&mine) {
+            *a += *x;
+        }
+        Ok(())
+    }
+
+    /// Gathers a shard vector of every rank into the whole flat space.
+    fn gather(&self, shard: &[f32]) -> Result<Vec<f32>> {
+        let mut full = vec![0f32; self.total];
+        for (b, (_, flat)) in self.buckets.iter().enumerate() {
+            let s = self.slice_len(b);
+            let o = self.shard_offsets[b];
+            let mut all = vec![0f32; s * self.world()];
+            match self.comm.as_ref().filter(|c| c.size() > 1) {
+                Some(c) => c.all_gather(&shard[o..o + s], &mut all)?,
+                None => all.copy_from_slice(&shard[o..o + s]),
+            }
+            full[flat.clone()].copy_from_slice(&all[..flat.len()]);
+        }
         Ok(full)
+    }
+
+    /// This rank's shard of a whole flat vector (zeros in the padding).
+    fn cut(&self, full: &[f32]) -> Vec<f32> {
+        let mut out = vec![0f32; self.shard];
+        for (b, (_, flat)) in self.buckets.iter().enumerate() {
+            let s = self.slice_len(b);
+            let start = flat.start + self.rank() * s;
+            let end = (start + s).min(flat.end);
+            if start < end {
+                let o = self.shard_offsets[b];
+                out[o..o + (end - start)].copy_from_slice(&full[start..end]);
+            }
+        }
+        out
     }
 }
 
-/// Adds each parameter's gradient into the flat buffer.
+/// Adds each parameter's gradient into the flat buffer (stage 1), or into the current bucket, reduce-scattering
+/// each bucket once backward has passed it (stage 2).
 struct Adder<'a> {
+    z: &'a mut Zero,
     vars: &'a [(String, candle_core::Var)],
-    offsets: &'a [usize],
-    acc: &'a mut [f32],
     tmp: Vec<f32>,
-    scalars: &'a mut Vec<f32>,
     next: Option<usize>,
+    /// Stage 2: the bucket being filled.
+    bucket: usize,
+}
+
+impl Adder<'_> {
+    /// Stage 2: reduce-scatters every bucket whose parameters all lie above `index` (all of them for `None`).
+    fn flush_above(&mut self, index: Option<usize>) -> Result<()> {
+        if self.z.stage < 2 {
+            return Ok(());
+        }
+        while self.bucket < self.z.buckets.len() && index.is_none_or(|i| i < self.z.buckets[self.bucket].0.start) {
+            let b = self.bucket;
+            let flat = self.z.buckets[b].1.clone();
+            let data = std::mem::take(&mut self.z.acc);
+            let mut grad = std::mem::take(&mut self.z.grad);
+            let r = self.z.reduce_bucket(b, &data[..flat.len()], &mut grad);
+            self.z.grad = grad;
+            self.z.acc = data;
+            self.z.acc[..flat.len()].iter_mut().for_each(|x| *x = 0.0);
+            r?;
+            self.bucket += 1;
+        }
+        Ok(())
+    }
 }
 
 impl GradSink for Adder<'_> {
@@ -108,26 +202,28 @@ impl GradSink for Adder<'_> {
             )));
         }
         self.next = index.checked_sub(1);
+        self.flush_above(Some(index))?;
         let n = self.vars[index].1.elem_count();
-        let off = self.offsets[index];
+        // Offsets within the buffer: the whole flat space (stage 1, one bucket from 0), or the current bucket.
+        let off = self.z.offsets[index] - self.z.buckets[self.bucket.min(self.z.buckets.len() - 1)].1.start;
         self.tmp.clear();
         self.tmp.resize(n, 0.0);
         fill(&mut self.tmp)?;
-        for (a, x) in self.acc[off..off + n].iter_mut().zip(&self.tmp) {
+        for (a, x) in self.z.acc[off..off + n].iter_mut().zip(&self.tmp) {
             *a += *x;
         }
         Ok(())
     }
 
     fn attach_scalars(&mut self, values: &[f32]) {
-        self.scalars.clear();
-        self.scalars.extend_from_slice(values);
+        self.z.scalars.clear();
+        self.z.scalars.extend_from_slice(values);
     }
 }
 
-impl Strategy for Zero1 {
+impl Strategy for Zero {
     fn name(&self) -> &'static str {
-        "zero1"
+        if self.stage >= 2 { "zero2" } else { "zero1" }
     }
 
     fn comm(&self) -> Option<&Communicator> {
@@ -151,8 +247,34 @@ impl Strategy for Zero1 {
             })
             .collect();
         self.total = off;
-        self.shard = self.total.div_ceil(self.world()).max(1);
-        self.acc = vec![0.0; self.shard * self.world()];
+        // Buckets from the last parameter down: one over everything for stage 1.
+        self.buckets.clear();
+        let vars = params.vars();
+        let limit = (self.bucket_bytes / 4).max(1);
+        let mut hi = vars.len();
+        while hi > 0 {
+            let mut lo = hi - 1;
+            let mut len = vars[lo].1.elem_count();
+            while lo > 0 && (self.stage < 2 || len + vars[lo - 1].1.elem_count() <= limit) {
+                lo -= 1;
+                len += vars[lo].1.elem_count();
+            }
+            let flat = self.offsets[lo]..self.offsets[lo] + len;
+            self.buckets.push((lo..hi, flat));
+            hi = lo;
+        }
+        self.shard_offsets.clear();
+        let mut o = 0;
+        for b in 0..self.buckets.len() {
+            self.shard_offsets.push(o);
+            o += self.slice_len(b);
+        }
+        self.shard = o;
+        // Stage 2 holds one bucket of gradients at a time, never the whole.
+        self.acc = vec![0.0; self.buckets.iter().map(|(_, f)| f.len()).max().unwrap_or(0)];
+        if self.stage >= 2 {
+            self.grad = vec![0.0; self.shard];
+        }
         Ok(())
     }
 
@@ -165,13 +287,13 @@ impl Strategy for Zero1 {
     ) -> Result<()> {
         let mut sink = Adder {
             vars: params.vars(),
-            offsets: &self.offsets,
-            acc: &mut self.acc,
             tmp: Vec::new(),
-            scalars: &mut self.scalars,
             next: params.vars().len().checked_sub(1),
+            bucket: 0,
+            z: self,
         };
         f(&mut sink)?;
+        sink.flush_above(None)?;
         if last && !scalars.is_empty() {
             self.scalars = scalars;
         }
@@ -192,13 +314,20 @@ impl Strategy for Zero1 {
     fn step(&mut self, params: &Params, opt: &mut Optimizer, lr: f64, clip: Option<f64>) -> Result<StepTimes> {
         let t0 = Instant::now();
         let comm = self.comm.clone().filter(|c| c.size() > 1);
-        // This rank's summed gradient, and the step's scalars summed over ranks.
-        let mut grad = vec![0f32; self.shard];
-        match &comm {
-            Some(c) => c.reduce_scatter(&self.acc, &mut grad, ReduceOp::Sum)?,
-            None => grad.copy_from_slice(&self.acc[..self.shard]),
-        }
-        self.acc.iter_mut().for_each(|x| *x = 0.0);
+        // This rank's summed gradient (stage 2: reduced bucket by bucket during backward), and the step's scalars
+        // summed over ranks.
+        let mut grad = if self.stage >= 2 {
+            std::mem::replace(&mut self.grad, vec![0.0; self.shard])
+        } else {
+            let mut g = vec![0f32; self.shard];
+            let acc = std::mem::take(&mut self.acc);
+            for (b, (_, flat)) in self.buckets.iter().enumerate() {
+                self.reduce_bucket(b, &acc[..flat.len()], &mut g)?;
+            }
+            self.acc = acc;
+            self.acc.iter_mut().for_each(|x| *x = 0.0);
+            g
+        };
         let mut scalars = std::mem::take(&mut self.scalars);
         if let (Some(c), false) = (&comm, scalars.is_empty()) {
             c.all_reduce(&mut scalars, ReduceOp::Sum)?;
@@ -219,13 +348,7 @@ impl Strategy for Zero1 {
             grad_norm = Some(norm);
         }
         // The shard's parameters (zeros in the padding), updated in place with the shard's moments.
-        let range = self.range();
-        let flat = params.flatten()?;
-        let mut p = vec![0f32; self.shard];
-        let end = range.end.min(self.total);
-        if range.start < end {
-            p[..end - range.start].copy_from_slice(&flat[range.start..end]);
-        }
+        let mut p = self.cut(&params.flatten()?);
         opt.t += 1;
         let cfg = opt.config();
         let first = !self.started;
@@ -251,6 +374,11 @@ impl Strategy for Zero1 {
 
     fn optimizer_bytes(&self, _opt: &Optimizer) -> usize {
         (self.m.len() + self.v.len()) * 4
+    }
+
+    /// Stage 1: the whole flat gradient. Stage 2: one bucket and this rank's shard.
+    fn gradient_bytes(&self, _params: &Params) -> usize {
+        (self.acc.len() + self.grad.len()) * 4
     }
 
     /// Every rank's moments gathered into whole tensors, named as [`Optimizer::state`] names them. A collective:
@@ -283,12 +411,9 @@ impl Strategy for Zero1 {
         named: &HashMap<String, Tensor>,
     ) -> Result<()> {
         opt.t = t;
-        let range = self.range();
-        let padded = self.shard * self.world();
-        let offsets = self.offsets.clone();
         let mut any = false;
-        for (suffix, dst) in [("m", &mut self.m), ("v", &mut self.v)] {
-            let mut full = vec![0f32; padded];
+        for suffix in ["m", "v"] {
+            let mut full = vec![0f32; self.total];
             let mut found = false;
             for (i, (name, var)) in params.vars().iter().enumerate() {
                 let Some(x) = named.get(&format!("{name}.{suffix}")) else { continue };
@@ -300,14 +425,15 @@ impl Strategy for Zero1 {
                     )));
                 }
                 let vals = x.flatten_all()?.to_vec1::<f32>()?;
-                full[offsets[i]..offsets[i] + vals.len()].copy_from_slice(&vals);
+                full[self.offsets[i]..self.offsets[i] + vals.len()].copy_from_slice(&vals);
                 found = true;
             }
-            if found {
-                *dst = full[range.clone()].to_vec();
-                any = true;
+            let cut = if found { self.cut(&full) } else { Vec::new() };
+            any |= found;
+            if suffix == "m" {
+                self.m = cut;
             } else {
-                dst.clear();
+                self.v = cut;
             }
         }
         self.started = any;

@@ -111,6 +111,7 @@ pub(super) fn training(spec: &JobSpec, setup: &Setup, params: Params) -> Result<
     let strategy: Box<dyn crate::strategy::Strategy> = match ran {
         Strategy::Ddp => Box::new(crate::strategy::ddp::Ddp::new(Some(comm.clone()), cfg.ddp())),
         Strategy::Zero1 => Box::new(crate::strategy::zero::Zero1::new(Some(comm.clone()))),
+        Strategy::Zero2 => Box::new(crate::strategy::zero::Zero::new(Some(comm.clone()), 2, cfg.bucket_bytes)),
     };
     let trainer = Trainer::with_strategy(params, strategy, cfg)?;
 

@@ -25,8 +25,8 @@ struct Run {
     hand: bool,
     /// All-reduce buckets during backward (else in `step`, on the training thread).
     overlap: bool,
-    /// ZeRO stage 1 instead of DDP.
-    zero: bool,
+    /// ZeRO stage 1 or 2 instead of DDP (0: DDP).
+    zero: u8,
 }
 
 fn dataset(which: Which) -> Arc<dyn Dataset> {
@@ -61,8 +61,8 @@ fn train_rank(run: &Run, comm: Option<Communicator>, world: usize, rank: usize) 
         overlap: run.overlap,
         ..TrainerConfig::default()
     };
-    let mut trainer = if run.zero {
-        let strategy = Box::new(shoal_train::strategy::zero::Zero1::new(comm));
+    let mut trainer = if run.zero > 0 {
+        let strategy = Box::new(shoal_train::strategy::zero::Zero::new(comm, run.zero, cfg.bucket_bytes));
         Trainer::with_strategy(params, strategy, cfg).expect("trainer")
     } else {
         Trainer::new(params, comm, cfg).expect("trainer")
@@ -151,7 +151,7 @@ const SGD: OptimConfig = OptimConfig::Sgd { momentum: 0.9, weight_decay: 0.0 };
 /// The MLP with SGD (48 samples a step), or with AdamW and 2 micro-batches a step (60 samples).
 fn mlp(hand: bool, overlap: bool, adamw_accum: bool) -> Run {
     let (global_batch, grad_accum, optimizer) = if adamw_accum { (60, 2, ADAMW) } else { (48, 1, SGD) };
-    Run { which: Which::Mlp, steps: 50, global_batch, grad_accum, optimizer, hand, overlap, zero: false }
+    Run { which: Which::Mlp, steps: 50, global_batch, grad_accum, optimizer, hand, overlap, zero: 0 }
 }
 
 /// Every way of computing and reducing gradients: autograd or the hand-written
@@ -204,7 +204,7 @@ fn gpt_ddp_matches_one_worker_at_2_and_4_workers() {
         optimizer: SGD,
         hand: false,
         overlap: true,
-        zero: false,
+        zero: 0,
     };
     let one = train_world(run(), 1);
     for n in [2, 4] {
@@ -222,7 +222,7 @@ fn loss_falls_on_real_data() {
         optimizer: ADAMW,
         hand: false,
         overlap: true,
-        zero: false,
+        zero: 0,
     };
     let (_, losses) = train_rank(&run, None, 1, 0);
     let first: f32 = losses[..5].iter().sum::<f32>() / 5.0;
@@ -230,26 +230,36 @@ fn loss_falls_on_real_data() {
     assert!(last < first * 0.5, "loss should fall: first {first}, last {last}");
 }
 
-/// ZeRO stage 1 (optimizer state sharded, gradients reduce-scattered, shards all-gathered) ends where one worker
-/// does, with AdamW and gradient accumulation, through autograd and the hand-written backward, at world sizes that
+/// ZeRO stages 1 and 2 (optimizer state sharded, gradients reduce-scattered — stage 2 bucket by bucket during
+/// backward, 4 KiB buckets here — shards all-gathered) end where one worker does, with AdamW and gradient accumulation, through autograd and the hand-written backward, at world sizes that
 /// do and do not divide the parameter count; and so with momentum SGD.
 #[test]
-fn mlp_zero1_matches_one_worker_with_adamw_and_sgd() {
+fn mlp_zero1_and_zero2_match_one_worker_with_adamw_and_sgd() {
     for (hand, _) in PATHS {
         let one = train_world(mlp(hand, true, true), 1);
         for n in [2, 3, 4] {
-            let zero = train_world(Run { zero: true, ..mlp(hand, true, true) }, n);
-            assert_close(&one, &zero, &format!("mlp zero1 (hand {hand}), AdamW, {n} workers, grad_accum 2"));
+            for stage in [1, 2] {
+                let zero = train_world(Run { zero: stage, ..mlp(hand, true, true) }, n);
+                let what = format!("mlp zero{stage} (hand {hand}), AdamW, {n} workers, grad_accum 2");
+                assert_close(&one, &zero, &what);
+            }
         }
     }
     let one = train_world(mlp(false, true, false), 1);
-    assert_close(&one, &train_world(Run { zero: true, ..mlp(false, true, false) }, 3), "mlp zero1, SGD, 3 workers");
+    assert_close(&one, &train_world(Run { zero: 1, ..mlp(false, true, false) }, 3), "mlp zero1, SGD, 3 workers");
+    assert_close(&one, &train_world(Run { zero: 2, ..mlp(false, true, false) }, 3), "mlp zero2, SGD, 3 workers");
 }
 
-/// A ZeRO-1 rank holds a 1/N shard of the optimizer state, and what it saves is the whole state, equal to what
-/// one worker's optimizer holds after the same steps.
+/// A ZeRO rank holds a 1/N shard of the optimizer state (and with stage 2 a bucket and a shard of the gradients),
+/// and what it saves is the whole state, the same on every rank.
 #[test]
-fn zero1_shards_the_optimizer_state_and_saves_it_whole() {
+fn zero_shards_the_optimizer_state_and_the_gradients_and_saves_the_state_whole() {
+    for stage in [1u8, 2] {
+        zero_shards(stage);
+    }
+}
+
+fn zero_shards(stage: u8) {
     let world = 4;
     let cfg =
         CommConfig { transport: TransportChoice::InProc, timeout: Duration::from_secs(120), ..CommConfig::default() };
@@ -262,8 +272,8 @@ fn zero1_shards_the_optimizer_state_and_saves_it_whole() {
                 let mut rng = SeededRng::new(7);
                 let model = Mlp::new(&mut params, &mut rng, 64, &[32, 16], 10).expect("mlp");
                 let count = params.count();
-                let tcfg = TrainerConfig { optimizer: ADAMW, ..TrainerConfig::default() };
-                let zero = shoal_train::strategy::zero::Zero1::new(Some(c));
+                let tcfg = TrainerConfig { optimizer: ADAMW, bucket_bytes: 4096, ..TrainerConfig::default() };
+                let zero = shoal_train::strategy::zero::Zero::new(Some(c), stage, tcfg.bucket_bytes);
                 let mut trainer = Trainer::with_strategy(params, Box::new(zero), tcfg).expect("trainer");
                 let data = dataset(Which::Mlp);
                 let samples: Vec<_> = (0..8).map(|i| data.get(i).expect("sample")).collect();
@@ -275,7 +285,7 @@ fn zero1_shards_the_optimizer_state_and_saves_it_whole() {
                     trainer.step(1e-2).expect("step");
                 }
                 let state = trainer.optimizer_state().expect("gathered state");
-                let held = trainer.optimizer_bytes();
+                let held = (trainer.optimizer_bytes(), trainer.gradient_bytes());
                 (
                     count,
                     held,
@@ -289,9 +299,18 @@ fn zero1_shards_the_optimizer_state_and_saves_it_whole() {
         .collect();
     let outs: Vec<_> = hs.into_iter().map(|h| h.join().expect("rank")).collect();
     let (count, _, state) = &outs[0];
-    for (_, held, _) in &outs {
-        // m and v of a quarter of the parameters (rounded up), in f32.
-        assert_eq!(*held, 2 * count.div_ceil(world) * 4, "each rank holds its shard of the state only");
+    for (_, (opt, grads), _) in &outs {
+        // m and v of a quarter of the parameters, in f32, plus at most one padding value per bucket.
+        let quarter = 2 * count.div_ceil(world) * 4;
+        if stage == 1 {
+            assert_eq!(*opt, quarter, "stage 1: each rank holds its shard of the state only");
+            assert_eq!(*grads, count * 4, "stage 1: the whole gradient");
+        } else {
+            assert!(*opt >= quarter && *opt <= quarter + 2 * 4 * 8, "stage 2: {opt} bytes of state, {quarter} wanted");
+            // One bucket (4 KiB, or the largest parameter, the 64x32 first layer, when larger) and a shard.
+            let bound = (2048 + count.div_ceil(world) + 8) * 4;
+            assert!(*grads <= bound && *grads < count * 4, "stage 2: a bucket and a shard of gradients: {grads}");
+        }
     }
     let saved: usize = state.iter().map(|(_, v)| v.len()).sum();
     assert_eq!(saved, 2 * count, "the whole AdamW state (m and v of every parameter) is saved");

@@ -345,11 +345,11 @@ fn a_new_run_starts_from_the_checkpoint_named_by_resume_from() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
-/// ZeRO stage 1 through the whole worker: 2 ranks train and checkpoint (the sharded optimizer state gathered whole),
-/// then the run resumes on 3 ranks; DDP does the same; both end with the same losses, and a ZeRO-1 checkpoint
+/// ZeRO stages 1 and 2 through the whole worker: 2 ranks train and checkpoint (the sharded optimizer state gathered
+/// whole), then the run resumes on 3 ranks; DDP does the same; all end with the same losses, and a ZeRO checkpoint
 /// resumes under DDP too (its checkpoints are DDP's).
 #[test]
-fn zero1_trains_checkpoints_and_resumes_at_another_world_size_as_ddp_does() {
+fn zero_trains_checkpoints_and_resumes_at_another_world_size_as_ddp_does() {
     let dir = tmpdir("zero1");
     let job = |strategy: &str, steps: usize| {
         let p = dir.join(format!("{strategy}-{steps}.toml"));
@@ -372,23 +372,25 @@ fn zero1_trains_checkpoints_and_resumes_at_another_world_size_as_ddp_does() {
         run_json(&args)
     };
     let key = |s: &serde_json::Value| (s["final_loss"].as_f64(), s["eval_loss"].as_f64());
-    let z = run("zero1", "zero", "2", 40, false);
-    let d = run("ddp", "ddp", "2", 40, false);
-    assert_eq!(z["strategy"], "zero1", "{z}");
-    assert!(key(&z).0.is_some(), "{z}");
     let close = |a: (Option<f64>, Option<f64>), b: (Option<f64>, Option<f64>), what: &str| {
-        let (a0, a1, b0, b1) =
-            (a.0.unwrap_or(f64::NAN), a.1.unwrap_or(f64::NAN), b.0.unwrap_or(f64::NAN), b.1.unwrap_or(f64::NAN));
+        let (a0, a1) = (a.0.unwrap_or(f64::NAN), a.1.unwrap_or(f64::NAN));
+        let (b0, b1) = (b.0.unwrap_or(f64::NAN), b.1.unwrap_or(f64::NAN));
         assert!((a0 - b0).abs() <= 1e-5 * b0.abs() && (a1 - b1).abs() <= 1e-5 * b1.abs(), "{what}: {a:?} vs {b:?}");
     };
-    close(key(&z), key(&d), "2 ranks, 40 steps");
-    let zr = run("zero1", "zero", "3", 60, true);
+    let d = run("ddp", "ddp", "2", 40, false);
     let dr = run("ddp", "ddp", "3", 60, true);
-    close(key(&zr), key(&dr), "resumed on 3 ranks to 60 steps");
-    // A ZeRO-1 checkpoint under DDP.
-    let _ = std::fs::remove_dir_all(dir.join("zero").join("checkpoints").join("step-000060"));
-    let _ = std::fs::remove_file(dir.join("zero").join("summary.json"));
-    let x = run("ddp", "zero", "2", 60, true);
-    close(key(&x), key(&dr), "a ZeRO-1 checkpoint resumed under DDP on 2 ranks");
+    for zs in ["zero1", "zero2"] {
+        let z = run(zs, zs, "2", 40, false);
+        assert_eq!(z["strategy"], zs, "{z}");
+        assert!(key(&z).0.is_some(), "{z}");
+        close(key(&z), key(&d), &format!("{zs}: 2 ranks, 40 steps"));
+        let zr = run(zs, zs, "3", 60, true);
+        close(key(&zr), key(&dr), &format!("{zs}: resumed on 3 ranks to 60 steps"));
+        // Its checkpoint under DDP.
+        let _ = std::fs::remove_dir_all(dir.join(zs).join("checkpoints").join("step-000060"));
+        let _ = std::fs::remove_file(dir.join(zs).join("summary.json"));
+        let x = run("ddp", zs, "2", 60, true);
+        close(key(&x), key(&dr), &format!("a {zs} checkpoint resumed under DDP on 2 ranks"));
+    }
     let _ = std::fs::remove_dir_all(dir);
 }

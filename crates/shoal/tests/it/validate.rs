@@ -93,7 +93,10 @@ fn syntax_errors_and_unreadable_files_are_errors_too() {
     let out = validate(&[], &job);
     assert_eq!(out.status.code(), Some(1));
     let stderr = text(&out.stderr);
-    assert!(stderr.contains("train.strategy: \"zero3\" is not available yet; available: ddp, zero1"), "{stderr}");
+    assert!(
+        stderr.contains("train.strategy: \"zero3\" is not available yet; available: ddp, zero1, zero2"),
+        "{stderr}"
+    );
     let _ = std::fs::remove_file(job);
 
     let missing = std::env::temp_dir().join("shoal-validate-no-such-job.toml");
