@@ -25,6 +25,7 @@ use shoal_comm::{Communicator, ReduceOp};
 
 use super::{GradSink, StepTimes, Strategy, TensorGrads, copy_f32};
 use crate::error::{Error, Result};
+use crate::kernels::{with_slice, with_slice_mut};
 use crate::optim::{OptimConfig, Optimizer, sum_sq, update};
 use crate::params::Params;
 
@@ -143,6 +144,36 @@ impl Zero {
             full[flat.clone()].copy_from_slice(&all[..flat.len()]);
         }
         Ok(full)
+    }
+
+    /// This rank's shard of the parameters (zeros in the padding), read in place from the ones it overlaps.
+    fn read_shard(&self, params: &Params) -> Result<Vec<f32>> {
+        let mut out = vec![0f32; self.shard];
+        for (b, (_, flat)) in self.buckets.iter().enumerate() {
+            let s = self.slice_len(b);
+            let start = flat.start + self.rank() * s;
+            let end = (start + s).min(flat.end);
+            let o = self.shard_offsets[b];
+            for (i, (_, var)) in params.vars().iter().enumerate() {
+                let (lo, hi) = (self.offsets[i], self.offsets[i] + var.elem_count());
+                let (a, z) = (lo.max(start), hi.min(end));
+                if a < z {
+                    with_slice(var.as_tensor(), |p| {
+                        out[o + a - start..o + z - start].copy_from_slice(&p[a - lo..z - lo]);
+                    })?;
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Writes a whole flat vector into the parameters, in place.
+    fn write_params(&self, params: &Params, full: &[f32]) -> Result<()> {
+        for (i, (_, var)) in params.vars().iter().enumerate() {
+            let (lo, n) = (self.offsets[i], var.elem_count());
+            with_slice_mut(var.as_tensor(), |p| p.copy_from_slice(&full[lo..lo + n]))?;
+        }
+        Ok(())
     }
 
     /// This rank's shard of a whole flat vector (zeros in the padding).
@@ -348,7 +379,7 @@ impl Strategy for Zero {
             grad_norm = Some(norm);
         }
         // The shard's parameters (zeros in the padding), updated in place with the shard's moments.
-        let mut p = self.cut(&params.flatten()?);
+        let mut p = self.read_shard(params)?;
         opt.t += 1;
         let cfg = opt.config();
         let first = !self.started;
@@ -368,7 +399,7 @@ impl Strategy for Zero {
         let optimizer_s = t1.elapsed().as_secs_f64();
         let t2 = Instant::now();
         let full = self.gather(&p)?;
-        params.load_flat(&full)?;
+        self.write_params(params, &full)?;
         Ok(StepTimes { comm_s: comm_s + t2.elapsed().as_secs_f64(), optimizer_s, grad_norm, scalars })
     }
 
