@@ -20,6 +20,7 @@ pub mod batch;
 pub mod checkpoint;
 pub mod error;
 pub mod kernels;
+pub mod memory;
 pub mod models;
 pub mod optim;
 pub mod params;

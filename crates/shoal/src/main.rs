@@ -10,6 +10,10 @@ mod run;
 mod validate;
 
 use anyhow::Result;
+
+/// Counts the heap, so a worker reports the memory its steps use from the real buffers.
+#[global_allocator]
+static ALLOC: shoal_train::memory::CountingAlloc = shoal_train::memory::CountingAlloc;
 use clap::{Parser, Subcommand};
 
 #[derive(Debug, Parser)]

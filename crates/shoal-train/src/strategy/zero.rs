@@ -56,6 +56,10 @@ pub struct Zero {
     v: Vec<f32>,
     /// Whether the moments hold anything yet (SGD's first momentum is the gradient itself).
     started: bool,
+    /// A parameter's gradient as the model writes it, reused from one call to the next.
+    tmp: Vec<f32>,
+    /// This rank's reduced slice of a bucket (reused).
+    mine: Vec<f32>,
 }
 
 /// ZeRO stage 1 over `comm`.
@@ -97,6 +101,8 @@ impl Zero {
             m: Vec::new(),
             v: Vec::new(),
             started: false,
+            tmp: Vec::new(),
+            mine: Vec::new(),
         }
     }
 
@@ -114,17 +120,18 @@ impl Zero {
     }
 
     /// Reduce-scatters bucket `b`'s gradients (`data`, its flat values) and adds this rank's slice into `out`.
-    fn reduce_bucket(&self, b: usize, data: &[f32], out: &mut [f32]) -> Result<()> {
+    fn reduce_bucket(&mut self, b: usize, data: &[f32], out: &mut [f32]) -> Result<()> {
         let s = self.slice_len(b);
-        let mut padded = vec![0f32; s * self.world()];
-        padded[..data.len()].copy_from_slice(data);
-        let mut mine = vec![0f32; s];
+        // `data` is the bucket padded with zeros to `s` values per rank.
+        let padded = &data[..s * self.world()];
+        self.mine.clear();
+        self.mine.resize(s, 0.0);
         match self.comm.as_ref().filter(|c| c.size() > 1) {
-            Some(c) => c.reduce_scatter(&padded, &mut mine, ReduceOp::Sum)?,
-            None => mine.copy_from_slice(&padded[..s]),
+            Some(c) => c.reduce_scatter(padded, &mut self.mine, ReduceOp::Sum)?,
+            None => self.mine.copy_from_slice(&padded[..s]),
         }
         let o = self.shard_offsets[b];
-        for (a, x) in out[o..o + s].iter_mut().zip(&mine) {
+        for (a, x) in out[o..o + s].iter_mut().zip(&self.mine) {
             *a += *x;
         }
         Ok(())
@@ -214,7 +221,7 @@ impl Adder<'_> {
             let flat = self.z.buckets[b].1.clone();
             let data = std::mem::take(&mut self.z.acc);
             let mut grad = std::mem::take(&mut self.z.grad);
-            let r = self.z.reduce_bucket(b, &data[..flat.len()], &mut grad);
+            let r = self.z.reduce_bucket(b, &data, &mut grad);
             self.z.grad = grad;
             self.z.acc = data;
             self.z.acc[..flat.len()].iter_mut().for_each(|x| *x = 0.0);
@@ -302,7 +309,9 @@ impl Strategy for Zero {
         }
         self.shard = o;
         // Stage 2 holds one bucket of gradients at a time, never the whole.
-        self.acc = vec![0.0; self.buckets.iter().map(|(_, f)| f.len()).max().unwrap_or(0)];
+        // Each bucket padded with zeros to a slice per rank, so the reduce-scatter takes it as it is.
+        let padded = (0..self.buckets.len()).map(|b| self.slice_len(b) * self.world()).max().unwrap_or(0);
+        self.acc = vec![0.0; padded];
         if self.stage >= 2 {
             self.grad = vec![0.0; self.shard];
         }
@@ -316,15 +325,12 @@ impl Strategy for Zero {
         scalars: Vec<f32>,
         f: &mut dyn FnMut(&mut dyn GradSink) -> Result<()>,
     ) -> Result<()> {
-        let mut sink = Adder {
-            vars: params.vars(),
-            tmp: Vec::new(),
-            next: params.vars().len().checked_sub(1),
-            bucket: 0,
-            z: self,
-        };
-        f(&mut sink)?;
-        sink.flush_above(None)?;
+        let tmp = std::mem::take(&mut self.tmp);
+        let mut sink = Adder { vars: params.vars(), tmp, next: params.vars().len().checked_sub(1), bucket: 0, z: self };
+        let done = f(&mut sink).and_then(|()| sink.flush_above(None));
+        let tmp = std::mem::take(&mut sink.tmp);
+        self.tmp = tmp;
+        done?;
         if last && !scalars.is_empty() {
             self.scalars = scalars;
         }
@@ -352,8 +358,8 @@ impl Strategy for Zero {
         } else {
             let mut g = vec![0f32; self.shard];
             let acc = std::mem::take(&mut self.acc);
-            for (b, (_, flat)) in self.buckets.iter().enumerate() {
-                self.reduce_bucket(b, &acc[..flat.len()], &mut g)?;
+            for b in 0..self.buckets.len() {
+                self.reduce_bucket(b, &acc, &mut g)?;
             }
             self.acc = acc;
             self.acc.iter_mut().for_each(|x| *x = 0.0);
@@ -407,9 +413,10 @@ impl Strategy for Zero {
         (self.m.len() + self.v.len()) * 4
     }
 
-    /// Stage 1: the whole flat gradient. Stage 2: one bucket and this rank's shard.
+    /// Stage 1: the whole flat gradient. Stage 2: one bucket and this rank's shard. Each padded to a multiple of
+    /// the world size, with the reduce-scatter's slice.
     fn gradient_bytes(&self, _params: &Params) -> usize {
-        (self.acc.len() + self.grad.len()) * 4
+        (self.acc.len() + self.grad.len() + self.mine.capacity()) * 4
     }
 
     /// Every rank's moments gathered into whole tensors, named as [`Optimizer::state`] names them. A collective:

@@ -11,7 +11,7 @@ use shoal_comm::{Communicator, ReduceOp};
 use super::eval::{evaluate, unigram_baseline};
 use super::setup::{Setup, Training};
 use super::train_loop::{StepLoop, Trained};
-use super::wire::{StepTime, Summary};
+use super::wire::{RankMemory, StepTime, Summary};
 use crate::checkpoint::AsyncSaver;
 use crate::error::{Error, Result};
 use crate::spec::{JobSpec, ModelKind, median};
@@ -86,12 +86,34 @@ pub(super) fn finish(
         checkpoints,
         stall_s,
         last_mb_s,
+        activations_peak,
     } = trained;
     let (eval_loss, eval_acc) = evaluate(model.as_ref(), eval.as_ref(), comm, micro, t.eval_batches)?;
     steps.eval_log.log(t.steps, eval_loss, eval_acc)?;
     let text = t.model.kind == ModelKind::Gpt;
     let baseline_loss =
         if text && rank == 0 { Some(unigram_baseline(train.as_ref(), eval.as_ref(), t.model.vocab())?) } else { None };
+    // Every rank's memory, gathered (-1: not measured).
+    let trainer = &tr.trainer;
+    let mine = [
+        (trainer.params().count() * 4) as i64,
+        trainer.gradient_bytes() as i64,
+        trainer.optimizer_bytes() as i64,
+        activations_peak.map_or(-1, |a| a as i64),
+    ];
+    let mut all = vec![0i64; 4 * world];
+    comm.all_gather(&mine, &mut all)?;
+    let memory_bytes = all
+        .chunks(4)
+        .enumerate()
+        .map(|(rank, m)| RankMemory {
+            rank,
+            params: m[0].max(0) as u64,
+            grads: m[1].max(0) as u64,
+            optimizer: m[2].max(0) as u64,
+            activations_peak: u64::try_from(m[3]).ok(),
+        })
+        .collect();
     let summary = Summary {
         name: spec.name.clone(),
         model: format!("{:?}", t.model.kind).to_lowercase(),
@@ -122,6 +144,7 @@ pub(super) fn finish(
         checkpoint_mb_per_s: last_mb_s,
         checkpoint_stall_s: stall_s,
         checkpoint_save_s: steps.saver.as_ref().map_or(0.0, AsyncSaver::total_save_seconds),
+        memory_bytes,
     };
     comm.barrier()?;
     if rank == 0 {

@@ -52,6 +52,8 @@ pub(super) struct Trained {
     pub(super) stall_s: f64,
     /// The last save's speed, MB/s.
     pub(super) last_mb_s: Option<f64>,
+    /// The most a step allocated beyond what it started with (activations and temporaries), when measured.
+    pub(super) activations_peak: Option<usize>,
 }
 
 impl StepLoop {
@@ -141,8 +143,10 @@ impl StepLoop {
         // The model's hand-written backward pass, unless SHOAL_AUTOGRAD=1 asks for candle's autograd.
         let hand = model.hand_backward().filter(|_| std::env::var("SHOAL_AUTOGRAD").map_or(true, |v| v != "1"));
         let train_started = Instant::now();
+        let mut activations_peak: Option<usize> = None;
         for step in start_step..t.steps {
             let step_started = Instant::now();
+            let held = crate::memory::PeakOver::start();
             let (mut data_s, mut compute_s) = (0f64, 0f64);
             let mut local_loss = 0f64;
             let mut global_samples = 0usize;
@@ -190,6 +194,14 @@ impl StepLoop {
             stall_s += submit_snapshot(&mut snapshot, saver.as_mut())?;
             if let (true, Some(b)) = (handing, beat) {
                 b.phase(Phase::Train);
+            }
+            // Forward and backward's peak beyond the step's start: activations and temporaries. The run's first
+            // step is left out when others follow (it also allocates buffers kept from then on).
+            if let Some(p) = held.end()
+                && (step > start_step || activations_peak.is_none())
+            {
+                let p = if step == start_step + 1 { p } else { activations_peak.map_or(p, |a| a.max(p)) };
+                activations_peak = Some(p);
             }
             let times = trainer.step(lr)?;
             // The global loss: every rank's weighted share, summed with the gradients.
@@ -295,6 +307,7 @@ impl StepLoop {
             checkpoints,
             stall_s,
             last_mb_s,
+            activations_peak,
         })
     }
 }

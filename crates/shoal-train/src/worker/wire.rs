@@ -57,6 +57,21 @@ pub struct Summary {
     /// Seconds the saves took in the background, in total (the stall is what the loop paid of it).
     #[serde(default)]
     pub checkpoint_save_s: f64,
+    /// What each rank's memory held, from its real buffers.
+    #[serde(default)]
+    pub memory_bytes: Vec<RankMemory>,
+}
+
+/// One rank's memory, in bytes: its parameters, its gradient buffers, its optimizer state (a shard of it under
+/// ZeRO), and the most a step allocated beyond what it started with — activations and the temporaries of forward
+/// and backward (measured by the `shoal` binary's counting allocator; `null` where none is installed).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct RankMemory {
+    pub rank: usize,
+    pub params: u64,
+    pub grads: u64,
+    pub optimizer: u64,
+    pub activations_peak: Option<u64>,
 }
 
 /// One line of `metrics.jsonl`.

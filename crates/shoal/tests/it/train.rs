@@ -379,6 +379,18 @@ fn zero_trains_checkpoints_and_resumes_at_another_world_size_as_ddp_does() {
     };
     let d = run("ddp", "ddp", "2", 40, false);
     let dr = run("ddp", "ddp", "3", 60, true);
+    // Memory per rank, against sizes computed by hand: P parameters of 4 bytes; AdamW's two moments, whole under
+    // DDP, a third each under ZeRO on 3 ranks.
+    let p = dr["parameters"].as_u64().expect("parameters");
+    let mem = |s: &serde_json::Value| s["memory_bytes"].as_array().cloned().unwrap_or_default();
+    assert_eq!(mem(&dr).len(), 3, "one entry per rank: {dr}");
+    for (r, m) in mem(&dr).iter().enumerate() {
+        assert_eq!(m["rank"], r);
+        assert_eq!(m["params"].as_u64(), Some(4 * p), "{m}");
+        assert_eq!(m["grads"].as_u64(), Some(4 * p), "{m}");
+        assert_eq!(m["optimizer"].as_u64(), Some(2 * 4 * p), "{m}");
+        assert!(m["activations_peak"].as_u64().is_some_and(|a| a > 0), "measured: {m}");
+    }
     for zs in ["zero1", "zero2"] {
         let z = run(zs, zs, "2", 40, false);
         assert_eq!(z["strategy"], zs, "{z}");
@@ -386,6 +398,9 @@ fn zero_trains_checkpoints_and_resumes_at_another_world_size_as_ddp_does() {
         close(key(&z), key(&d), &format!("{zs}: 2 ranks, 40 steps"));
         let zr = run(zs, zs, "3", 60, true);
         close(key(&zr), key(&dr), &format!("{zs}: resumed on 3 ranks to 60 steps"));
+        for m in mem(&zr) {
+            assert_eq!(m["optimizer"].as_u64(), Some(2 * 4 * p.div_ceil(3)), "{zs}: a third of the state: {m}");
+        }
         // Its checkpoint under DDP.
         let _ = std::fs::remove_dir_all(dir.join(zs).join("checkpoints").join("step-000060"));
         let _ = std::fs::remove_file(dir.join(zs).join("summary.json"));
