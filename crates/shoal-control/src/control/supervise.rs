@@ -110,6 +110,8 @@ impl Control {
                     },
                 )
                 .await?;
+            // An attempt before a restart may have left in-memory checkpoints.
+            self.exec.job_ended(&job.id);
             return Ok(());
         }
         if self.sched().status(&job.id).is_none() {
@@ -133,6 +135,7 @@ impl Control {
                         },
                     )
                     .await?;
+                self.exec.job_ended(&job.id);
             }
         }
         Ok(())
@@ -295,6 +298,7 @@ impl Control {
                     },
                 )
                 .await?;
+            self.exec.job_ended(&job.id);
         }
         Ok(())
     }
@@ -317,6 +321,7 @@ impl Control {
                         },
                     )
                     .await?;
+                self.exec.job_ended(&job.id);
             }
             StopWhy::Failure(why) => self.after_failure(job, spec, why).await?,
             StopWhy::Requeue(why) => {
@@ -417,6 +422,9 @@ impl Control {
             }
         };
         self.db.transition(&job.id, &from, to, t).await?;
+        if to == JobState::Failed {
+            self.exec.job_ended(&job.id);
+        }
         Ok(())
     }
 
