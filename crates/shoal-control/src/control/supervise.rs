@@ -257,7 +257,11 @@ impl Control {
             self.begin_stop(job, &tasks, StopWhy::Failure(why));
             return Ok(());
         }
-        match self.observe(job, &spec, &statuses) {
+        let verdict = self.observe(job, &spec, &statuses);
+        if let Some(news) = self.resume_news(&job.id, job.attempt) {
+            self.db.event(&job.id, "resumed", job.state, &news).await?;
+        }
+        match verdict {
             Verdict::Fine => {}
             Verdict::Silent { why, dump } => {
                 self.save_dump(&dump);

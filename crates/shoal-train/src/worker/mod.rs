@@ -57,6 +57,10 @@ pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
         (Some(l), Some(m)) => l.dir.starts_with(m.job_root()),
         _ => false,
     };
+    if let (Some(b), Some(l), 0) = (&beat, &resumed, setup.rank) {
+        let source = if from_memory { "memory copy" } else { "storage checkpoint" };
+        b.resumed(format!("{source} at step {}", l.manifest.step));
+    }
     let mut training = setup::training(spec, &setup, params)?;
     let start_step = match &resumed {
         Some(l) => resume::restore(l, &mut training)?,

@@ -314,7 +314,7 @@ fn loss_bits(p: &Platform, id: &str) -> Vec<(u64, u64)> {
 fn kill_9_with_in_memory_copies_restarts_from_memory_bit_for_bit() {
     let p = Platform::new("faults-memory");
     // Storage holds only the final checkpoint: whatever the restart resumes from before it came from memory.
-    let spec = |name: &str| memory_job(name, 400, 1000, 10);
+    let spec = |name: &str| memory_job(name, 600, 1000, 10);
     // The same job without a failure, to compare with.
     let clean = p.submit("clean", &spec("clean"));
     let c = p.wait_state(&clean, "succeeded");
@@ -359,15 +359,18 @@ fn kill_9_with_in_memory_copies_restarts_from_memory_bit_for_bit() {
     // It resumed from memory, said so, and read no storage checkpoint (there was none before the end).
     let sum = &v["summary"];
     let from = sum["resumed_from"].as_u64().expect("resumed_from");
-    assert!(from >= 10 && from.is_multiple_of(10) && from < 400, "{sum}");
+    assert!(from >= 10 && from.is_multiple_of(10) && from < 600, "{sum}");
     assert_eq!(sum["resumed_from_memory"], true, "{sum}");
     let log = std::fs::read_to_string(p.job_dir(&id).join("attempt-2/rank-0.log")).expect("rank-0.log");
     assert!(log.contains(&format!("resuming from memory copy at step {from}")), "{log}");
+    let resumed: Vec<_> = events(&v).into_iter().filter(|e| e.1 == "resumed").collect();
+    assert_eq!(resumed.len(), 1, "{:?}", events(&v));
+    assert!(resumed[0].2.contains(&format!("attempt 2 resumed from its memory copy at step {from}")), "{resumed:?}");
     // Bit for bit the run without the failure: every step's loss and the final parameters and optimizer state.
     assert_eq!(loss_bits(&p, &id), loss_bits(&p, &clean));
-    assert_eq!(loss_bits(&p, &id).len(), 400);
+    assert_eq!(loss_bits(&p, &id).len(), 600);
     for f in ["model.safetensors", "optimizer.safetensors"] {
-        let read = |job: &str| std::fs::read(p.job_dir(job).join("run/checkpoints/step-000400").join(f)).expect(f);
+        let read = |job: &str| std::fs::read(p.job_dir(job).join("run/checkpoints/step-000600").join(f)).expect(f);
         assert!(read(&id) == read(&clean), "{f} differs from the run without a failure");
     }
     assert_eq!(sum["final_loss"], c["summary"]["final_loss"]);
@@ -378,7 +381,7 @@ fn kill_9_with_in_memory_copies_restarts_from_memory_bit_for_bit() {
 #[cfg_attr(not(feature = "failpoints"), ignore = "slows the job's data: needs `--features shoal/failpoints`")]
 fn a_corrupt_in_memory_copy_is_skipped_naming_it_and_the_restart_reads_storage() {
     let p = Platform::new("faults-memory-corrupt");
-    let id = p.submit("corrupt", &memory_job("corrupt", 400, 50, 10));
+    let id = p.submit("corrupt", &memory_job("corrupt", 600, 50, 10));
     let v = training(&p, &id, 1, 120);
     p.wait("an in-memory copy", || (!memory_copies(&id).is_empty()).then_some(()));
     // Rank 0 writes its host's copies: once it is gone, none changes.
@@ -406,7 +409,10 @@ fn a_corrupt_in_memory_copy_is_skipped_naming_it_and_the_restart_reads_storage()
     assert_eq!(sum["resumed_from_memory"], false, "{sum}");
     assert!(log.contains(&format!("checkpoints/step-{from:06} (step {from})")), "{log}");
     assert!(!log.contains("resuming from memory copy"), "{log}");
-    assert_eq!(sum["steps"], 400, "{sum}");
+    let resumed: Vec<_> = events(&v).into_iter().filter(|e| e.1 == "resumed").collect();
+    assert_eq!(resumed.len(), 1, "{:?}", events(&v));
+    assert!(resumed[0].2.contains(&format!("from its storage checkpoint at step {from}")), "{resumed:?}");
+    assert_eq!(sum["steps"], 600, "{sum}");
     assert!(!shm_dir(&id).exists(), "a succeeded job's in-memory copies remain in {}", shm_dir(&id).display());
 }
 
