@@ -312,9 +312,24 @@ fn loss_bits(p: &Platform, id: &str) -> Vec<(u64, u64)> {
 #[test]
 #[cfg_attr(not(feature = "failpoints"), ignore = "slows the job's data: needs `--features shoal/failpoints`")]
 fn kill_9_with_in_memory_copies_restarts_from_memory_bit_for_bit() {
-    let p = Platform::new("faults-memory");
+    restart_from_memory_bit_for_bit("faults-memory", "ddp");
+}
+
+#[test]
+#[cfg_attr(not(feature = "failpoints"), ignore = "slows the job's data: needs `--features shoal/failpoints`")]
+fn kill_9_with_in_memory_copies_under_zero1_restarts_from_memory_bit_for_bit() {
+    // The optimizer state is sharded: the copy holds it whole, gathered by every rank.
+    restart_from_memory_bit_for_bit("faults-memory-zero1", "zero1");
+}
+
+/// A job of `strategy` with in-memory copies every 10 steps and no storage checkpoint before its end, killed with
+/// `kill -9` of rank 1, restarts from memory, says so, and ends bit for bit as the same job without the failure.
+fn restart_from_memory_bit_for_bit(tag: &str, strategy: &str) {
+    let p = Platform::new(tag);
     // Storage holds only the final checkpoint: whatever the restart resumes from before it came from memory.
-    let spec = |name: &str| memory_job(name, 600, 1000, 10);
+    let spec = |name: &str| {
+        memory_job(name, 600, 1000, 10).replace("[train]\n", &format!("[train]\nstrategy = \"{strategy}\"\n"))
+    };
     // The same job without a failure, to compare with.
     let clean = p.submit("clean", &spec("clean"));
     let c = p.wait_state(&clean, "succeeded");
@@ -358,6 +373,7 @@ fn kill_9_with_in_memory_copies_restarts_from_memory_bit_for_bit() {
     );
     // It resumed from memory, said so, and read no storage checkpoint (there was none before the end).
     let sum = &v["summary"];
+    assert_eq!(sum["strategy"], strategy, "{sum}");
     let from = sum["resumed_from"].as_u64().expect("resumed_from");
     assert!(from >= 10 && from.is_multiple_of(10) && from < 600, "{sum}");
     assert_eq!(sum["resumed_from_memory"], true, "{sum}");
