@@ -231,6 +231,8 @@ pub struct EnvContract {
     pub cfg: CommConfig,
     /// The platform's attempt number (`SHOAL_ATTEMPT`; absent for `shoal run`).
     pub attempt: Option<i64>,
+    /// The job's id (`SHOAL_JOB_ID`), when the launcher gave one.
+    pub job_id: Option<String>,
 }
 
 impl EnvContract {
@@ -247,7 +249,8 @@ impl EnvContract {
             (required_usize(var::RANK)?, required_usize(var::WORLD_SIZE)?, required(var::RENDEZVOUS)?)
         };
         let mut cfg = CommConfig { secret: required(var::JOB_SECRET)?.into_bytes(), ..CommConfig::default() };
-        if let Ok(job) = std::env::var(var::JOB_ID) {
+        let job_id = std::env::var(var::JOB_ID).ok();
+        if let Some(job) = &job_id {
             cfg.name = format!("{job}/world");
         }
         if let Ok(t) = std::env::var(var::TRANSPORT) {
@@ -279,7 +282,7 @@ impl EnvContract {
             ),
             Err(_) => None,
         };
-        Ok(EnvContract { rank, world_size, rendezvous, host_store, cfg, attempt })
+        Ok(EnvContract { rank, world_size, rendezvous, host_store, cfg, attempt, job_id })
     }
 
     /// Connects to the rendezvous store and builds the world communicator. With
@@ -332,6 +335,7 @@ mod tests {
                         host_store: rank == 0,
                         cfg,
                         attempt: None,
+                        job_id: None,
                     };
                     let c = env.connect()?;
                     let mut v = vec![rank as i32; 5];

@@ -238,6 +238,12 @@ pub trait Executor: Send + Sync + std::fmt::Debug {
 
     /// The file the task's output (stdout and stderr together) is written to.
     fn log_path(&self, job: &str, attempt: i64, rank: i64) -> PathBuf;
+
+    /// The job ended (succeeded, failed or cancelled) and none of its processes is left: removes what its tasks
+    /// leave on their hosts beyond the job's directory — the in-memory checkpoints in `/dev/shm`
+    /// (`shoal_spec::memory_checkpoint_dir`). By default nothing: an executor that cannot reach its hosts' shared
+    /// memory leaves that to the workers (which remove it when the job succeeds) and to the hosts' restarts.
+    fn job_ended(&self, _job: &str) {}
 }
 
 /// The one place a task's environment is put together: the contract ([`TaskEnv::vars`], its one writer), then the

@@ -3,7 +3,8 @@
 //! - [`Executor`] ([`executor`]): what the control loop asks of whatever runs its tasks — start one with the
 //!   environment contract, probe it, stop it, inject a fault into it on purpose (`shoal chaos`: SIGKILL or SIGSTOP
 //!   of the training process), sample it, adopt it after a restart, find strays, say where its log is and where
-//!   its job's rendezvous is hosted. [`LocalExecutor`] ([`local`]) runs tasks as processes of this
+//!   its job's rendezvous is hosted, clear what an ended job left on its hosts (`job_ended`: the local executor
+//!   removes its in-memory checkpoints from `/dev/shm`). [`LocalExecutor`] ([`local`]) runs tasks as processes of this
 //!   machine that outlive the server; [`SlurmExecutor`] ([`slurm`]) runs a job's gang as one Slurm allocation, a
 //!   step per rank; `KubeExecutor` (`kubernetes`, feature `kubernetes`) runs an attempt as a headless Service and a
 //!   Pod per rank through a Kubernetes API server, watching the Pods.

@@ -499,4 +499,16 @@ impl Executor for LocalExecutor {
     fn log_path(&self, job: &str, attempt: i64, rank: i64) -> PathBuf {
         self.attempt_dir(job, attempt).join(format!("rank-{rank}.log"))
     }
+
+    /// Every task ran on this host: its in-memory checkpoints are removed here.
+    fn job_ended(&self, job: &str) {
+        let Some(dir) = shoal_spec::memory_checkpoint_dir(job) else { return };
+        match std::fs::remove_dir_all(&dir) {
+            Ok(()) => tracing::info!(job, dir = %dir.display(), "removed the job's in-memory checkpoints"),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => {
+                tracing::warn!(job, dir = %dir.display(), "could not remove the job's in-memory checkpoints: {e}")
+            }
+        }
+    }
 }

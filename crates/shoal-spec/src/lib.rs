@@ -28,6 +28,7 @@
 //! [checkpoint]
 //! every = 100                    # 0 = only at the end
 //! keep = 3
+//! memory_every = 10              # copy the state to this host's shared memory every 10 steps; 0 = off
 //! url = "file:///tmp/ckpt"       # optional; default: the run's output directory
 //! ```
 //!
@@ -72,6 +73,7 @@
 //! | `train.model.dropout` | 0.0 |
 //! | `checkpoint.every` | 0 (only at the end) |
 //! | `checkpoint.keep` | 3 |
+//! | `checkpoint.memory_every` | 0 (no in-memory copies) |
 //!
 //! # Model architectures (what [`ModelSpec::param_count`] counts)
 //!
@@ -536,6 +538,10 @@ pub struct CheckpointSpec {
     /// Keep the newest this many checkpoints (≥ 1).
     #[serde(default = "keep_default")]
     pub keep: usize,
+    /// Copy the training state to shared memory on each host (`/dev/shm`, outliving the process, not the host)
+    /// every this many steps, for a restart that needs no storage; 0 = never.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub memory_every: usize,
     /// A directory or an object-store URL (`file://`, `s3://`, `gs://`, `az://`, ...); none = the run's output
     /// directory.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -550,9 +556,32 @@ fn keep_default() -> usize {
     3
 }
 
+fn is_zero(n: &usize) -> bool {
+    *n == 0
+}
+
+/// Largest `checkpoint.memory_every` accepted (a copy every billion steps is as good as none, and a bigger number
+/// is more likely a typo).
+pub const MAX_MEMORY_EVERY: usize = 1_000_000_000;
+
+/// Where a job's in-memory checkpoints live on a host: `/dev/shm/shoal-<job>` (the job id with every character
+/// outside `[A-Za-z0-9_.-]` replaced by `_`); `None` for an id that leaves no usable name. The worker writes there
+/// and removes it when the job succeeds; an executor may remove it when the job ends otherwise.
+pub fn memory_checkpoint_dir(job_id: &str) -> Option<std::path::PathBuf> {
+    let name: String = job_id
+        .chars()
+        .take(128)
+        .map(|c| if c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-') { c } else { '_' })
+        .collect();
+    if name.is_empty() || name.chars().all(|c| c == '.') {
+        return None;
+    }
+    Some(std::path::Path::new("/dev/shm").join(format!("shoal-{name}")))
+}
+
 impl Default for CheckpointSpec {
     fn default() -> Self {
-        CheckpointSpec { every: 0, keep: keep_default(), url: None, resume_from: None }
+        CheckpointSpec { every: 0, keep: keep_default(), memory_every: 0, url: None, resume_from: None }
     }
 }
 
@@ -1341,6 +1370,12 @@ impl CheckpointSpec {
 
     fn validate(&self) -> Result<()> {
         positive("checkpoint.keep", self.keep)?;
+        if self.memory_every > MAX_MEMORY_EVERY {
+            return Err(SpecError::at(
+                "checkpoint.memory_every",
+                format!("{} is more than {MAX_MEMORY_EVERY} steps (0 turns in-memory copies off)", self.memory_every),
+            ));
+        }
         if let (Some(from), Some(path)) = (&self.resume_from, self.resume_path())
             && (path.trim().is_empty() || path.contains("://"))
         {
@@ -1408,6 +1443,17 @@ lr = 0.01
     /// MLP with `train` lines appended to `[train]`, then `tail` (more tables).
     fn mlp(train: &str, tail: &str) -> String {
         format!("{MLP}{train}\n{tail}\n")
+    }
+
+    #[test]
+    fn memory_checkpoint_dirs_are_one_plain_name_under_dev_shm() {
+        let dir = |id: &str| memory_checkpoint_dir(id).map(|p| p.display().to_string());
+        assert_eq!(dir("42").as_deref(), Some("/dev/shm/shoal-42"));
+        assert_eq!(dir("run-17").as_deref(), Some("/dev/shm/shoal-run-17"));
+        assert_eq!(dir("../../etc").as_deref(), Some("/dev/shm/shoal-.._.._etc"));
+        assert_eq!(dir("a/b c").as_deref(), Some("/dev/shm/shoal-a_b_c"));
+        assert_eq!(dir(""), None);
+        assert_eq!(dir(".."), None);
     }
 
     #[test]
@@ -1492,6 +1538,11 @@ lr = 0.01
                 "train.model.dropout: must be in [0, 1)",
             ),
             (mlp("", "[checkpoint]\nkeep = 0"), "checkpoint.keep: must be > 0"),
+            (mlp("", "[checkpoint]\nmemory_every = 5"), ""),
+            (mlp("", "[checkpoint]\nmemory_every = 0"), ""),
+            (mlp("", "[checkpoint]\nmemory_every = -1"), "checkpoint.memory_every: invalid value: integer `-1`"),
+            (mlp("", "[checkpoint]\nmemory_every = \"5\""), "checkpoint.memory_every: invalid type: string"),
+            (mlp("", "[checkpoint]\nmemory_every = 2000000000"), "checkpoint.memory_every: 2000000000 is more than"),
             (mlp("", "[checkpoint]\nurl = \"ftp://x/y\""), "checkpoint.url: unknown scheme \"ftp\""),
             // Datasets.
             (
@@ -1606,7 +1657,7 @@ lr = 0.001
         assert_eq!(t.overlap, Overlap::Auto);
         assert_eq!(parse_job(&mlp("overlap = \"off\"", ""), "J").expect("valid").train.overlap, Overlap::Off);
         assert_eq!(t.data, Options::default());
-        assert_eq!(j.checkpoint, CheckpointSpec { every: 0, keep: 3, url: None, resume_from: None });
+        assert_eq!(j.checkpoint, CheckpointSpec { every: 0, keep: 3, memory_every: 0, url: None, resume_from: None });
         assert_eq!(t.data_shape().expect("known"), DataShape { kind: Kind::Image, features: 64, classes: 10 });
         // 64*128+128 + 128*64+64 + 64*10+10
         assert_eq!(t.model.param_count(64, 10), 8320 + 8256 + 650);

@@ -13,6 +13,9 @@
 //!   none of the control plane, only on the wire types (`shoal-wire`).
 //! - Nothing the control plane needs to hear runs on the training thread: the
 //!   heartbeat is a thread of its own that the step loop only hands a number.
+//! - A checkpoint is trusted only after its sha256 checks, in storage or in memory; a resume from an in-memory
+//!   copy is exact like one from storage, and every rank resumes from the same step. The step loop never waits for
+//!   an in-memory copy's save: a copy whose predecessor is still being written is skipped.
 //!
 //! Feature flags: none yet (CPU only).
 

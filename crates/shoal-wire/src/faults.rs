@@ -32,6 +32,10 @@ pub struct Heartbeat {
     pub op_s: f64,
     /// Collectives completed.
     pub ops_done: u64,
+    /// Where the attempt's state came from, once loaded (rank 0): `memory copy at step N` or `storage checkpoint at
+    /// step N`; absent before, or when it started from nothing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resumed: Option<String>,
 }
 
 /// Where one rank stands in a dump.

@@ -208,11 +208,13 @@ pub(crate) struct Watch {
     /// When that step counter last moved, or when every rank was first seen training; `None` while not every
     /// rank trains (starting, resuming, finishing), when no hang is judged.
     pub(super) step_moved: Option<Instant>,
+    /// Whether the `resumed` event of the attempt was recorded.
+    pub(super) resume_told: bool,
 }
 
 impl Watch {
     pub(super) fn new(attempt: i64) -> Watch {
-        Watch { attempt, ranks: HashMap::new(), step: 0, first_step: None, step_moved: None }
+        Watch { attempt, ranks: HashMap::new(), step: 0, first_step: None, step_moved: None, resume_told: false }
     }
 }
 

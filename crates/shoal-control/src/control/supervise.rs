@@ -110,6 +110,8 @@ impl Control {
                     },
                 )
                 .await?;
+            // An attempt before a restart may have left in-memory checkpoints.
+            self.exec.job_ended(&job.id);
             return Ok(());
         }
         if self.sched().status(&job.id).is_none() {
@@ -133,6 +135,7 @@ impl Control {
                         },
                     )
                     .await?;
+                self.exec.job_ended(&job.id);
             }
         }
         Ok(())
@@ -254,7 +257,11 @@ impl Control {
             self.begin_stop(job, &tasks, StopWhy::Failure(why));
             return Ok(());
         }
-        match self.observe(job, &spec, &statuses) {
+        let verdict = self.observe(job, &spec, &statuses);
+        if let Some(news) = self.resume_news(&job.id, job.attempt) {
+            self.db.event(&job.id, "resumed", job.state, &news).await?;
+        }
+        match verdict {
             Verdict::Fine => {}
             Verdict::Silent { why, dump } => {
                 self.save_dump(&dump);
@@ -295,6 +302,7 @@ impl Control {
                     },
                 )
                 .await?;
+            self.exec.job_ended(&job.id);
         }
         Ok(())
     }
@@ -317,6 +325,7 @@ impl Control {
                         },
                     )
                     .await?;
+                self.exec.job_ended(&job.id);
             }
             StopWhy::Failure(why) => self.after_failure(job, spec, why).await?,
             StopWhy::Requeue(why) => {
@@ -417,6 +426,9 @@ impl Control {
             }
         };
         self.db.transition(&job.id, &from, to, t).await?;
+        if to == JobState::Failed {
+            self.exec.job_ended(&job.id);
+        }
         Ok(())
     }
 

@@ -89,6 +89,16 @@ impl Control {
         }
     }
 
+    /// Where attempt `attempt` of job `id` took its state from, as rank 0's heartbeat says, the first time it says
+    /// so (then `None`): for the attempt's `resumed` event.
+    pub(super) fn resume_news(&self, id: &str, attempt: i64) -> Option<String> {
+        let mut watched = self.watched.lock().unwrap_or_else(|p| p.into_inner());
+        let w = watched.get_mut(id).filter(|w| w.attempt == attempt && !w.resume_told)?;
+        let from = w.ranks.get(&0)?.hb.resumed.clone()?;
+        w.resume_told = true;
+        Some(format!("attempt {attempt} resumed from its {from}"))
+    }
+
     /// Whether attempt `attempt` of job `id` completed a training step after it was first seen training.
     pub(super) fn progressed(&self, id: &str, attempt: i64) -> bool {
         let watched = self.watched.lock().unwrap_or_else(|p| p.into_inner());

@@ -32,7 +32,9 @@
 //! - `format.rs`: [`TensorData`] in safetensors files, written while a second thread hashes them, and parsed back;
 //! - `dir.rs`: [`CheckpointDir`] — atomic saves, verified loads, the newest valid checkpoint, pruning;
 //! - `saver.rs`: [`AsyncSaver`], the background saver thread with its reused snapshot buffers, and the [`Mirror`]
-//!   it uploads to.
+//!   it uploads to;
+//! - `memory.rs`: [`MemoryStore`], the same checkpoints kept in shared memory on the host (`/dev/shm`), one
+//!   directory per job and host, for restarts that read no storage.
 
 mod dir;
 mod direct;
@@ -40,6 +42,7 @@ mod error;
 mod format;
 mod layout;
 mod manifest;
+mod memory;
 mod saver;
 #[cfg(test)]
 mod testing;
@@ -51,4 +54,5 @@ pub use format::TensorData;
 pub(crate) use layout::parse_step_name;
 pub use layout::{CHECKPOINTS_SUBDIR, MANIFEST_FILE, MODEL_FILE, OPTIMIZER_FILE};
 pub use manifest::{FORMAT_VERSION, FileEntry, Manifest, ManifestMeta};
+pub use memory::{MEMORY_KEEP, MemoryCopy, MemoryStore};
 pub use saver::{AsyncSaver, Mirror};

@@ -72,6 +72,9 @@ pub struct AsyncSaver {
     spare: Arc<Mutex<Vec<Vec<f32>>>>,
     /// Seconds the finished saves took, in total.
     saved_seconds: f64,
+    /// Nice value of the saver thread (and the threads it starts), when set: the lowest priority keeps a save from
+    /// preempting the training thread on a shared core.
+    nice: Option<i32>,
     #[cfg(test)]
     gate: Arc<Gate>,
 }
@@ -99,9 +102,18 @@ impl AsyncSaver {
             mirror: None,
             spare: Arc::default(),
             saved_seconds: 0.0,
+            nice: None,
             #[cfg(test)]
             gate: Arc::default(),
         }
+    }
+
+    /// Runs the saver thread (and the writer and hashing threads it starts) at nice value `nice` (19: the lowest
+    /// priority), so that on a core it shares with the training thread a save takes only the time training leaves
+    /// (Linux; elsewhere ignored).
+    pub fn with_nice(mut self, nice: i32) -> Self {
+        self.nice = Some(nice);
+        self
     }
 
     /// Seconds the saves finished so far took (writing, hashing, fsync), in total.
@@ -184,11 +196,15 @@ impl AsyncSaver {
         let keep = self.keep;
         let mirror = self.mirror.clone();
         let spare = Arc::clone(&self.spare);
+        let nice = self.nice;
         #[cfg(test)]
         let gate = Arc::clone(&self.gate);
         let handle = thread::Builder::new()
             .name("shoal-ckpt-saver".to_string())
             .spawn(move || {
+                if let Some(nice) = nice {
+                    set_thread_nice(nice);
+                }
                 while let Ok(job) = job_rx.recv() {
                     #[cfg(test)]
                     gate.wait_open(Duration::from_secs(60));
@@ -307,6 +323,23 @@ impl AsyncSaver {
     pub fn flush(&mut self, timeout: Duration) -> Result<Option<SaveStats>> {
         self.wait_pending(timeout)
     }
+}
+
+/// Sets the calling thread's nice value (Linux: per thread, inherited by the threads it starts).
+fn set_thread_nice(nice: i32) {
+    #[cfg(target_os = "linux")]
+    {
+        // SAFETY: plain syscalls on the calling thread; no memory is passed.
+        let r = unsafe {
+            let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
+            libc::setpriority(libc::PRIO_PROCESS, tid, nice)
+        };
+        if r != 0 {
+            tracing::debug!("could not lower the saver thread's priority: {}", std::io::Error::last_os_error());
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = nice;
 }
 
 impl Drop for AsyncSaver {

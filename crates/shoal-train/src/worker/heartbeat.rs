@@ -46,6 +46,8 @@ struct Shared {
     step: AtomicU64,
     phase: AtomicU8,
     stop: AtomicBool,
+    /// Where the state came from (`Heartbeat::resumed`), once known.
+    resumed: std::sync::Mutex<Option<String>>,
 }
 
 /// The running heartbeat; it stops when dropped.
@@ -85,6 +87,7 @@ impl Beat {
                     in_op: a.in_op,
                     op_s: a.for_.as_secs_f64(),
                     ops_done: a.done,
+                    resumed: s.resumed.lock().map(|r| r.clone()).unwrap_or_default(),
                 };
                 if let Err(e) = write(&tmp, &path, &hb)
                     && !warned
@@ -107,6 +110,13 @@ impl Beat {
     /// The steps completed so far.
     pub(super) fn step(&self, step: u64) {
         self.shared.step.store(step, Ordering::Relaxed);
+    }
+
+    /// Where the state came from: said in every later heartbeat.
+    pub(super) fn resumed(&self, from: String) {
+        if let Ok(mut r) = self.shared.resumed.lock() {
+            *r = Some(from);
+        }
     }
 
     pub(super) fn phase(&self, phase: Phase) {

@@ -6,9 +6,10 @@
 //! [`run`] goes through four phases, a file each:
 //! - `setup.rs`: the environment contract, the datasets, the model, where checkpoints go; then the trainer over
 //!   the strategy the job names and the sampler;
-//! - `resume.rs`: the checkpoint to resume from (the run's own, fetched from its object store first, or the one
+//! - `resume.rs`: the checkpoint to resume from (the run's own: its host's in-memory copy when every rank has it
+//!   and storage holds nothing newer, else storage, fetched from its object store first; or the one
 //!   `checkpoint.resume_from` names), loaded into the model, then the sampler and the optimizer;
-//! - `train_loop.rs`: the step loop — metrics, periodic checkpoints, evaluations;
+//! - `train_loop.rs`: the step loop — metrics, periodic checkpoints, in-memory copies, evaluations;
 //! - `report.rs`: the final evaluation and `summary.json`, or the summary kept when the run was already complete.
 //!
 //! `eval.rs` holds the evaluation pass both the loop and the report run; `wire.rs` the types of the files others
@@ -52,6 +53,14 @@ pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
         b.phase(heartbeat::Phase::Resume);
     }
     let resumed = resume::load(spec, opts.resume, &setup, &params)?;
+    let from_memory = match (&resumed, &setup.memory) {
+        (Some(l), Some(m)) => l.dir.starts_with(m.job_root()),
+        _ => false,
+    };
+    if let (Some(b), Some(l), 0) = (&beat, &resumed, setup.rank) {
+        let source = if from_memory { "memory copy" } else { "storage checkpoint" };
+        b.resumed(format!("{source} at step {}", l.manifest.step));
+    }
     let mut training = setup::training(spec, &setup, params)?;
     let start_step = match &resumed {
         Some(l) => resume::restore(l, &mut training)?,
@@ -59,9 +68,11 @@ pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
     };
     // Nothing left to train: the run ends with the summary of the run that got here, when rank 0 has it.
     if let Some(kept) = report::kept_summary(spec, &setup, start_step, &opts.output)? {
+        remove_memory_copies(&setup);
         return Ok(kept);
     }
     let mut steps = train_loop::StepLoop::open(spec, &setup, &training, start_step, &opts.output)?;
+    steps.resumed_from_memory = from_memory;
     if let Some(b) = &beat {
         b.step(start_step as u64);
         b.phase(heartbeat::Phase::Train);
@@ -70,5 +81,20 @@ pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
     if let Some(b) = &beat {
         b.phase(heartbeat::Phase::Finish);
     }
-    report::finish(spec, &setup, &training, &steps, trained, started, &opts.output)
+    let summary = report::finish(spec, &setup, &training, &steps, trained, started, &opts.output)?;
+    drop(steps);
+    remove_memory_copies(&setup);
+    Ok(summary)
+}
+
+/// At the successful end of a run, the first rank of each host removes the job's in-memory copies there (every
+/// rank got past the final barrier, so none reads them any more). A failure to is logged: the directory stays in
+/// `/dev/shm` until the host restarts or someone removes it.
+fn remove_memory_copies(setup: &setup::Setup) {
+    if let (Some(m), true) = (&setup.memory, setup.host_leader) {
+        match m.remove() {
+            Ok(()) => tracing::debug!(dir = %m.job_root().display(), "in-memory copies removed"),
+            Err(e) => tracing::warn!("the job's in-memory copies could not be removed: {e}"),
+        }
+    }
 }

@@ -87,6 +87,8 @@ pub(super) fn finish(
         stall_s,
         last_mb_s,
         activations_peak,
+        memory_copies,
+        memory_stall_s,
     } = trained;
     let (eval_loss, eval_acc) = evaluate(model.as_ref(), eval.as_ref(), comm, micro, t.eval_batches)?;
     steps.eval_log.log(t.steps, eval_loss, eval_acc)?;
@@ -145,6 +147,9 @@ pub(super) fn finish(
         checkpoint_stall_s: stall_s,
         checkpoint_save_s: steps.saver.as_ref().map_or(0.0, AsyncSaver::total_save_seconds),
         memory_bytes,
+        memory_copies,
+        memory_stall_s,
+        resumed_from_memory: steps.resumed_from_memory,
     };
     comm.barrier()?;
     if rank == 0 {

@@ -1,10 +1,13 @@
-//! Resuming: the checkpoint a run starts from — its own newest valid one (fetched first from the object store its
-//! checkpoints are mirrored to), else the one `checkpoint.resume_from` names — loaded into the model's parameters
-//! ([`load`]), then into the sampler and the optimizer once the trainer exists ([`restore`]).
+//! Resuming: the checkpoint a run starts from — its own newest valid state: the in-memory copy on its host
+//! (`checkpoint.memory_every`) when every rank has one of the same step and no newer checkpoint is in storage, else
+//! its newest valid checkpoint in storage (fetched first from the object store its checkpoints are mirrored to),
+//! else the one `checkpoint.resume_from` names — loaded into the model's parameters ([`load`]), then into the
+//! sampler and the optimizer once the trainer exists ([`restore`]).
 
 use std::path::PathBuf;
 
 use candle_core::Tensor;
+use shoal_comm::ReduceOp;
 
 use super::setup::{Setup, Training};
 use crate::checkpoint::{CheckpointDir, Loaded, MANIFEST_FILE, TensorData};
@@ -16,7 +19,9 @@ use crate::spec::JobSpec;
 /// scratch. `resume`: look for the run's own checkpoints (`--resume`).
 pub(super) fn load(spec: &JobSpec, resume: bool, setup: &Setup, params: &Params) -> Result<Option<Loaded>> {
     let (rank, ckpt_dir, comm) = (setup.rank, &setup.ckpt_dir, &setup.comm);
-    if resume && spec.checkpoint.url.as_deref().is_some_and(crate::remote::is_remote) {
+    // The in-memory copy every rank agrees on, if any; a remote store is asked only when there is none.
+    let memory = if resume { memory_copy(setup)? } else { None };
+    if resume && memory.is_none() && spec.checkpoint.url.as_deref().is_some_and(crate::remote::is_remote) {
         // Rank 0 brings the newest valid remote checkpoint into the local staging directory; the others wait.
         if let Some(r) = &setup.remote {
             let (step, skipped) = r.fetch_latest_valid(ckpt_dir).map_err(|e| Error::Checkpoint(e.to_string()))?;
@@ -30,7 +35,14 @@ pub(super) fn load(spec: &JobSpec, resume: bool, setup: &Setup, params: &Params)
         }
         comm.barrier()?;
     }
-    let own = if resume { ckpt_dir.latest_valid().map_err(|e| Error::Checkpoint(e.to_string()))? } else { None };
+    let own = match (resume, memory) {
+        (false, _) => None,
+        (true, None) => ckpt_dir.latest_valid().map_err(|e| Error::Checkpoint(e.to_string()))?,
+        (true, Some(copy)) => Some(match storage_newer_than(ckpt_dir, copy.manifest.step)? {
+            Some(newer) => newer,
+            None => copy,
+        }),
+    };
     let resumed = if resume || spec.checkpoint.resume_from.is_some() {
         let loaded = match (own, spec.checkpoint.resume_path()) {
             (Some(l), _) => Some(l),
@@ -60,7 +72,14 @@ pub(super) fn load(spec: &JobSpec, resume: bool, setup: &Setup, params: &Params)
                 var.set(&Tensor::from_slice(&td.data, var.shape(), &candle_core::Device::Cpu)?)?;
             }
             if rank == 0 {
-                eprintln!("resuming from {} (step {})", l.dir.display(), l.manifest.step);
+                match &setup.memory {
+                    Some(m) if l.dir.starts_with(m.job_root()) => eprintln!(
+                        "resuming from memory copy at step {} ({}; storage not read)",
+                        l.manifest.step,
+                        l.dir.display()
+                    ),
+                    _ => eprintln!("resuming from {} (step {})", l.dir.display(), l.manifest.step),
+                }
             }
         } else if rank == 0 {
             eprintln!("no valid checkpoint under {}; starting from scratch", ckpt_dir.checkpoints_dir().display());
@@ -70,6 +89,80 @@ pub(super) fn load(spec: &JobSpec, resume: bool, setup: &Setup, params: &Params)
         None
     };
     Ok(resumed)
+}
+
+/// The in-memory copy this rank resumes from: the newest step that verifies on every rank's host (each rank reads
+/// its host's copy), or `None` on every rank when some rank has none of that step. Corrupt or partial copies are
+/// skipped with a warning naming the file. Every rank calls it (two all-reduces) when in-memory copies are on.
+fn memory_copy(setup: &Setup) -> Result<Option<Loaded>> {
+    let (Some(store), comm) = (&setup.memory, &setup.comm) else { return Ok(None) };
+    let warn = |file: &std::path::Path, why: &str| {
+        if setup.host_leader {
+            eprintln!("warning: skipped memory copy file {}: {why}", file.display());
+        }
+    };
+    let mine = match store.newest_valid() {
+        Ok((copy, skipped)) => {
+            for (file, why) in &skipped {
+                warn(file, why);
+            }
+            copy
+        }
+        Err(e) => {
+            warn(store.dir().root(), &e.to_string());
+            None
+        }
+    };
+    // Steps are far below 2^53: exact in an f64.
+    let my_step = mine.as_ref().map_or(0, |l| l.manifest.step);
+    let mut agreed = [my_step as f64];
+    comm.all_reduce(&mut agreed, ReduceOp::Min)?;
+    let agreed = agreed[0] as u64;
+    if agreed == 0 {
+        return Ok(None);
+    }
+    let copy = if my_step == agreed {
+        mine
+    } else {
+        match store.load_step(agreed) {
+            Ok(l) => Some(l),
+            Err(e) => {
+                warn(e.path().unwrap_or(store.dir().root()), &e.to_string());
+                None
+            }
+        }
+    };
+    let mut everyone = [if copy.is_some() { 1f64 } else { 0.0 }];
+    comm.all_reduce(&mut everyone, ReduceOp::Min)?;
+    if everyone[0] < 1.0 {
+        if setup.rank == 0 {
+            eprintln!("warning: not every rank has a valid memory copy of step {agreed}; looking in storage");
+        }
+        return Ok(None);
+    }
+    // Its skipped copies were reported above.
+    Ok(copy.map(|c| Loaded { skipped: Vec::new(), ..c }))
+}
+
+/// The newest valid checkpoint in storage newer than `step`, if any: storage checkpoints at or below it are not
+/// read (their names are listed, nothing more). Invalid ones are skipped with a warning naming the file.
+fn storage_newer_than(ckpt_dir: &CheckpointDir, step: u64) -> Result<Option<Loaded>> {
+    let listed = ckpt_dir.list().map_err(|e| Error::Checkpoint(e.to_string()))?;
+    let mut skipped = Vec::new();
+    for (s, dir) in listed.into_iter().rev().filter(|(s, _)| *s > step) {
+        match ckpt_dir.load(&dir) {
+            Ok(mut l) => {
+                l.skipped = skipped;
+                return Ok(Some(l));
+            }
+            Err(e) => {
+                let file = e.path().map_or_else(|| dir.clone(), std::path::Path::to_path_buf);
+                tracing::warn!(step = s, file = %file.display(), "skipping invalid checkpoint: {e}");
+                skipped.push((file, e.to_string()));
+            }
+        }
+    }
+    Ok(None)
 }
 
 /// Puts the sampler and the optimizer state where checkpoint `l` left them; returns the step to start from.

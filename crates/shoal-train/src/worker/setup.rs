@@ -8,7 +8,7 @@ use std::sync::Arc;
 use shoal_comm::Communicator;
 use shoal_data::{Dataset, DistributedSampler, SamplerConfig, Split};
 
-use crate::checkpoint::CheckpointDir;
+use crate::checkpoint::{CheckpointDir, MemoryStore};
 use crate::error::{Error, Result};
 use crate::models::{Cnn, Gpt, GptConfig, Mlp, Model};
 use crate::optim::OptimConfig;
@@ -35,6 +35,11 @@ pub(super) struct Setup {
     pub(super) comm: Communicator,
     /// The platform's attempt (`None` under `shoal run`): the worker then sends heartbeats.
     pub(super) attempt: Option<i64>,
+    /// This host's in-memory checkpoints (`checkpoint.memory_every` > 0 and a job id known).
+    pub(super) memory: Option<MemoryStore>,
+    /// Whether this rank is the first of its host: the one that writes the host's in-memory copies and removes them
+    /// at the end.
+    pub(super) host_leader: bool,
 }
 
 /// The trainer and the sampler of this rank's batches.
@@ -54,8 +59,21 @@ pub(super) struct Training {
 pub(super) fn setup(spec: &JobSpec, output: &Path) -> Result<(Setup, Params)> {
     let env = shoal_comm::env::EnvContract::from_env()?;
     let attempt = env.attempt;
+    let job_id = env.job_id.clone();
     let comm = env.connect()?;
     let (world, rank) = (comm.size(), comm.rank());
+    let host = comm.hosts().get(rank).cloned().unwrap_or_default();
+    let host_leader = comm.hosts().iter().position(|h| *h == host) == Some(rank);
+    let memory = match (spec.checkpoint.memory_every, job_id.as_deref().and_then(crate::spec::memory_checkpoint_dir)) {
+        (0, _) => None,
+        (_, Some(root)) => Some(MemoryStore::new(root, &host)),
+        (_, None) => {
+            if rank == 0 {
+                tracing::warn!("checkpoint.memory_every is set but the job has no usable id: no in-memory copies");
+            }
+            None
+        }
+    };
     spec.validate_world(world).map_err(|e| Error::Spec(e.to_string()))?;
     let t = &spec.train;
     let mut data_opts = t.data_options();
@@ -69,7 +87,10 @@ pub(super) fn setup(spec: &JobSpec, output: &Path) -> Result<(Setup, Params)> {
     let parameters = params.count();
     let ckpt_dir = CheckpointDir::new(checkpoint_root(spec, output)?);
     let remote = if rank == 0 { checkpoint_remote(spec)? } else { None };
-    Ok((Setup { rank, world, remote, ckpt_dir, model, parameters, eval, train, comm, attempt }, params))
+    Ok((
+        Setup { rank, world, remote, ckpt_dir, model, parameters, eval, train, comm, attempt, memory, host_leader },
+        params,
+    ))
 }
 
 /// The optimizer, whether all-reduces overlap backward, the trainer over the strategy `train.strategy` names (its

@@ -1,11 +1,13 @@
 //! The step loop: each step's micro-batches through the model and the trainer, its line in the rank's metrics
 //! file, a checkpoint every `checkpoint.every` steps and at the end (copied out on a thread while the next step
-//! computes, saved in the background by rank 0), and an evaluation every `train.eval_every` steps.
+//! computes, saved in the background by rank 0), an in-memory copy every `checkpoint.memory_every` steps (the same
+//! way, by the first rank of each host, into `/dev/shm`; skipped when the previous one is still being written, so
+//! it never waits for a save), and an evaluation every `train.eval_every` steps.
 
 use std::fs::File;
 use std::io::Write;
 use std::path::Path;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use candle_core::Tensor;
 use shoal_data::{Loader, LoaderConfig};
@@ -15,7 +17,7 @@ use super::heartbeat::Phase;
 use super::setup::{Setup, Training};
 use super::wire::{StepMetrics, metrics_file};
 use crate::batch::{Flat, to_flat};
-use crate::checkpoint::{AsyncSaver, Loaded, ManifestMeta, TensorData};
+use crate::checkpoint::{AsyncSaver, CheckpointError, Loaded, MEMORY_KEEP, ManifestMeta, TensorData};
 use crate::error::{Error, Result};
 use crate::optim::learning_rate;
 use crate::spec::{JobSpec, ModelKind, Schedule};
@@ -26,10 +28,14 @@ pub(super) struct StepLoop {
     metrics: Option<File>,
     /// Rank 0's checkpoint saver.
     pub(super) saver: Option<AsyncSaver>,
+    /// The in-memory copies' saver of the first rank of each host (`checkpoint.memory_every` > 0).
+    pub(super) memory_saver: Option<AsyncSaver>,
     loader: Loader,
     pub(super) eval_log: EvalLog,
     /// The step the run starts from (0, or the checkpoint it resumed).
     pub(super) start_step: usize,
+    /// Whether that checkpoint was an in-memory copy (for the summary).
+    pub(super) resumed_from_memory: bool,
 }
 
 /// What the step loop measured, for the summary.
@@ -54,6 +60,11 @@ pub(super) struct Trained {
     pub(super) last_mb_s: Option<f64>,
     /// The most a step allocated beyond what it started with (activations and temporaries), when measured.
     pub(super) activations_peak: Option<usize>,
+    /// In-memory copies handed to this rank's memory saver.
+    pub(super) memory_copies: usize,
+    /// Seconds the step loop spent on in-memory copies (the state's handles, the optimizer state gathered for them
+    /// alone, the wait for the copy thread).
+    pub(super) memory_stall_s: f64,
 }
 
 impl StepLoop {
@@ -82,11 +93,19 @@ impl StepLoop {
                 None => s,
             }
         });
-        if let Some(s) = &saver {
+        let memory_saver = match (&setup.memory, setup.host_leader) {
+            // At the lowest priority: a copy is written in the time training leaves on its core.
+            (Some(m), true) => Some(AsyncSaver::new(m.dir().clone(), MEMORY_KEEP).with_nice(19)),
+            _ => None,
+        };
+        let sizes = || {
             let p = trainer.params();
             let mut sizes: Vec<usize> = p.vars().iter().map(|(_, v)| v.elem_count()).collect();
             sizes.extend(trainer.optimizer().state_sizes(p));
-            s.prefault(sizes);
+            sizes
+        };
+        for s in saver.iter().chain(&memory_saver) {
+            s.prefault(sizes());
         }
 
         std::fs::create_dir_all(output).map_err(|e| Error::io(format!("creating {}", output.display()), e))?;
@@ -114,7 +133,7 @@ impl StepLoop {
                 let _ = std::fs::remove_file(eval_log.path());
             }
         }
-        Ok(StepLoop { metrics, saver, loader, eval_log, start_step })
+        Ok(StepLoop { metrics, saver, memory_saver, loader, eval_log, start_step, resumed_from_memory: false })
     }
 
     /// Trains from the start step to `train.steps`, then waits for the last checkpoint's save.
@@ -130,10 +149,15 @@ impl StepLoop {
         let (world, rank, comm, model, eval) = (setup.world, setup.rank, &setup.comm, &setup.model, &setup.eval);
         let (trainer, sampler, micro, ran) = (&mut tr.trainer, &tr.sampler, tr.micro, tr.ran);
         let (loader, saver, metrics, eval_log) = (&mut self.loader, &mut self.saver, &mut self.metrics, &self.eval_log);
+        let memory_saver = &mut self.memory_saver;
         let start_step = self.start_step;
         let (mut checkpoints, mut stall_s, mut last_mb_s) = (0usize, 0f64, None);
+        let (mut memory_copies, mut memory_stall_s) = (0usize, 0f64);
+        // The same on every rank (the optimizer state may be a collective to gather).
+        let memory_every = if setup.memory.is_some() { spec.checkpoint.memory_every } else { 0 };
         let mut sampler_state = sampler.state();
         let mut snapshot: Option<Snapshot> = None;
+        let mut memory_snapshot: Option<MemorySnapshot> = None;
         let (mut data_t, mut compute_t, mut comm_t, mut opt_t, mut step_t) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
         // The loss of the last step taken; before any, the one the checkpoint recorded.
@@ -203,6 +227,7 @@ impl StepLoop {
                 let p = if step == start_step + 1 { p } else { activations_peak.map_or(p, |a| a.max(p)) };
                 activations_peak = Some(p);
             }
+            memory_stall_s += submit_memory_copy(&mut memory_snapshot, memory_saver.as_mut());
             let times = trainer.step(lr)?;
             // The global loss: every rank's weighted share, summed with the gradients.
             let comm_s = times.comm_s;
@@ -245,9 +270,18 @@ impl StepLoop {
             }
             let every = spec.checkpoint.every;
             let checkpoint_now = (every > 0 && (step + 1) % every == 0) || step + 1 == t.steps;
-            // Gathered on every rank (a collective when the strategy shards the state), kept by rank 0's saver.
-            let opt_state = if checkpoint_now { Some(trainer.optimizer_state()?) } else { None };
-            if let (true, Some(opt_h)) = (checkpoint_now && saver.is_some(), opt_state) {
+            // No copy at the last step: the run ends there, and its in-memory copies with it.
+            let memory_now = memory_every > 0 && (step + 1) % memory_every == 0 && step + 1 < t.steps;
+            // Gathered on every rank (a collective when the strategy shards the state), kept by rank 0's saver and
+            // by the memory saver of each host's first rank.
+            let g0 = Instant::now();
+            let opt_state = if checkpoint_now || memory_now { Some(trainer.optimizer_state()?) } else { None };
+            if memory_now && !checkpoint_now {
+                memory_stall_s += g0.elapsed().as_secs_f64();
+            }
+            let writing = checkpoint_now && saver.is_some();
+            let copying = memory_now && memory_saver.as_mut().is_some_and(|m| saver_idle(m, (step + 1) as u64));
+            if let (true, Some(opt_h)) = (writing || copying, opt_state) {
                 // The step loop pays only for cheap handles here: the copy into
                 // plain buffers runs on a thread while the next step computes,
                 // and is joined before the next optimizer update changes the
@@ -265,12 +299,34 @@ impl StepLoop {
                     extra: serde_json::json!({ "optimizer_t": trainer.optimizer().t, "loss": last_loss }),
                 };
                 let at = (step + 1) as u64;
-                let mut spare = saver.as_ref().map(|s| s.spare_buffers()).unwrap_or_default().into_iter();
-                snapshot = Some(std::thread::spawn(move || {
-                    Ok((at, tensors_of(model_h, &mut spare)?, tensors_of(opt_h, &mut spare)?, meta))
-                }));
-                stall_s += s0.elapsed().as_secs_f64();
-                checkpoints += 1;
+                if copying {
+                    let mut spare = memory_saver.as_ref().map(|s| s.spare_buffers()).unwrap_or_default().into_iter();
+                    let (model_h, opt_h, meta) = (model_h.clone(), opt_h.clone(), meta.clone());
+                    // A small state is copied here at once (less than a thread's start); a large one on a
+                    // thread while the next step computes.
+                    let bytes: usize = model_h.iter().chain(&opt_h).map(|(_, t)| t.elem_count() * 4).sum();
+                    memory_snapshot = Some(if bytes <= INLINE_COPY_BYTES {
+                        MemorySnapshot::Copied(
+                            tensors_of(model_h, &mut spare)
+                                .and_then(|m| Ok((at, m, tensors_of(opt_h, &mut spare)?, meta))),
+                        )
+                    } else {
+                        MemorySnapshot::Copying(std::thread::spawn(move || {
+                            Ok((at, tensors_of(model_h, &mut spare)?, tensors_of(opt_h, &mut spare)?, meta))
+                        }))
+                    });
+                    memory_copies += 1;
+                }
+                if writing {
+                    let mut spare = saver.as_ref().map(|s| s.spare_buffers()).unwrap_or_default().into_iter();
+                    snapshot = Some(std::thread::spawn(move || {
+                        Ok((at, tensors_of(model_h, &mut spare)?, tensors_of(opt_h, &mut spare)?, meta))
+                    }));
+                    checkpoints += 1;
+                    stall_s += s0.elapsed().as_secs_f64();
+                } else {
+                    memory_stall_s += s0.elapsed().as_secs_f64();
+                }
             }
             if t.eval_every > 0 && (step + 1) % t.eval_every == 0 && step + 1 < t.steps {
                 if let Some(b) = beat {
@@ -288,6 +344,12 @@ impl StepLoop {
             }
         }
         stall_s += submit_snapshot(&mut snapshot, saver.as_mut())?;
+        memory_stall_s += submit_memory_copy(&mut memory_snapshot, memory_saver.as_mut());
+        if let Some(m) = memory_saver.as_mut()
+            && let Err(e) = m.flush(Duration::from_secs(60))
+        {
+            tracing::warn!("the last in-memory copy was not written: {e}");
+        }
         let train_s = train_started.elapsed().as_secs_f64();
         if let Some(saver) = saver.as_mut()
             && let Some(stats) =
@@ -308,6 +370,8 @@ impl StepLoop {
             stall_s,
             last_mb_s,
             activations_peak,
+            memory_copies,
+            memory_stall_s,
         })
     }
 }
@@ -331,7 +395,20 @@ fn tensors_of(
 }
 
 /// A checkpoint being copied out of the model on a background thread.
-type Snapshot = std::thread::JoinHandle<Result<(u64, Vec<TensorData>, Vec<TensorData>, ManifestMeta)>>;
+type Snapshot = std::thread::JoinHandle<Result<Copied>>;
+
+/// A checkpoint copied out of the model: its step, model and optimizer tensors, and manifest metadata.
+type Copied = (u64, Vec<TensorData>, Vec<TensorData>, ManifestMeta);
+
+/// States up to this size are copied for memory on the training thread (about 0.1 ms at memory speed, less than
+/// starting a thread and waiting for it on a busy core).
+const INLINE_COPY_BYTES: usize = 1 << 20;
+
+/// An in-memory copy being taken: on a thread, or already copied.
+enum MemorySnapshot {
+    Copying(Snapshot),
+    Copied(Result<Copied>),
+}
 
 /// Waits for a pending snapshot and hands it to the saver; returns the seconds waited.
 fn submit_snapshot(snapshot: &mut Option<Snapshot>, saver: Option<&mut AsyncSaver>) -> Result<f64> {
@@ -343,6 +420,45 @@ fn submit_snapshot(snapshot: &mut Option<Snapshot>, saver: Option<&mut AsyncSave
         saver.submit(step, model, optimizer, meta).map_err(|e| Error::Checkpoint(e.to_string()))?;
     }
     Ok(t0.elapsed().as_secs_f64())
+}
+
+/// Whether the memory saver is free for a new copy (the previous one written); an error of the previous copy is
+/// logged, not fatal: storage checkpoints still stand behind it.
+fn saver_idle(saver: &mut AsyncSaver, step: u64) -> bool {
+    match saver.flush(Duration::ZERO) {
+        Ok(_) => true,
+        Err(CheckpointError::Timeout { .. }) => {
+            tracing::debug!(step, "the previous in-memory copy is still being written: none at this step");
+            false
+        }
+        Err(e) => {
+            tracing::warn!(step, "an in-memory copy failed: {e}");
+            true
+        }
+    }
+}
+
+/// Waits for a pending in-memory copy and hands it to the memory saver; returns the seconds waited. A failure is
+/// logged, never fatal.
+fn submit_memory_copy(snapshot: &mut Option<MemorySnapshot>, saver: Option<&mut AsyncSaver>) -> f64 {
+    let Some(snapshot) = snapshot.take() else { return 0.0 };
+    let t0 = Instant::now();
+    let copied = match snapshot {
+        MemorySnapshot::Copied(c) => c,
+        MemorySnapshot::Copying(h) => {
+            h.join().map_err(|_| Error::Checkpoint("the in-memory copy thread panicked".into())).and_then(|r| r)
+        }
+    };
+    match (copied, saver) {
+        (Ok((step, model, optimizer, meta)), Some(saver)) => {
+            if let Err(e) = saver.submit(step, model, optimizer, meta) {
+                tracing::warn!(step, "an in-memory copy failed: {e}");
+            }
+        }
+        (Ok(_), None) => {}
+        (Err(e), _) => tracing::warn!("an in-memory copy could not be taken: {e}"),
+    }
+    t0.elapsed().as_secs_f64()
 }
 
 /// Keeps the lines of a JSON-lines file whose `step` is at most `max_step`.

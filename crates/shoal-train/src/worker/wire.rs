@@ -57,6 +57,15 @@ pub struct Summary {
     /// Seconds the saves took in the background, in total (the stall is what the loop paid of it).
     #[serde(default)]
     pub checkpoint_save_s: f64,
+    /// In-memory copies (`checkpoint.memory_every`) rank 0 wrote for its host, and the seconds the step loop spent
+    /// on them in total (the rest of each copy runs on threads).
+    #[serde(default)]
+    pub memory_copies: usize,
+    #[serde(default)]
+    pub memory_stall_s: f64,
+    /// Whether the run resumed from an in-memory copy (else from storage, or from nothing).
+    #[serde(default)]
+    pub resumed_from_memory: bool,
     /// What each rank's memory held, from its real buffers.
     #[serde(default)]
     pub memory_bytes: Vec<RankMemory>,

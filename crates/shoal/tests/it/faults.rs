@@ -270,3 +270,178 @@ fn chaos_stop_hangs_a_worker_that_is_found_dumped_and_recovered() {
     assert_eq!((v["restarts"].as_i64(), v["attempt"].as_i64()), (Some(1), Some(2)), "{v}");
     assert_eq!(v["summary"]["steps"], 600, "{}", v["summary"]);
 }
+
+/// Like [`job`], with storage checkpoints every `every` steps and in-memory copies every `memory_every`; restart
+/// after 1 s.
+fn memory_job(name: &str, steps: usize, every: usize, memory_every: usize) -> String {
+    job(name, steps, "policy = \"restart\"\nmax_restarts = 2\nbackoff = \"1s\"").replace(
+        "[checkpoint]\nevery = 50\nkeep = 2\n",
+        &format!("[checkpoint]\nevery = {every}\nkeep = 2\nmemory_every = {memory_every}\n"),
+    )
+}
+
+/// The in-memory copies' directory of job `id` on this host.
+fn shm_dir(id: &str) -> std::path::PathBuf {
+    std::path::Path::new("/dev/shm").join(format!("shoal-{id}"))
+}
+
+/// The complete in-memory copies of job `id` (step directories), each host's.
+fn memory_copies(id: &str) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    for host in std::fs::read_dir(shm_dir(id)).into_iter().flatten().flatten() {
+        for step in std::fs::read_dir(host.path().join("checkpoints")).into_iter().flatten().flatten() {
+            let name = step.file_name().to_string_lossy().into_owned();
+            if name.starts_with("step-") && !name.contains(".tmp") && step.path().join("manifest.json").is_file() {
+                out.push(step.path());
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// The losses rank 0 logged, by step, bit for bit.
+fn loss_bits(p: &Platform, id: &str) -> Vec<(u64, u64)> {
+    let text = std::fs::read_to_string(p.job_dir(id).join("run/metrics.jsonl")).expect("metrics.jsonl");
+    text.lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .map(|v| (v["step"].as_u64().expect("step"), v["loss"].as_f64().expect("loss").to_bits()))
+        .collect()
+}
+
+#[test]
+#[cfg_attr(not(feature = "failpoints"), ignore = "slows the job's data: needs `--features shoal/failpoints`")]
+fn kill_9_with_in_memory_copies_restarts_from_memory_bit_for_bit() {
+    restart_from_memory_bit_for_bit("faults-memory", "ddp");
+}
+
+#[test]
+#[cfg_attr(not(feature = "failpoints"), ignore = "slows the job's data: needs `--features shoal/failpoints`")]
+fn kill_9_with_in_memory_copies_under_zero1_restarts_from_memory_bit_for_bit() {
+    // The optimizer state is sharded: the copy holds it whole, gathered by every rank.
+    restart_from_memory_bit_for_bit("faults-memory-zero1", "zero1");
+}
+
+/// A job of `strategy` with in-memory copies every 10 steps and no storage checkpoint before its end, killed with
+/// `kill -9` of rank 1, restarts from memory, says so, and ends bit for bit as the same job without the failure.
+fn restart_from_memory_bit_for_bit(tag: &str, strategy: &str) {
+    let p = Platform::new(tag);
+    // Storage holds only the final checkpoint: whatever the restart resumes from before it came from memory.
+    let spec = |name: &str| {
+        memory_job(name, 600, 1000, 10).replace("[train]\n", &format!("[train]\nstrategy = \"{strategy}\"\n"))
+    };
+    // The same job without a failure, to compare with.
+    let clean = p.submit("clean", &spec("clean"));
+    let c = p.wait_state(&clean, "succeeded");
+    assert_eq!(c["summary"]["memory_copies"].as_u64().map(|n| n > 0), Some(true), "{c}");
+    assert!(!shm_dir(&clean).exists(), "a succeeded job's in-memory copies remain in {}", shm_dir(&clean).display());
+    let cs = &c["summary"];
+    let (copies, stall, step) = (
+        cs["memory_copies"].as_f64().unwrap_or(0.0),
+        cs["memory_stall_s"].as_f64().unwrap_or(0.0),
+        cs["step_time"]["step_s"].as_f64().unwrap_or(0.0),
+    );
+    eprintln!(
+        "in-memory copies: {copies} in the run without a failure, {:.3} ms of the step loop each, {:.2}% of the \
+         median step ({:.2} ms)",
+        1e3 * stall / copies.max(1.0),
+        100.0 * stall / copies.max(1.0) / step.max(1e-9),
+        step * 1e3
+    );
+
+    let id = p.submit("killed", &spec("killed"));
+    let v = training(&p, &id, 1, 120);
+    p.wait("an in-memory copy", || (!memory_copies(&id).is_empty()).then_some(()));
+    let t0 = now_ms();
+    kill(worker_pid(&v, 1), libc::SIGKILL);
+    let beat = p.job_dir(&id).join("run/heartbeat.rank-0.json");
+    let stepped = p.wait("a step of attempt 2", || {
+        let hb: Value = serde_json::from_slice(&std::fs::read(&beat).ok()?).ok()?;
+        (hb["attempt"] == 2 && hb["phase"] == "train" && hb["step"].as_u64()? % 10 != 0).then(now_ms)
+    });
+    let v = p.wait_state(&id, "succeeded");
+    assert_eq!((v["restarts"].as_i64(), v["attempt"].as_i64()), (Some(1), Some(2)), "{v}");
+    let (restarted_at, started_at) = (event_time(&v, "restarted", 0), event_time(&v, "started", 1));
+    eprintln!(
+        "recovery from kill -9, restart from memory: {} ms to the restart decided (detection and every process \
+         gone), {} ms backoff (1 s) and placement to attempt 2 started, {} ms from the start to its first step \
+         (rendezvous, in-memory copy load, step); {} ms in all",
+        restarted_at - t0,
+        started_at - restarted_at,
+        stepped - started_at,
+        stepped - t0
+    );
+    // It resumed from memory, said so, and read no storage checkpoint (there was none before the end).
+    let sum = &v["summary"];
+    assert_eq!(sum["strategy"], strategy, "{sum}");
+    let from = sum["resumed_from"].as_u64().expect("resumed_from");
+    assert!(from >= 10 && from.is_multiple_of(10) && from < 600, "{sum}");
+    assert_eq!(sum["resumed_from_memory"], true, "{sum}");
+    let log = std::fs::read_to_string(p.job_dir(&id).join("attempt-2/rank-0.log")).expect("rank-0.log");
+    assert!(log.contains(&format!("resuming from memory copy at step {from}")), "{log}");
+    let resumed: Vec<_> = events(&v).into_iter().filter(|e| e.1 == "resumed").collect();
+    assert_eq!(resumed.len(), 1, "{:?}", events(&v));
+    assert!(resumed[0].2.contains(&format!("attempt 2 resumed from its memory copy at step {from}")), "{resumed:?}");
+    // Bit for bit the run without the failure: every step's loss and the final parameters and optimizer state.
+    assert_eq!(loss_bits(&p, &id), loss_bits(&p, &clean));
+    assert_eq!(loss_bits(&p, &id).len(), 600);
+    for f in ["model.safetensors", "optimizer.safetensors"] {
+        let read = |job: &str| std::fs::read(p.job_dir(job).join("run/checkpoints/step-000600").join(f)).expect(f);
+        assert!(read(&id) == read(&clean), "{f} differs from the run without a failure");
+    }
+    assert_eq!(sum["final_loss"], c["summary"]["final_loss"]);
+    assert!(!shm_dir(&id).exists(), "a succeeded job's in-memory copies remain in {}", shm_dir(&id).display());
+}
+
+#[test]
+#[cfg_attr(not(feature = "failpoints"), ignore = "slows the job's data: needs `--features shoal/failpoints`")]
+fn a_corrupt_in_memory_copy_is_skipped_naming_it_and_the_restart_reads_storage() {
+    let p = Platform::new("faults-memory-corrupt");
+    let id = p.submit("corrupt", &memory_job("corrupt", 600, 50, 10));
+    let v = training(&p, &id, 1, 120);
+    p.wait("an in-memory copy", || (!memory_copies(&id).is_empty()).then_some(()));
+    // Rank 0 writes its host's copies: once it is gone, none changes.
+    kill(worker_pid(&v, 0), libc::SIGKILL);
+    let copies = memory_copies(&id);
+    assert!(!copies.is_empty());
+    for c in &copies {
+        let f = c.join("model.safetensors");
+        let mut b = std::fs::read(&f).expect("model.safetensors of a copy");
+        let last = b.len() - 1;
+        b[last] ^= 0x01;
+        std::fs::write(&f, b).expect("flip a byte");
+    }
+    let v = p.wait_state(&id, "succeeded");
+    assert_eq!((v["restarts"].as_i64(), v["attempt"].as_i64()), (Some(1), Some(2)), "{v}");
+    let log = std::fs::read_to_string(p.job_dir(&id).join("attempt-2/rank-0.log")).expect("rank-0.log");
+    let newest = copies.last().expect("a copy").join("model.safetensors");
+    assert!(
+        log.contains(&format!("warning: skipped memory copy file {}", newest.display())) && log.contains("checksum"),
+        "{log}"
+    );
+    let sum = &v["summary"];
+    let from = sum["resumed_from"].as_u64().expect("resumed_from");
+    assert!(from >= 50 && from.is_multiple_of(50), "{sum}");
+    assert_eq!(sum["resumed_from_memory"], false, "{sum}");
+    assert!(log.contains(&format!("checkpoints/step-{from:06} (step {from})")), "{log}");
+    assert!(!log.contains("resuming from memory copy"), "{log}");
+    let resumed: Vec<_> = events(&v).into_iter().filter(|e| e.1 == "resumed").collect();
+    assert_eq!(resumed.len(), 1, "{:?}", events(&v));
+    assert!(resumed[0].2.contains(&format!("from its storage checkpoint at step {from}")), "{resumed:?}");
+    assert_eq!(sum["steps"], 600, "{sum}");
+    assert!(!shm_dir(&id).exists(), "a succeeded job's in-memory copies remain in {}", shm_dir(&id).display());
+}
+
+#[test]
+#[cfg_attr(not(feature = "failpoints"), ignore = "slows the job's data: needs `--features shoal/failpoints`")]
+fn a_cancelled_jobs_in_memory_copies_are_removed() {
+    let p = Platform::new("faults-memory-cancel");
+    let id = p.submit("cancelled", &memory_job("cancelled", 100_000, 1000, 10));
+    training(&p, &id, 1, 30);
+    p.wait("an in-memory copy", || (!memory_copies(&id).is_empty()).then_some(()));
+    let out = p.cli(p.token(), &["cancel", &id]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    p.wait_state(&id, "cancelled");
+    // Removed by the control loop as the job ends (right after the state is stored).
+    p.wait("the cancelled job's in-memory copies removed", || (!shm_dir(&id).exists()).then_some(()));
+}
