@@ -824,21 +824,28 @@ impl Executor for KubeExecutor {
 
     fn stop(&self, task: &Task, how: Stop) {
         let name = task.external_id.clone().unwrap_or_else(|| Self::pod_name(&task.job_id, task.attempt, task.rank));
-        {
+        let service = Self::attempt_name(&task.job_id, task.attempt);
+        // Asked again within STOP_REPEAT the same way: already on its way (the Service once for all its ranks).
+        let (pod_new, service_new) = {
             let mut stops = self.stops.lock().unwrap_or_else(|p| p.into_inner());
-            if let Some((at, h)) = stops.get(&name)
-                && *h == how
-                && at.elapsed() < STOP_REPEAT
-            {
-                return;
-            }
             stops.retain(|_, (at, _)| at.elapsed() < STOP_REPEAT);
-            stops.insert(name.clone(), (Instant::now(), how));
-        }
+            let mut fresh = |key: &str| {
+                let again = stops.get(key).is_some_and(|(_, h)| *h == how);
+                if !again {
+                    stops.insert(key.to_owned(), (Instant::now(), how));
+                }
+                !again
+            };
+            (fresh(&name), fresh(&service))
+        };
         // Shoal stops a gang whole: the attempt's Service goes too, and with it (by the garbage collector) its
         // Secret and any Pod left.
-        self.delete_pod(&name, if how == Stop::Term { TERM_GRACE_SECONDS } else { 1 });
-        self.delete_attempt(&Self::attempt_name(&task.job_id, task.attempt));
+        if pod_new {
+            self.delete_pod(&name, if how == Stop::Term { TERM_GRACE_SECONDS } else { 1 });
+        }
+        if service_new {
+            self.delete_attempt(&service);
+        }
     }
 
     /// Kubernetes' metrics API is optional: nothing is sampled.

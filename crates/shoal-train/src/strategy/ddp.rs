@@ -18,7 +18,7 @@ use std::time::Instant;
 use candle_core::Tensor;
 use shoal_comm::{Communicator, Pending, ReduceOp};
 
-use super::{GradSink, StepTimes, Strategy, TensorGrads, copy_f32};
+use super::{GradSink, StepTimes, Strategy, TensorGrads, broadcast_from_rank0, check_order, flat_offsets, put_tensors};
 use crate::error::{Error, Result};
 use crate::optim::{Optimizer, clip_grad_norm, clip_grad_norm_slices};
 use crate::params::Params;
@@ -164,11 +164,7 @@ impl Collector<'_> {
 
 impl GradSink for Collector<'_> {
     fn put(&mut self, index: usize, fill: &mut dyn FnMut(&mut [f32]) -> Result<()>) -> Result<()> {
-        if index >= self.vars.len() || self.next.is_none_or(|n| index > n) {
-            return Err(Error::InvalidArgument(format!(
-                "gradient of parameter {index} given out of order (parameters must come in reverse order, each once)"
-            )));
-        }
+        check_order(index, self.vars.len(), self.next)?;
         self.zero_down_to(Some(index))?;
         self.put_inner(index, fill)
     }
@@ -204,20 +200,8 @@ impl Strategy for Ddp {
     }
 
     fn init(&mut self, params: &Params) -> Result<()> {
-        if let Some(c) = self.comm.as_ref().filter(|c| c.size() > 1) {
-            let mut flat = params.flatten()?;
-            c.broadcast(&mut flat, 0)?;
-            params.load_flat(&flat)?;
-        }
-        self.offsets = params
-            .vars()
-            .iter()
-            .scan(0usize, |off, (_, v)| {
-                let o = *off;
-                *off += v.elem_count();
-                Some(o)
-            })
-            .collect();
+        broadcast_from_rank0(self.comm.as_ref(), params)?;
+        self.offsets = flat_offsets(params).0;
         Ok(())
     }
 
@@ -286,14 +270,7 @@ impl Strategy for Ddp {
             self.direct = Some((direct, scalars));
             return Ok(());
         }
-        self.backward(params, last, scalars, &mut |sink| {
-            for (i, g) in grads.iter().enumerate().rev() {
-                if let Some(g) = g {
-                    sink.put(i, &mut |out| copy_f32(out, g))?;
-                }
-            }
-            Ok(())
-        })
+        self.backward(params, last, scalars, &mut |sink| put_tensors(sink, &grads))
     }
 
     fn step(&mut self, params: &Params, opt: &mut Optimizer, lr: f64, clip: Option<f64>) -> Result<StepTimes> {

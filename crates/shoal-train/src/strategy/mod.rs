@@ -114,6 +114,52 @@ pub trait Strategy: Send {
     }
 }
 
+/// Makes every rank's parameters rank 0's (one broadcast of the flat parameters; nothing on one process).
+pub(crate) fn broadcast_from_rank0(comm: Option<&Communicator>, params: &Params) -> Result<()> {
+    if let Some(c) = comm.filter(|c| c.size() > 1) {
+        let mut flat = params.flatten()?;
+        c.broadcast(&mut flat, 0)?;
+        params.load_flat(&flat)?;
+    }
+    Ok(())
+}
+
+/// Each parameter's offset in the flat parameter space (parameter order), and the space's length.
+pub(crate) fn flat_offsets(params: &Params) -> (Vec<usize>, usize) {
+    let mut total = 0;
+    let offsets = params
+        .vars()
+        .iter()
+        .map(|(_, v)| {
+            let o = total;
+            total += v.elem_count();
+            o
+        })
+        .collect();
+    (offsets, total)
+}
+
+/// Puts autograd's gradients into a sink, in the reverse parameter order it asks for.
+pub(crate) fn put_tensors(sink: &mut dyn GradSink, grads: &TensorGrads) -> Result<()> {
+    for (i, g) in grads.iter().enumerate().rev() {
+        if let Some(g) = g {
+            sink.put(i, &mut |out| copy_f32(out, g))?;
+        }
+    }
+    Ok(())
+}
+
+/// Refuses a gradient given out of the order a [`GradSink`] takes them in (`next`: the highest index still
+/// allowed).
+pub(crate) fn check_order(index: usize, count: usize, next: Option<usize>) -> Result<()> {
+    if index >= count || next.is_none_or(|n| index > n) {
+        return Err(Error::InvalidArgument(format!(
+            "gradient of parameter {index} given out of order (parameters must come in reverse order, each once)"
+        )));
+    }
+    Ok(())
+}
+
 /// Copies a tensor's values into `out`, which must be exactly as long.
 pub(crate) fn copy_f32(out: &mut [f32], t: &Tensor) -> Result<()> {
     let t = t.contiguous()?;

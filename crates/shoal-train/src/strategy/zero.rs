@@ -23,7 +23,7 @@ use std::time::Instant;
 use candle_core::Tensor;
 use shoal_comm::{Communicator, ReduceOp};
 
-use super::{GradSink, StepTimes, Strategy, TensorGrads, copy_f32};
+use super::{GradSink, StepTimes, Strategy, TensorGrads, broadcast_from_rank0, check_order, flat_offsets, put_tensors};
 use crate::error::{Error, Result};
 use crate::kernels::{with_slice, with_slice_mut};
 use crate::optim::{OptimConfig, Optimizer, sum_sq, update};
@@ -156,12 +156,14 @@ impl Zero {
     /// This rank's shard of the parameters (zeros in the padding), read in place from the ones it overlaps.
     fn read_shard(&self, params: &Params) -> Result<Vec<f32>> {
         let mut out = vec![0f32; self.shard];
-        for (b, (_, flat)) in self.buckets.iter().enumerate() {
+        for (b, (members, flat)) in self.buckets.iter().enumerate() {
             let s = self.slice_len(b);
             let start = flat.start + self.rank() * s;
             let end = (start + s).min(flat.end);
             let o = self.shard_offsets[b];
-            for (i, (_, var)) in params.vars().iter().enumerate() {
+            // Only the bucket's own parameters can overlap its slice.
+            for i in members.clone() {
+                let var = &params.vars()[i].1;
                 let (lo, hi) = (self.offsets[i], self.offsets[i] + var.elem_count());
                 let (a, z) = (lo.max(start), hi.min(end));
                 if a < z {
@@ -234,11 +236,7 @@ impl Adder<'_> {
 
 impl GradSink for Adder<'_> {
     fn put(&mut self, index: usize, fill: &mut dyn FnMut(&mut [f32]) -> Result<()>) -> Result<()> {
-        if index >= self.vars.len() || self.next.is_none_or(|n| index > n) {
-            return Err(Error::InvalidArgument(format!(
-                "gradient of parameter {index} given out of order (parameters must come in reverse order, each once)"
-            )));
-        }
+        check_order(index, self.vars.len(), self.next)?;
         self.next = index.checked_sub(1);
         self.flush_above(Some(index))?;
         let n = self.vars[index].1.elem_count();
@@ -269,22 +267,8 @@ impl Strategy for Zero {
     }
 
     fn init(&mut self, params: &Params) -> Result<()> {
-        if let Some(c) = self.comm.as_ref().filter(|c| c.size() > 1) {
-            let mut flat = params.flatten()?;
-            c.broadcast(&mut flat, 0)?;
-            params.load_flat(&flat)?;
-        }
-        let mut off = 0;
-        self.offsets = params
-            .vars()
-            .iter()
-            .map(|(_, v)| {
-                let o = off;
-                off += v.elem_count();
-                o
-            })
-            .collect();
-        self.total = off;
+        broadcast_from_rank0(self.comm.as_ref(), params)?;
+        (self.offsets, self.total) = flat_offsets(params);
         // Buckets from the last parameter down: one over everything for stage 1.
         self.buckets.clear();
         let vars = params.vars();
@@ -338,14 +322,7 @@ impl Strategy for Zero {
     }
 
     fn backward_tensors(&mut self, params: &Params, last: bool, scalars: Vec<f32>, grads: TensorGrads) -> Result<()> {
-        self.backward(params, last, scalars, &mut |sink| {
-            for (i, g) in grads.iter().enumerate().rev() {
-                if let Some(g) = g {
-                    sink.put(i, &mut |out| copy_f32(out, g))?;
-                }
-            }
-            Ok(())
-        })
+        self.backward(params, last, scalars, &mut |sink| put_tensors(sink, &grads))
     }
 
     fn step(&mut self, params: &Params, opt: &mut Optimizer, lr: f64, clip: Option<f64>) -> Result<StepTimes> {
