@@ -11,6 +11,7 @@
 //! | `SHOAL_TIMEOUT` | optional: per-operation limit, e.g. `30s`, `500ms`, `2m` |
 //! | `SHOAL_FAULT_COMM_DELAY` | fault injection (feature `failpoints` only): every collective first sleeps this long (e.g. `20ms`), to test diagnosis |
 //! | `SHOAL_HOST_ID` | optional: overrides the host identity (tests of multi-host layouts) |
+//! | `SHOAL_SERVER`, `SHOAL_SERVER_CA` | optional: the control plane's URL, where a task sends its heartbeats (signed with the job secret), and the PEM file of certificates to trust for it |
 //! | `SHOAL_RENDEZVOUS_HOST` | optional: `1` makes rank 0 host the store at `SHOAL_RENDEZVOUS` itself (for launchers that start no store, e.g. `srun` or `mpirun`) |
 
 use std::sync::Arc;
@@ -32,6 +33,9 @@ pub mod var {
     pub const EXIT_FILE: &str = "SHOAL_EXIT_FILE";
     /// The data directory of the server that started the task (finds its strays after a crash).
     pub const SERVER_DATA: &str = "SHOAL_SERVER_DATA";
+    /// The control plane's URL (heartbeats and failure reports go there) and the certificates to trust for it.
+    pub const SERVER: &str = "SHOAL_SERVER";
+    pub const SERVER_CA: &str = "SHOAL_SERVER_CA";
     pub const TRANSPORT: &str = "SHOAL_TRANSPORT";
     pub const ALGO: &str = "SHOAL_ALGO";
     pub const TIMEOUT: &str = "SHOAL_TIMEOUT";
@@ -80,6 +84,9 @@ pub struct TaskEnv {
     /// The platform's exit-status file and data directory (absent for `shoal run`).
     pub exit_file: Option<String>,
     pub server_data: Option<String>,
+    /// The control plane's URL and the PEM file to trust for it (absent for `shoal run`).
+    pub server: Option<String>,
+    pub server_ca: Option<String>,
     /// Threads for the task's compute libraries (absent: their own default).
     pub threads: Option<usize>,
     /// GPUs the task sees (`None`: not restricted).
@@ -88,7 +95,7 @@ pub struct TaskEnv {
 
 /// Names the contract sets that a job's own environment may not: everything [`TaskEnv::vars`] writes except the
 /// thread counts, which a job may tune.
-pub const RESERVED: [&str; 18] = [
+pub const RESERVED: [&str; 20] = [
     var::JOB_ID,
     var::RANK,
     var::WORLD_SIZE,
@@ -100,6 +107,8 @@ pub const RESERVED: [&str; 18] = [
     var::ATTEMPT,
     var::EXIT_FILE,
     var::SERVER_DATA,
+    var::SERVER,
+    var::SERVER_CA,
     var::MASTER_ADDR,
     var::MASTER_PORT,
     var::TORCH_RANK,
@@ -154,6 +163,8 @@ impl TaskEnv {
             (var::ATTEMPT, self.attempt.map(|a| a.to_string())),
             (var::EXIT_FILE, self.exit_file.clone()),
             (var::SERVER_DATA, self.server_data.clone()),
+            (var::SERVER, self.server.clone()),
+            (var::SERVER_CA, self.server_ca.clone()),
             (var::RAYON_THREADS, self.threads.map(|t| t.to_string())),
             (var::OMP_THREADS, self.threads.map(|t| t.to_string())),
             (var::VISIBLE_GPUS, self.gpus.clone()),
@@ -233,6 +244,10 @@ pub struct EnvContract {
     pub attempt: Option<i64>,
     /// The job's id (`SHOAL_JOB_ID`), when the launcher gave one.
     pub job_id: Option<String>,
+    /// The control plane's URL and the certificates to trust for it (`SHOAL_SERVER`, `SHOAL_SERVER_CA`), when a
+    /// server started the task.
+    pub server: Option<String>,
+    pub server_ca: Option<String>,
 }
 
 impl EnvContract {
@@ -282,7 +297,9 @@ impl EnvContract {
             ),
             Err(_) => None,
         };
-        Ok(EnvContract { rank, world_size, rendezvous, host_store, cfg, attempt, job_id })
+        let server = std::env::var(var::SERVER).ok().filter(|s| !s.is_empty());
+        let server_ca = std::env::var(var::SERVER_CA).ok().filter(|s| !s.is_empty());
+        Ok(EnvContract { rank, world_size, rendezvous, host_store, cfg, attempt, job_id, server, server_ca })
     }
 
     /// Connects to the rendezvous store and builds the world communicator. With
@@ -336,6 +353,8 @@ mod tests {
                         cfg,
                         attempt: None,
                         job_id: None,
+                        server: None,
+                        server_ca: None,
                     };
                     let c = env.connect()?;
                     let mut v = vec![rank as i32; 5];

@@ -58,8 +58,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{MethodFilter, MethodRouter};
 use serde::Deserialize;
 use shoal_wire::{
-    CancelAccepted, ChaosDone, ChaosRequest, ErrorBody, EventList, HangDump, Health, JobDetail, JobList, MetricList,
-    MetricsBatch, MetricsStored, NewToken, NodeList, QueueList, Submitted, TokenCreated, WhoAmI,
+    CancelAccepted, ChaosDone, ChaosRequest, ErrorBody, EventList, HangDump, Health, Heartbeat, JobDetail, JobList,
+    MetricList, MetricsBatch, MetricsStored, NewToken, NodeList, QueueList, Submitted, TokenCreated, WhoAmI,
 };
 use utoipa::{IntoParams, OpenApi};
 
@@ -95,6 +95,7 @@ fn table() -> Vec<(Method, &'static str, MethodRouter<AppState>)> {
         GET "/api/v1/jobs/{id}/diagnosis" => observe::diagnosis,
         GET "/api/v1/jobs/{id}/debug" => debug,
         POST "/api/v1/jobs/{id}/chaos" => chaos,
+        POST "/api/v1/jobs/{id}/heartbeat" => heartbeat,
         GET "/api/v1/queues" => queues,
         GET "/api/v1/nodes" => nodes,
         GET "/api/v1/overview" => observe::overview,
@@ -149,6 +150,7 @@ pub fn router(state: AppState) -> Router {
         cancel,
         debug,
         chaos,
+        heartbeat,
         logs,
         events,
         get_metrics,
@@ -524,6 +526,51 @@ async fn debug(
         )));
     }
     Ok(Json(state.control.debug_dump(&job).await?))
+}
+
+#[utoipa::path(
+    post, path = "/api/v1/jobs/{id}/heartbeat", tag = "jobs",
+    params(JobPath, ("x-shoal-tag" = String, Header,
+        description = "HMAC-SHA256 of the body under the job secret, in hex (what `shoal_comm::auth::sign` gives)")),
+    request_body(content = Heartbeat, content_type = "application/json"),
+    responses(
+        (status = 204, description = "Heard: the rank lives (a report of its failure goes into the job's events)"),
+        (status = 400, description = "A malformed heartbeat", body = ErrorBody),
+        (status = 401, description = "No job with that id, or a tag that does not verify under its secret",
+            body = ErrorBody),
+        (status = 409, description = "The job is not running", body = ErrorBody),
+        (status = 413, description = "Over 1 MiB", body = ErrorBody),
+    ),
+    security(()),
+)]
+/// A worker's heartbeat. Not for tokens: the job's own tasks prove they hold its secret by the tag, and the secret
+/// never crosses the wire.
+async fn heartbeat(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    id: std::result::Result<Path<String>, PathRejection>,
+    b: std::result::Result<Bytes, BytesRejection>,
+) -> ApiResult<StatusCode> {
+    let id = job_id(id)?;
+    let b = body(b)?;
+    let tag = headers.get("x-shoal-tag").and_then(|v| v.to_str().ok()).unwrap_or_default();
+    let job = state.control.db.job(&id).await?;
+    let Some(job) = job.filter(|j| shoal_comm::auth::verify(state.control.job_secret(j).as_bytes(), &b, tag)) else {
+        return Err(ApiError::unauthorized(format!(
+            "heartbeat for job {id}: no such job, or the x-shoal-tag header is not the body's tag under its secret"
+        )));
+    };
+    let hb: Heartbeat = serde_json::from_slice(&b).map_err(|e| ApiError::bad(format!("heartbeat: {e}")))?;
+    if hb.rank < 0 {
+        return Err(ApiError::bad_field("rank", format!("{}: must be >= 0", hb.rank)));
+    }
+    if job.state != JobState::Running {
+        return Err(ApiError::conflict(format!("job {id} is {}, not running", job.state.as_str())));
+    }
+    if let Some(report) = state.control.heard(&job, hb) {
+        state.control.db.event(&id, "rank_report", job.state, &report).await?;
+    }
+    Ok(StatusCode::NO_CONTENT)
 }
 
 #[utoipa::path(

@@ -68,6 +68,9 @@ pub struct ServerOptions {
     pub executor: Option<Arc<dyn shoal_exec::Executor>>,
     /// Serve HTTPS with this certificate and key (`--tls-cert`, `--tls-key`); `None`: plain HTTP.
     pub tls: Option<crate::tls::TlsFiles>,
+    /// The URL tasks reach this server at, for their heartbeats (`--advertise-url`). [`start`] fills in its own
+    /// address when absent (loopback for an unspecified one); with none, tasks report through files only.
+    pub advertise: Option<String>,
 }
 
 impl ServerOptions {
@@ -92,6 +95,7 @@ impl ServerOptions {
             executor_kind: ExecutorKind::Local,
             executor: None,
             tls: None,
+            advertise: None,
         }
     }
 }
@@ -338,6 +342,10 @@ pub async fn prepare(opts: &ServerOptions) -> Result<Prepared> {
         Some(u) => reachable_program(&opts.data_dir, &opts.worker_program, u)?,
         None => opts.worker_program.clone(),
     };
+    let server_ca = match (&opts.advertise, &opts.tls) {
+        (Some(_), Some(t)) => Some(public_ca(&opts.data_dir, &t.cert)?),
+        _ => None,
+    };
     let config = ControlConfig {
         data_dir: opts.data_dir.clone(),
         worker_program,
@@ -349,10 +357,36 @@ pub async fn prepare(opts: &ServerOptions) -> Result<Prepared> {
         policy: opts.policy.clone(),
         task_user,
         secret_key,
+        server: opts.advertise.clone(),
+        server_ca,
     };
     let control = Arc::new(Control::with_executor(db, config, nodes, queues, exec)?);
     control.recover().await?;
     Ok(Prepared { control, admin_token: token, database_url: url, lock })
+}
+
+/// A copy of the server's certificate chain that every task may read (`DATA/server-ca.pem`, mode 0644): what a
+/// worker trusts for the server's HTTPS address when it sends its heartbeats.
+fn public_ca(data_dir: &Path, cert: &Path) -> Result<String> {
+    let copy = data_dir.join("server-ca.pem");
+    let bytes = std::fs::read(cert).map_err(|e| {
+        ControlError::Config(format!("{}: reading the certificate chain (--tls-cert): {e}", cert.display()))
+    })?;
+    std::fs::write(&copy, bytes)
+        .and_then(|()| std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(0o644)))
+        .map_err(|e| ControlError::Config(format!("{}: {e}", copy.display())))?;
+    Ok(copy.display().to_string())
+}
+
+/// The URL tasks reach a server listening on `addr` at: the address itself, loopback for an unspecified one.
+pub fn default_advertise(addr: SocketAddr, tls: bool) -> String {
+    let scheme = if tls { "https" } else { "http" };
+    let ip = match addr.ip() {
+        ip if ip.is_unspecified() && ip.is_ipv4() => std::net::IpAddr::from([127, 0, 0, 1]),
+        ip if ip.is_unspecified() => std::net::IpAddr::from([0u16, 0, 0, 0, 0, 0, 0, 1]),
+        ip => ip,
+    };
+    format!("{scheme}://{}", SocketAddr::new(ip, addr.port()))
 }
 
 /// This machine as the cluster's one node: what the options declare, else what it has.
@@ -492,8 +526,12 @@ pub async fn start(opts: ServerOptions) -> Result<Server> {
             opts.listen
         );
     }
-    let Prepared { control, admin_token: token, database_url: url, lock } = prepare(&opts).await?;
     let addr = listener.local_addr()?;
+    let mut opts = opts;
+    if opts.advertise.is_none() {
+        opts.advertise = Some(default_advertise(addr, tls.is_some()));
+    }
+    let Prepared { control, admin_token: token, database_url: url, lock } = prepare(&opts).await?;
     let (tx, rx) = tokio::sync::watch::channel(false);
     let looping = tokio::spawn(control.clone().run(rx.clone()));
     let app = router(AppState { control: control.clone(), auth: !opts.no_auth });

@@ -30,7 +30,21 @@ pub struct TaskLaunch {
     pub env: Vec<(String, String)>,
     /// The job's queue (a cluster manager with queues of its own may be told: Kueue's label on a Pod).
     pub queue: String,
+    /// The control plane's URL as the task reaches it, for its heartbeats, and the certificates to trust for it
+    /// (`SHOAL_SERVER`, `SHOAL_SERVER_CA`); `None`: the task reports through files only.
+    pub server: Option<String>,
+    pub server_ca: Option<String>,
 }
+
+/// The `sh -c` script that runs a task's program (`$2...`) and records how it ended in the file `$1`: the program's
+/// PID in `$1.pid` at once, its exit status in `$1` (written to `$1.tmp` and renamed) once it is gone. A SIGTERM or
+/// SIGINT sent to the whole task (its process group, or Slurm's step) does not end the wrapper before the program:
+/// the program gets the signal itself (its disposition is the default again after `exec`) and may take its time — a
+/// worker finishes its step and checkpoints — while the wrapper waits on, so the status is always recorded and the
+/// task is never taken for ended while its program still runs.
+pub const EXIT_WRAPPER: &str = "f=$1; shift; \"$@\" & w=$!; printf '%s' \"$w\" > \"$f.pid\"; trap : TERM INT; while :; \
+                                do wait \"$w\"; c=$?; kill -0 \"$w\" 2>/dev/null || break; done; printf '%s' \"$c\" > \
+                                \"$f.tmp\" && /bin/mv \"$f.tmp\" \"$f\"; exit $c";
 
 /// A started task as its executor identifies it; the control plane stores these fields with the task and hands
 /// them back to probe, signal, sample or adopt it, also after its own restart.

@@ -224,6 +224,8 @@ impl JobObjects<'_> {
             attempt: None,
             exit_file: None,
             server_data: None,
+            server: None,
+            server_ca: None,
             threads: Some(r.cpus.div_ceil(1000).max(1) as usize),
             // The device plugin says which GPUs a pod that asked for some sees; one that asked none sees none.
             gpus: if r.gpus > 0 { None } else { Some(String::new()) },

@@ -319,6 +319,8 @@ impl KubeExecutor {
             attempt: Some(l.attempt),
             exit_file: None,
             server_data: Some(self.data_dir.display().to_string()),
+            server: l.server.clone(),
+            server_ca: l.server_ca.clone(),
             threads: Some(l.cpus_milli.div_ceil(1000).max(1) as usize),
             // The device plugin says which GPUs a Pod that asked for some sees; one that asked none sees none.
             gpus: if l.gpus.is_empty() { Some(String::new()) } else { None },

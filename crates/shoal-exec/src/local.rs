@@ -207,16 +207,15 @@ impl LocalExecutor {
             attempt: Some(l.attempt),
             exit_file: Some(exit_path.display().to_string()),
             server_data: Some(self.data_dir.display().to_string()),
+            server: l.server.clone(),
+            server_ca: l.server_ca.clone(),
             threads: Some(cpus.len().max(1)),
             gpus: Some(l.gpus.iter().map(|(i, _)| i.to_string()).collect::<Vec<_>>().join(",")),
         };
         let mut cmd = Command::new("/bin/sh");
         // Absolute paths only: the job's own `PATH` must not decide whether its exit status is recorded.
         cmd.arg("-c")
-            .arg(
-                "f=$1; shift; \"$@\" & w=$!; printf '%s' \"$w\" > \"$f.pid\"; wait $w; c=$?; printf '%s' \"$c\" > \
-                 \"$f.tmp\" && /bin/mv \"$f.tmp\" \"$f\"; exit $c",
-            )
+            .arg(crate::executor::EXIT_WRAPPER)
             .arg("shoal-task")
             .arg(&exit_path)
             .arg(program)

@@ -57,11 +57,9 @@ const NAME_PREFIX: &str = "shoal-";
 /// The rendezvous port is drawn from this range (below Linux's ephemeral ports).
 const RENDEZVOUS_PORTS: std::ops::Range<u16> = 20000..32000;
 
-/// The rank's wrapper: starts the program, records its PID, waits through the signals Slurm sends every process of
-/// the step (the program gets them itself), then records its exit status atomically.
-const WRAPPER: &str = "f=$1; shift; \"$@\" & w=$!; printf '%s' \"$w\" > \"$f.pid\"; trap : TERM INT; while :; do wait \
-                       \"$w\"; c=$?; kill -0 \"$w\" 2>/dev/null || break; done; printf '%s' \"$c\" > \"$f.tmp\" && \
-                       /bin/mv \"$f.tmp\" \"$f\"; exit $c";
+/// The rank's wrapper ([`crate::executor::EXIT_WRAPPER`]): it waits through the signals Slurm sends every process
+/// of the step (the program gets them itself).
+const WRAPPER: &str = crate::executor::EXIT_WRAPPER;
 
 /// Slurm's commands, found on `PATH` when the executor is made.
 #[derive(Debug)]
@@ -535,6 +533,8 @@ impl SlurmExecutor {
                 attempt: Some(l.attempt),
                 exit_file: Some(exit.display().to_string()),
                 server_data: Some(self.data_dir.display().to_string()),
+                server: l.server.clone(),
+                server_ca: l.server_ca.clone(),
                 threads: Some(ask.cpus as usize),
                 // Slurm says which GPUs a step with `--gres` sees; a task that asked none sees none.
                 gpus: if ask.gpus > 0 { None } else { Some(String::new()) },
@@ -948,6 +948,8 @@ mod tests {
             node: node.into(),
             env: vec![("FOO".into(), "a b,c".into())],
             queue: "default".into(),
+            server: Some("http://10.214.0.1:8080".into()),
+            server_ca: None,
         }
     }
 

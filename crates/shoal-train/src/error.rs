@@ -24,6 +24,10 @@ pub enum Error {
     },
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// A stop asked from outside (SIGTERM), taken at a step boundary by every rank with a checkpoint there: not a
+    /// failure of the run, which resumes from that checkpoint.
+    #[error("stopped on request after step {step}, with a checkpoint there")]
+    Stopped { step: usize },
 }
 
 impl Error {

@@ -4,8 +4,10 @@
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
-/// One rank's heartbeat: written by the worker's reporter thread twice a second (the file
-/// `heartbeat.rank-R.json` in the job's run directory, replaced atomically), read by the control loop.
+/// One rank's heartbeat, sent by the worker's reporter thread twice a second: to the server
+/// (`POST /api/v1/jobs/{id}/heartbeat`, tagged with the job secret) when the task was told where it is
+/// (`SHOAL_SERVER`), else — or while the server cannot be reached — the file `heartbeat.rank-R.json` in the job's run
+/// directory (replaced atomically). The control loop takes the newer of the two.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct Heartbeat {
     pub rank: i64,
@@ -36,6 +38,10 @@ pub struct Heartbeat {
     /// step N`; absent before, or when it started from nothing.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resumed: Option<String>,
+    /// Why the rank is failing, sent once, at once, before it exits (a collective's report: the operation, its
+    /// sequence number, the ranks that never arrived); absent while it runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
 }
 
 /// Where one rank stands in a dump.

@@ -247,12 +247,21 @@ fn main() -> std::process::ExitCode {
     match result {
         Ok(true) => std::process::ExitCode::SUCCESS,
         Ok(false) => std::process::ExitCode::FAILURE,
+        // A worker stopped from outside at a step boundary, with its checkpoint: not an error, but not the end of
+        // the run either (EX_TEMPFAIL: resume it).
+        Err(e) if matches!(e.downcast_ref(), Some(shoal_train::Error::Stopped { .. })) => {
+            eprintln!("stopped: {e:#}");
+            std::process::ExitCode::from(STOPPED_EXIT)
+        }
         Err(e) => {
             eprintln!("error: {e:#}");
             std::process::ExitCode::FAILURE
         }
     }
 }
+
+/// The exit status of a worker stopped at a step boundary on request (SIGTERM), its checkpoint written.
+const STOPPED_EXIT: u8 = 75;
 
 fn worker(job: &std::path::Path, output: std::path::PathBuf, resume: bool) -> Result<bool> {
     // Tensors of a training step are allocated and freed every step. Keep freed

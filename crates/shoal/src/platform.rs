@@ -316,6 +316,10 @@ pub struct ServerArgs {
     /// The private key of --tls-cert (PEM).
     #[arg(long, value_name = "FILE", requires = "tls_cert")]
     pub tls_key: Option<PathBuf>,
+    /// The URL workers reach this server at, for their heartbeats (e.g. http://shoal.shoal.svc:8080 on
+    /// Kubernetes, http://HEAD-NODE:8080 on Slurm); default: the --listen address (loopback when unspecified).
+    #[arg(long, value_name = "URL")]
+    pub advertise_url: Option<String>,
     /// What runs the tasks: `local` (this machine's processes), `slurm` (each job one Slurm allocation on the
     /// cluster SLURM_CONF names, whose nodes the scheduler places on) or `kubernetes` (each attempt a headless
     /// Service and a Pod per rank, on the cluster's Nodes).
@@ -387,6 +391,12 @@ pub fn server_options(args: &ServerArgs) -> Result<shoal_control::ServerOptions>
 
     if let (Some(cert), Some(key)) = (&args.tls_cert, &args.tls_key) {
         o.tls = Some(shoal_control::tls::TlsFiles { cert: cert.clone(), key: key.clone() });
+    }
+    if let Some(u) = &args.advertise_url {
+        if !(u.starts_with("http://") || u.starts_with("https://")) {
+            bail!("--advertise-url {u:?}: give an http:// or https:// URL");
+        }
+        o.advertise = Some(u.trim_end_matches('/').to_owned());
     }
     o.policy.allow_loader_env = args.allow_loader_env;
     o.policy.storage_root = match &args.storage_root {

@@ -115,30 +115,41 @@ impl Control {
                 Ok(())
             }
             Decision::Grow { job, tasks } => {
-                if let Some(row) = self.db.job(&job).await? {
-                    self.db
-                        .event(
-                            &row.id,
-                            "elastic",
-                            row.state,
-                            &format!("could grow by {} workers; elastic resize is not carried out yet", tasks.len()),
-                        )
-                        .await?;
+                let Some(row) = self.db.job(&job).await? else { return Ok(()) };
+                let spec = self.spec_of(&row)?;
+                let running = self.db.tasks(&row.id, row.attempt).await?;
+                let now = running.iter().filter(|t| t.state == TaskState::Running).count();
+                let to = now + tasks.len();
+                let (_, hi) = spec.workers.range();
+                if row.state != JobState::Running || self.stopping_now(&row.id) {
+                    return Ok(());
                 }
+                if let Err(e) = spec.validate_world(to) {
+                    self.db
+                        .event(&row.id, "elastic", row.state, &format!("could grow from {now} to {to} workers: {e}"))
+                        .await?;
+                    return Ok(());
+                }
+                let why = format!(
+                    "grows from {now} to {to} workers into free capacity ([workers] max = {hi}): every worker \
+                     checkpoints at its next step boundary, and the job resumes there at {to}"
+                );
+                self.db.event(&row.id, "elastic", row.state, &why).await?;
+                self.begin_stop(&row, &running, StopWhy::Resize(why));
                 Ok(())
             }
             Decision::Shrink { job, by, for_job } => {
                 if let Some(row) = self.db.job(&job).await? {
-                    self.db
-                        .event(
-                            &row.id,
-                            "elastic",
-                            row.state,
-                            &format!("asked to shrink by {by} workers for job {for_job}; stopping it instead"),
-                        )
-                        .await?;
+                    let spec = self.spec_of(&row)?;
+                    let (lo, _) = spec.workers.range();
+                    let why = format!(
+                        "shrinks by {by} workers for job {for_job}: every worker checkpoints at its next step \
+                         boundary; back in the queue, it resumes there with as many workers as fit ([workers] min = \
+                         {lo})"
+                    );
+                    self.db.event(&row.id, "elastic", row.state, &why).await?;
                     let tasks = self.db.tasks(&row.id, row.attempt).await?;
-                    self.begin_stop(&row, &tasks, StopWhy::Requeue(format!("shrunk to make room for job {for_job}")));
+                    self.begin_stop(&row, &tasks, StopWhy::Requeue(why));
                 }
                 Ok(())
             }
@@ -280,6 +291,8 @@ impl Control {
                 node: a.node.clone(),
                 env: env.clone(),
                 queue: job.queue.clone(),
+                server: self.config.server.clone(),
+                server_ca: self.config.server_ca.clone(),
             })
             .collect();
         // The gang starts at once (one request to a cluster manager, or each task in turn); what started is

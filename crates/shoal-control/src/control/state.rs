@@ -35,6 +35,11 @@ pub struct ControlConfig {
     pub task_user: Option<shoal_exec::TaskUser>,
     /// The key job secrets are derived from (`DATA/server.key`).
     pub secret_key: Vec<u8>,
+    /// This server's URL as tasks reach it (`--advertise-url`; by default its own address, loopback for an
+    /// unspecified one) and the certificate file they trust for it (the `--tls-cert` chain): where workers send
+    /// their heartbeats. `None`: tasks report through files only.
+    pub server: Option<String>,
+    pub server_ca: Option<String>,
 }
 
 /// Why a running job is being stopped.
@@ -43,8 +48,11 @@ pub(super) enum StopWhy {
     Cancel,
     /// A task failed, was lost or broke a limit, or the job hung: restart or fail the job by its policy.
     Failure(String),
-    /// The server could not place an adopted job again: requeue it.
+    /// The server could not place an adopted job again, or the scheduler shrinks it: requeue it.
     Requeue(String),
+    /// The scheduler grows it: every worker checkpoints at its next step boundary, and the job is placed again at
+    /// the larger size and resumes there.
+    Resize(String),
 }
 
 /// A job being stopped: since when, whether SIGKILL was sent yet, and what follows once every process is gone.
@@ -91,6 +99,9 @@ pub struct Control {
     pub(super) notes: Mutex<HashMap<TaskKey, String>>,
     /// Per running job: its ranks' heartbeats as last seen, and its step counter (`watch.rs`).
     pub(super) watched: Mutex<HashMap<String, Watch>>,
+    /// Per job and rank: the newest heartbeat that came over HTTP (`watch.rs` takes it or the rank's file,
+    /// whichever is newer).
+    pub(super) heard: Mutex<HashMap<String, HashMap<i64, shoal_wire::Heartbeat>>>,
     /// Per restarted job: when it may start again (ms since the epoch) and the backoff it waits out.
     pub(super) backoff: Mutex<HashMap<String, (i64, Duration)>>,
 }
@@ -144,6 +155,7 @@ impl Control {
             streams: Mutex::new(HashMap::new()),
             notes: Mutex::new(HashMap::new()),
             watched: Mutex::new(HashMap::new()),
+            heard: Mutex::new(HashMap::new()),
             backoff: Mutex::new(HashMap::new()),
         })
     }

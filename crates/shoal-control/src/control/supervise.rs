@@ -36,6 +36,11 @@ impl Control {
         self.stopping.lock().unwrap_or_else(|p| p.into_inner()).contains_key(id)
     }
 
+    /// Whether `id` is being stopped already.
+    pub(super) fn stopping_now(&self, id: &str) -> bool {
+        self.stopping.lock().unwrap_or_else(|p| p.into_inner()).contains_key(id)
+    }
+
     pub(super) fn begin_stop(&self, job: &JobRow, tasks: &[TaskRow], why: StopWhy) {
         self.begin_stop_with(job, tasks, why, Halt::Term);
     }
@@ -335,6 +340,16 @@ impl Control {
                         &from,
                         JobState::Pending,
                         Transition { kind: "requeued", message: why, ..Default::default() },
+                    )
+                    .await?;
+            }
+            StopWhy::Resize(why) => {
+                self.db
+                    .transition(
+                        &job.id,
+                        &from,
+                        JobState::Pending,
+                        Transition { kind: "resized", message: why, ..Default::default() },
                     )
                     .await?;
             }

@@ -1,5 +1,6 @@
-//! Watching running jobs through their ranks' heartbeats (`heartbeat.rank-R.json` in the run directory, written
-//! twice a second by each worker; see `shoal_wire::Heartbeat`): a rank whose heartbeat stops changing for
+//! Watching running jobs through their ranks' heartbeats (sent twice a second by each worker over HTTP, tagged with
+//! the job secret, [`Control::heard`]; or, with no server to send to or while it cannot be reached, written to
+//! `heartbeat.rank-R.json` in the run directory; the newer counts; see `shoal_wire::Heartbeat`): a rank whose heartbeat stops changing for
 //! `fault_tolerance.heartbeat_timeout` while its process runs is taken for dead; a job whose step counter does not
 //! move for `fault_tolerance.hang_timeout` while every rank lives and trains is hung (a rank resuming, handing a
 //! checkpoint to its saver, evaluating or finishing stops the clock: those may take long without being hangs). Either way the verdict comes
@@ -53,10 +54,36 @@ fn list(ranks: &[i64]) -> String {
 }
 
 impl Control {
+    /// Rank `rank`'s newest heartbeat: the one it sent over HTTP or the one in its file, whichever is of the later
+    /// attempt or, within one, written later.
     fn heartbeat_of(&self, id: &str, rank: i64) -> Option<Heartbeat> {
         let path = self.run_dir(id).join(format!("heartbeat.rank-{rank}.json"));
-        let bytes = std::fs::read(path).ok()?;
-        serde_json::from_slice(&bytes).ok()
+        let file: Option<Heartbeat> = std::fs::read(path).ok().and_then(|b| serde_json::from_slice(&b).ok());
+        let heard = self.heard.lock().unwrap_or_else(|p| p.into_inner());
+        let wire = heard.get(id).and_then(|ranks| ranks.get(&rank)).cloned();
+        [file, wire].into_iter().flatten().max_by_key(|hb| (hb.attempt, hb.time_ms, hb.beat))
+    }
+
+    /// A heartbeat of `job` that came over HTTP (its tag already checked): kept for the next look at the job.
+    /// Returns the rank's failure report when the heartbeat is the first to carry it, for the job's events.
+    pub fn heard(&self, job: &JobRow, hb: Heartbeat) -> Option<String> {
+        let mut heard = self.heard.lock().unwrap_or_else(|p| p.into_inner());
+        let ranks = heard.entry(job.id.clone()).or_default();
+        let told = ranks.get(&hb.rank).is_some_and(|b| b.error.is_some() && b.attempt == hb.attempt);
+        let news = match &hb.error {
+            Some(e) if !told => Some(format!("rank {} of attempt {} reports: {e}", hb.rank, hb.attempt)),
+            _ => None,
+        };
+        let newer =
+            ranks.get(&hb.rank).is_none_or(|b| (hb.attempt, hb.time_ms, hb.beat) >= (b.attempt, b.time_ms, b.beat));
+        if newer {
+            ranks.insert(hb.rank, hb);
+        }
+        drop(heard);
+        if news.is_some() {
+            self.wake.notify_one();
+        }
+        news
     }
 
     /// Reads the heartbeats of `ranks` of `job`'s current attempt into its watch.

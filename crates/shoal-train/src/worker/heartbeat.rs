@@ -1,8 +1,11 @@
 //! The heartbeat: a thread that tells the control plane, twice a second, that this rank lives and where it stands —
 //! its phase, the steps it completed, the collective it is in (or finished last), its sequence number and for how
-//! long ([`shoal_comm::Communicator::activity`]). It writes a [`Heartbeat`] to `heartbeat.rank-R.json` in the output
-//! directory (a temporary file renamed over it, so a reader never sees half of one); the control loop reads it to
-//! tell a live rank from a stopped one and to dump a hang. The step loop only stores a number (one atomic store per
+//! long ([`shoal_comm::Communicator::activity`]). It sends a [`Heartbeat`] over HTTP to the server that started the
+//! task (`SHOAL_SERVER`, tagged with the job secret), so it works wherever the task runs — Slurm, Kubernetes, this
+//! host; with no server, or while it cannot be reached, it writes `heartbeat.rank-R.json` in the output directory
+//! instead (a temporary file renamed over it, so a reader never sees half of one). The control loop takes the newer
+//! to tell a live rank from a stopped one and to dump a hang. A rank that fails says why at once
+//! ([`Beat::fail`]: a collective's report reaches the job's events before the process has exited). The step loop only stores a number (one atomic store per
 //! step): nothing of the heartbeat runs on the training thread.
 
 use std::path::{Path, PathBuf};
@@ -43,6 +46,8 @@ impl Phase {
 
 #[derive(Debug, Default)]
 struct Shared {
+    /// Counts the heartbeats sent.
+    beat: AtomicU64,
     step: AtomicU64,
     phase: AtomicU8,
     stop: AtomicBool,
@@ -51,9 +56,9 @@ struct Shared {
 }
 
 /// The running heartbeat; it stops when dropped.
-#[derive(Debug)]
 pub(super) struct Beat {
     shared: Arc<Shared>,
+    reporter: Arc<Reporter>,
 }
 
 /// The file rank `rank`'s heartbeat is written to in `output`.
@@ -61,49 +66,158 @@ pub fn heartbeat_file(output: &Path, rank: usize) -> PathBuf {
     output.join(format!("heartbeat.rank-{rank}.json"))
 }
 
+/// The server end of the heartbeats: `POST {server}/api/v1/jobs/{job}/heartbeat`, each body tagged with the job
+/// secret (`X-Shoal-Tag`, [`shoal_comm::auth::sign`]) so the server knows it comes from one of the job's tasks,
+/// which the secret never leaves.
+#[derive(Debug)]
+pub(super) struct ServerLink {
+    url: String,
+    secret: Vec<u8>,
+    agent: ureq::Agent,
+}
+
+/// The header that carries a heartbeat's tag.
+pub const TAG_HEADER: &str = "x-shoal-tag";
+
+impl ServerLink {
+    /// The link to `server` (trusting the PEM certificates in `ca` when given) for `job`'s heartbeats.
+    pub(super) fn new(server: &str, ca: Option<&str>, job: &str, secret: &[u8]) -> Result<ServerLink, String> {
+        let mut tls = ureq::tls::TlsConfig::builder();
+        if let Some(ca) = ca {
+            let pem = std::fs::read(ca).map_err(|e| format!("{ca}: {e}"))?;
+            let certs = ureq::tls::parse_pem(&pem)
+                .filter_map(|item| match item {
+                    Ok(ureq::tls::PemItem::Certificate(c)) => Some(Ok(c)),
+                    Ok(_) => None,
+                    Err(e) => Some(Err(e)),
+                })
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| format!("{ca}: not a PEM certificate file: {e}"))?;
+            tls = tls.root_certs(ureq::tls::RootCerts::new_with_certs(&certs));
+        }
+        let agent =
+            ureq::Agent::config_builder().timeout_global(Some(SEND_LIMIT)).tls_config(tls.build()).build().into();
+        let url = format!("{}/api/v1/jobs/{job}/heartbeat", server.trim_end_matches('/'));
+        Ok(ServerLink { url, secret: secret.to_vec(), agent })
+    }
+
+    /// Sends one heartbeat; an error says why it did not arrive.
+    fn send(&self, hb: &Heartbeat) -> Result<(), String> {
+        let body = serde_json::to_vec(hb).map_err(|e| e.to_string())?;
+        let tag = shoal_comm::auth::sign(&self.secret, &body).map_err(|e| e.to_string())?;
+        self.agent
+            .post(&self.url)
+            .header(TAG_HEADER, &tag)
+            .content_type("application/json")
+            .send(&body[..])
+            .map(drop)
+            .map_err(|e| format!("{}: {e}", self.url))
+    }
+}
+
+/// How long one heartbeat may take to reach the server before it goes to the file instead.
+const SEND_LIMIT: Duration = Duration::from_secs(2);
+
+/// What a heartbeat is built from, and where it goes.
+struct Reporter {
+    comm: Communicator,
+    rank: usize,
+    attempt: i64,
+    shared: Arc<Shared>,
+    link: Option<Arc<ServerLink>>,
+    path: PathBuf,
+    tmp: PathBuf,
+}
+
+impl Reporter {
+    fn heartbeat(&self, error: Option<String>) -> Heartbeat {
+        let s = &self.shared;
+        let a = self.comm.activity();
+        Heartbeat {
+            rank: self.rank as i64,
+            attempt: self.attempt,
+            pid: std::process::id(),
+            beat: s.beat.fetch_add(1, Ordering::Relaxed) + 1,
+            time_ms: now_ms(),
+            phase: Phase::name(s.phase.load(Ordering::Relaxed)).to_owned(),
+            step: s.step.load(Ordering::Relaxed),
+            op: a.op.to_owned(),
+            seq: a.seq,
+            in_op: a.in_op,
+            op_s: a.for_.as_secs_f64(),
+            ops_done: a.done,
+            resumed: s.resumed.lock().map(|r| r.clone()).unwrap_or_default(),
+            error,
+        }
+    }
+
+    /// Sends `hb` to the server, or writes it to the file when there is no server or it cannot be reached; an
+    /// error says what failed.
+    fn report(&self, hb: &Heartbeat) -> Result<(), String> {
+        let sent = match &self.link {
+            Some(link) => link.send(hb),
+            None => Err(String::new()),
+        };
+        match sent {
+            Ok(()) => Ok(()),
+            Err(why) => write(&self.tmp, &self.path, hb)
+                .map_err(|e| format!("{}: {e}", self.path.display()))
+                .and(if why.is_empty() { Ok(()) } else { Err(why) }),
+        }
+    }
+}
+
 impl Beat {
-    /// Starts the heartbeat thread of `rank` of `attempt`; `None` when the thread cannot be started (the run goes
-    /// on without heartbeats, and says so in its log).
-    pub(super) fn start(comm: Communicator, rank: usize, attempt: i64, output: &Path) -> Option<Beat> {
+    /// Starts the heartbeat thread of `rank` of `attempt` (to `link` when given, else or meanwhile to a file in
+    /// `output`); `None` when the thread cannot be started (the run goes on without heartbeats, and says so in its
+    /// log).
+    pub(super) fn start(
+        comm: Communicator,
+        rank: usize,
+        attempt: i64,
+        output: &Path,
+        link: Option<Arc<ServerLink>>,
+    ) -> Option<Beat> {
         let shared = Arc::new(Shared::default());
-        let (s, path) = (shared.clone(), heartbeat_file(output, rank));
-        let tmp = output.join(format!(".heartbeat.rank-{rank}.json.tmp"));
+        let reporter = Arc::new(Reporter {
+            comm,
+            rank,
+            attempt,
+            shared: shared.clone(),
+            link,
+            path: heartbeat_file(output, rank),
+            tmp: output.join(format!(".heartbeat.rank-{rank}.json.tmp")),
+        });
+        let r = reporter.clone();
         let started = std::thread::Builder::new().name("shoal-heartbeat".into()).spawn(move || {
-            let mut beat = 0u64;
             let mut warned = false;
-            while !s.stop.load(Ordering::Relaxed) {
-                beat += 1;
-                let a = comm.activity();
-                let hb = Heartbeat {
-                    rank: rank as i64,
-                    attempt,
-                    pid: std::process::id(),
-                    beat,
-                    time_ms: now_ms(),
-                    phase: Phase::name(s.phase.load(Ordering::Relaxed)).to_owned(),
-                    step: s.step.load(Ordering::Relaxed),
-                    op: a.op.to_owned(),
-                    seq: a.seq,
-                    in_op: a.in_op,
-                    op_s: a.for_.as_secs_f64(),
-                    ops_done: a.done,
-                    resumed: s.resumed.lock().map(|r| r.clone()).unwrap_or_default(),
-                };
-                if let Err(e) = write(&tmp, &path, &hb)
+            while !r.shared.stop.load(Ordering::Relaxed) {
+                let hb = r.heartbeat(None);
+                if let Err(e) = r.report(&hb)
                     && !warned
                 {
                     warned = true;
-                    tracing::warn!(rank, error = %e, path = %path.display(), "writing the heartbeat failed");
+                    tracing::warn!(rank, error = %e, "a heartbeat did not reach the server; written to its file");
                 }
                 std::thread::sleep(INTERVAL);
             }
         });
         match started {
-            Ok(_) => Some(Beat { shared }),
+            Ok(_) => Some(Beat { shared, reporter }),
             Err(e) => {
                 tracing::warn!(rank, error = %e, "the heartbeat thread could not start; no heartbeats");
                 None
             }
+        }
+    }
+
+    /// Tells the control plane at once, from the calling thread, why this rank fails (before it exits), and stops
+    /// the heartbeats.
+    pub(super) fn fail(&self, why: &str) {
+        self.shared.stop.store(true, Ordering::Relaxed);
+        let hb = self.reporter.heartbeat(Some(why.to_owned()));
+        if let Err(e) = self.reporter.report(&hb) {
+            tracing::warn!(rank = self.reporter.rank, error = %e, "the failure report did not reach the server");
         }
     }
 

@@ -89,6 +89,7 @@ pub(super) fn finish(
         activations_peak,
         memory_copies,
         memory_stall_s,
+        stopped_at: _,
     } = trained;
     let (eval_loss, eval_acc) = evaluate(model.as_ref(), eval.as_ref(), comm, micro, t.eval_batches)?;
     steps.eval_log.log(t.steps, eval_loss, eval_acc)?;

@@ -35,6 +35,8 @@ pub(super) struct Setup {
     pub(super) comm: Communicator,
     /// The platform's attempt (`None` under `shoal run`): the worker then sends heartbeats.
     pub(super) attempt: Option<i64>,
+    /// The server they go to (`SHOAL_SERVER`); without one, or while it cannot be reached, to files.
+    pub(super) link: Option<Arc<super::heartbeat::ServerLink>>,
     /// This host's in-memory checkpoints (`checkpoint.memory_every` > 0 and a job id known).
     pub(super) memory: Option<MemoryStore>,
     /// Whether this rank is the first of its host: the one that writes the host's in-memory copies and removes them
@@ -60,6 +62,18 @@ pub(super) fn setup(spec: &JobSpec, output: &Path) -> Result<(Setup, Params)> {
     let env = shoal_comm::env::EnvContract::from_env()?;
     let attempt = env.attempt;
     let job_id = env.job_id.clone();
+    let link = match (&env.server, &job_id, attempt) {
+        (Some(server), Some(job), Some(_)) => {
+            match super::heartbeat::ServerLink::new(server, env.server_ca.as_deref(), job, &env.cfg.secret) {
+                Ok(l) => Some(Arc::new(l)),
+                Err(e) => {
+                    tracing::warn!(server, error = %e, "heartbeats cannot go to the server; they go to files");
+                    None
+                }
+            }
+        }
+        _ => None,
+    };
     let comm = env.connect()?;
     let (world, rank) = (comm.size(), comm.rank());
     let host = comm.hosts().get(rank).cloned().unwrap_or_default();
@@ -88,7 +102,21 @@ pub(super) fn setup(spec: &JobSpec, output: &Path) -> Result<(Setup, Params)> {
     let ckpt_dir = CheckpointDir::new(checkpoint_root(spec, output)?);
     let remote = if rank == 0 { checkpoint_remote(spec)? } else { None };
     Ok((
-        Setup { rank, world, remote, ckpt_dir, model, parameters, eval, train, comm, attempt, memory, host_leader },
+        Setup {
+            rank,
+            world,
+            remote,
+            ckpt_dir,
+            model,
+            parameters,
+            eval,
+            train,
+            comm,
+            attempt,
+            link,
+            memory,
+            host_leader,
+        },
         params,
     ))
 }

@@ -40,6 +40,8 @@ pub(super) struct StepLoop {
 
 /// What the step loop measured, for the summary.
 pub(super) struct Trained {
+    /// The step a stop asked from outside ended the loop at (its checkpoint written), if one did.
+    pub(super) stopped_at: Option<usize>,
     /// The loss of the last step taken; before any, the one the checkpoint recorded (NaN if none).
     pub(super) last_loss: f64,
     /// Samples of the steps taken, over all ranks.
@@ -168,8 +170,12 @@ impl StepLoop {
         let hand = model.hand_backward().filter(|_| std::env::var("SHOAL_AUTOGRAD").map_or(true, |v| v != "1"));
         let train_started = Instant::now();
         let mut activations_peak: Option<usize> = None;
+        // SIGTERM from here on is a stop at the next step boundary, agreed by every rank through the step's scalars.
+        let graceful = super::stop::Graceful::arm();
+        let mut stopped_at = None;
         for step in start_step..t.steps {
             let step_started = Instant::now();
+            let vote = graceful.vote();
             let held = crate::memory::PeakOver::start();
             let (mut data_s, mut compute_s) = (0f64, 0f64);
             let mut local_loss = 0f64;
@@ -188,7 +194,7 @@ impl StepLoop {
                 match (to_flat(&batch.samples)?, hand) {
                     (Some(flat), Some(hand)) => trainer.backward_with(last, |sink| {
                         local_loss += f64::from(hand.loss_and_grads(&flat, weight as f32, sink)?);
-                        sink.attach_scalars(&[local_loss as f32]);
+                        sink.attach_scalars(&[local_loss as f32, vote]);
                         Ok(())
                     })?,
                     (flat, _) => {
@@ -202,7 +208,7 @@ impl StepLoop {
                             None => None,
                         };
                         if last {
-                            trainer.attach_scalars(&[local_loss as f32]);
+                            trainer.attach_scalars(&[local_loss as f32, vote]);
                         }
                         trainer.backward(loss.as_ref(), last)?;
                     }
@@ -232,6 +238,8 @@ impl StepLoop {
             // The global loss: every rank's weighted share, summed with the gradients.
             let comm_s = times.comm_s;
             last_loss = times.scalars.first().copied().map_or(f64::NAN, f64::from);
+            // Some rank was asked to stop: every rank sees the same sum, checkpoints this step and ends.
+            let stopping = times.scalars.get(1).is_some_and(|v| *v > 0.0);
             samples_seen += global_samples;
             data_t.push(data_s);
             compute_t.push(compute_s);
@@ -269,7 +277,7 @@ impl StepLoop {
                 }
             }
             let every = spec.checkpoint.every;
-            let checkpoint_now = (every > 0 && (step + 1) % every == 0) || step + 1 == t.steps;
+            let checkpoint_now = (every > 0 && (step + 1) % every == 0) || step + 1 == t.steps || stopping;
             // No copy at the last step: the run ends there, and its in-memory copies with it.
             let memory_now = memory_every > 0 && (step + 1) % memory_every == 0 && step + 1 < t.steps;
             // Gathered on every rank (a collective when the strategy shards the state), kept by rank 0's saver and
@@ -328,6 +336,13 @@ impl StepLoop {
                     memory_stall_s += s0.elapsed().as_secs_f64();
                 }
             }
+            if stopping {
+                if rank == 0 {
+                    eprintln!("stop asked for: checkpoint at step {} and end", step + 1);
+                }
+                stopped_at = Some(step + 1);
+                break;
+            }
             if t.eval_every > 0 && (step + 1) % t.eval_every == 0 && step + 1 < t.steps {
                 if let Some(b) = beat {
                     b.phase(Phase::Eval);
@@ -357,7 +372,9 @@ impl StepLoop {
         {
             last_mb_s = Some(stats.mb_per_s);
         }
+        drop(graceful);
         Ok(Trained {
+            stopped_at,
             last_loss,
             samples_seen,
             data_t,

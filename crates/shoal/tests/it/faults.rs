@@ -66,6 +66,18 @@ fn kill(pid: i64, sig: i32) {
     assert_eq!(r, 0, "signal {sig} to {pid}: {}", std::io::Error::last_os_error());
 }
 
+/// Rank `rank` of `id`'s running attempt as the server last heard from it (`GET /api/v1/jobs/{id}/debug`): the
+/// dump's attempt, and the rank's phase and step; `None` while the job is not running.
+fn heard(p: &Platform, id: &str, rank: i64) -> Option<(i64, String, u64)> {
+    let r = p.request("GET", &format!("/api/v1/jobs/{id}/debug"), Some(p.token()), None);
+    if r.status != 200 {
+        return None;
+    }
+    let d = r.json();
+    let r = d["ranks"].as_array()?.iter().find(|x| x["rank"] == rank)?.clone();
+    Some((d["attempt"].as_i64()?, r["phase"].as_str()?.to_owned(), r["step"].as_u64()?))
+}
+
 fn now_ms() -> i64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("clock").as_millis() as i64
 }
@@ -84,11 +96,9 @@ fn kill_9_of_a_worker_restarts_the_gang_after_its_backoff_and_the_job_succeeds()
     let t0 = now_ms();
     kill(worker_pid(&v, 1), libc::SIGKILL);
     // The first step attempt 2 completes after the checkpoint it resumed from, as its rank 0's heartbeat tells it.
-    let beat = p.job_dir(&id).join("run/heartbeat.rank-0.json");
     let stepped = p.wait("a step of attempt 2", || {
-        let hb: Value = serde_json::from_slice(&std::fs::read(&beat).ok()?).ok()?;
-        let resumed = hb["step"].as_u64()?;
-        (hb["attempt"] == 2 && hb["phase"] == "train" && resumed % 50 != 0).then(now_ms)
+        let (attempt, phase, step) = heard(&p, &id, 0)?;
+        (attempt == 2 && phase == "train" && step % 50 != 0).then(now_ms)
     });
     let v = p.wait_state(&id, "succeeded");
     assert_eq!((v["restarts"].as_i64(), v["attempt"].as_i64()), (Some(1), Some(2)), "{v}");
@@ -119,6 +129,42 @@ fn kill_9_of_a_worker_restarts_the_gang_after_its_backoff_and_the_job_succeeds()
     let sum = &v["summary"];
     assert_eq!(sum["steps"], 600, "{sum}");
     assert!(sum["resumed_from"].as_i64().is_some_and(|s| s >= 100 && s % 50 == 0), "{sum}");
+}
+
+#[test]
+#[cfg_attr(not(feature = "failpoints"), ignore = "slows the job's data: needs `--features shoal/failpoints`")]
+fn heartbeats_and_a_collectives_report_reach_the_server_over_http() {
+    let p = Platform::new("faults-wire");
+    // Collectives give up after 3 s; heartbeats and hangs are judged far later, so what ends the job is rank 0's
+    // own report of the collective rank 1 never joined.
+    let spec = job("wired", 100_000, "policy = \"none\"\nheartbeat_timeout = \"60s\"\nhang_timeout = \"60s\"")
+        .replace("[env]\n", "[env]\nSHOAL_TIMEOUT = \"3s\"\n");
+    let id = p.submit("wired", &spec);
+    let v = training(&p, &id, 1, 20);
+    // Both ranks are heard over HTTP: the server knows their phase and step, and no heartbeat file was needed.
+    let (attempt, phase, step) = p.wait("rank 1 heard training", || heard(&p, &id, 1).filter(|h| h.1 == "train"));
+    assert_eq!((attempt, phase.as_str()), (1, "train"));
+    assert!(step > 0, "rank 1 heard at step {step}");
+    let run = p.job_dir(&id).join("run");
+    for rank in 0..2 {
+        let file = run.join(format!("heartbeat.rank-{rank}.json"));
+        assert!(!file.exists(), "{} was written: the heartbeats did not reach the server", file.display());
+    }
+    // A heartbeat whose tag does not verify under the job's secret is refused.
+    let forged = br#"{"rank":0,"attempt":1,"pid":1,"beat":1,"time_ms":0,"phase":"train","step":0,"op":"","seq":0,"in_op":false,"op_s":0.0,"ops_done":0}"#;
+    let path = format!("/api/v1/jobs/{id}/heartbeat");
+    let r = p.request("POST", &path, None, Some(("application/json", forged)));
+    assert_eq!(r.status, 401, "{}", text(&r.body));
+
+    // Rank 1 stopped: rank 0's all-reduce gives up, and its report names the operation and the missing rank.
+    kill(worker_pid(&v, 1), libc::SIGSTOP);
+    let v = p.wait_state(&id, "failed");
+    let ev = events(&v);
+    let report = ev.iter().find(|e| e.1 == "rank_report").unwrap_or_else(|| panic!("no rank_report: {ev:?}"));
+    assert!(
+        report.2.contains("rank 0 of attempt 1 reports") && report.2.contains("timed out") && report.2.contains('#'),
+        "{report:?}"
+    );
 }
 
 #[test]
@@ -354,10 +400,9 @@ fn restart_from_memory_bit_for_bit(tag: &str, strategy: &str) {
     p.wait("an in-memory copy", || (!memory_copies(&id).is_empty()).then_some(()));
     let t0 = now_ms();
     kill(worker_pid(&v, 1), libc::SIGKILL);
-    let beat = p.job_dir(&id).join("run/heartbeat.rank-0.json");
     let stepped = p.wait("a step of attempt 2", || {
-        let hb: Value = serde_json::from_slice(&std::fs::read(&beat).ok()?).ok()?;
-        (hb["attempt"] == 2 && hb["phase"] == "train" && hb["step"].as_u64()? % 10 != 0).then(now_ms)
+        let (attempt, phase, step) = heard(&p, &id, 0)?;
+        (attempt == 2 && phase == "train" && step % 10 != 0).then(now_ms)
     });
     let v = p.wait_state(&id, "succeeded");
     assert_eq!((v["restarts"].as_i64(), v["attempt"].as_i64()), (Some(1), Some(2)), "{v}");
@@ -444,4 +489,92 @@ fn a_cancelled_jobs_in_memory_copies_are_removed() {
     p.wait_state(&id, "cancelled");
     // Removed by the control loop as the job ends (right after the state is stored).
     p.wait("the cancelled job's in-memory copies removed", || (!shm_dir(&id).exists()).then_some(()));
+}
+
+/// A job of `min..max` workers of one CPU each, at least 5 ms a step, storage checkpoints only every 1000 steps: a
+/// checkpoint at any other step is one a stop asked for.
+fn elastic_job(name: &str, steps: usize, workers: &str, priority: i64) -> String {
+    format!(
+        r#"
+name = "{name}"
+priority = {priority}
+[workers]
+{workers}
+[resources]
+cpus = 1
+memory = "1GiB"
+[fault_tolerance]
+policy = "elastic"
+[env]
+SHOAL_FAULT_DATA_DELAY = "5ms"
+[train]
+dataset = "digits"
+global_batch = 64
+steps = {steps}
+lr = 3e-3
+log_every = 500
+[train.model]
+kind = "mlp"
+hidden = [64]
+[checkpoint]
+every = 1000
+keep = 2
+"#
+    )
+}
+
+/// The running attempt's number of workers.
+fn workers_of(v: &Value) -> usize {
+    v["workers"].as_array().map_or(0, Vec::len)
+}
+
+#[test]
+#[cfg_attr(not(feature = "failpoints"), ignore = "slows the job's data: needs `--features shoal/failpoints`")]
+fn an_elastic_job_grows_into_free_capacity_and_shrinks_for_a_higher_priority_one_losing_no_step() {
+    let p = Platform::with_server("faults-resize", &["--cpus", "2"], &[]);
+    // A filler holds one of the two CPUs, so the elastic job starts with one worker.
+    let filler = p.submit("filler", &elastic_job("filler", 1_000_000, "count = 1", 0));
+    p.wait_state(&filler, "running");
+    let id = p.submit("stretchy", &elastic_job("stretchy", 2500, "min = 1\nmax = 2", 0));
+    let v = training(&p, &id, 1, 100);
+    assert_eq!(workers_of(&v), 1, "{v}");
+
+    // The filler goes: the job grows to two workers, checkpointing where it stood.
+    let r = p.request("POST", &format!("/api/v1/jobs/{filler}/cancel"), Some(p.token()), None);
+    assert_eq!(r.status, 202, "{}", text(&r.body));
+    let v = p.wait_state_where(&id, "running again with two workers", |v| {
+        v["state"] == "running" && v["attempt"].as_i64().is_some_and(|a| a >= 2) && workers_of(v) == 2
+    });
+    let grown_at = v["attempt"].as_i64().unwrap_or(0);
+    training(&p, &id, grown_at, 0);
+
+    // A job of higher priority needs a CPU: the elastic job shrinks back to one worker instead of stopping.
+    let urgent = p.submit("urgent", &elastic_job("urgent", 300, "count = 1", 10));
+    p.wait_state_where(&id, "running with one worker beside the urgent job", |v| {
+        v["state"] == "running" && v["attempt"].as_i64().is_some_and(|a| a > grown_at) && workers_of(v) == 1
+    });
+    p.wait_state(&urgent, "succeeded");
+    let v = p.wait_state(&id, "succeeded");
+
+    let ev = events(&v);
+    let said = |kind: &str, what: &str| ev.iter().any(|e| e.1 == kind && e.2.contains(what));
+    assert!(said("elastic", "grows from 1 to 2 workers"), "{ev:?}");
+    assert!(said("resized", "checkpoints at its next step boundary"), "{ev:?}");
+    assert!(said("elastic", "shrinks by 1 workers for job"), "{ev:?}");
+    assert!(said("requeued", "shrinks by 1"), "{ev:?}");
+    // No failure: a resize is not a restart.
+    assert_eq!(v["restarts"].as_i64(), Some(0), "{ev:?}");
+    assert!(!ev.iter().any(|e| e.1 == "restarted"), "{ev:?}");
+    // Every later attempt resumed where the one before stopped: at a checkpoint a stop asked for (storage
+    // checkpoints are due only every 1000 steps), so no step was lost.
+    let resumed: Vec<u64> = ev
+        .iter()
+        .filter(|e| e.1 == "resumed")
+        .filter_map(|e| e.2.rsplit("at step ").next()?.trim().parse().ok())
+        .collect();
+    assert!(resumed.len() >= 2, "{ev:?}");
+    assert!(resumed.iter().any(|s| s % 1000 != 0), "no checkpoint at a stop: {resumed:?}");
+    let sum = &v["summary"];
+    assert_eq!(sum["steps"], 2500, "{sum}");
+    eprintln!("elastic resizes: attempts {}, resumed at steps {resumed:?}", v["attempt"]);
 }

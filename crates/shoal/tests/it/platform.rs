@@ -141,7 +141,7 @@ pub(crate) struct Resp {
 }
 
 impl Resp {
-    fn json(&self) -> Value {
+    pub(crate) fn json(&self) -> Value {
         serde_json::from_slice(&self.body)
             .unwrap_or_else(|e| panic!("HTTP {} body is not JSON ({e}): {}", self.status, text(&self.body)))
     }
