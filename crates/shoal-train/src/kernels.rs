@@ -58,6 +58,37 @@ pub fn with_slice_mut<R>(t: &Tensor, f: impl FnOnce(&mut [f32]) -> R) -> Result<
     op.out.into_inner().ok_or_else(|| Error::InvalidArgument("in-place kernel did not run".into()))
 }
 
+struct Replace(RefCell<Option<Vec<f32>>>);
+
+impl InplaceOp1 for Replace {
+    fn name(&self) -> &'static str {
+        "shoal-replace-storage"
+    }
+
+    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
+        let Some(values) = self.0.borrow_mut().take() else { candle_core::bail!("storage replaced twice") };
+        let CpuStorage::F32(_) = storage else { candle_core::bail!("tensor is not f32") };
+        let n = layout.shape().elem_count();
+        if layout.start_offset() != 0 || !layout.is_contiguous() {
+            candle_core::bail!("tensor is not a whole contiguous tensor");
+        }
+        if !values.is_empty() && values.len() != n {
+            candle_core::bail!("{} values for a tensor of {n}", values.len());
+        }
+        *storage = CpuStorage::F32(values);
+        Ok(())
+    }
+}
+
+/// Replaces what a whole contiguous f32 CPU tensor holds: `values` (exactly as many as it has), or nothing
+/// (`values` empty: its storage freed, its shape kept). Every tensor sharing the storage (the model's handles on a
+/// parameter) sees the change. A tensor left holding nothing must not be computed with until it holds values again:
+/// only ZeRO-3's layer store empties tensors, and only between a layer's uses (`crate::layers`).
+pub(crate) fn replace_storage(t: &Tensor, values: Vec<f32>) -> Result<()> {
+    t.inplace_op1(&Replace(RefCell::new(Some(values))))?;
+    Ok(())
+}
+
 /// A read-only matrix view: `rows × cols`, element (r, c) at `data[r*rs + c*cs]`.
 #[derive(Debug, Clone, Copy)]
 pub struct Mat<'a> {

@@ -4,7 +4,10 @@
 //!
 //! Invariants:
 //! - The model code knows nothing of distribution: the [`Trainer`] takes a
-//!   model's [`Params`] and a `shoal_comm::Communicator` and does the rest.
+//!   model's [`Params`] and a `shoal_comm::Communicator` and does the rest. A
+//!   model only declares its layers and goes through them one by one
+//!   ([`layers`]), which is all a strategy that shards the parameters (ZeRO-3)
+//!   needs to gather each layer just before its use.
 //! - Every rank applies the same update to the same parameters, so the ranks'
 //!   models stay identical; a run of N workers matches a run of one worker with
 //!   the same global batch within floating-point tolerance.
@@ -23,6 +26,7 @@ pub mod batch;
 pub mod checkpoint;
 pub mod error;
 pub mod kernels;
+pub mod layers;
 pub mod memory;
 pub mod models;
 pub mod optim;
@@ -34,6 +38,7 @@ pub mod trainer;
 pub mod worker;
 
 pub use error::{Error, Result};
+pub use layers::Layers;
 pub use models::{Cnn, Gpt, GptConfig, HandBackward, Mlp, Model};
 pub use optim::{OptimConfig, Optimizer};
 pub use params::{Params, SeededRng};

@@ -1,12 +1,15 @@
 //! The built-in models: MLP, CNN and a decoder-only transformer (GPT), written
 //! with candle tensor operations over [`Params`], so every parameter has a stable
-//! name and order and its initial value depends only on the seed.
+//! name and order and its initial value depends only on the seed. Each declares
+//! its layers and goes through them with [`Layers`], so a strategy that shards
+//! the parameters (ZeRO-3) can gather each layer just before its use.
 
 use candle_core::{D, DType, Device, Tensor};
 
 use crate::batch::{Flat, FlatInput};
 use crate::error::{Error, Result};
 use crate::kernels::{Mat, cpu_f32, matmul};
+use crate::layers::Layers;
 use crate::params::{Params, SeededRng};
 use crate::trainer::GradSink;
 
@@ -47,6 +50,9 @@ pub struct Mlp {
     layers: Vec<(Tensor, Tensor)>,
     /// Index of the first layer's weight in the [`Params`] it was built in.
     first: usize,
+    /// The layers of those [`Params`], and the index of this model's first one.
+    gate: Layers,
+    first_layer: usize,
 }
 
 impl Mlp {
@@ -55,12 +61,17 @@ impl Mlp {
         dims.extend_from_slice(hidden);
         dims.push(classes);
         let first = p.vars().len();
+        let first_layer = p.layers().count();
         let layers = dims
             .windows(2)
             .enumerate()
-            .map(|(i, w)| linear(p, rng, &format!("mlp.{i}"), w[0], w[1]))
+            .map(|(i, w)| {
+                let name = format!("mlp.{i}");
+                p.layer(&name);
+                linear(p, rng, &name, w[0], w[1])
+            })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Mlp { layers, first })
+        Ok(Mlp { layers, first, gate: p.layers().clone(), first_layer })
     }
 }
 
@@ -68,10 +79,11 @@ impl Model for Mlp {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let mut h = x.clone();
         for (i, l) in self.layers.iter().enumerate() {
-            h = apply_linear(&h, l)?;
-            if i + 1 < self.layers.len() {
-                h = h.relu()?;
-            }
+            let hidden = i + 1 < self.layers.len();
+            h = self.gate.run(self.first_layer + i, &h, |h| {
+                let z = apply_linear(h, l)?;
+                if hidden { z.relu() } else { Ok(z) }
+            })?;
         }
         Ok(h)
     }
@@ -98,21 +110,24 @@ impl HandBackward for Mlp {
                 batch.target.len()
             )));
         }
-        // Read access to every weight and bias for the whole pass (no copies).
-        let guards: Vec<_> =
-            self.layers.iter().flat_map(|(w, b)| [w.storage_and_layout(), b.storage_and_layout()]).collect();
-        let p = guards.iter().map(|(s, l)| cpu_f32(s, l)).collect::<Result<Vec<_>>>()?;
-
-        // Forward: outs[l] = relu(in · W + b) for hidden layers, the logits for the last.
+        // Forward: outs[l] = relu(in · W + b) for hidden layers, the logits for the last. Each layer's weight and bias
+        // are read in place (no copies) while the layer is entered.
         let layers = dims.len();
         let mut outs: Vec<Vec<f32>> = Vec::with_capacity(layers);
         for (l, &(fan_in, fan_out)) in dims.iter().enumerate() {
+            let entered = self.gate.forward_layer(self.first_layer + l)?;
+            let (w, b) = &self.layers[l];
+            let (ws, wl) = w.storage_and_layout();
+            let (bs, bl) = b.storage_and_layout();
             let input: &[f32] = if l == 0 { x } else { &outs[l - 1] };
             let mut z = Vec::with_capacity(rows * fan_out);
+            let bias = cpu_f32(&bs, bl)?;
             for _ in 0..rows {
-                z.extend_from_slice(p[2 * l + 1]);
+                z.extend_from_slice(bias);
             }
-            matmul(&mut z, Mat::new(input, rows, fan_in)?, Mat::new(p[2 * l], fan_in, fan_out)?, true)?;
+            matmul(&mut z, Mat::new(input, rows, fan_in)?, Mat::new(cpu_f32(&ws, wl)?, fan_in, fan_out)?, true)?;
+            drop((ws, bs));
+            entered.release()?;
             if l + 1 < layers {
                 z.iter_mut().for_each(|v| *v = v.max(0.0));
             }
@@ -142,6 +157,7 @@ impl HandBackward for Mlp {
 
         // Backward, last layer first: bias, weight, then the gradient of the layer's input.
         for l in (0..layers).rev() {
+            let entered = self.gate.backward_layer(self.first_layer + l)?;
             let (fan_in, fan_out) = dims[l];
             let input: &[f32] = if l == 0 { x } else { &outs[l - 1] };
             let (w_index, b_index) = (self.first + 2 * l, self.first + 2 * l + 1);
@@ -156,7 +172,14 @@ impl HandBackward for Mlp {
             })?;
             if l > 0 {
                 let mut dh = vec![0f32; rows * fan_in];
-                matmul(&mut dh, Mat::new(&dz, rows, fan_out)?, Mat::new(p[2 * l], fan_in, fan_out)?.t(), false)?;
+                let (ws, wl) = self.layers[l].0.storage_and_layout();
+                matmul(
+                    &mut dh,
+                    Mat::new(&dz, rows, fan_out)?,
+                    Mat::new(cpu_f32(&ws, wl)?, fan_in, fan_out)?.t(),
+                    false,
+                )?;
+                drop(ws);
                 dh.iter_mut().zip(&outs[l - 1]).for_each(|(d, &h)| {
                     if h <= 0.0 {
                         *d = 0.0;
@@ -164,6 +187,7 @@ impl HandBackward for Mlp {
                 });
                 dz = dh;
             }
+            entered.release()?;
         }
         Ok((nll * f64::from(weight) / rows.max(1) as f64) as f32)
     }
@@ -177,6 +201,9 @@ pub struct Cnn {
     side: usize,
     convs: Vec<(Tensor, Tensor)>,
     head: (Tensor, Tensor),
+    /// The layers (one per convolution, then the head), and the index of the first.
+    gate: Layers,
+    first_layer: usize,
 }
 
 impl Cnn {
@@ -196,6 +223,7 @@ impl Cnn {
         let mut cin = 1;
         let mut s = side;
         let mut convs = Vec::new();
+        let first_layer = p.layers().count();
         for (i, &c) in channels.iter().enumerate() {
             if s < 2 {
                 return Err(Error::InvalidArgument(format!(
@@ -204,14 +232,16 @@ impl Cnn {
                 )));
             }
             let bound = 1.0 / ((cin * 9) as f64).sqrt();
+            p.layer(&format!("cnn.conv{i}"));
             let w = p.uniform(rng, &format!("cnn.conv{i}.weight"), &[c, cin, 3, 3], bound)?;
             let b = p.uniform(rng, &format!("cnn.conv{i}.bias"), &[c], bound)?;
             convs.push((w, b));
             cin = c;
             s /= 2;
         }
+        p.layer("cnn.head");
         let head = linear(p, rng, "cnn.head", cin * s * s, classes)?;
-        Ok(Cnn { side, convs, head })
+        Ok(Cnn { side, convs, head, gate: p.layers().clone(), first_layer })
     }
 }
 
@@ -219,12 +249,14 @@ impl Model for Cnn {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let b = x.dim(0)?;
         let mut h = x.reshape((b, 1, self.side, self.side))?;
-        for (w, bias) in &self.convs {
-            let c = w.dim(0)?;
-            h = h.conv2d(w, 1, 1, 1, 1)?.broadcast_add(&bias.reshape((1, c, 1, 1))?)?.relu()?.max_pool2d(2)?;
+        for (i, (w, bias)) in self.convs.iter().enumerate() {
+            h = self.gate.run(self.first_layer + i, &h, |h| {
+                let c = w.dim(0)?;
+                h.conv2d(w, 1, 1, 1, 1)?.broadcast_add(&bias.reshape((1, c, 1, 1))?)?.relu()?.max_pool2d(2)
+            })?;
         }
-        let h = h.flatten_from(1)?;
-        apply_linear(&h, &self.head)
+        let head = self.first_layer + self.convs.len();
+        self.gate.run(head, &h, |h| apply_linear(&h.flatten_from(1)?, &self.head))
     }
 }
 
@@ -259,6 +291,9 @@ pub struct Gpt {
     blocks: Vec<Block>,
     ln_f: (Tensor, Tensor),
     head: (Tensor, Tensor),
+    /// The layers (the embeddings, one per block, the final norm with the head), and the index of the first.
+    gate: Layers,
+    first_layer: usize,
 }
 
 fn layer_norm(x: &Tensor, (w, b): &(Tensor, Tensor)) -> candle_core::Result<Tensor> {
@@ -278,6 +313,7 @@ impl Gpt {
         }
         let w = cfg.width;
         let emb = 0.02 * 3f64.sqrt();
+        let first_layer = p.layer("gpt.embed");
         let tok = p.uniform(rng, "gpt.tok_emb", &[cfg.vocab, w], emb)?;
         let pos = p.uniform(rng, "gpt.pos_emb", &[cfg.context, w], emb)?;
         let ln = |p: &mut Params, name: &str| -> Result<(Tensor, Tensor)> {
@@ -286,6 +322,7 @@ impl Gpt {
         let mut blocks = Vec::with_capacity(cfg.layers);
         for l in 0..cfg.layers {
             let n = format!("gpt.h{l}");
+            p.layer(&n);
             blocks.push(Block {
                 ln1: ln(p, &format!("{n}.ln1"))?,
                 qkv: linear(p, rng, &format!("{n}.attn.qkv"), w, 3 * w)?,
@@ -295,9 +332,34 @@ impl Gpt {
                 out: linear(p, rng, &format!("{n}.mlp.proj"), 4 * w, w)?,
             });
         }
+        p.layer("gpt.out");
         let ln_f = ln(p, "gpt.ln_f")?;
         let head = linear(p, rng, "gpt.head", w, cfg.vocab)?;
-        Ok(Gpt { cfg, tok, pos, blocks, ln_f, head })
+        Ok(Gpt { cfg, tok, pos, blocks, ln_f, head, gate: p.layers().clone(), first_layer })
+    }
+}
+
+impl Gpt {
+    /// One pre-norm block on `x` (`[batch, time, width]`): causal self-attention (`mask` and `neg` say where each
+    /// position may not look), then the MLP, each with its residual.
+    fn block(&self, blk: &Block, x: &Tensor, mask: &Tensor, neg: &Tensor) -> candle_core::Result<Tensor> {
+        let (b, t, w) = x.dims3()?;
+        let nh = self.cfg.heads;
+        let hd = w / nh;
+        let scale = 1.0 / (hd as f64).sqrt();
+        let h = layer_norm(x, &blk.ln1)?;
+        let qkv = apply_linear(&h, &blk.qkv)?;
+        let split = |i: usize| -> candle_core::Result<Tensor> {
+            qkv.narrow(2, i * w, w)?.reshape((b, t, nh, hd))?.transpose(1, 2)?.contiguous()
+        };
+        let (q, k, v) = (split(0)?, split(1)?, split(2)?);
+        let att = (q.matmul(&k.t()?.contiguous()?)? * scale)?;
+        let att = mask.where_cond(&att, neg)?;
+        let att = candle_nn::ops::softmax(&att, D::Minus1)?;
+        let y = att.matmul(&v)?.transpose(1, 2)?.contiguous()?.reshape((b, t, w))?;
+        let x = (x + apply_linear(&y, &blk.proj)?)?;
+        let h = layer_norm(&x, &blk.ln2)?;
+        x + apply_linear(&apply_linear(&h, &blk.fc)?.gelu_erf()?, &blk.out)?
     }
 }
 
@@ -308,29 +370,20 @@ impl Model for Gpt {
             candle_core::bail!("sequence of {t} tokens exceeds the context of {}", self.cfg.context);
         }
         let (w, nh) = (self.cfg.width, self.cfg.heads);
-        let hd = w / nh;
-        let mut x = self.tok.embedding(&ids.flatten_all()?)?.reshape((b, t, w))?;
-        x = x.broadcast_add(&self.pos.narrow(0, 0, t)?)?;
+        let first = self.first_layer;
+        let mut x = self.gate.run(first, ids, |ids| {
+            let x = self.tok.embedding(&ids.flatten_all()?)?.reshape((b, t, w))?;
+            x.broadcast_add(&self.pos.narrow(0, 0, t)?)
+        })?;
         let mask = Tensor::tril2(t, DType::U8, &Device::Cpu)?.broadcast_as((b, nh, t, t))?;
         let neg = Tensor::new(f32::NEG_INFINITY, &Device::Cpu)?.broadcast_as((b, nh, t, t))?;
-        let scale = 1.0 / (hd as f64).sqrt();
-        for blk in &self.blocks {
-            let h = layer_norm(&x, &blk.ln1)?;
-            let qkv = apply_linear(&h, &blk.qkv)?;
-            let split = |i: usize| -> candle_core::Result<Tensor> {
-                qkv.narrow(2, i * w, w)?.reshape((b, t, nh, hd))?.transpose(1, 2)?.contiguous()
-            };
-            let (q, k, v) = (split(0)?, split(1)?, split(2)?);
-            let att = (q.matmul(&k.t()?.contiguous()?)? * scale)?;
-            let att = mask.where_cond(&att, &neg)?;
-            let att = candle_nn::ops::softmax(&att, D::Minus1)?;
-            let y = att.matmul(&v)?.transpose(1, 2)?.contiguous()?.reshape((b, t, w))?;
-            x = (x + apply_linear(&y, &blk.proj)?)?;
-            let h = layer_norm(&x, &blk.ln2)?;
-            x = (x + apply_linear(&apply_linear(&h, &blk.fc)?.gelu_erf()?, &blk.out)?)?;
+        for (l, blk) in self.blocks.iter().enumerate() {
+            x = self.gate.run(first + 1 + l, &x, |x| self.block(blk, x, &mask, &neg))?;
         }
-        let x = layer_norm(&x, &self.ln_f)?;
-        apply_linear(&x, &self.head)?.reshape((b * t, self.cfg.vocab))
+        self.gate.run(first + 1 + self.blocks.len(), &x, |x| {
+            let x = layer_norm(x, &self.ln_f)?;
+            apply_linear(&x, &self.head)?.reshape((b * t, self.cfg.vocab))
+        })
     }
 }
 

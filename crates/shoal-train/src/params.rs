@@ -1,9 +1,11 @@
-//! Named parameters in a fixed order, seeded initialisation, and flattening of
+//! Named parameters in a fixed order, grouped into the model's layers, seeded initialisation, and flattening of
 //! parameters and gradients into plain `f32` buffers (what the collectives move).
 
 use candle_core::{DType, Device, Tensor, Var};
 
-use crate::error::Result;
+use crate::error::{Error, Result};
+use crate::kernels::with_slice;
+use crate::layers::Layers;
 
 /// The seeded generator of initial weights: `shoal-data`'s SplitMix64 keyed by
 /// the seed, so the same seed gives the same weights in every process and on
@@ -21,10 +23,11 @@ impl SeededRng {
     }
 }
 
-/// The model's parameters, in a stable order (registration order).
+/// The model's parameters, in a stable order (registration order), and the layers the model groups them in.
 #[derive(Debug, Clone, Default)]
 pub struct Params {
     vars: Vec<(String, Var)>,
+    layers: Layers,
 }
 
 impl Params {
@@ -48,9 +51,21 @@ impl Params {
         Ok(out)
     }
 
-    /// Adopts existing variables (for users' own candle models).
+    /// Starts layer `name`: the parameters registered after this call, up to the next one, are one layer — what a
+    /// strategy that shards the parameters themselves (ZeRO-3) gathers together just before the model uses them
+    /// (`crate::layers`). Returns the layer's index, for the model's calls to [`Self::layers`].
+    pub fn layer(&mut self, name: &str) -> usize {
+        self.layers.declare(name, self.vars.len())
+    }
+
+    /// The model's layers: the handle a model keeps to go through them (and a strategy installs its store in).
+    pub fn layers(&self) -> &Layers {
+        &self.layers
+    }
+
+    /// Adopts existing variables (for users' own candle models; no layers).
     pub fn from_vars(vars: Vec<(String, Var)>) -> Self {
-        Params { vars }
+        Params { vars, layers: Layers::default() }
     }
 
     pub fn vars(&self) -> &[(String, Var)] {
@@ -65,8 +80,15 @@ impl Params {
     /// Every parameter, flattened in order, into one buffer.
     pub fn flatten(&self) -> Result<Vec<f32>> {
         let mut out = Vec::with_capacity(self.count());
-        for (_, v) in &self.vars {
-            out.extend(v.as_tensor().flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?);
+        for (name, v) in &self.vars {
+            let t = v.as_tensor();
+            if t.dtype() == DType::F32 && t.is_contiguous() {
+                // Read in place; a parameter whose values this rank does not hold (ZeRO-3) is an error, not a panic.
+                with_slice(t, |s| out.extend_from_slice(s))
+                    .map_err(|e| Error::InvalidArgument(format!("parameter {name}: {e}")))?;
+            } else {
+                out.extend(t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?);
+            }
         }
         Ok(out)
     }
@@ -77,7 +99,7 @@ impl Params {
         for (name, v) in &self.vars {
             let n = v.elem_count();
             let Some(part) = flat.get(off..off + n) else {
-                return Err(crate::Error::InvalidArgument(format!("flat buffer too short for parameter {name}")));
+                return Err(Error::InvalidArgument(format!("flat buffer too short for parameter {name}")));
             };
             v.set(&Tensor::from_slice(part, v.shape(), &Device::Cpu)?)?;
             off += n;

@@ -11,6 +11,7 @@ use shoal_comm::Communicator;
 use crate::error::{Error, Result};
 use crate::optim::{OptimConfig, Optimizer};
 use crate::params::Params;
+use crate::strategy::backward_by_layer;
 use crate::strategy::ddp::{Ddp, DdpConfig};
 pub use crate::strategy::{GradSink, StepTimes, Strategy};
 
@@ -108,8 +109,21 @@ impl Trainer {
         Ok(Trainer { params, opt, cfg, strategy, scalars: Vec::new() })
     }
 
+    /// The parameters. Under ZeRO-3 their tensors hold values only while a layer is in use: read them with
+    /// [`Self::model_state`].
     pub fn params(&self) -> &Params {
         &self.params
+    }
+
+    /// The parameters as whole named tensors (for a checkpoint, or to read them): a collective when the strategy
+    /// shards them (every rank calls it at the same step).
+    pub fn model_state(&self) -> Result<Vec<(String, Tensor)>> {
+        self.strategy.model_state(&self.params)
+    }
+
+    /// Bytes of parameters this rank holds.
+    pub fn param_bytes(&self) -> usize {
+        self.strategy.param_bytes(&self.params)
     }
 
     pub fn optimizer(&self) -> &Optimizer {
@@ -166,6 +180,15 @@ impl Trainer {
     /// share is empty, which contributes zeros but still takes part). With `last`, the step's gradients go to the
     /// strategy to be combined across ranks.
     pub fn backward(&mut self, loss: Option<&Tensor>, last: bool) -> Result<()> {
+        if self.params.layers().is_sharded() {
+            // ZeRO-3: the forward went layer by layer; so does backward, each layer's gradients into the strategy's
+            // sink as soon as they are computed.
+            let scalars = self.take_scalars(last);
+            let (layers, vars) = (self.params.layers(), self.params.vars());
+            return self
+                .strategy
+                .backward(&self.params, last, scalars, &mut |sink| backward_by_layer(layers, loss, vars, sink));
+        }
         let grads = loss.map(Tensor::backward).transpose()?;
         // Handles to the gradients (no copies).
         let per_param: Vec<Option<Tensor>> = match &grads {

@@ -7,20 +7,28 @@
 //!
 //! - [`ddp`]: data parallel — every rank holds everything; gradients are summed with bucketed all-reduces that
 //!   start while backward still runs.
-//! - [`zero`]: ZeRO stage 1 — gradients reduce-scattered, each rank updates its shard of the flat parameters with
-//!   its shard of the optimizer state, the shards all-gathered; checkpoints hold whole tensors, as DDP's.
+//! - [`zero`]: ZeRO — stage 1: gradients reduce-scattered, each rank updates its shard of the flat parameters with
+//!   its shard of the optimizer state, the shards all-gathered; stage 2: the gradients reduce-scattered bucket by
+//!   bucket as backward produces them, so no rank holds them whole; stage 3: the parameters sharded too, each rank
+//!   keeping only its shard between steps, every layer gathered just before the model uses it in forward and in
+//!   backward and freed after, the next layer's gather overlapping the current layer's computation ([`zero3`],
+//!   through the model-side seam `crate::layers`). The cut into buckets and shards, and the collectives that move
+//!   them, are one place for every stage ([`shards`]). Checkpoints hold whole tensors, as DDP's.
 //!
 //! The worker builds the strategy `train.strategy` names; a name with no strategy yet is refused when the spec is
 //! validated (`shoal_spec::Strategy`), never silently replaced.
 
 pub mod ddp;
+pub mod shards;
 pub mod zero;
+pub mod zero3;
 
-use candle_core::Tensor;
+use candle_core::{Tensor, Var};
 use shoal_comm::Communicator;
 
 use crate::error::{Error, Result};
 use crate::kernels::with_slice;
+use crate::layers::Layers;
 use crate::optim::Optimizer;
 use crate::params::Params;
 
@@ -95,6 +103,18 @@ pub trait Strategy: Send {
         params.count() * 4
     }
 
+    /// Bytes of parameters this rank holds (by default every parameter, whole).
+    fn param_bytes(&self, params: &Params) -> usize {
+        params.count() * 4
+    }
+
+    /// The parameters as whole named tensors, for a checkpoint or to read them (by default the parameters' own
+    /// tensors, which the next step updates in place: copy them out before it; a strategy that shards them gathers
+    /// them: then every rank calls this at the same step).
+    fn model_state(&self, params: &Params) -> Result<Vec<(String, Tensor)>> {
+        Ok(params.vars().iter().map(|(n, v)| (n.clone(), v.as_tensor().clone())).collect())
+    }
+
     /// The optimizer state as whole named tensors, for a checkpoint (by default the optimizer's own; a strategy
     /// that shards it gathers it: then every rank calls this at the same step).
     fn optimizer_state(&self, params: &Params, opt: &Optimizer) -> Result<Vec<(String, Tensor)>> {
@@ -114,8 +134,14 @@ pub trait Strategy: Send {
     }
 }
 
-/// Makes every rank's parameters rank 0's (one broadcast of the flat parameters; nothing on one process).
+/// Makes every rank's parameters rank 0's (one broadcast of the flat parameters; nothing on one process). Every
+/// strategy starts with it: parameters a ZeRO-3 trainer already holds sharded are refused here.
 pub(crate) fn broadcast_from_rank0(comm: Option<&Communicator>, params: &Params) -> Result<()> {
+    if params.layers().is_sharded() {
+        return Err(Error::InvalidArgument(
+            "these parameters are already sharded by a ZeRO-3 trainer: start each trainer on a model of its own".into(),
+        ));
+    }
     if let Some(c) = comm.filter(|c| c.size() > 1) {
         let mut flat = params.flatten()?;
         c.broadcast(&mut flat, 0)?;
@@ -170,6 +196,80 @@ pub(crate) fn copy_f32(out: &mut [f32], t: &Tensor) -> Result<()> {
     })?;
     if n != out.len() {
         return Err(Error::InvalidArgument(format!("gradient has {n} values, its parameter {}", out.len())));
+    }
+    Ok(())
+}
+
+/// Autograd's gradients of a training pass whose forward went layer by layer under a layer store (ZeRO-3,
+/// `crate::layers`), put into `sink` layer by layer from the last: each layer's graph back-propagated with only that
+/// layer's parameters whole, the loss's for the last layer, `sum(y · dy)` for the others (`dy`: the gradient of the
+/// next layer's input), every parameter of the layer put (zeros where it has no gradient) before the layer below is
+/// entered. With no loss (this rank had no data for the micro-batch) the same layers are entered in the same order
+/// and zeros put, so its collectives match the other ranks'.
+pub(crate) fn backward_by_layer(
+    layers: &Layers,
+    loss: Option<&Tensor>,
+    vars: &[(String, Var)],
+    sink: &mut dyn GradSink,
+) -> Result<()> {
+    let ranges = layers.ranges(vars.len())?;
+    let count = ranges.len();
+    let mut tape: Vec<Option<_>> = layers.take_tape().into_iter().map(Some).collect();
+    let idle = match (loss, tape.len()) {
+        (Some(_), n) if n == count => false,
+        (None, n) if n == count => true,
+        (None, 0) => {
+            // The forward this rank had no data for.
+            layers.idle_forward()?;
+            true
+        }
+        (Some(_), 0) => {
+            return Err(Error::InvalidArgument(
+                "the loss was not computed through the model's layers (Layers::run): ZeRO-3 cannot back-propagate it"
+                    .into(),
+            ));
+        }
+        (_, n) => {
+            return Err(Error::InvalidArgument(format!(
+                "the forward pass went through {n} of the model's {count} layers: ZeRO-3 needs every layer, in order"
+            )));
+        }
+    };
+    let mut dy: Option<Tensor> = None;
+    for (l, (name, members)) in ranges.iter().enumerate().rev() {
+        let entered = layers.backward_layer(l)?;
+        let taped = tape.get_mut(l).and_then(Option::take);
+        let grads = match (idle, taped.as_ref(), loss) {
+            (false, Some(t), Some(loss)) => {
+                let root = if l + 1 == count {
+                    loss.clone()
+                } else {
+                    let dy = dy.take().ok_or_else(|| {
+                        Error::InvalidArgument(format!(
+                            "the output of layer {name} does not reach the loss: a model computes everything between \
+                             its input and its output inside its layers"
+                        ))
+                    })?;
+                    (&t.output * dy)?.sum_all()?
+                };
+                let grads = root.backward()?;
+                // Detached: candle leaves a gradient's own graph on it (through this layer's parameters, freed
+                // before the layer below is back-propagated).
+                dy = t.input.as_ref().and_then(|x| grads.get(x)).map(Tensor::detach);
+                Some(grads)
+            }
+            _ => None,
+        };
+        for i in members.clone().rev() {
+            let g = grads.as_ref().and_then(|g| g.get(vars[i].1.as_tensor()));
+            sink.put(i, &mut |out| match g {
+                Some(g) => copy_f32(out, g),
+                None => Ok(()),
+            })?;
+        }
+        // The layer's graph and activations go before the layer below is gathered.
+        drop((grads, taped));
+        entered.release()?;
     }
     Ok(())
 }

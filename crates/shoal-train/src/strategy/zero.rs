@@ -1,53 +1,59 @@
-//! ZeRO stages 1 and 2: the optimizer state (stage 1), and the gradients too (stage 2), sharded over the ranks.
+//! ZeRO stages 1, 2 and 3: the optimizer state (stage 1), the gradients too (stage 2), and the parameters too
+//! (stage 3), sharded over the ranks.
 //!
 //! - At [`Strategy::init`], rank 0's parameters are broadcast (as DDP) and the flat parameter space (every parameter
 //!   in order) is cut into buckets — one over everything for stage 1; for stage 2 about `bucket_bytes` each, from the
-//!   last parameters down (the order backward produces gradients) — and each bucket into one equal slice per rank
-//!   (padded): a rank's shard is its slice of every bucket.
+//!   last parameters down (the order backward produces gradients); for stage 3 one per layer of the model — and each
+//!   bucket into one equal slice per rank (padded): a rank's shard is its slice of every bucket (`super::shards`).
 //! - Stage 1: each micro-batch's gradients are added into one flat buffer (weighted by the rank's share of the
-//!   global batch, as for DDP), reduce-scattered in [`Strategy::step`]. Stage 2: they go into one bucket buffer,
-//!   reduce-scattered as soon as backward has passed the bucket and added into the rank's shard of gradients, so the
-//!   whole gradient is never held (at the price of one reduce-scatter per micro-batch with gradient accumulation).
+//!   global batch, as for DDP), reduce-scattered in [`Strategy::step`]. Stages 2 and 3: they go into one bucket
+//!   buffer, reduce-scattered as soon as backward has passed the bucket and added into the rank's shard of
+//!   gradients, so the whole gradient is never held (at the price of one reduce-scatter per micro-batch with
+//!   gradient accumulation).
 //! - Either way each rank ends with the summed gradient of its shard only; the
 //!   global norm for clipping is one all-reduce of the shards' sums of squares; each rank applies the optimizer to
 //!   its shard with the moments of its shard only (`1/N` of the optimizer state per rank; the formula is
-//!   [`crate::optim::update`], the one every strategy uses); an all-gather of the updated shards gives every rank the
-//!   whole new parameters.
-//! - The moments are gathered into whole named tensors (`<param>.m`, `<param>.v`, as the optimizer names them) for
-//!   a checkpoint ([`Strategy::optimizer_state`], a collective), and cut to the shard again when one is loaded
-//!   ([`Strategy::load_optimizer_state`]): its checkpoints are DDP's, resumable under any strategy and world size.
+//!   [`crate::optim::update`], the one every strategy uses). Stages 1 and 2: an all-gather of the updated shards
+//!   gives every rank the whole new parameters. Stage 3: the rank keeps only its shard of the parameters
+//!   (`super::zero3`); the model's tensors hold nothing between steps, and each layer is gathered just before the
+//!   model uses it in forward and again in backward, and freed after (`crate::layers`), the next layer's gather
+//!   overlapping the current layer's computation when `prefetch` is on.
+//! - The moments (and, for stage 3, the parameters) are gathered into whole named tensors (`<param>.m`, `<param>.v`,
+//!   as the optimizer names them) for a checkpoint ([`Strategy::optimizer_state`], [`Strategy::model_state`],
+//!   collectives), and cut to the shard again when one is loaded ([`Strategy::load_optimizer_state`]; stage 3 takes
+//!   its shard of the parameters the checkpoint put in the model before `init`): its checkpoints are DDP's,
+//!   resumable under any strategy and world size.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::Tensor;
 use shoal_comm::{Communicator, ReduceOp};
 
-use super::{GradSink, StepTimes, Strategy, TensorGrads, broadcast_from_rank0, check_order, flat_offsets, put_tensors};
+use super::shards::Shards;
+use super::zero3::LayerShards;
+use super::{GradSink, StepTimes, Strategy, TensorGrads, broadcast_from_rank0, check_order, put_tensors};
 use crate::error::{Error, Result};
-use crate::kernels::{with_slice, with_slice_mut};
+use crate::layers::LayerStore;
 use crate::optim::{OptimConfig, Optimizer, sum_sq, update};
 use crate::params::Params;
 
-/// ZeRO stage 1 or 2 (see the module documentation).
+/// ZeRO stage 1, 2 or 3 (see the module documentation).
 pub struct Zero {
     comm: Option<Communicator>,
     stage: u8,
     /// Bytes of gradient per bucket (stage 2).
     bucket_bytes: usize,
-    /// Flat offset of each parameter, and the number of values.
-    offsets: Vec<usize>,
-    total: usize,
-    /// The buckets, from the last parameters to the first (the order backward produces gradients): each a range of
-    /// parameter indices and the flat range they cover. Stage 1 has one, over everything.
-    buckets: Vec<(std::ops::Range<usize>, std::ops::Range<usize>)>,
-    /// Where each bucket's slice starts in this rank's shard vectors.
-    shard_offsets: Vec<usize>,
-    /// The length of this rank's shard vectors (the sum of the buckets' slices).
-    shard: usize,
-    /// Stage 1: this step's gradients, flat. Stage 2: one bucket being filled.
+    /// Stage 3: gather the next layer while the current one computes.
+    prefetch: bool,
+    /// The cut of the flat space into buckets and shards (from `init`).
+    shards: Arc<Shards>,
+    /// Stage 3: this rank's shard of the parameters, and the store that gathers the model's layers from it.
+    layers: Option<Arc<LayerShards>>,
+    /// Stage 1: this step's gradients, flat. Stages 2 and 3: one bucket being filled.
     acc: Vec<f32>,
-    /// Stage 2: this rank's summed gradients, accumulated bucket by bucket over the step's micro-batches.
+    /// Stages 2 and 3: this rank's summed gradients, accumulated bucket by bucket over the step's micro-batches.
     grad: Vec<f32>,
     /// The step's scalars (summed over ranks in `step`).
     scalars: Vec<f32>,
@@ -73,28 +79,40 @@ impl Zero1 {
     }
 }
 
+/// ZeRO stage 3 over `comm`: the parameters sharded too, gathered layer by layer (the model's layers, declared with
+/// `Params::layer`), the next layer's gather overlapping the current layer's computation with `prefetch`.
+#[derive(Debug)]
+pub struct Zero3;
+
+impl Zero3 {
+    #[allow(clippy::new_ret_no_self)]
+    pub fn new(comm: Option<Communicator>, prefetch: bool) -> Zero {
+        Zero { prefetch, ..Zero::new(comm, 3, usize::MAX) }
+    }
+}
+
 impl std::fmt::Debug for Zero {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Zero")
             .field("stage", &self.stage)
-            .field("world", &self.world())
-            .field("shard", &self.shard)
+            .field("world", &self.shards.world())
+            .field("shard", &self.shards.shard)
             .finish_non_exhaustive()
     }
 }
 
 impl Zero {
-    /// Stage 1 or 2 (stage 2 reduce-scatters each bucket of about `bucket_bytes` of gradients as it fills).
+    /// Stage 1, 2 or 3 (stage 2 reduce-scatters each bucket of about `bucket_bytes` of gradients as it fills; stage 3
+    /// each layer's, and gathers the layers with prefetch: see [`Zero3`]).
     pub fn new(comm: Option<Communicator>, stage: u8, bucket_bytes: usize) -> Zero {
+        let shards = Arc::new(Shards::empty(comm.clone()));
         Zero {
             comm,
             stage,
             bucket_bytes,
-            offsets: Vec::new(),
-            total: 0,
-            buckets: Vec::new(),
-            shard_offsets: Vec::new(),
-            shard: 0,
+            prefetch: true,
+            shards,
+            layers: None,
             acc: Vec::new(),
             grad: Vec::new(),
             scalars: Vec::new(),
@@ -106,121 +124,47 @@ impl Zero {
         }
     }
 
-    fn world(&self) -> usize {
-        self.comm.as_ref().map_or(1, Communicator::size)
-    }
-
-    fn rank(&self) -> usize {
-        self.comm.as_ref().map_or(0, Communicator::rank)
-    }
-
-    /// Bucket `b`'s slice length (its values over the world size, rounded up).
-    fn slice_len(&self, b: usize) -> usize {
-        self.buckets[b].1.len().div_ceil(self.world()).max(1)
-    }
-
     /// Reduce-scatters bucket `b`'s gradients (`data`, its flat values) and adds this rank's slice into `out`.
     fn reduce_bucket(&mut self, b: usize, data: &[f32], out: &mut [f32]) -> Result<()> {
-        let s = self.slice_len(b);
-        // `data` is the bucket padded with zeros to `s` values per rank.
-        let padded = &data[..s * self.world()];
-        self.mine.clear();
-        self.mine.resize(s, 0.0);
-        match self.comm.as_ref().filter(|c| c.size() > 1) {
-            Some(c) => c.reduce_scatter(padded, &mut self.mine, ReduceOp::Sum)?,
-            None => self.mine.copy_from_slice(&padded[..s]),
-        }
-        let o = self.shard_offsets[b];
-        for (a, x) in out[o..o + s].iter_mut().zip(&self.mine) {
-            *a += *x;
-        }
-        Ok(())
+        self.shards.reduce_bucket(b, data, &mut self.mine, out)
     }
 
-    /// Gathers a shard vector of every rank into the whole flat space.
-    fn gather(&self, shard: &[f32]) -> Result<Vec<f32>> {
-        let mut full = vec![0f32; self.total];
-        for (b, (_, flat)) in self.buckets.iter().enumerate() {
-            let s = self.slice_len(b);
-            let o = self.shard_offsets[b];
-            let mut all = vec![0f32; s * self.world()];
-            match self.comm.as_ref().filter(|c| c.size() > 1) {
-                Some(c) => c.all_gather(&shard[o..o + s], &mut all)?,
-                None => all.copy_from_slice(&shard[o..o + s]),
-            }
-            full[flat.clone()].copy_from_slice(&all[..flat.len()]);
-        }
-        Ok(full)
-    }
-
-    /// This rank's shard of the parameters (zeros in the padding), read in place from the ones it overlaps.
-    fn read_shard(&self, params: &Params) -> Result<Vec<f32>> {
-        let mut out = vec![0f32; self.shard];
-        for (b, (members, flat)) in self.buckets.iter().enumerate() {
-            let s = self.slice_len(b);
-            let start = flat.start + self.rank() * s;
-            let end = (start + s).min(flat.end);
-            let o = self.shard_offsets[b];
-            // Only the bucket's own parameters can overlap its slice.
-            for i in members.clone() {
-                let var = &params.vars()[i].1;
-                let (lo, hi) = (self.offsets[i], self.offsets[i] + var.elem_count());
-                let (a, z) = (lo.max(start), hi.min(end));
-                if a < z {
-                    with_slice(var.as_tensor(), |p| {
-                        out[o + a - start..o + z - start].copy_from_slice(&p[a - lo..z - lo]);
-                    })?;
-                }
-            }
-        }
-        Ok(out)
-    }
-
-    /// Writes a whole flat vector into the parameters, in place.
-    fn write_params(&self, params: &Params, full: &[f32]) -> Result<()> {
-        for (i, (_, var)) in params.vars().iter().enumerate() {
-            let (lo, n) = (self.offsets[i], var.elem_count());
-            with_slice_mut(var.as_tensor(), |p| p.copy_from_slice(&full[lo..lo + n]))?;
-        }
-        Ok(())
-    }
-
-    /// This rank's shard of a whole flat vector (zeros in the padding).
-    fn cut(&self, full: &[f32]) -> Vec<f32> {
-        let mut out = vec![0f32; self.shard];
-        for (b, (_, flat)) in self.buckets.iter().enumerate() {
-            let s = self.slice_len(b);
-            let start = flat.start + self.rank() * s;
-            let end = (start + s).min(flat.end);
-            if start < end {
-                let o = self.shard_offsets[b];
-                out[o..o + (end - start)].copy_from_slice(&full[start..end]);
-            }
-        }
-        out
+    /// Whole named tensors, one per parameter, from a whole flat vector (`suffix`: appended to the names).
+    fn named(&self, params: &Params, full: &[f32], suffix: &str) -> Result<Vec<(String, Tensor)>> {
+        params
+            .vars()
+            .iter()
+            .enumerate()
+            .map(|(i, (name, var))| {
+                let (off, n) = (self.shards.offsets[i], var.elem_count());
+                let t = Tensor::from_vec(full[off..off + n].to_vec(), var.shape(), var.device())?;
+                Ok((format!("{name}{suffix}"), t))
+            })
+            .collect()
     }
 }
 
 /// Adds each parameter's gradient into the flat buffer (stage 1), or into the current bucket, reduce-scattering
-/// each bucket once backward has passed it (stage 2).
+/// each bucket once backward has passed it (stages 2 and 3).
 struct Adder<'a> {
     z: &'a mut Zero,
     vars: &'a [(String, candle_core::Var)],
     tmp: Vec<f32>,
     next: Option<usize>,
-    /// Stage 2: the bucket being filled.
+    /// Stages 2 and 3: the bucket being filled.
     bucket: usize,
 }
 
 impl Adder<'_> {
-    /// Stage 2: reduce-scatters every bucket whose parameters all lie above `index` (all of them for `None`).
+    /// Stages 2 and 3: reduce-scatters every bucket whose parameters all lie above `index` (all of them for `None`).
     fn flush_above(&mut self, index: Option<usize>) -> Result<()> {
         if self.z.stage < 2 {
             return Ok(());
         }
-        while self.bucket < self.z.buckets.len() && index.is_none_or(|i| i < self.z.buckets[self.bucket].0.start) {
+        let shards = self.z.shards.clone();
+        while self.bucket < shards.buckets.len() && index.is_none_or(|i| i < shards.buckets[self.bucket].0.start) {
             let b = self.bucket;
-            let flat = self.z.buckets[b].1.clone();
+            let flat = shards.buckets[b].1.clone();
             let data = std::mem::take(&mut self.z.acc);
             let mut grad = std::mem::take(&mut self.z.grad);
             let r = self.z.reduce_bucket(b, &data, &mut grad);
@@ -241,7 +185,14 @@ impl GradSink for Adder<'_> {
         self.flush_above(Some(index))?;
         let n = self.vars[index].1.elem_count();
         // Offsets within the buffer: the whole flat space (stage 1, one bucket from 0), or the current bucket.
-        let off = self.z.offsets[index] - self.z.buckets[self.bucket.min(self.z.buckets.len() - 1)].1.start;
+        let buckets = &self.z.shards.buckets;
+        let off = self.z.shards.offsets[index] - buckets[self.bucket.min(buckets.len() - 1)].1.start;
+        if self.z.stage >= 2 {
+            // The bucket's values are zeros until this micro-batch's gradients go in (every bucket is reduced and
+            // zeroed once backward has passed it): the model writes straight into it.
+            return fill(&mut self.z.acc[off..off + n]);
+        }
+        // Stage 1 adds each micro-batch into what the step's earlier ones left.
         self.tmp.clear();
         self.tmp.resize(n, 0.0);
         fill(&mut self.tmp)?;
@@ -259,7 +210,11 @@ impl GradSink for Adder<'_> {
 
 impl Strategy for Zero {
     fn name(&self) -> &'static str {
-        if self.stage >= 2 { "zero2" } else { "zero1" }
+        match self.stage {
+            0 | 1 => "zero1",
+            2 => "zero2",
+            _ => "zero3",
+        }
     }
 
     fn comm(&self) -> Option<&Communicator> {
@@ -268,36 +223,24 @@ impl Strategy for Zero {
 
     fn init(&mut self, params: &Params) -> Result<()> {
         broadcast_from_rank0(self.comm.as_ref(), params)?;
-        (self.offsets, self.total) = flat_offsets(params);
-        // Buckets from the last parameter down: one over everything for stage 1.
-        self.buckets.clear();
-        let vars = params.vars();
-        let limit = (self.bucket_bytes / 4).max(1);
-        let mut hi = vars.len();
-        while hi > 0 {
-            let mut lo = hi - 1;
-            let mut len = vars[lo].1.elem_count();
-            while lo > 0 && (self.stage < 2 || len + vars[lo - 1].1.elem_count() <= limit) {
-                lo -= 1;
-                len += vars[lo].1.elem_count();
-            }
-            let flat = self.offsets[lo]..self.offsets[lo] + len;
-            self.buckets.push((lo..hi, flat));
-            hi = lo;
-        }
-        self.shard_offsets.clear();
-        let mut o = 0;
-        for b in 0..self.buckets.len() {
-            self.shard_offsets.push(o);
-            o += self.slice_len(b);
-        }
-        self.shard = o;
-        // Stage 2 holds one bucket of gradients at a time, never the whole.
+        // Buckets from the last parameter down: one over everything for stage 1, the model's layers for stage 3.
+        let buckets = match self.stage {
+            0 | 1 => Shards::by_size(params, usize::MAX),
+            2 => Shards::by_size(params, self.bucket_bytes),
+            _ => params.layers().ranges(params.vars().len())?.into_iter().rev().map(|(_, r)| r).collect(),
+        };
+        self.shards = Arc::new(Shards::new(self.comm.clone(), params, buckets)?);
+        // Stages 2 and 3 hold one bucket of gradients at a time, never the whole.
         // Each bucket padded with zeros to a slice per rank, so the reduce-scatter takes it as it is.
-        let padded = (0..self.buckets.len()).map(|b| self.slice_len(b) * self.world()).max().unwrap_or(0);
-        self.acc = vec![0.0; padded];
+        self.acc = vec![0.0; self.shards.padded_max()];
         if self.stage >= 2 {
-            self.grad = vec![0.0; self.shard];
+            self.grad = vec![0.0; self.shards.shard];
+        }
+        if self.stage >= 3 {
+            // The rank keeps its shard; the model's tensors are emptied and filled layer by layer from now on.
+            let store = Arc::new(LayerShards::new(self.shards.clone(), params, self.prefetch)?);
+            params.layers().install(store.clone());
+            self.layers = Some(store);
         }
         Ok(())
     }
@@ -328,14 +271,15 @@ impl Strategy for Zero {
     fn step(&mut self, params: &Params, opt: &mut Optimizer, lr: f64, clip: Option<f64>) -> Result<StepTimes> {
         let t0 = Instant::now();
         let comm = self.comm.clone().filter(|c| c.size() > 1);
-        // This rank's summed gradient (stage 2: reduced bucket by bucket during backward), and the step's scalars
-        // summed over ranks.
+        let shard = self.shards.shard;
+        // This rank's summed gradient (stages 2 and 3: reduced bucket by bucket during backward), and the step's
+        // scalars summed over ranks.
         let mut grad = if self.stage >= 2 {
-            std::mem::replace(&mut self.grad, vec![0.0; self.shard])
+            std::mem::replace(&mut self.grad, vec![0.0; shard])
         } else {
-            let mut g = vec![0f32; self.shard];
+            let mut g = vec![0f32; shard];
             let acc = std::mem::take(&mut self.acc);
-            for b in 0..self.buckets.len() {
+            for b in 0..self.shards.buckets.len() {
                 self.reduce_bucket(b, &acc, &mut g)?;
             }
             self.acc = acc;
@@ -345,6 +289,10 @@ impl Strategy for Zero {
         let mut scalars = std::mem::take(&mut self.scalars);
         if let (Some(c), false) = (&comm, scalars.is_empty()) {
             c.all_reduce(&mut scalars, ReduceOp::Sum)?;
+        }
+        // Stage 3: nothing of the pass left in flight or whole before the shard changes.
+        if let Some(store) = &self.layers {
+            store.settle()?;
         }
         let comm_s = t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
@@ -362,27 +310,40 @@ impl Strategy for Zero {
             grad_norm = Some(norm);
         }
         // The shard's parameters (zeros in the padding), updated in place with the shard's moments.
-        let mut p = self.read_shard(params)?;
         opt.t += 1;
-        let cfg = opt.config();
-        let first = !self.started;
-        match cfg {
-            OptimConfig::Sgd { momentum: 0.0, .. } => update(cfg, opt.t, lr, &mut p, &grad, None, None)?,
-            OptimConfig::Sgd { .. } => {
-                self.m.resize(self.shard, 0.0);
-                update(cfg, opt.t, lr, &mut p, &grad, Some((&mut self.m, first)), None)?;
+        let (cfg, t, first) = (opt.config(), opt.t, !self.started);
+        let (m, v) = (&mut self.m, &mut self.v);
+        let mut apply = |p: &mut [f32]| -> Result<()> {
+            match cfg {
+                OptimConfig::Sgd { momentum: 0.0, .. } => update(cfg, t, lr, p, &grad, None, None),
+                OptimConfig::Sgd { .. } => {
+                    m.resize(shard, 0.0);
+                    update(cfg, t, lr, p, &grad, Some((m, first)), None)
+                }
+                OptimConfig::AdamW { .. } => {
+                    m.resize(shard, 0.0);
+                    v.resize(shard, 0.0);
+                    update(cfg, t, lr, p, &grad, Some((m, first)), Some(v))
+                }
             }
-            OptimConfig::AdamW { .. } => {
-                self.m.resize(self.shard, 0.0);
-                self.v.resize(self.shard, 0.0);
-                update(cfg, opt.t, lr, &mut p, &grad, Some((&mut self.m, first)), Some(&mut self.v))?;
+        };
+        let mut p = None;
+        match &self.layers {
+            Some(store) => store.with_shard(apply)?,
+            None => {
+                let mut mine = self.shards.read_shard(params)?;
+                apply(&mut mine)?;
+                p = Some(mine);
             }
         }
         self.started = true;
         let optimizer_s = t1.elapsed().as_secs_f64();
         let t2 = Instant::now();
-        let full = self.gather(&p)?;
-        self.write_params(params, &full)?;
+        // Stages 1 and 2: every rank's updated shard, gathered into the whole parameters.
+        if let Some(p) = p {
+            let full = self.shards.gather(&p)?;
+            self.shards.write_params(params, &full)?;
+        }
         Ok(StepTimes { comm_s: comm_s + t2.elapsed().as_secs_f64(), optimizer_s, grad_norm, scalars })
     }
 
@@ -390,29 +351,46 @@ impl Strategy for Zero {
         (self.m.len() + self.v.len()) * 4
     }
 
-    /// Stage 1: the whole flat gradient. Stage 2: one bucket and this rank's shard. Each padded to a multiple of
-    /// the world size, with the reduce-scatter's slice.
+    /// Stage 1: the whole flat gradient, and a parameter's gradient as the model writes it. Stages 2 and 3: one
+    /// bucket and this rank's shard. Each padded to a multiple of the world size, with the reduce-scatter's slice.
     fn gradient_bytes(&self, _params: &Params) -> usize {
-        (self.acc.len() + self.grad.len() + self.mine.capacity()) * 4
+        (self.acc.len() + self.grad.len() + self.mine.capacity() + self.tmp.capacity()) * 4
+    }
+
+    /// Stage 3: this rank's shard of the parameters and the most of whole layers it held at once (in use, being
+    /// gathered); stages 1 and 2: the whole parameters.
+    fn param_bytes(&self, params: &Params) -> usize {
+        match &self.layers {
+            Some(store) => store.held_bytes(),
+            None => params.count() * 4,
+        }
+    }
+
+    /// Stage 3: every rank's shard gathered into whole tensors (a collective: every rank calls it at the same step);
+    /// stages 1 and 2: the parameters themselves.
+    fn model_state(&self, params: &Params) -> Result<Vec<(String, Tensor)>> {
+        match &self.layers {
+            Some(store) => self.named(params, &store.gather_all()?, ""),
+            None => Ok(params.vars().iter().map(|(n, v)| (n.clone(), v.as_tensor().clone())).collect()),
+        }
     }
 
     /// Every rank's moments gathered into whole tensors, named as [`Optimizer::state`] names them. A collective:
     /// every rank calls it at the same step.
     fn optimizer_state(&self, params: &Params, _opt: &Optimizer) -> Result<Vec<(String, Tensor)>> {
-        let mut out = Vec::new();
         if !self.started {
-            return Ok(out);
+            return Ok(Vec::new());
         }
-        let m = (!self.m.is_empty()).then(|| self.gather(&self.m)).transpose()?;
-        let v = (!self.v.is_empty()).then(|| self.gather(&self.v)).transpose()?;
-        for (i, (name, var)) in params.vars().iter().enumerate() {
-            let (off, n) = (self.offsets[i], var.elem_count());
-            for (full, suffix) in [(&m, "m"), (&v, "v")] {
-                if let Some(full) = full {
-                    let t = Tensor::from_vec(full[off..off + n].to_vec(), var.shape(), var.device())?;
-                    out.push((format!("{name}.{suffix}"), t));
-                }
-            }
+        let m = (!self.m.is_empty()).then(|| self.shards.gather(&self.m)).transpose()?;
+        let v = (!self.v.is_empty()).then(|| self.shards.gather(&self.v)).transpose()?;
+        let m = m.map(|m| self.named(params, &m, ".m")).transpose()?.unwrap_or_default();
+        let v = v.map(|v| self.named(params, &v, ".v")).transpose()?.unwrap_or_default();
+        // Per parameter, its m then its v (the optimizer's order).
+        let mut out = Vec::with_capacity(m.len() + v.len());
+        let (mut m, mut v) = (m.into_iter().peekable(), v.into_iter().peekable());
+        while m.peek().is_some() || v.peek().is_some() {
+            out.extend(m.next());
+            out.extend(v.next());
         }
         Ok(out)
     }
@@ -428,7 +406,7 @@ impl Strategy for Zero {
         opt.t = t;
         let mut any = false;
         for suffix in ["m", "v"] {
-            let mut full = vec![0f32; self.total];
+            let mut full = vec![0f32; self.shards.total];
             let mut found = false;
             for (i, (name, var)) in params.vars().iter().enumerate() {
                 let Some(x) = named.get(&format!("{name}.{suffix}")) else { continue };
@@ -440,10 +418,11 @@ impl Strategy for Zero {
                     )));
                 }
                 let vals = x.flatten_all()?.to_vec1::<f32>()?;
-                full[self.offsets[i]..self.offsets[i] + vals.len()].copy_from_slice(&vals);
+                let o = self.shards.offsets[i];
+                full[o..o + vals.len()].copy_from_slice(&vals);
                 found = true;
             }
-            let cut = if found { self.cut(&full) } else { Vec::new() };
+            let cut = if found { self.shards.cut(&full) } else { Vec::new() };
             any |= found;
             if suffix == "m" {
                 self.m = cut;

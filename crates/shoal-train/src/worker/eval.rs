@@ -11,6 +11,7 @@ use shoal_data::Dataset;
 use super::wire::EvalMetrics;
 use crate::batch::to_tensors;
 use crate::error::{Error, Result};
+use crate::layers::Layers;
 use crate::models::Model;
 
 /// Loss (mean over rows) and correct predictions of one batch.
@@ -22,23 +23,29 @@ fn loss_and_correct(model: &dyn Model, input: &Tensor, target: &Tensor) -> Resul
     Ok((loss, correct))
 }
 
-/// Mean loss and accuracy over the eval set (sharded across ranks, summed with an all-reduce).
+/// Mean loss and accuracy over the eval set (sharded across ranks, summed with an all-reduce). With the model's
+/// layers gathered one by one (ZeRO-3) every rank runs as many forward passes as the rank with the most batches,
+/// the ones it has no batch for without computing, so the layers' gathers stay in step.
 pub(super) fn evaluate(
     model: &dyn Model,
+    layers: &Layers,
     data: &dyn Dataset,
     comm: &Communicator,
     batch: usize,
     max_batches: usize,
 ) -> Result<(f64, f64)> {
+    let _inference = layers.inference();
     let n = data.len().min(batch * max_batches.max(1));
     let share = shoal_comm::chunk::segment(n, comm.size(), comm.rank());
     let (mut loss_sum, mut correct, mut rows, mut tokens) = (0f64, 0f64, 0f64, 0f64);
+    let mut passes = 0usize;
     let mut i = share.start;
     while i < share.end {
         let end = (i + batch).min(share.end);
         let samples = (i..end).map(|j| data.get(j)).collect::<shoal_data::Result<Vec<_>>>()?;
         if let Some(t) = to_tensors(&samples)? {
             let (loss, c) = loss_and_correct(model, &t.input, &t.target)?;
+            passes += 1;
             let targets = t.target.elem_count() as f64;
             loss_sum += loss.to_scalar::<f32>()? as f64 * targets;
             correct += c as f64;
@@ -46,6 +53,13 @@ pub(super) fn evaluate(
             rows += t.rows as f64;
         }
         i = end;
+    }
+    if layers.is_sharded() {
+        let mut most = [passes as f64];
+        comm.all_reduce(&mut most, ReduceOp::Max)?;
+        for _ in passes..most[0] as usize {
+            layers.idle_forward()?;
+        }
     }
     let mut v = [loss_sum, correct, tokens, rows];
     comm.all_reduce(&mut v, ReduceOp::Sum)?;

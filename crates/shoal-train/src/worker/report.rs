@@ -91,7 +91,8 @@ pub(super) fn finish(
         memory_stall_s,
         stopped_at: _,
     } = trained;
-    let (eval_loss, eval_acc) = evaluate(model.as_ref(), eval.as_ref(), comm, micro, t.eval_batches)?;
+    let layers = tr.trainer.params().layers();
+    let (eval_loss, eval_acc) = evaluate(model.as_ref(), layers, eval.as_ref(), comm, micro, t.eval_batches)?;
     steps.eval_log.log(t.steps, eval_loss, eval_acc)?;
     let text = t.model.kind == ModelKind::Gpt;
     let baseline_loss =
@@ -99,7 +100,7 @@ pub(super) fn finish(
     // Every rank's memory, gathered (-1: not measured).
     let trainer = &tr.trainer;
     let mine = [
-        (trainer.params().count() * 4) as i64,
+        trainer.param_bytes() as i64,
         trainer.gradient_bytes() as i64,
         trainer.optimizer_bytes() as i64,
         activations_peak.map_or(-1, |a| a as i64),

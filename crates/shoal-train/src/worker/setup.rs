@@ -161,6 +161,8 @@ pub(super) fn training(spec: &JobSpec, setup: &Setup, params: Params) -> Result<
         Strategy::Ddp => Box::new(crate::strategy::ddp::Ddp::new(Some(comm.clone()), cfg.ddp())),
         Strategy::Zero1 => Box::new(crate::strategy::zero::Zero1::new(Some(comm.clone()))),
         Strategy::Zero2 => Box::new(crate::strategy::zero::Zero::new(Some(comm.clone()), 2, cfg.bucket_bytes)),
+        // The next layer's gather overlaps the current layer's computation where a core is free for it.
+        Strategy::Zero3 => Box::new(crate::strategy::zero::Zero3::new(Some(comm.clone()), overlap)),
     };
     let trainer = Trainer::with_strategy(params, strategy, cfg)?;
 

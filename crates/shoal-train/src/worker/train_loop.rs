@@ -280,24 +280,24 @@ impl StepLoop {
             let checkpoint_now = (every > 0 && (step + 1) % every == 0) || step + 1 == t.steps || stopping;
             // No copy at the last step: the run ends there, and its in-memory copies with it.
             let memory_now = memory_every > 0 && (step + 1) % memory_every == 0 && step + 1 < t.steps;
-            // Gathered on every rank (a collective when the strategy shards the state), kept by rank 0's saver and
-            // by the memory saver of each host's first rank.
+            // Gathered on every rank (a collective when the strategy shards the parameters or the state), kept by
+            // rank 0's saver and by the memory saver of each host's first rank.
             let g0 = Instant::now();
-            let opt_state = if checkpoint_now || memory_now { Some(trainer.optimizer_state()?) } else { None };
+            let state = match checkpoint_now || memory_now {
+                true => Some((trainer.model_state()?, trainer.optimizer_state()?)),
+                false => None,
+            };
             if memory_now && !checkpoint_now {
                 memory_stall_s += g0.elapsed().as_secs_f64();
             }
             let writing = checkpoint_now && saver.is_some();
             let copying = memory_now && memory_saver.as_mut().is_some_and(|m| saver_idle(m, (step + 1) as u64));
-            if let (true, Some(opt_h)) = (writing || copying, opt_state) {
-                // The step loop pays only for cheap handles here: the copy into
-                // plain buffers runs on a thread while the next step computes,
-                // and is joined before the next optimizer update changes the
-                // parameters (optimizer state tensors are replaced, never mutated).
+            if let (true, Some((model_h, opt_h))) = (writing || copying, state) {
+                // The step loop pays only for cheap handles here (or, when the strategy shards them, for gathering
+                // whole tensors): the copy into plain buffers runs on a thread while the next step computes, and is
+                // joined before the next optimizer update changes the parameters (optimizer state tensors are
+                // replaced, never mutated).
                 let s0 = Instant::now();
-                let params = trainer.params();
-                let model_h: Vec<(String, Tensor)> =
-                    params.vars().iter().map(|(n, v)| (n.clone(), v.as_tensor().clone())).collect();
                 let meta = ManifestMeta {
                     epoch: sampler_state.epoch,
                     sampler: serde_json::to_value(sampler_state).map_err(|e| Error::Checkpoint(e.to_string()))?,
@@ -347,7 +347,8 @@ impl StepLoop {
                 if let Some(b) = beat {
                     b.phase(Phase::Eval);
                 }
-                let evaluated = evaluate(model.as_ref(), eval.as_ref(), comm, micro, t.eval_batches);
+                let layers = trainer.params().layers();
+                let evaluated = evaluate(model.as_ref(), layers, eval.as_ref(), comm, micro, t.eval_batches);
                 if let Some(b) = beat {
                     b.phase(Phase::Train);
                 }

@@ -1,4 +1,5 @@
-//! Integration tests of shoal-train: DDP equivalence with a single process; the spec's parameter counts.
+//! Integration tests of shoal-train: DDP and ZeRO equivalence with a single process; the spec's parameter counts.
 
 mod equivalence;
 mod param_counts;
+mod zero3;

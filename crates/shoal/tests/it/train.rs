@@ -345,9 +345,9 @@ fn a_new_run_starts_from_the_checkpoint_named_by_resume_from() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
-/// ZeRO stages 1 and 2 through the whole worker: 2 ranks train and checkpoint (the sharded optimizer state gathered
-/// whole), then the run resumes on 3 ranks; DDP does the same; all end with the same losses, and a ZeRO checkpoint
-/// resumes under DDP too (its checkpoints are DDP's).
+/// ZeRO stages 1, 2 and 3 through the whole worker: 2 ranks train and checkpoint (the sharded optimizer state, and
+/// for stage 3 the sharded parameters, gathered whole), then the run resumes on 3 ranks; DDP does the same; all end
+/// with the same losses, and a ZeRO checkpoint resumes under DDP too (its checkpoints are DDP's).
 #[test]
 fn zero_trains_checkpoints_and_resumes_at_another_world_size_as_ddp_does() {
     let dir = tmpdir("zero1");
@@ -391,7 +391,7 @@ fn zero_trains_checkpoints_and_resumes_at_another_world_size_as_ddp_does() {
         assert_eq!(m["optimizer"].as_u64(), Some(2 * 4 * p), "{m}");
         assert!(m["activations_peak"].as_u64().is_some_and(|a| a > 0), "measured: {m}");
     }
-    for zs in ["zero1", "zero2"] {
+    for zs in ["zero1", "zero2", "zero3"] {
         let z = run(zs, zs, "2", 40, false);
         assert_eq!(z["strategy"], zs, "{z}");
         assert!(key(&z).0.is_some(), "{z}");
@@ -399,13 +399,54 @@ fn zero_trains_checkpoints_and_resumes_at_another_world_size_as_ddp_does() {
         let zr = run(zs, zs, "3", 60, true);
         close(key(&zr), key(&dr), &format!("{zs}: resumed on 3 ranks to 60 steps"));
         for m in mem(&zr) {
-            assert_eq!(m["optimizer"].as_u64(), Some(2 * 4 * p.div_ceil(3)), "{zs}: a third of the state: {m}");
+            let (opt, third) = (m["optimizer"].as_u64().unwrap_or(0), 2 * 4 * p.div_ceil(3));
+            if zs == "zero3" {
+                // Each of the 2 layers padded to a slice per rank.
+                assert!((third..=third + 2 * 4 * 2).contains(&opt), "{zs}: a third of the state: {m}");
+                // A third of the parameters between steps, and during a pass at most a layer in use and one being
+                // gathered (here together less than the model).
+                let params = m["params"].as_u64().unwrap_or(0);
+                assert!((4 * p.div_ceil(3)..4 * (p.div_ceil(3) + p)).contains(&params), "{zs}: params: {m}");
+            } else {
+                assert_eq!(opt, third, "{zs}: a third of the state: {m}");
+            }
         }
         // Its checkpoint under DDP.
         let _ = std::fs::remove_dir_all(dir.join(zs).join("checkpoints").join("step-000060"));
         let _ = std::fs::remove_file(dir.join(zs).join("summary.json"));
         let x = run("ddp", zs, "2", 60, true);
         close(key(&x), key(&dr), &format!("a {zs} checkpoint resumed under DDP on 2 ranks"));
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// ZeRO-3 through the whole worker with the GPT (autograd, cut layer by layer), an evaluation every 5 steps (every
+/// rank running as many forward passes as the one with the most batches) and gradient accumulation: the losses are
+/// DDP's, and each rank reports about half the parameters (its shard, and two of the 4 blocks in flight at most).
+#[test]
+fn zero3_trains_a_gpt_as_ddp_does_holding_a_share_of_its_parameters() {
+    let dir = tmpdir("zero3-gpt");
+    let run = |strategy: &str| {
+        let job = dir.join(format!("{strategy}.toml"));
+        let text = format!(
+            "name = \"g\"\n[train]\ndataset = \"cicero\"\nglobal_batch = 12\ngrad_accum = 2\nsteps = 10\nseed = 2\n\
+             optimizer = \"adamw\"\nlr = 3e-3\neval_every = 5\neval_batches = 3\nstrategy = \"{strategy}\"\n\
+             [train.model]\nkind = \"gpt\"\nlayers = 4\nheads = 2\nwidth = 32\ncontext = 16\n[checkpoint]\nevery = 5\n"
+        );
+        std::fs::write(&job, text).expect("write job");
+        let out = dir.join(strategy).display().to_string();
+        run_json(&["run", "-n", "2", "--json", "--output", &out, job.to_str().unwrap_or("")])
+    };
+    let (d, z) = (run("ddp"), run("zero3"));
+    assert_eq!(z["strategy"], "zero3", "{z}");
+    for key in ["final_loss", "eval_loss"] {
+        let (a, b) = (d[key].as_f64().unwrap_or(f64::NAN), z[key].as_f64().unwrap_or(f64::NAN));
+        assert!((a - b).abs() <= 1e-5 * a.abs(), "{key}: ddp {a}, zero3 {b}");
+    }
+    let p = z["parameters"].as_u64().expect("parameters");
+    for m in z["memory_bytes"].as_array().cloned().unwrap_or_default() {
+        let params = m["params"].as_u64().unwrap_or(0);
+        assert!((4 * p.div_ceil(2)..4 * p).contains(&params), "zero3: about half the parameters: {m}");
     }
     let _ = std::fs::remove_dir_all(dir);
 }

@@ -88,13 +88,13 @@ fn syntax_errors_and_unreadable_files_are_errors_too() {
 
     let job = tmpfile(
         "strategy",
-        "name = \"x\"\n[train]\nmodel = \"mlp\"\ndataset = \"digits\"\nglobal_batch = 8\nsteps = 3\nlr = 0.1\nstrategy = \"zero3\"\n",
+        "name = \"x\"\n[train]\nmodel = \"mlp\"\ndataset = \"digits\"\nglobal_batch = 8\nsteps = 3\nlr = 0.1\nstrategy = \"fsdp\"\n",
     );
     let out = validate(&[], &job);
     assert_eq!(out.status.code(), Some(1));
     let stderr = text(&out.stderr);
     assert!(
-        stderr.contains("train.strategy: \"zero3\" is not available yet; available: ddp, zero1, zero2"),
+        stderr.contains("train.strategy: \"fsdp\" is not available yet; available: ddp, zero1, zero2, zero3"),
         "{stderr}"
     );
     let _ = std::fs::remove_file(job);
