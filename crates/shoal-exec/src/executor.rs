@@ -36,6 +36,10 @@ pub struct TaskLaunch {
     pub server_ca: Option<String>,
 }
 
+/// The exit status of a worker that stopped at a step boundary with a checkpoint there (on a SIGTERM, or at the end
+/// of a `[[phases]]` phase): not a failure by itself, and not the end of the run (EX_TEMPFAIL: it resumes there).
+pub const STOPPED_EXIT: i32 = 75;
+
 /// The `sh -c` script that runs a task's program (`$2...`) and records how it ended in the file `$1`: the program's
 /// PID in `$1.pid` at once, its exit status in `$1` (written to `$1.tmp` and renamed) once it is gone. A SIGTERM or
 /// SIGINT sent to the whole task (its process group, or Slurm's step) does not end the wrapper before the program:

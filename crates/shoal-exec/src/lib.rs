@@ -41,7 +41,9 @@ pub mod procfs;
 pub mod slurm;
 
 pub use error::{ExecError, Result, SpawnError};
-pub use executor::{Executor, Fault, GangError, NodeInfo, Stop, Stray, Task, TaskLaunch, TaskStatus, Usage};
+pub use executor::{
+    Executor, Fault, GangError, NodeInfo, STOPPED_EXIT, Stop, Stray, Task, TaskLaunch, TaskStatus, Usage,
+};
 #[cfg(feature = "kubernetes")]
 pub use kubernetes::{KubeExecutor, KubeOptions};
 pub use local::{DEFAULT_TASK_USER, LocalExecutor, TaskUser};

@@ -101,8 +101,8 @@ mod schema;
 mod stats;
 
 pub use platform::{
-    FaultPolicy, FaultToleranceSpec, MAX_BYTES, MAX_DURATION, MAX_MILLI, MAX_WORKERS, ResourcesSpec, Seconds,
-    WorkersSpec, parse_bytes, parse_milli,
+    FaultPolicy, FaultToleranceSpec, MAX_BYTES, MAX_DURATION, MAX_MILLI, MAX_WORKERS, PhaseSpec, ResourcesSpec,
+    Seconds, WorkersSpec, parse_bytes, parse_milli,
 };
 pub use stats::median;
 
@@ -191,6 +191,10 @@ pub struct JobSpec {
     /// `[env]`: extra environment variables for every worker (names of the environment contract are refused).
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub env: std::collections::BTreeMap<String, String>,
+    /// `[[phases]]`: stretches of training with their own `[workers]` and `[resources]`; the platform resizes the
+    /// job at each boundary (every worker checkpoints there) and releases what the next phase does not need.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub phases: Vec<PhaseSpec>,
     pub train: TrainSpec,
     #[serde(default)]
     pub checkpoint: CheckpointSpec,
@@ -1058,14 +1062,51 @@ impl JobSpec {
             platform(self.workers.validate()),
             platform(self.resources.validate()),
             platform(self.fault_tolerance.validate()),
-            numbers,
+            numbers.clone(),
             world,
+            if numbers.is_ok() { self.validate_phases() } else { Ok(()) },
             self.train.validate_model_and_data(available),
             self.checkpoint.validate(),
         ]
         .into_iter()
         .filter_map(Result::err)
         .collect()
+    }
+
+    /// `[[phases]]`: boundaries in order and inside the run, each phase's tables valid and its workers able to share
+    /// the batch.
+    fn validate_phases(&self) -> Result<()> {
+        let mut after = 0;
+        for (i, ph) in self.phases.iter().enumerate() {
+            ph.validate(i, self.phases.len(), after, self.train.steps).map_err(|(p, m)| SpecError::at(p, m))?;
+            after = ph.until_step.unwrap_or(self.train.steps);
+            let (lo, _) = self.in_phase(i).workers.range();
+            self.validate_world(lo as usize)
+                .map_err(|e| SpecError::at(format!("phases[{i}].workers"), e.to_string()))?;
+        }
+        Ok(())
+    }
+
+    /// The phase step `step` (0-based: the step about to be taken) belongs to; 0 with no `[[phases]]`.
+    pub fn phase_at(&self, step: usize) -> usize {
+        let last = self.phases.len().saturating_sub(1);
+        self.phases.iter().position(|p| p.until_step.is_none_or(|u| step < u)).unwrap_or(last)
+    }
+
+    /// The step the phase of `step` ends at, when another phase follows it.
+    pub fn phase_end(&self, step: usize) -> Option<usize> {
+        self.phases.get(self.phase_at(step))?.until_step.filter(|u| *u < self.train.steps)
+    }
+
+    /// The job as it runs in phase `i`: the phase's `[workers]` and `[resources]` in place of the job's (the job
+    /// itself past the last phase, or with none).
+    pub fn in_phase(&self, i: usize) -> JobSpec {
+        let mut s = self.clone();
+        if let Some(p) = self.phases.get(i) {
+            s.workers = p.workers.unwrap_or(s.workers);
+            s.resources = p.resources.unwrap_or(s.resources);
+        }
+        s
     }
 
     /// Checks that the job can run on `world_size` ranks: each rank needs at least one sample of every
@@ -1754,6 +1795,31 @@ lr = 0.001
         let e = parse_job_json(json).expect_err("too large");
         assert_eq!(e.path, "resources.gpu_memory", "{e}");
         assert!(e.message.contains("too large"), "{e}");
+    }
+
+    #[test]
+    fn phases_are_read_checked_and_resolve_by_step() {
+        let two = "[workers]\ncount = 4\n[[phases]]\nuntil_step = 6\n[[phases]]\n[phases.workers]\ncount = 1\n\
+                   [phases.resources]\ncpus = 2";
+        let cases: Vec<(String, &str)> = vec![
+            (mlp("", two), ""),
+            (mlp("", "[[phases]]\nuntil_step = 6\n[[phases]]\nuntil_step = 6"), "phases[1].until_step: 6 is not after"),
+            (mlp("", "[[phases]]\n[[phases]]\nuntil_step = 8"), "phases[0].until_step: is needed on every phase"),
+            (mlp("", "[[phases]]\nuntil_step = 10"), "phases[0].until_step: 10 is not before train.steps (10)"),
+            (mlp("", "[[phases]]\nuntil_step = 3\n[phases.workers]\ncount = 0"), "phases[0].workers.count: must be"),
+            (mlp("", "[[phases]]\nuntil_step = 3\n[phases.workers]\ncount = 64"), "phases[0].workers: "),
+            (mlp("", "[[phases]]\nuntil_step = 3\nworkers_count = 2"), "unknown field `workers_count`"),
+        ];
+        check_all(&cases);
+        let spec = parse_job(&mlp("", two), "JOB.toml").expect("valid");
+        assert_eq!((spec.phase_at(0), spec.phase_at(5), spec.phase_at(6), spec.phase_at(9)), (0, 0, 1, 1));
+        assert_eq!((spec.phase_end(0), spec.phase_end(5), spec.phase_end(6)), (Some(6), Some(6), None));
+        assert_eq!(spec.in_phase(0).workers.range(), (4, 4));
+        let late = spec.in_phase(1);
+        assert_eq!((late.workers.range(), late.resources.cpus), ((1, 1), 2000));
+        let plain = parse_job(MLP, "JOB.toml").expect("valid");
+        assert_eq!((plain.phase_at(3), plain.phase_end(3)), (0, None));
+        assert_eq!(plain.in_phase(0), plain);
     }
 
     #[test]

@@ -92,6 +92,48 @@ impl WorkersSpec {
     }
 }
 
+/// One of `[[phases]]`: a stretch of training with its own `[workers]` and `[resources]` (each, when given,
+/// replacing the job's), e.g. pre-training on many workers and fine-tuning on few. Phase `i` runs from the step the
+/// one before ended at up to `until_step`; the last may leave it out and runs to `train.steps`.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PhaseSpec {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(minimum = 1))]
+    pub until_step: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workers: Option<WorkersSpec>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resources: Option<ResourcesSpec>,
+}
+
+impl PhaseSpec {
+    /// Checks phase `i` of `count` against the one before (it ended at `after`) and the run's `steps`.
+    pub(crate) fn validate(&self, i: usize, count: usize, after: usize, steps: usize) -> Result<(), (String, String)> {
+        let key = |k: &str| format!("phases[{i}].{k}");
+        match self.until_step {
+            None if i + 1 < count => {
+                return Err((key("until_step"), "is needed on every phase but the last".into()));
+            }
+            Some(u) if u <= after => {
+                return Err((key("until_step"), format!("{u} is not after the previous phase's end ({after})")));
+            }
+            Some(u) if u >= steps => {
+                return Err((key("until_step"), format!("{u} is not before train.steps ({steps})")));
+            }
+            _ => {}
+        }
+        if let Some(w) = &self.workers {
+            w.validate().map_err(|(k, m)| (format!("phases[{i}].{k}"), m))?;
+        }
+        if let Some(r) = &self.resources {
+            r.validate().map_err(|(k, m)| (format!("phases[{i}].{k}"), m))?;
+        }
+        Ok(())
+    }
+}
+
 /// `[resources]`, per worker. CPUs and GPUs are kept in thousandths, memory in bytes.
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

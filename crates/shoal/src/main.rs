@@ -251,7 +251,7 @@ fn main() -> std::process::ExitCode {
         // the run either (EX_TEMPFAIL: resume it).
         Err(e) if matches!(e.downcast_ref(), Some(shoal_train::Error::Stopped { .. })) => {
             eprintln!("stopped: {e:#}");
-            std::process::ExitCode::from(STOPPED_EXIT)
+            std::process::ExitCode::from(shoal_exec::STOPPED_EXIT as u8)
         }
         Err(e) => {
             eprintln!("error: {e:#}");
@@ -259,9 +259,6 @@ fn main() -> std::process::ExitCode {
         }
     }
 }
-
-/// The exit status of a worker stopped at a step boundary on request (SIGTERM), its checkpoint written.
-const STOPPED_EXIT: u8 = 75;
 
 fn worker(job: &std::path::Path, output: std::path::PathBuf, resume: bool) -> Result<bool> {
     // Tensors of a training step are allocated and freed every step. Keep freed

@@ -24,7 +24,7 @@ impl Control {
                 && let Some(Decision::Place { assignments, .. }) =
                     out.iter_mut().find(|p| matches!(p, Decision::Place { job: j, .. } if j == job))
             {
-                let spec = self.specs.lock().unwrap_or_else(|p| p.into_inner()).get(job).cloned();
+                let spec = self.specs.lock().unwrap_or_else(|p| p.into_inner()).get(job).map(|(_, s)| s.clone());
                 if spec.is_some_and(|s| s.validate_world(assignments.len() + tasks.len()).is_ok()) {
                     assignments.extend(tasks.iter().cloned());
                     continue;

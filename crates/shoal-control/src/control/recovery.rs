@@ -16,6 +16,13 @@ impl Control {
     /// After a restart: adopt the tasks that still run, rebuild the scheduler's books, and requeue what cannot be
     /// placed again.
     pub async fn recover(&self) -> Result<()> {
+        // The phase each unfinished job with `[[phases]]` is in: how many phases it has ended.
+        for job in self.db.jobs_in(&[JobState::Pending, JobState::Running, JobState::Preempted]).await? {
+            let ended = self.db.events(&job.id, 0).await?.iter().filter(|e| e.kind == "phase").count();
+            if ended > 0 {
+                self.phases.lock().unwrap_or_else(|p| p.into_inner()).insert(job.id.clone(), ended);
+            }
+        }
         let active = self.db.jobs_in(&[JobState::Running, JobState::Preempted]).await?;
         let mut adopted = Vec::new();
         for job in &active {

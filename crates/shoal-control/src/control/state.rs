@@ -89,8 +89,11 @@ pub struct Control {
     pub gpus: crate::gpu::Gpus,
     /// Accumulating metrics (API requests, scheduling passes) for `/metrics`.
     pub metrics: crate::metrics::Metrics,
-    /// Parsed specs by job id.
-    pub(super) specs: Mutex<HashMap<String, std::sync::Arc<JobSpec>>>,
+    /// Parsed specs by job id, as they run in the job's current phase (`[[phases]]`; the phase beside).
+    pub(super) specs: Mutex<HashMap<String, (usize, std::sync::Arc<JobSpec>)>>,
+    /// Per job with `[[phases]]`: the phase it is in (how many `phase` events it has; counted again from them
+    /// after a server restart).
+    pub(super) phases: Mutex<HashMap<String, usize>>,
     /// The last processing failure recorded per job.
     pub(super) trouble: Mutex<HashMap<String, String>>,
     /// Open event streams per caller (see [`crate::observe::StreamSlot`]).
@@ -156,6 +159,7 @@ impl Control {
             notes: Mutex::new(HashMap::new()),
             watched: Mutex::new(HashMap::new()),
             heard: Mutex::new(HashMap::new()),
+            phases: Mutex::new(HashMap::new()),
             backoff: Mutex::new(HashMap::new()),
         })
     }
@@ -183,11 +187,15 @@ impl Control {
 
     /// A job's spec, parsed once and kept (a stored spec never changes).
     pub fn spec_of(&self, job: &JobRow) -> Result<std::sync::Arc<JobSpec>> {
-        if let Some(s) = self.specs.lock().unwrap_or_else(|p| p.into_inner()).get(&job.id) {
+        let phase = self.phases.lock().unwrap_or_else(|p| p.into_inner()).get(&job.id).copied().unwrap_or(0);
+        if let Some((at, s)) = self.specs.lock().unwrap_or_else(|p| p.into_inner()).get(&job.id)
+            && *at == phase
+        {
             return Ok(s.clone());
         }
-        let spec = std::sync::Arc::new(parse_stored_spec(job)?);
-        self.specs.lock().unwrap_or_else(|p| p.into_inner()).insert(job.id.clone(), spec.clone());
+        let stored = parse_stored_spec(job)?;
+        let spec = std::sync::Arc::new(if stored.phases.is_empty() { stored } else { stored.in_phase(phase) });
+        self.specs.lock().unwrap_or_else(|p| p.into_inner()).insert(job.id.clone(), (phase, spec.clone()));
         Ok(spec)
     }
 

@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use shoal_exec::{Stop as Halt, TaskStatus, Usage};
+use shoal_exec::{STOPPED_EXIT, Stop as Halt, TaskStatus, Usage};
 use shoal_spec::{FaultPolicy, JobSpec, Seconds};
 
 use crate::db::{JobRow, JobState, TaskRow, TaskState, Transition, now};
@@ -34,6 +34,46 @@ fn signal_note(code: i32) -> String {
 impl Control {
     pub(super) fn is_stopping(&self, id: &str) -> bool {
         self.stopping.lock().unwrap_or_else(|p| p.into_inner()).contains_key(id)
+    }
+
+    /// Every worker of `job` ended at the same step boundary with a checkpoint, unasked by this server: the end of a
+    /// `[[phases]]` phase (the next one is placed at its own size, what it does not need released), or a SIGTERM from
+    /// elsewhere (a failure, handled by the job's policy).
+    async fn workers_stopped(&self, job: &JobRow, tasks: &[TaskRow]) -> Result<()> {
+        let stored = super::state::parse_stored_spec(job)?;
+        let phase = self.phases.lock().unwrap_or_else(|p| p.into_inner()).get(&job.id).copied().unwrap_or(0);
+        let (count, ended) = (stored.phases.len(), stored.phases.get(phase).and_then(|p| p.until_step));
+        let Some(step) = ended.filter(|_| phase + 1 < count) else {
+            let why = format!(
+                "every worker stopped at a step boundary (exit status {STOPPED_EXIT}) on a SIGTERM this server did \
+                 not send"
+            );
+            self.begin_stop(job, tasks, StopWhy::Failure(why));
+            return Ok(());
+        };
+        let next = stored.in_phase(phase + 1);
+        let (lo, hi) = next.workers.range();
+        let workers = if lo == hi { format!("{lo}") } else { format!("{lo}..{hi}") };
+        let message = format!(
+            "phase {} of {count} ended at step {step} (phases[{phase}].until_step): every worker checkpointed there; \
+             phase {} runs with {workers} workers of {} CPUs and {} each",
+            phase + 1,
+            phase + 2,
+            next.resources.cpus as f64 / 1000.0,
+            mib(next.resources.memory),
+        );
+        self.phases.lock().unwrap_or_else(|p| p.into_inner()).insert(job.id.clone(), phase + 1);
+        let _ = self.sched().finish(&job.id);
+        self.db
+            .transition(
+                &job.id,
+                &[JobState::Running],
+                JobState::Pending,
+                Transition { kind: "phase", message, ..Default::default() },
+            )
+            .await?;
+        self.wake.notify_one();
+        Ok(())
     }
 
     /// Whether `id` is being stopped already.
@@ -238,6 +278,8 @@ impl Control {
         let mut failures: Vec<(bool, String)> = statuses
             .iter()
             .filter_map(|(t, s)| match s {
+                // Stopped at a step boundary with a checkpoint: judged below, once every rank has.
+                TaskStatus::Exited(STOPPED_EXIT) => None,
                 TaskStatus::Exited(c) if *c != 0 => {
                     // A rank that failed by itself says why on its last error line (a collective's report: the
                     // operation, its sequence number, who had entered it).
@@ -261,6 +303,9 @@ impl Control {
         if let Some(why) = failed {
             self.begin_stop(job, &tasks, StopWhy::Failure(why));
             return Ok(());
+        }
+        if !statuses.is_empty() && statuses.iter().all(|(_, s)| *s == TaskStatus::Exited(STOPPED_EXIT)) {
+            return self.workers_stopped(job, &tasks).await;
         }
         let verdict = self.observe(job, &spec, &statuses);
         if let Some(news) = self.resume_news(&job.id, job.attempt) {

@@ -173,6 +173,9 @@ impl StepLoop {
         // SIGTERM from here on is a stop at the next step boundary, agreed by every rank through the step's scalars.
         let graceful = super::stop::Graceful::arm();
         let mut stopped_at = None;
+        // `[[phases]]`: the run ends at its phase's last step, with a checkpoint there, and the platform starts the
+        // next phase at its own size (the same step on every rank).
+        let phase_end = spec.phase_end(start_step);
         for step in start_step..t.steps {
             let step_started = Instant::now();
             let vote = graceful.vote();
@@ -239,7 +242,8 @@ impl StepLoop {
             let comm_s = times.comm_s;
             last_loss = times.scalars.first().copied().map_or(f64::NAN, f64::from);
             // Some rank was asked to stop: every rank sees the same sum, checkpoints this step and ends.
-            let stopping = times.scalars.get(1).is_some_and(|v| *v > 0.0);
+            let asked = times.scalars.get(1).is_some_and(|v| *v > 0.0);
+            let stopping = asked || phase_end == Some(step + 1);
             samples_seen += global_samples;
             data_t.push(data_s);
             compute_t.push(compute_s);
@@ -338,7 +342,8 @@ impl StepLoop {
             }
             if stopping {
                 if rank == 0 {
-                    eprintln!("stop asked for: checkpoint at step {} and end", step + 1);
+                    let why = if asked { "stop asked for" } else { "phase ends" };
+                    eprintln!("{why}: checkpoint at step {} and end", step + 1);
                 }
                 stopped_at = Some(step + 1);
                 break;

@@ -578,3 +578,35 @@ fn an_elastic_job_grows_into_free_capacity_and_shrinks_for_a_higher_priority_one
     assert_eq!(sum["steps"], 2500, "{sum}");
     eprintln!("elastic resizes: attempts {}, resumed at steps {resumed:?}", v["attempt"]);
 }
+
+#[test]
+#[cfg_attr(not(feature = "failpoints"), ignore = "slows the job's data: needs `--features shoal/failpoints`")]
+fn phases_resize_the_job_at_their_boundary_and_release_what_the_next_does_not_need() {
+    let p = Platform::with_server("faults-phases", &["--cpus", "2"], &[]);
+    let spec = elastic_job("phased", 600, "count = 2", 0).replace(
+        "[train]\n",
+        "[[phases]]\nuntil_step = 250\n[[phases]]\n[phases.workers]\ncount = 1\n[phases.resources]\ncpus = 1\nmemory = \"512MiB\"\n[train]\n",
+    );
+    let id = p.submit("phased", &spec);
+    let v = training(&p, &id, 1, 10);
+    assert_eq!(workers_of(&v), 2, "{v}");
+    // Phase 2 runs on one worker; the CPU phase 1 used beside it is free for another job at once.
+    p.wait_state_where(&id, "phase 2 running on one worker", |v| {
+        v["state"] == "running" && v["attempt"] == 2 && workers_of(v) == 1
+    });
+    let other = p.submit("other", &elastic_job("other", 50, "count = 1", 0));
+    p.wait_state(&other, "succeeded");
+    let v2 = p.wait_state(&id, "succeeded");
+    let ev = events(&v2);
+    let phase: Vec<_> = ev.iter().filter(|e| e.1 == "phase").collect();
+    assert_eq!(phase.len(), 1, "{ev:?}");
+    assert!(
+        phase[0].2.contains("phase 1 of 2 ended at step 250") && phase[0].2.contains("phase 2 runs with 1 workers"),
+        "{phase:?}"
+    );
+    assert!(ev.iter().any(|e| e.1 == "resumed" && e.2.ends_with("at step 250")), "{ev:?}");
+    assert_eq!(v2["restarts"].as_i64(), Some(0), "{ev:?}");
+    let sum = &v2["summary"];
+    assert_eq!((sum["steps"].as_u64(), sum["resumed_from"].as_u64()), (Some(600), Some(250)), "{sum}");
+    assert_eq!(sum["world_size"], 1, "{sum}");
+}
