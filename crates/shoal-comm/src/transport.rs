@@ -5,15 +5,20 @@
 //! Invariants every implementation keeps:
 //! - messages between a pair of ranks arrive in the order they were sent, and each
 //!   carries the operation's sequence number, checked by the receiver;
+//! - each message also carries its sender's [`Timing`] ([`crate::arrival`]), and
+//!   the receiver records its arrival through [`OpCtx::arrived`] when it sees the
+//!   first bytes;
 //! - `exchange` never returns while the transport still reads the send buffer or
 //!   writes through the sink;
 //! - no wait is unbounded: past `OpCtx::deadline` the call fails with
 //!   [`Error::Timeout`], and a peer that is known dead fails it with
 //!   [`Error::PeerLost`] as soon as that is seen.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::arrival::{Arrivals, Timing};
 use crate::error::{Error, Participation, Result};
 
 /// Which mechanism carries a link.
@@ -49,6 +54,8 @@ pub struct OpCtx {
     pub bytes: AtomicU64,
     /// Bytes sent so far (payload and headers).
     pub sent: AtomicU64,
+    /// Where the arrival of every message is recorded (none: nowhere).
+    arrivals: Option<Arc<Arrivals>>,
 }
 
 impl OpCtx {
@@ -62,6 +69,26 @@ impl OpCtx {
             deadline: started + timeout,
             bytes: AtomicU64::new(0),
             sent: AtomicU64::new(0),
+            arrivals: None,
+        }
+    }
+
+    /// Records message arrivals in `a` ([`crate::arrival`]).
+    pub fn with_arrivals(mut self, a: Arc<Arrivals>) -> OpCtx {
+        self.arrivals = Some(a);
+        self
+    }
+
+    /// What a message sent now, `stamp` ([`crate::arrival::now_ns`]), carries ([`Arrivals::outgoing`]).
+    pub fn timing(&self, stamp: u64) -> Timing {
+        self.arrivals.as_ref().map_or(Timing { stamp, held: 0 }, |a| a.outgoing(stamp))
+    }
+
+    /// Records a message from `peer` ([`Arrivals::incoming`]): `posted` and `seen` in this process's clock
+    /// ([`crate::arrival::now_ns`]), `t` as its sender wrote it.
+    pub fn arrived(&self, peer: usize, posted: u64, seen: u64, t: Timing) {
+        if let Some(a) = &self.arrivals {
+            a.incoming(peer, posted, seen, t);
         }
     }
 
