@@ -22,11 +22,12 @@
 //! could send, up to `x` goes to `c` and the rest to the sender. So in a ring, where a late rank delays its
 //! neighbour, which delays the next, every rank charges the late one. A rank that arrives last waits for no one
 //! and the others wait for it; a slow network delays everyone's messages alike (lag and transfer after the first
-//! bytes, and the same quickest delivery for every sender), so no rank stands out. Cost per exchange: two clock
-//! reads, two words written and read, one uncontended lock per receipt.
+//! bytes, and the same quickest delivery for every sender), so no rank stands out. Cost per exchange: one clock
+//! read (a second where the receiver waited more than a few polls), two words written and read, a few atomic
+//! loads, stores and adds on this rank's own record per receipt; no lock (see `PERFORMANCE_CRITICAL_PATH.md`).
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 /// How long a base (least `seen - stamp`) is trusted before a fresher one replaces it: the base is the least over
@@ -92,8 +93,6 @@ pub struct ArrivalStats {
     /// How long messages sat ready before this rank took them (it was stopped or descheduled while it waited), or
     /// arrived later than the link's best.
     pub lag: Duration,
-    /// Messages received.
-    pub messages: u64,
 }
 
 impl ArrivalStats {
@@ -103,41 +102,41 @@ impl ArrivalStats {
     }
 }
 
-/// Per peer: the base and what was charged to it.
-#[derive(Debug, Clone, Copy)]
-struct Peer {
-    base: i64,
-    base_before: i64,
-    /// When the current base window began (receiver's clock).
-    since: u64,
-    waited_ns: u64,
-}
-
+/// Per peer: the base and what was charged to it. Atomics, written with plain loads and stores where one thread
+/// at a time receives from a peer (operations on a communicator run one at a time, and the communicators split from
+/// one reach disjoint peers), added to where any may charge it.
 #[derive(Debug)]
-struct State {
-    peers: Vec<Peer>,
-    lag_ns: u64,
-    messages: u64,
+struct Peer {
+    base: AtomicI64,
+    base_before: AtomicI64,
+    /// When the current base window began (receiver's clock).
+    since: AtomicU64,
+    waited_ns: AtomicU64,
 }
 
-/// The record of one rank: shared by a communicator and those split from it.
+/// The record of one rank: shared by a communicator and those split from it. No lock: the data path only loads,
+/// stores and adds.
 #[derive(Debug)]
 pub struct Record {
-    state: Mutex<State>,
+    peers: Vec<Peer>,
+    lag_ns: AtomicU64,
 }
 
 impl Record {
     fn new(size: usize) -> Record {
-        let peer = Peer { base: i64::MAX, base_before: i64::MAX, since: 0, waited_ns: 0 };
-        Record { state: Mutex::new(State { peers: vec![peer; size], lag_ns: 0, messages: 0 }) }
+        let peer = || Peer {
+            base: AtomicI64::new(i64::MAX),
+            base_before: AtomicI64::new(i64::MAX),
+            since: AtomicU64::new(0),
+            waited_ns: AtomicU64::new(0),
+        };
+        Record { peers: (0..size).map(|_| peer()).collect(), lag_ns: AtomicU64::new(0) }
     }
 
     fn stats(&self) -> ArrivalStats {
-        let Ok(s) = self.state.lock() else { return ArrivalStats::default() };
         ArrivalStats {
-            waited_for: s.peers.iter().map(|p| Duration::from_nanos(p.waited_ns)).collect(),
-            lag: Duration::from_nanos(s.lag_ns),
-            messages: s.messages,
+            waited_for: self.peers.iter().map(|p| Duration::from_nanos(p.waited_ns.load(Ordering::Relaxed))).collect(),
+            lag: Duration::from_nanos(self.lag_ns.load(Ordering::Relaxed)),
         }
     }
 }
@@ -185,41 +184,44 @@ impl Arrivals {
     /// Records a message from `peer`: posted and seen in this rank's clock ([`now_ns`]), its timing as the sender
     /// wrote it.
     pub fn incoming(&self, peer: usize, posted: u64, seen: u64, t: Timing) {
-        let Some(&pi) = self.index.get(peer) else { return };
-        let Ok(mut s) = self.state() else { return };
-        let Some(p) = s.peers.get_mut(pi) else { return };
-        let window = BASE_WINDOW.as_nanos() as u64;
-        if seen.saturating_sub(p.since) >= window {
-            p.base_before = p.base;
-            p.base = i64::MAX;
-            p.since = seen;
+        let r = &*self.record;
+        let Some(p) = self.index.get(peer).and_then(|&i| r.peers.get(i)) else { return };
+        let (mut base, mut before) = (p.base.load(Ordering::Relaxed), p.base_before.load(Ordering::Relaxed));
+        if seen.saturating_sub(p.since.load(Ordering::Relaxed)) >= BASE_WINDOW.as_nanos() as u64 {
+            (base, before) = (i64::MAX, base);
+            p.base.store(base, Ordering::Relaxed);
+            p.base_before.store(before, Ordering::Relaxed);
+            p.since.store(seen, Ordering::Relaxed);
         }
         let delivery = seen.wrapping_sub(t.stamp) as i64;
-        p.base = p.base.min(delivery);
-        let base = p.base.min(p.base_before);
+        if delivery < base {
+            base = delivery;
+            p.base.store(base, Ordering::Relaxed);
+        }
+        let base = base.min(before);
         // When the message could first have been seen, relative to when it was asked for.
         let could = (t.stamp as i64).wrapping_add(base).wrapping_sub(posted as i64);
         let waited = seen.saturating_sub(posted);
         let hold = (could.max(0) as u64).min(waited);
-        s.lag_ns += waited - hold;
-        s.messages += 1;
+        if waited > hold {
+            r.lag_ns.fetch_add(waited - hold, Ordering::Relaxed);
+        }
         if hold == 0 {
             return;
         }
         // Charge the root: the rank that held the sender up, for as long as it did; the sender for the rest.
         let inherited = unpack(t.held)
             .filter(|&(root, _)| root != self.rank && root != peer)
-            .and_then(|(root, x)| Some((root, *self.index.get(root)?, x.as_nanos() as u64)));
+            .and_then(|(root, x)| Some((root, r.peers.get(*self.index.get(root)?)?, x.as_nanos() as u64)));
         let (root, to_root) = match inherited {
-            Some((root, ri, x)) if ri < s.peers.len() => {
+            Some((root, rp, x)) => {
                 let part = hold.min(x);
-                s.peers[ri].waited_ns += part;
+                rp.waited_ns.fetch_add(part, Ordering::Relaxed);
                 (root, part)
             }
-            _ => (peer, 0),
+            None => (peer, 0),
         };
-        s.peers[pi].waited_ns += hold - to_root;
-        drop(s);
+        p.waited_ns.fetch_add(hold - to_root, Ordering::Relaxed);
         // What this rank's own messages carry from now on in this operation.
         let (main, main_ns) = if to_root >= hold - to_root { (root, to_root) } else { (peer, hold - to_root) };
         let before = unpack(self.held.load(Ordering::Relaxed));
@@ -233,10 +235,6 @@ impl Arrivals {
             }
         };
         self.held.store(pack(Some(root), total), Ordering::Relaxed);
-    }
-
-    fn state(&self) -> std::result::Result<std::sync::MutexGuard<'_, State>, ()> {
-        self.record.state.lock().map_err(|_| ())
     }
 
     /// What was measured so far, per rank of the record (the root communicator's ranks).
@@ -291,7 +289,6 @@ mod tests {
         let s = a.stats();
         assert_eq!(s.waited_for[1], held + Duration::from_micros(10));
         assert_eq!(s.lag, Duration::from_millis(40));
-        assert_eq!(s.messages, 3);
     }
 
     #[test]

@@ -671,7 +671,7 @@ impl Communicator {
                 std::thread::sleep(inner.cfg.fault_delay);
             }
             inner.arrivals.begin_op();
-            let op = OpCtx::new(name, seq, inner.rank, inner.cfg.timeout).with_arrivals(inner.arrivals.clone());
+            let op = OpCtx::new(name, seq, inner.rank, inner.cfg.timeout).with_arrivals(&inner.arrivals);
             let r = f(&op).map_err(|e| self.enrich(e, seq));
             inner.sent.fetch_add(op.sent.load(Ordering::Relaxed), Ordering::Relaxed);
             if seq >> 63 == 0

@@ -328,8 +328,23 @@ impl TcpTransport {
         let peer = req.peer;
         let left = op.remaining().max(Duration::from_millis(1));
         stream.set_read_timeout(Some(left)).map_err(|e| Error::io("set_read_timeout", e))?;
+        // The header and the timing after it, in one read where they came together (as they are sent).
+        let mut fb = [0u8; FRAME_BYTES];
+        let mut got = 0;
+        while got < HEADER_LEN {
+            match stream.read(&mut fb[got..]) {
+                Ok(0) => {
+                    let eof = std::io::Error::from(std::io::ErrorKind::UnexpectedEof);
+                    return Err(classify(op, peer, "waiting for a message from", eof));
+                }
+                Ok(n) => got += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(classify(op, peer, "waiting for a message from", e)),
+            }
+        }
+        let seen = now_ns();
         let mut hb = [0u8; HEADER_LEN];
-        stream.read_exact(&mut hb).map_err(|e| classify(op, peer, "waiting for a message from", e))?;
+        hb.copy_from_slice(&fb[..HEADER_LEN]);
         let h = Header::decode(&hb, req.len as u64, &p.addr).map_err(|e| match e {
             Error::Protocol { detail, .. } => Error::Protocol { peer: format!("rank {peer} ({})", p.addr), detail },
             e => e,
@@ -343,9 +358,10 @@ impl TcpTransport {
                 ),
             });
         }
+        stream.read_exact(&mut fb[got..]).map_err(|e| classify(op, peer, "receiving from", e))?;
         let mut timing = [0u8; DATA_TIMING_LEN];
-        stream.read_exact(&mut timing).map_err(|e| classify(op, peer, "receiving from", e))?;
-        op.arrived(peer, posted, now_ns(), Timing::decode(&timing));
+        timing.copy_from_slice(&fb[HEADER_LEN..]);
+        op.arrived(peer, posted, seen, Timing::decode(&timing));
         op.add_bytes(FRAME_BYTES);
         let buf: &mut [u8] = bytemuck::cast_slice_mut(scratch.as_mut_slice());
         let mut off = 0;

@@ -14,7 +14,6 @@
 //!   [`Error::Timeout`], and a peer that is known dead fails it with
 //!   [`Error::PeerLost`] as soon as that is seen.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -44,7 +43,7 @@ impl TransportKind {
 
 /// The operation a message belongs to: names it in errors and counts its bytes.
 #[derive(Debug)]
-pub struct OpCtx {
+pub struct OpCtx<'a> {
     pub name: &'static str,
     pub seq: u64,
     pub rank: usize,
@@ -55,11 +54,11 @@ pub struct OpCtx {
     /// Bytes sent so far (payload and headers).
     pub sent: AtomicU64,
     /// Where the arrival of every message is recorded (none: nowhere).
-    arrivals: Option<Arc<Arrivals>>,
+    arrivals: Option<&'a Arrivals>,
 }
 
-impl OpCtx {
-    pub fn new(name: &'static str, seq: u64, rank: usize, timeout: Duration) -> OpCtx {
+impl OpCtx<'_> {
+    pub fn new(name: &'static str, seq: u64, rank: usize, timeout: Duration) -> OpCtx<'static> {
         let started = Instant::now();
         OpCtx {
             name,
@@ -74,9 +73,9 @@ impl OpCtx {
     }
 
     /// Records message arrivals in `a` ([`crate::arrival`]).
-    pub fn with_arrivals(mut self, a: Arc<Arrivals>) -> OpCtx {
-        self.arrivals = Some(a);
-        self
+    pub fn with_arrivals(self, a: &Arrivals) -> OpCtx<'_> {
+        let OpCtx { name, seq, rank, started, deadline, bytes, sent, .. } = self;
+        OpCtx { name, seq, rank, started, deadline, bytes, sent, arrivals: Some(a) }
     }
 
     /// What a message sent now, `stamp` ([`crate::arrival::now_ns`]), carries ([`Arrivals::outgoing`]).

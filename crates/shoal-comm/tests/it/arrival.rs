@@ -57,7 +57,6 @@ fn a_late_rank_is_the_one_the_others_wait_for() {
                     let other = 3 - rank - LATE;
                     assert!(s.waited_for[other] < late_total / 3, "not charged to rank {other}: {what}");
                 }
-                assert!(s.messages > OPS as u64, "{what}");
             }
         }
     }
