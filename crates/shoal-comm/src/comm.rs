@@ -19,6 +19,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak, mpsc};
 use std::time::{Duration, Instant};
 
+use crate::arrival::{ArrivalStats, Arrivals};
 use crate::error::{Error, Participation, Result};
 use crate::ring::{HeapRegion, Region, RingConfig, RingTransport, ShmRegion};
 use crate::store::Store;
@@ -192,6 +193,8 @@ pub(crate) struct Inner {
     splits: AtomicU64,
     /// Bytes this rank has sent in all operations.
     sent: AtomicU64,
+    /// Who this rank waits for inside operations ([`crate::arrival`]); shared with communicators split from this one.
+    arrivals: Arc<Arrivals>,
 }
 
 /// What [`Inner::current`] holds: the collective a rank is in, or was in last.
@@ -289,6 +292,17 @@ impl Communicator {
     /// store, name and size. Rank addresses, host identities and shared-memory
     /// segments are exchanged through `store`.
     pub fn init(store: Arc<dyn Store>, rank: usize, size: usize, cfg: CommConfig) -> Result<Communicator> {
+        Self::init_with(store, rank, size, cfg, Arrivals::new(rank, size))
+    }
+
+    /// [`Self::init`], recording arrivals in `arrivals` (a split communicator adds to its parent's record).
+    fn init_with(
+        store: Arc<dyn Store>,
+        rank: usize,
+        size: usize,
+        cfg: CommConfig,
+        arrivals: Arrivals,
+    ) -> Result<Communicator> {
         if size == 0 || rank >= size {
             return Err(Error::InvalidArgument(format!("rank {rank} is not in a world of size {size}")));
         }
@@ -408,6 +422,7 @@ impl Communicator {
             hier: OnceLock::new(),
             splits: AtomicU64::new(0),
             sent: AtomicU64::new(0),
+            arrivals: Arc::new(arrivals),
         });
         spawn_status_publisher(Arc::downgrade(&inner));
         tracing::debug!(comm = %inner.cfg.name, rank, size, transports = ?inner.transports.iter().map(|t| t.kind().name()).collect::<Vec<_>>(), "communicator ready");
@@ -574,6 +589,13 @@ impl Communicator {
         }
     }
 
+    /// Who this rank waited for inside operations so far, and how long it left ready messages waiting
+    /// ([`ArrivalStats`], cumulative; see [`crate::arrival`] for how it is measured). A communicator split from
+    /// another adds to its parent's record, so the ranks are those of the communicator everything was split from.
+    pub fn arrival_stats(&self) -> ArrivalStats {
+        self.inner.arrivals.stats()
+    }
+
     /// Bytes this rank has sent in all operations so far (payloads and headers).
     pub fn bytes_sent(&self) -> u64 {
         self.inner.sent.load(Ordering::Relaxed)
@@ -610,7 +632,9 @@ impl Communicator {
         let mut cfg = inner.cfg.clone();
         cfg.name = format!("{}.{tag}.{colour}", inner.cfg.name);
         cfg.host_id = Some(inner.hosts[inner.rank].clone());
-        Communicator::init(inner.store.clone(), new_rank, members.len(), cfg).map(Some)
+        let parents: Vec<usize> = members.iter().map(|&(_, r)| r).collect();
+        let arrivals = Arrivals::split(&inner.arrivals, &parents, new_rank);
+        Communicator::init_with(inner.store.clone(), new_rank, members.len(), cfg, arrivals).map(Some)
     }
 
     // ---- plumbing shared by the algorithms ----
@@ -646,7 +670,8 @@ impl Communicator {
             if !inner.cfg.fault_delay.is_zero() && seq >> 63 == 0 {
                 std::thread::sleep(inner.cfg.fault_delay);
             }
-            let op = OpCtx::new(name, seq, inner.rank, inner.cfg.timeout);
+            inner.arrivals.begin_op();
+            let op = OpCtx::new(name, seq, inner.rank, inner.cfg.timeout).with_arrivals(&inner.arrivals);
             let r = f(&op).map_err(|e| self.enrich(e, seq));
             inner.sent.fetch_add(op.sent.load(Ordering::Relaxed), Ordering::Relaxed);
             if seq >> 63 == 0

@@ -1,6 +1,7 @@
 //! The wire header shared by every Shoal TCP connection (data links and the
 //! rendezvous store): `magic(4) version(1) kind(1) reserved(2) seq(8) len(8)`, all
-//! little-endian, followed by `len` payload bytes. A reader always knows the largest
+//! little-endian, followed by `len` payload bytes; a `Data` frame has [`DATA_TIMING_LEN`] bytes between the two
+//! (the sender's [`crate::arrival::Timing`]), not counted in `len`. A reader always knows the largest
 //! length it will accept; anything else closes the connection with
 //! [`Error::Protocol`], never a panic.
 
@@ -11,9 +12,11 @@ use crate::error::{Error, Result};
 /// First four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"SHOL";
 /// Wire protocol version; bumped on any incompatible change.
-pub const VERSION: u8 = 1;
+pub const VERSION: u8 = 2;
 /// Size of [`Header`] on the wire.
 pub const HEADER_LEN: usize = 24;
+/// Bytes of timing between a `Data` frame's header and its payload.
+pub const DATA_TIMING_LEN: usize = crate::arrival::Timing::LEN;
 /// Largest control frame (store requests, handshakes) a reader accepts.
 pub const MAX_CONTROL_LEN: u64 = 64 << 20;
 

@@ -38,6 +38,7 @@
 //! Feature flags: none yet (the default build is CPU-only).
 
 pub mod algo;
+pub mod arrival;
 pub mod auth;
 pub mod chunk;
 pub mod comm;
@@ -50,6 +51,7 @@ pub mod store;
 pub mod tcp;
 pub mod transport;
 
+pub use arrival::ArrivalStats;
 pub use comm::{Activity, Algo, CommConfig, Communicator, Pending, TransportChoice};
 pub use dtype::{DType, Element, ReduceOp};
 pub use error::{Error, Participation, Result};

@@ -5,7 +5,8 @@
 //! one channel per local sender. A channel is two counters (`head`, written only by
 //! the producer; `tail`, written only by the consumer), each on its own cache line,
 //! and `slots` slots of `slot_bytes` payload with a small header (operation
-//! sequence number, length, last-chunk flag). The producer copies straight into
+//! sequence number, length, last-chunk flag, the sender's [`Timing`] of
+//! [`crate::arrival`]). The producer copies straight into
 //! the receiver's slot; the receiver reduces or copies straight out of it: one copy
 //! per hop and no kernel in the data path.
 //!
@@ -23,6 +24,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::arrival::{Timing, now_ns};
 use crate::error::{Error, Result};
 use crate::transport::{OpCtx, RecvReq, SendReq, Transport, TransportKind};
 
@@ -31,6 +33,8 @@ const CHAN_HEADER_BYTES: usize = 128;
 const SLOT_HEADER_BYTES: usize = 64;
 const SEGMENT_MAGIC: u64 = 0x5348_4f41_4c52_4e47; // "SHOALRNG"
 const FLAG_LAST: u32 = 1;
+/// Polls of an exchange that find nothing before a wait counts for the arrival record (a few microseconds).
+const QUICK_POLLS: u32 = 256;
 
 /// Sizes of the slot rings.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -391,6 +395,8 @@ struct Pusher<'a> {
     data: &'a [u8],
     sent: usize,
     started: bool,
+    /// What every slot of the message carries for the receiver's arrival record.
+    timing: Timing,
 }
 
 impl Pusher<'_> {
@@ -418,6 +424,8 @@ impl Pusher<'_> {
                 (slot as *mut u64).write_volatile(seq);
                 (slot.add(8) as *mut u32).write_volatile(n as u32);
                 (slot.add(12) as *mut u32).write_volatile(if last { FLAG_LAST } else { 0 });
+                (slot.add(16) as *mut u64).write_volatile(self.timing.stamp);
+                (slot.add(24) as *mut u64).write_volatile(self.timing.held);
             }
             self.sent += n;
             self.started = true;
@@ -437,6 +445,11 @@ struct Popper<'a, 'b> {
     received: usize,
     finished: bool,
     req: RecvReq<'b>,
+    /// When the receive was asked for ([`now_ns`]).
+    posted: u64,
+    /// Whether it has waited for the message beyond [`QUICK_POLLS`] polls: until then it counts as there when
+    /// asked for, and its arrival costs no clock read.
+    looked: bool,
 }
 
 impl Popper<'_, '_> {
@@ -472,6 +485,19 @@ impl Popper<'_, '_> {
                     "chunk of {n} bytes (last: {last}) does not fit a message of {} bytes with {} received",
                     self.len, self.received
                 )));
+            }
+            if self.received == 0 {
+                // SAFETY: as above; the timing follows the flags in the slot header.
+                let timing = unsafe {
+                    Timing {
+                        stamp: (slot.add(16) as *const u64).read_volatile(),
+                        held: (slot.add(24) as *const u64).read_volatile(),
+                    }
+                };
+                // Found within a few polls: it counts as there when asked for (a clock read saved on the fast path;
+                // waits of a few microseconds are not what the arrival record is for).
+                let seen = if self.looked { now_ns() } else { self.posted };
+                op.arrived(self.req.peer, self.posted, seen, timing);
             }
             // SAFETY: n <= slot_bytes, inside the slot's payload area.
             let chunk = unsafe { std::slice::from_raw_parts(slot.add(SLOT_HEADER_BYTES), n) };
@@ -511,12 +537,20 @@ impl Transport for RingTransport {
 
     fn exchange(&self, op: &OpCtx, send: Option<SendReq<'_>>, recv: Option<RecvReq<'_>>) -> Result<()> {
         let me = &self.segs[self.me];
+        let now = now_ns();
         let mut pusher = match send {
             Some(s) => {
                 let l = self.local(s.peer, op)?;
                 Some((
                     l,
-                    Pusher { chan: self.chan(self.me, l), to: &self.segs[l], data: s.data, sent: 0, started: false },
+                    Pusher {
+                        chan: self.chan(self.me, l),
+                        to: &self.segs[l],
+                        data: s.data,
+                        sent: 0,
+                        started: false,
+                        timing: op.timing(now),
+                    },
                 ))
             }
             None => None,
@@ -533,6 +567,8 @@ impl Transport for RingTransport {
                         received: 0,
                         finished: false,
                         req: r,
+                        posted: now,
+                        looked: false,
                     },
                 ))
             }
@@ -566,6 +602,11 @@ impl Transport for RingTransport {
                 continue;
             }
             idle = idle.saturating_add(1);
+            if idle >= QUICK_POLLS.min(self.cfg.spin)
+                && let Some((_, p)) = popper.as_mut()
+            {
+                p.looked = true;
+            }
             if idle < self.cfg.spin {
                 std::hint::spin_loop();
                 continue;

@@ -7,18 +7,20 @@
 //! rank sends and receives at once (a ring step does both); small messages are
 //! written inline because they always fit the socket buffer.
 //!
-//! Every message is one frame (`frame::Header` + payload) whose kind, sequence
-//! number and length the receiver checks against what the operation expects; a
-//! mismatch is a protocol error and the communicator is closed.
+//! Every message is one frame (`frame::Header`, the sender's stamp and hold, the
+//! payload) whose kind, sequence number and length the receiver checks against
+//! what the operation expects; a mismatch is a protocol error and the communicator
+//! is closed.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::arrival::{Timing, now_ns};
 use crate::auth;
 use crate::error::{Error, Result};
-use crate::frame::{HEADER_LEN, Header, Kind};
+use crate::frame::{DATA_TIMING_LEN, HEADER_LEN, Header, Kind};
 use crate::transport::{OpCtx, RecvReq, SendReq, Transport, TransportKind};
 
 /// Socket buffer size asked of the kernel (it may round it).
@@ -27,6 +29,8 @@ const SOCKET_BUFFER: usize = 4 << 20;
 const INLINE_SEND: usize = 256 << 10;
 /// Receive chunk handed to the sink.
 const RECV_CHUNK: usize = 256 << 10;
+/// What a data frame costs beyond its payload.
+const FRAME_BYTES: usize = HEADER_LEN + DATA_TIMING_LEN;
 
 /// Hands one send at a time to the peer's sender thread and its result back,
 /// without allocating (a channel would allocate blocks as messages flow).
@@ -103,6 +107,7 @@ struct Job {
     ptr: usize,
     len: usize,
     seq: u64,
+    timing: Timing,
     deadline: Instant,
 }
 
@@ -136,10 +141,19 @@ fn tune(stream: &TcpStream) -> std::io::Result<()> {
     Ok(())
 }
 
-fn write_message(stream: &mut TcpStream, seq: u64, data: &[u8], deadline: Instant) -> std::io::Result<()> {
+/// Writes one data frame, with the sender's `timing` ([`crate::arrival`]).
+fn write_message(
+    stream: &mut TcpStream,
+    seq: u64,
+    timing: Timing,
+    data: &[u8],
+    deadline: Instant,
+) -> std::io::Result<()> {
     let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
     stream.set_write_timeout(Some(left))?;
-    let h = Header { kind: Kind::Data, seq, len: data.len() as u64 }.encode();
+    let mut h = [0u8; FRAME_BYTES];
+    h[..HEADER_LEN].copy_from_slice(&Header { kind: Kind::Data, seq, len: data.len() as u64 }.encode());
+    h[HEADER_LEN..].copy_from_slice(&timing.encode());
     if data.len() <= INLINE_SEND {
         // One syscall for header and payload.
         let mut bufs = [std::io::IoSlice::new(&h), std::io::IoSlice::new(data)];
@@ -185,7 +199,7 @@ impl Peer {
                     // SAFETY: the communicator keeps the buffer alive and unmodified
                     // until it has received this job's completion (see `exchange`).
                     let data = unsafe { std::slice::from_raw_parts(job.ptr as *const u8, job.len) };
-                    mb.finish(write_message(&mut sender, job.seq, data, job.deadline));
+                    mb.finish(write_message(&mut sender, job.seq, job.timing, data, job.deadline));
                 }
             })
             .map_err(|e| Error::io(ctx("starting the sender thread for"), e))?;
@@ -306,15 +320,31 @@ impl TcpTransport {
         })
     }
 
-    fn recv(&self, op: &OpCtx, req: RecvReq<'_>) -> Result<()> {
+    /// Receives one message; `posted`: when the exchange asked for it ([`now_ns`]).
+    fn recv(&self, op: &OpCtx, req: RecvReq<'_>, posted: u64) -> Result<()> {
         let p = self.peer(req.peer, op)?;
         let mut guard = p.reader.lock().map_err(|_| Error::Closed("tcp reader lock poisoned".into()))?;
         let (stream, scratch) = &mut *guard;
         let peer = req.peer;
         let left = op.remaining().max(Duration::from_millis(1));
         stream.set_read_timeout(Some(left)).map_err(|e| Error::io("set_read_timeout", e))?;
+        // The header and the timing after it, in one read where they came together (as they are sent).
+        let mut fb = [0u8; FRAME_BYTES];
+        let mut got = 0;
+        while got < HEADER_LEN {
+            match stream.read(&mut fb[got..]) {
+                Ok(0) => {
+                    let eof = std::io::Error::from(std::io::ErrorKind::UnexpectedEof);
+                    return Err(classify(op, peer, "waiting for a message from", eof));
+                }
+                Ok(n) => got += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(classify(op, peer, "waiting for a message from", e)),
+            }
+        }
+        let seen = now_ns();
         let mut hb = [0u8; HEADER_LEN];
-        stream.read_exact(&mut hb).map_err(|e| classify(op, peer, "waiting for a message from", e))?;
+        hb.copy_from_slice(&fb[..HEADER_LEN]);
         let h = Header::decode(&hb, req.len as u64, &p.addr).map_err(|e| match e {
             Error::Protocol { detail, .. } => Error::Protocol { peer: format!("rank {peer} ({})", p.addr), detail },
             e => e,
@@ -328,7 +358,11 @@ impl TcpTransport {
                 ),
             });
         }
-        op.add_bytes(HEADER_LEN);
+        stream.read_exact(&mut fb[got..]).map_err(|e| classify(op, peer, "receiving from", e))?;
+        let mut timing = [0u8; DATA_TIMING_LEN];
+        timing.copy_from_slice(&fb[HEADER_LEN..]);
+        op.arrived(peer, posted, seen, Timing::decode(&timing));
+        op.add_bytes(FRAME_BYTES);
         let buf: &mut [u8] = bytemuck::cast_slice_mut(scratch.as_mut_slice());
         let mut off = 0;
         while off < req.len {
@@ -372,9 +406,10 @@ impl Transport for TcpTransport {
     }
 
     fn exchange(&self, op: &OpCtx, send: Option<SendReq<'_>>, recv: Option<RecvReq<'_>>) -> Result<()> {
+        let now = now_ns();
         let Some(s) = send else {
             return match recv {
-                Some(r) => self.recv(op, r),
+                Some(r) => self.recv(op, r, now),
                 None => Ok(()),
             };
         };
@@ -382,12 +417,12 @@ impl Transport for TcpTransport {
         if s.data.len() <= INLINE_SEND || recv.is_none() {
             {
                 let mut w = sp.writer.lock().map_err(|_| Error::Closed("tcp writer lock poisoned".into()))?;
-                write_message(&mut w, op.seq, s.data, op.deadline)
+                write_message(&mut w, op.seq, op.timing(now), s.data, op.deadline)
                     .map_err(|e| classify(op, s.peer, "sending to", e))?;
             }
-            op.add_sent(s.data.len() + HEADER_LEN);
+            op.add_sent(s.data.len() + FRAME_BYTES);
             return match recv {
-                Some(r) => self.recv(op, r),
+                Some(r) => self.recv(op, r, now),
                 None => Ok(()),
             };
         }
@@ -396,12 +431,13 @@ impl Transport for TcpTransport {
             ptr: s.data.as_ptr() as usize,
             len: s.data.len(),
             seq: op.seq,
+            timing: op.timing(now),
             deadline: op.deadline,
         }) {
             return Err(op.peer_lost(s.peer, "its sender thread has stopped".into()));
         }
         let recv_result = match recv {
-            Some(r) => self.recv(op, r),
+            Some(r) => self.recv(op, r, now),
             None => Ok(()),
         };
         // Always wait for the sender thread before returning: it reads `s.data`.
@@ -411,7 +447,7 @@ impl Transport for TcpTransport {
             None => Err(op.peer_lost(s.peer, "its sender thread has stopped".into())),
         };
         if send_result.is_ok() {
-            op.add_sent(s.data.len() + HEADER_LEN);
+            op.add_sent(s.data.len() + FRAME_BYTES);
         }
         recv_result.and(send_result)
     }

@@ -5,6 +5,9 @@
 //! Invariants every implementation keeps:
 //! - messages between a pair of ranks arrive in the order they were sent, and each
 //!   carries the operation's sequence number, checked by the receiver;
+//! - each message also carries its sender's [`Timing`] ([`crate::arrival`]), and
+//!   the receiver records its arrival through [`OpCtx::arrived`] when it sees the
+//!   first bytes;
 //! - `exchange` never returns while the transport still reads the send buffer or
 //!   writes through the sink;
 //! - no wait is unbounded: past `OpCtx::deadline` the call fails with
@@ -14,6 +17,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::arrival::{Arrivals, Timing};
 use crate::error::{Error, Participation, Result};
 
 /// Which mechanism carries a link.
@@ -39,7 +43,7 @@ impl TransportKind {
 
 /// The operation a message belongs to: names it in errors and counts its bytes.
 #[derive(Debug)]
-pub struct OpCtx {
+pub struct OpCtx<'a> {
     pub name: &'static str,
     pub seq: u64,
     pub rank: usize,
@@ -49,10 +53,12 @@ pub struct OpCtx {
     pub bytes: AtomicU64,
     /// Bytes sent so far (payload and headers).
     pub sent: AtomicU64,
+    /// Where the arrival of every message is recorded (none: nowhere).
+    arrivals: Option<&'a Arrivals>,
 }
 
-impl OpCtx {
-    pub fn new(name: &'static str, seq: u64, rank: usize, timeout: Duration) -> OpCtx {
+impl OpCtx<'_> {
+    pub fn new(name: &'static str, seq: u64, rank: usize, timeout: Duration) -> OpCtx<'static> {
         let started = Instant::now();
         OpCtx {
             name,
@@ -62,6 +68,26 @@ impl OpCtx {
             deadline: started + timeout,
             bytes: AtomicU64::new(0),
             sent: AtomicU64::new(0),
+            arrivals: None,
+        }
+    }
+
+    /// Records message arrivals in `a` ([`crate::arrival`]).
+    pub fn with_arrivals(self, a: &Arrivals) -> OpCtx<'_> {
+        let OpCtx { name, seq, rank, started, deadline, bytes, sent, .. } = self;
+        OpCtx { name, seq, rank, started, deadline, bytes, sent, arrivals: Some(a) }
+    }
+
+    /// What a message sent now, `stamp` ([`crate::arrival::now_ns`]), carries ([`Arrivals::outgoing`]).
+    pub fn timing(&self, stamp: u64) -> Timing {
+        self.arrivals.as_ref().map_or(Timing { stamp, held: 0 }, |a| a.outgoing(stamp))
+    }
+
+    /// Records a message from `peer` ([`Arrivals::incoming`]): `posted` and `seen` in this process's clock
+    /// ([`crate::arrival::now_ns`]), `t` as its sender wrote it.
+    pub fn arrived(&self, peer: usize, posted: u64, seen: u64, t: Timing) {
+        if let Some(a) = &self.arrivals {
+            a.incoming(peer, posted, seen, t);
         }
     }
 

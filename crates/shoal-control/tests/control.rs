@@ -610,3 +610,73 @@ async fn a_long_checkpoint_is_no_hang() {
     assert!(hang[0].contains("rank 1 waits in all_reduce #3") && hang[0].contains("not in it: rank 0"), "{hang:?}");
     let _ = std::fs::remove_dir_all(&e.dir);
 }
+
+/// Appends steps `from..=to` (a step every 50 ms of the workers' clock) to each rank's metrics file, as workers
+/// would: the arrival skew of a job whose ranks other than `late` wait 40 ms of every step for it.
+fn write_rows(dir: &std::path::Path, ranks: i64, late: i64, from: i64, to: i64) {
+    use std::io::Write;
+    std::fs::create_dir_all(dir).expect("run dir");
+    for rank in 0..ranks {
+        let name = if rank == 0 { "metrics.jsonl".to_owned() } else { format!("metrics.rank-{rank}.jsonl") };
+        let mut f = std::fs::OpenOptions::new().create(true).append(true).open(dir.join(name)).expect("metrics file");
+        for step in from..=to {
+            let waited: Vec<f64> = (0..ranks)
+                .map(|k| {
+                    if rank != late && k == late {
+                        0.040 * step as f64
+                    } else {
+                        0.0001 * step as f64 * f64::from(k != rank)
+                    }
+                })
+                .collect();
+            let lag = if rank == late { 0.030 * step as f64 } else { 0.0 };
+            let row = serde_json::json!({
+                "step": step, "loss": 1.0, "lr": 0.01, "samples": 8, "data_s": 0.0001, "compute_s": 0.005,
+                "comm_s": 0.044, "optimizer_s": 0.0009, "step_s": 0.050, "rank": rank, "comm_bytes": step * 1000,
+                "unix_ms": 1_700_000_000_000i64 + step * 50, "comm_waited_for": waited,
+                "comm_wait_s": waited.iter().sum::<f64>(), "comm_lag_s": lag,
+            });
+            writeln!(f, "{row}").expect("write a row");
+        }
+    }
+}
+
+/// An elastic job with `fault_tolerance.replace_stragglers`: once its diagnosis has named the same rank the
+/// straggler for 30 s of its rows, an event names the rank and the evidence, and the job restarts without it (one
+/// worker fewer, within its range), using one of its restarts.
+#[tokio::test]
+async fn a_persistent_straggler_is_replaced() {
+    let e = env("straggler").await;
+    let ft = "policy = \"elastic\"\nbackoff = \"0s\"\nmax_restarts = 2\nreplace_stragglers = true";
+    let id = e.submit(&job_range("straggler", 2, 3, ft)).await;
+    e.tick().await;
+    assert_eq!(e.fake.running(&id).len(), 3);
+    let dir = e.p.control.run_dir(&id);
+    // Two seconds of rows a tick: named from the first diagnosis on, replaced once 30 s of rows name it.
+    let mut ticks = 0;
+    while e.events(&id, "straggler").await.is_empty() && ticks < 25 {
+        write_rows(&dir, 3, 1, ticks * 40 + 1, (ticks + 1) * 40);
+        e.tick().await;
+        ticks += 1;
+        if ticks < 15 {
+            assert!(e.events(&id, "straggler").await.is_empty(), "too soon, after {} s of rows", ticks * 2);
+        }
+    }
+    let told = e.events(&id, "straggler").await;
+    assert_eq!(told.len(), 1, "{told:?}");
+    assert!(
+        told[0].contains("rank 1")
+            && told[0].contains("for rank 1 inside collectives")
+            && told[0].contains("at most 2 workers"),
+        "{told:?}"
+    );
+    for _ in 0..3 {
+        e.tick().await;
+    }
+    let running = e.fake.running(&id);
+    assert_eq!(running.len(), 2, "{running:?}");
+    assert!(running.iter().all(|(attempt, _)| *attempt == 2), "{running:?}");
+    let restarted = e.events(&id, "restarted").await;
+    assert!(restarted.len() == 1 && restarted[0].contains("persistent straggler"), "{restarted:?}");
+    let _ = std::fs::remove_dir_all(&e.dir);
+}

@@ -319,8 +319,8 @@ pub struct FaultToleranceSpec {
     #[serde(default = "sixty_seconds")]
     #[cfg_attr(feature = "openapi", schema(value_type = String, example = "60s"))]
     pub hang_timeout: Seconds,
-    /// With `elastic`: replace a worker that is persistently the slowest (default false). Accepted and kept;
-    /// not acted on yet.
+    /// With `elastic`: replace a worker that is persistently the straggler — named by the diagnosis, the rank the
+    /// others wait for, for 30 s — by restarting the job without it (default false).
     #[serde(default)]
     pub replace_stragglers: bool,
 }

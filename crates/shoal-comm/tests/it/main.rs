@@ -1,5 +1,6 @@
 //! Integration tests of shoal-comm: one conformance suite run over every
-//! transport, and the fault tests (wrong secret, garbage on the wire, dead peers).
+//! transport, the fault tests (wrong secret, garbage on the wire, dead peers), and the arrival skew.
 
+mod arrival;
 mod conformance;
 mod faults;

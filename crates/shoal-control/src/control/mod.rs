@@ -6,7 +6,8 @@
 //!    was lost, went over its memory or stopped sending heartbeats, or that hung (no step for
 //!    `fault_tolerance.hang_timeout` while every rank lives; dumped first), is stopped whole, then by its
 //!    `fault_tolerance.policy` restarted (pending again, `restarts + 1`, after the backoff) while
-//!    `max_restarts` lasts, else failed;
+//!    `max_restarts` lasts, else failed; an elastic job with `replace_stragglers` whose diagnosis names the same
+//!    straggler for 30 s is restarted without it;
 //! 2. carries out cancellations (SIGTERM to every task's process group, SIGKILL after the grace period);
 //! 3. copies new lines of rank 0's `metrics.jsonl` into the store;
 //! 4. hands pending jobs to the scheduler and carries out its decisions (place: start every task; preempt: SIGTERM
@@ -17,7 +18,8 @@
 //!
 //! The parts, each one concern over the shared [`state::Control`]: `admission.rs` (the scheduler's check),
 //! `supervise.rs` (probing, limits, stopping and what follows a stop), `notes.rs` (what the executor says of a task
-//! that waits), `watch.rs` (heartbeats, hangs and their dumps), `chaos.rs` (faults injected on purpose),
+//! that waits), `watch.rs` (heartbeats, hangs and their dumps), `stragglers.rs` (persistent stragglers replaced),
+//! `chaos.rs` (faults injected on purpose),
 //! `decisions.rs` (placing, preempting,
 //! requeueing), `ingest.rs` (metrics files into the store), `sampling.rs` (resource samples), `recovery.rs` (after a
 //! server restart); this file holds the loop itself.
@@ -30,6 +32,7 @@ mod notes;
 mod recovery;
 mod sampling;
 mod state;
+mod stragglers;
 mod supervise;
 mod watch;
 
@@ -102,6 +105,8 @@ impl Control {
         self.heard.lock().unwrap_or_else(|p| p.into_inner()).retain(|id, _| ids.contains(id.as_str()));
         self.phases.lock().unwrap_or_else(|p| p.into_inner()).retain(|id, _| ids.contains(id.as_str()));
         self.backoff.lock().unwrap_or_else(|p| p.into_inner()).retain(|id, _| ids.contains(id.as_str()));
+        self.stragglers.lock().unwrap_or_else(|p| p.into_inner()).retain(|id, _| ids.contains(id.as_str()));
+        self.shrunk.lock().unwrap_or_else(|p| p.into_inner()).retain(|id, _| ids.contains(id.as_str()));
         let t0 = Instant::now();
         let decisions = self.sched().schedule(now() as u64);
         let decisions = self.fold_growth(decisions);

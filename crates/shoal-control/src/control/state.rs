@@ -10,7 +10,7 @@ use shoal_exec::{Executor, Task};
 use shoal_sched::{Node, Queue, Scheduler};
 use shoal_spec::JobSpec;
 
-use crate::db::{Db, JobRow, TaskRow};
+use crate::db::{Db, JobRow, MetricRow, TaskRow};
 use crate::error::{ControlError, Result};
 
 /// How the control loop behaves.
@@ -107,6 +107,10 @@ pub struct Control {
     pub(super) heard: Mutex<HashMap<String, HashMap<i64, shoal_wire::Heartbeat>>>,
     /// Per restarted job: when it may start again (ms since the epoch) and the backoff it waits out.
     pub(super) backoff: Mutex<HashMap<String, (i64, Duration)>>,
+    /// Per running job that replaces stragglers: its recent rows and diagnoses (`stragglers.rs`).
+    pub(super) stragglers: Mutex<HashMap<String, Straggling>>,
+    /// Per job whose straggler was replaced by shrinking it: the most workers it may be placed with.
+    pub(super) shrunk: Mutex<HashMap<String, u32>>,
 }
 
 pub fn parse_stored_spec(job: &JobRow) -> Result<JobSpec> {
@@ -161,6 +165,8 @@ impl Control {
             heard: Mutex::new(HashMap::new()),
             phases: Mutex::new(HashMap::new()),
             backoff: Mutex::new(HashMap::new()),
+            stragglers: Mutex::new(HashMap::new()),
+            shrunk: Mutex::new(HashMap::new()),
         })
     }
 
@@ -236,6 +242,21 @@ impl Watch {
     pub(super) fn new(attempt: i64) -> Watch {
         Watch { attempt, ranks: HashMap::new(), step: 0, first_step: None, step_moved: None, resume_told: false }
     }
+}
+
+/// What is kept of one job's recent rows and diagnoses.
+#[derive(Debug, Default)]
+pub(crate) struct Straggling {
+    pub(super) attempt: i64,
+    /// Rows after this step are read next.
+    pub(super) after_step: i64,
+    pub(super) rows: Vec<MetricRow>,
+    /// The row time of the last diagnosis.
+    pub(super) judged_ms: i64,
+    /// The rank named in every diagnosis since (row time of the first of them), with the last evidence.
+    pub(super) named: Option<(i64, i64, String)>,
+    /// Whether it was told that no restart is left to replace it.
+    pub(super) told: bool,
 }
 
 /// What the executor needs to find a stored task again.

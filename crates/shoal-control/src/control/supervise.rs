@@ -1,6 +1,7 @@
 //! Supervision: pending jobs handed to the scheduler (once a restart's backoff is over) or cancelled; running jobs'
 //! tasks probed, their memory held to the request, their heartbeats judged (`watch.rs`), failures, silent ranks
-//! and hangs turned into a stop of the whole gang, and a stopped job restarted (by `fault_tolerance.policy`),
+//! and hangs turned into a stop of the whole gang (and persistent stragglers, `stragglers.rs`), and a stopped job
+//! restarted (by `fault_tolerance.policy`),
 //! failed, cancelled or requeued only once every process of its attempt is gone.
 
 use std::collections::HashMap;
@@ -165,7 +166,12 @@ impl Control {
                 tracing::debug!(job = %job.id, left_ms = left, "waiting out the restart's backoff");
                 return Ok(());
             }
-            let submitted = self.sched().submit(request_of(job, &spec));
+            let mut request = request_of(job, &spec);
+            if let Some(most) = self.shrunk_to(&job.id) {
+                // A straggler was replaced by leaving its place out.
+                request.tasks_max = request.tasks_max.min(most).max(request.tasks_min);
+            }
+            let submitted = self.sched().submit(request);
             if let Err(e) = submitted {
                 self.db
                     .transition(
@@ -333,6 +339,12 @@ impl Control {
                 self.begin_stop_with(job, &tasks, StopWhy::Failure(format!("{why}{culprits}")), Halt::Kill);
                 return Ok(());
             }
+        }
+        if !statuses.is_empty()
+            && statuses.iter().all(|(_, s)| *s == TaskStatus::Running)
+            && self.replace_straggler(job, &spec, &tasks).await?
+        {
+            return Ok(());
         }
         if !statuses.is_empty() && statuses.iter().all(|(_, s)| *s == TaskStatus::Exited(0)) {
             let _ = self.sched().finish(&job.id);

@@ -254,6 +254,7 @@ impl StepLoop {
                 b.step(step as u64 + 1);
             }
             if let Some(f) = metrics.as_mut() {
+                let arrivals = trainer.comm().map(|c| c.arrival_stats()).unwrap_or_default();
                 let m = StepMetrics {
                     step: step + 1,
                     loss: last_loss,
@@ -266,6 +267,12 @@ impl StepLoop {
                     step_s: step_started.elapsed().as_secs_f64(),
                     rank,
                     comm_bytes: trainer.comm().map_or(0, |c| c.bytes_sent()),
+                    unix_ms: std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map_or(0, |d| d.as_millis() as u64),
+                    comm_waited_for: arrivals.waited_for.iter().map(|d| d.as_secs_f64()).collect(),
+                    comm_wait_s: arrivals.waited().as_secs_f64(),
+                    comm_lag_s: arrivals.lag.as_secs_f64(),
                 };
                 let line = serde_json::to_string(&m).map_err(|e| Error::InvalidArgument(e.to_string()))?;
                 writeln!(f, "{line}").map_err(|e| Error::io("writing metrics.jsonl", e))?;

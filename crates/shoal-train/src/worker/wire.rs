@@ -101,6 +101,21 @@ pub struct StepMetrics {
     /// Bytes this rank has sent in collectives so far (cumulative).
     #[serde(default)]
     pub comm_bytes: u64,
+    /// When the step ended: milliseconds since the Unix epoch on this rank's host (0: not recorded), so that a
+    /// reader judges a window of time rather than a count of steps.
+    #[serde(default)]
+    pub unix_ms: u64,
+    /// Seconds this rank was held up inside collectives by each rank, as the root of the delay (cumulative;
+    /// `shoal_comm::ArrivalStats::waited_for`): the rank the others wait for stands out in theirs.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub comm_waited_for: Vec<f64>,
+    /// Their sum: seconds this rank waited inside collectives for a peer that had not sent yet (cumulative).
+    #[serde(default)]
+    pub comm_wait_s: f64,
+    /// Seconds messages sat ready before this rank took them: it was stopped or descheduled inside a collective,
+    /// or the link was slower than its best (cumulative; `shoal_comm::ArrivalStats::lag`).
+    #[serde(default)]
+    pub comm_lag_s: f64,
 }
 
 /// The metrics file of a rank: `metrics.jsonl` for rank 0 (the job's curve), `metrics.rank-R.jsonl` for the others.
