@@ -120,6 +120,8 @@ try {
   }
   report.points = await points(page);
   report.job_state = await jobState(page);
+  // The memory card: one bar per rank whose metrics say what it holds.
+  report.memory_ranks = await page.evaluate(() => document.querySelectorAll('#memory-bars .bar-row').length).catch(() => -1);
   log(`loss chart has ${report.points} point(s); job ${report.job_state}`);
   if (!failure) {
     // Live updates: while the job runs, more points should arrive without a reload.

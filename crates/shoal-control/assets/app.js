@@ -23,6 +23,13 @@ const PHASES = [
   ['optimizer_s', 'optimizer', '#2b8a3e'],
   ['other_s', 'other', '#adb5bd'],
 ];
+// What a rank holds for training (metrics rows' *_bytes), as the memory card stacks it.
+const MEMORY = [
+  ['params_bytes', 'parameters', '#1d5fd6'],
+  ['grads_bytes', 'gradients', '#e03131'],
+  ['optimizer_bytes', 'optimizer', '#2b8a3e'],
+  ['activations_bytes', 'activations (peak)', '#f59f00'],
+];
 
 const $view = document.getElementById('view');
 const $who = document.getElementById('who');
@@ -1140,6 +1147,7 @@ async function jobView(ctx, root, seg) {
   const tputEl = h('div', { class: 'chart' });
   const barsEl = h('div', { class: 'bars' }, h('div', { class: 'empty' }, 'waiting for data…'));
   const computeEl = h('div', { class: 'chart' });
+  const memoryEl = h('div', { class: 'bars', id: 'memory-bars' }, h('div', { class: 'empty' }, 'waiting for data…'));
   const cpuEl = h('div', { class: 'chart' });
   const rssEl = h('div', { class: 'chart' });
   const netEl = h('div', { class: 'chart' });
@@ -1169,6 +1177,8 @@ async function jobView(ctx, root, seg) {
       card('Step time breakdown', 'median of the last 50 logged steps, per rank',
         h('div', { class: 'legend' }, PHASES.map(([, label, color]) => h('span', { style: { '--c': color } }, label))), barsEl),
       card('Compute time per rank', 'seconds per step', computeEl),
+      card('Memory per rank', 'what each rank holds for training, from its buffers (last step)',
+        h('div', { class: 'legend' }, MEMORY.map(([, label, color]) => h('span', { style: { '--c': color } }, label))), memoryEl),
       ...samplesCards,
       card('Diagnosis', 'what slows this job down', diagBox),
       h('section', { class: 'card' }, h('header', null, h('h2', null, 'Timeline'), h('span', { class: 'hint' }, 'states, restarts (red marks) and events')), stripEl, eventsBox),
@@ -1325,6 +1335,35 @@ async function jobView(ctx, root, seg) {
     computeChart.set(ranks.map((r, i) => ({ label: `rank ${r}`, color: PALETTE[i % PALETTE.length] })),
       align(ranks.map((r) => ({ x: train.get(r).x, y: train.get(r).col('compute_s') }))));
     renderBars(ranks);
+    renderMemory(ranks);
+  }
+  function renderMemory(ranks) {
+    const rows = ranks.map((r) => {
+      const c = train.get(r);
+      const parts = {};
+      for (const [k] of MEMORY) parts[k] = c.last(k);
+      const total = Object.values(parts).reduce((a, v) => a + (v || 0), 0);
+      return { r, parts, total };
+    }).filter((x) => x.total > 0);
+    if (!rows.length) {
+      fill(memoryEl, h('div', { class: 'empty' }, 'waiting for data…'));
+      return;
+    }
+    const max = Math.max(...rows.map((x) => x.total));
+    const numbers = table([
+      { label: 'rank', num: true, get: (x) => fmtInt(x.r) },
+      ...MEMORY.map(([k, label]) => ({ label, num: true, get: (x) => fmtBytes(x.parts[k]) })),
+      { label: 'total', num: true, get: (x) => h('b', null, fmtBytes(x.total)) },
+    ], rows);
+    numbers.style.marginTop = '12px';
+    fill(memoryEl, rows.map(({ r, parts, total }) => {
+      const title = MEMORY.map(([k, label]) => `${label} ${fmtBytes(parts[k])}`).join(' · ');
+      return h('div', { class: 'bar-row', title },
+        h('span', { class: 'label' }, `rank ${r}`),
+        h('div', { class: 'stack', style: { width: `${Math.max(2, (100 * total) / max)}%` } },
+          MEMORY.map(([k, , color]) => (parts[k] > 0 ? h('div', { style: { width: `${(100 * parts[k]) / total}%`, background: color } }) : null))),
+        h('span', { class: 'total' }, fmtBytes(total)));
+    }), numbers);
   }
   function renderBars(ranks) {
     const rows = ranks.map((r) => {

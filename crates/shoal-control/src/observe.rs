@@ -560,6 +560,13 @@ async fn scrape(c: &Control, team: Option<&str>) -> Result<String> {
     let cpu = gauge(&reg, "shoal_task_cpu_usage_ratio", "CPUs a worker used (1 = one CPU busy)", &["job", "rank"]);
     let rss = gauge(&reg, "shoal_task_resident_memory_bytes", "Resident memory of a worker", &["job", "rank"]);
     let cpu_s = gauge(&reg, "shoal_task_cpu_seconds", "CPU time a worker used so far", &["job", "rank"]);
+    let held = gauge(
+        &reg,
+        "shoal_task_training_memory_bytes",
+        "What a worker holds for training, from its buffers (kind: params, grads, optimizer, activations: the last \
+         step's peak)",
+        &["job", "rank", "kind"],
+    );
     for j in jobs.iter().filter(|j| matches!(j.state, JobState::Running | JobState::Preempted)) {
         let labels = [j.id.as_str(), j.name.as_str()];
         if let Some(g) = &restarts {
@@ -578,6 +585,23 @@ async fn scrape(c: &Control, team: Option<&str>) -> Result<String> {
                 && t > 0.0
             {
                 g.with_label_values(&labels).set(n / t);
+            }
+        }
+        if let Some(g) = &held {
+            for rank in 0..j.workers.max(0) {
+                let last = c.db.last_metric_step(&j.id, rank).await?;
+                let Some(m) = c.db.metrics(&j.id, Some(rank), last - 1, 1).await?.into_iter().next() else { continue };
+                let r = rank.to_string();
+                for (kind, key) in [
+                    ("params", "params_bytes"),
+                    ("grads", "grads_bytes"),
+                    ("optimizer", "optimizer_bytes"),
+                    ("activations", "activations_bytes"),
+                ] {
+                    if let Some(v) = m.data.get(key).and_then(Value::as_f64) {
+                        g.with_label_values(&[j.id.as_str(), r.as_str(), kind]).set(v);
+                    }
+                }
             }
         }
         let recent = c.db.samples(&j.id, now() - 10_000, 10_000).await?;

@@ -230,7 +230,8 @@ impl StepLoop {
             }
             // Forward and backward's peak beyond the step's start: activations and temporaries. The run's first
             // step is left out when others follow (it also allocates buffers kept from then on).
-            if let Some(p) = held.end()
+            let step_peak = held.end();
+            if let Some(p) = step_peak
                 && (step > start_step || activations_peak.is_none())
             {
                 let p = if step == start_step + 1 { p } else { activations_peak.map_or(p, |a| a.max(p)) };
@@ -273,6 +274,10 @@ impl StepLoop {
                     comm_waited_for: arrivals.waited_for.iter().map(|d| d.as_secs_f64()).collect(),
                     comm_wait_s: arrivals.waited().as_secs_f64(),
                     comm_lag_s: arrivals.lag.as_secs_f64(),
+                    params_bytes: trainer.param_bytes() as u64,
+                    grads_bytes: trainer.gradient_bytes() as u64,
+                    optimizer_bytes: trainer.optimizer_bytes() as u64,
+                    activations_bytes: step_peak.map(|p| p as u64),
                 };
                 let line = serde_json::to_string(&m).map_err(|e| Error::InvalidArgument(e.to_string()))?;
                 writeln!(f, "{line}").map_err(|e| Error::io("writing metrics.jsonl", e))?;

@@ -116,6 +116,17 @@ pub struct StepMetrics {
     /// or the link was slower than its best (cumulative; `shoal_comm::ArrivalStats::lag`).
     #[serde(default)]
     pub comm_lag_s: f64,
+    /// What this rank holds, in bytes, from its real buffers (as `summary.json`'s `memory_bytes`): parameters,
+    /// gradient buffers, optimizer state, and what this step's forward and backward allocated at most beyond what
+    /// was held at its start (absent where the allocator is not the counting one).
+    #[serde(default)]
+    pub params_bytes: u64,
+    #[serde(default)]
+    pub grads_bytes: u64,
+    #[serde(default)]
+    pub optimizer_bytes: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub activations_bytes: Option<u64>,
 }
 
 /// The metrics file of a rank: `metrics.jsonl` for rank 0 (the job's curve), `metrics.rank-R.jsonl` for the others.

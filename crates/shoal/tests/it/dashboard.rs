@@ -268,6 +268,7 @@ hidden = [256, 256]
     }
     assert!(st.success(), "dashboard-check.mjs failed ({st}): {report:#}\n{}", tail(&err, 4000));
     assert!(report["points"].as_u64().unwrap_or(0) >= 1, "no point on the loss chart: {report:#}");
+    assert!(report["memory_ranks"].as_i64().unwrap_or(0) >= 1, "no rank on the memory card: {report:#}");
     assert_eq!(report["console_errors"].as_array().map_or(usize::MAX, Vec::len), 0, "console errors: {report:#}");
     assert_eq!(report["page_errors"].as_array().map_or(usize::MAX, Vec::len), 0, "page errors: {report:#}");
     let size = std::fs::metadata(&shot).map(|m| m.len()).unwrap_or(0);

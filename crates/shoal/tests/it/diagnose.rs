@@ -154,10 +154,16 @@ fn check_metrics_with_promtool(s: &Platform, job_running: bool) {
     let r = s.request("GET", "/metrics", Some(&s.token), None);
     assert_eq!(r.status, 200, "GET /metrics: {}", text(&r.body));
     let body = text(&r.body);
-    for name in
-        ["shoal_jobs", "shoal_queue_pending_jobs", "shoal_node_cpus", "shoal_job_loss", "shoal_api_requests_total"]
-            .into_iter()
-            .filter(|n| job_running || *n != "shoal_job_loss")
+    for name in [
+        "shoal_jobs",
+        "shoal_queue_pending_jobs",
+        "shoal_node_cpus",
+        "shoal_job_loss",
+        "shoal_task_training_memory_bytes",
+        "shoal_api_requests_total",
+    ]
+    .into_iter()
+    .filter(|n| job_running || !["shoal_job_loss", "shoal_task_training_memory_bytes"].contains(n))
     {
         assert!(body.contains(&format!("\n{name}")) || body.starts_with(name), "no {name} in:\n{body}");
     }

@@ -391,6 +391,17 @@ fn zero_trains_checkpoints_and_resumes_at_another_world_size_as_ddp_does() {
         assert_eq!(m["optimizer"].as_u64(), Some(2 * 4 * p), "{m}");
         assert!(m["activations_peak"].as_u64().is_some_and(|a| a > 0), "measured: {m}");
     }
+    // The same figures on every step's metrics line of every rank (rank 0's in metrics.jsonl).
+    for r in 0..3 {
+        let name = if r == 0 { "metrics.jsonl".to_owned() } else { format!("metrics.rank-{r}.jsonl") };
+        let text = std::fs::read_to_string(dir.join("ddp").join(&name)).expect("metrics");
+        let last: serde_json::Value =
+            serde_json::from_str(text.lines().last().expect("a line")).expect("a metrics line");
+        assert_eq!(last["params_bytes"].as_u64(), Some(4 * p), "rank {r}: {last}");
+        assert_eq!(last["grads_bytes"].as_u64(), Some(4 * p), "rank {r}: {last}");
+        assert_eq!(last["optimizer_bytes"].as_u64(), Some(2 * 4 * p), "rank {r}: {last}");
+        assert!(last["activations_bytes"].as_u64().is_some_and(|a| a > 0), "rank {r}: {last}");
+    }
     for zs in ["zero1", "zero2", "zero3"] {
         let z = run(zs, zs, "2", 40, false);
         assert_eq!(z["strategy"], zs, "{z}");
