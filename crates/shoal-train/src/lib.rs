@@ -31,6 +31,7 @@ pub mod memory;
 pub mod models;
 pub mod optim;
 pub mod params;
+pub mod plan;
 pub mod remote;
 pub use shoal_spec as spec;
 pub mod strategy;

@@ -5,6 +5,7 @@ mod bench_ckpt;
 mod faults;
 mod k8s;
 mod nodes;
+mod plan;
 mod platform;
 mod run;
 mod validate;
@@ -155,6 +156,9 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Layouts (data × tensor × pipeline × ZeRO) for a job's model on a cluster, with memory and step-time
+    /// estimates: fitting and fastest first.
+    Plan(plan::PlanArgs),
     /// Kubernetes: the objects that run a job, for `kubectl apply` or GitOps.
     K8s {
         #[command(subcommand)]
@@ -243,6 +247,7 @@ fn main() -> std::process::ExitCode {
         Cmd::Datasets { json } => datasets(json),
         Cmd::Validate { job, json } => validate::run(&job, json),
         Cmd::K8s { cmd } => k8s::run(&cmd),
+        Cmd::Plan(args) => plan::run(&args),
     };
     match result {
         Ok(true) => std::process::ExitCode::SUCCESS,

@@ -232,3 +232,73 @@ fn shoal_run_names_the_job_file_and_reconciles_n_with_workers_count() {
     assert_eq!(s["world_size"], 2, "{s}");
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// `shoal plan`: the GPT example on 4 devices lists layouts that use all four, each with the contract's fields, the
+/// ones that fit first and fastest first; the same model at 7B (context 512, 8 samples a step) on eight 80 GiB devices
+/// needs sharding
+/// (activations kept whole, f32, no recomputation); a width its
+/// heads do not divide is refused naming the flags.
+#[test]
+fn plan_ranks_layouts_of_a_jobs_model_and_of_a_7b_gpt() {
+    let gpt = examples().join("gpt_cicero.toml");
+    let gpt = gpt.to_str().expect("utf-8 path");
+    let run = |args: &[&str]| -> serde_json::Value {
+        let out = shoal()
+            .arg("plan")
+            .args(args)
+            .args(["--flops", "1e11", "--bandwidth", "1e10", "--json"])
+            .output()
+            .expect("shoal plan");
+        assert!(out.status.success(), "shoal plan {args:?}: {}", text(&out.stderr));
+        serde_json::from_slice(&out.stdout).expect("JSON")
+    };
+    let v = run(&[gpt, "--devices", "4", "--memory-per-device", "1GiB", "--top", "100"]);
+    let layouts = v["layouts"].as_array().expect("layouts");
+    assert!(layouts.len() >= 4, "{v}");
+    for l in layouts {
+        for k in ["data", "tensor", "pipeline", "zero", "memory_per_device_bytes", "step_time_s"] {
+            assert!(l.get(k).is_some(), "{k} missing: {l}");
+        }
+        let used =
+            l["data"].as_u64().unwrap_or(0) * l["tensor"].as_u64().unwrap_or(0) * l["pipeline"].as_u64().unwrap_or(0);
+        assert_eq!(used, 4, "{l}");
+    }
+    let times: Vec<f64> =
+        layouts.iter().filter(|l| l["fits"] == true).filter_map(|l| l["step_time_s"].as_f64()).collect();
+    assert!(times.windows(2).all(|w| w[0] <= w[1]), "fastest first: {times:?}");
+    assert_eq!(v["parameters"], 137_216, "{v}");
+    let big = run(&[
+        gpt,
+        "--devices",
+        "8",
+        "--memory-per-device",
+        "80GiB",
+        "--layers",
+        "32",
+        "--width",
+        "4096",
+        "--heads",
+        "32",
+        "--vocab",
+        "32000",
+        "--context",
+        "512",
+        "--global-batch",
+        "8",
+        "--top",
+        "1000",
+    ]);
+    let first = &big["layouts"][0];
+    assert_eq!(first["fits"], true, "{big}");
+    let ddp = big["layouts"]
+        .as_array()
+        .and_then(|ls| ls.iter().find(|l| l["data"] == 8 && l["zero"] == 0).cloned())
+        .expect("ddp");
+    assert_eq!(ddp["fits"], false, "DDP of a 7B model on 80 GiB devices: {ddp}");
+    let out = shoal().args(["plan", gpt, "--width", "100", "--heads", "3"]).output().expect("shoal plan");
+    assert!(
+        !out.status.success() && text(&out.stderr).contains("--width 100 is not divisible by --heads 3"),
+        "{}",
+        text(&out.stderr)
+    );
+}
