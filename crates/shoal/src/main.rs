@@ -2,6 +2,7 @@
 
 mod bench;
 mod bench_ckpt;
+mod checkpoint;
 mod faults;
 mod k8s;
 mod nodes;
@@ -160,6 +161,12 @@ enum Cmd {
         #[command(subcommand)]
         cmd: k8s::K8sCmd,
     },
+    /// Checkpoints on disk: `inspect` what one holds and how it is laid out, `consolidate` its full tensors by
+    /// parameter name into one safetensors file.
+    Checkpoint {
+        #[command(subcommand)]
+        cmd: checkpoint::CheckpointCmd,
+    },
     /// List the built-in datasets.
     Datasets {
         /// One JSON array of objects (name, kind, len, features, classes, description).
@@ -243,6 +250,7 @@ fn main() -> std::process::ExitCode {
         Cmd::Datasets { json } => datasets(json),
         Cmd::Validate { job, json } => validate::run(&job, json),
         Cmd::K8s { cmd } => k8s::run(&cmd),
+        Cmd::Checkpoint { cmd } => checkpoint::run(&cmd),
     };
     match result {
         Ok(true) => std::process::ExitCode::SUCCESS,
