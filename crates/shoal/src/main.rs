@@ -2,6 +2,7 @@
 
 mod bench;
 mod bench_ckpt;
+mod checkpoint;
 mod faults;
 mod k8s;
 mod nodes;
@@ -164,6 +165,12 @@ enum Cmd {
         #[command(subcommand)]
         cmd: k8s::K8sCmd,
     },
+    /// Checkpoints on disk: `inspect` what one holds and how it is laid out, `consolidate` its full tensors by
+    /// parameter name into one safetensors file.
+    Checkpoint {
+        #[command(subcommand)]
+        cmd: checkpoint::CheckpointCmd,
+    },
     /// List the built-in datasets.
     Datasets {
         /// One JSON array of objects (name, kind, len, features, classes, description).
@@ -248,6 +255,7 @@ fn main() -> std::process::ExitCode {
         Cmd::Validate { job, json } => validate::run(&job, json),
         Cmd::K8s { cmd } => k8s::run(&cmd),
         Cmd::Plan(args) => plan::run(&args),
+        Cmd::Checkpoint { cmd } => checkpoint::run(&cmd),
     };
     match result {
         Ok(true) => std::process::ExitCode::SUCCESS,

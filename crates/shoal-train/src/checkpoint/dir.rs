@@ -95,7 +95,7 @@ fn other_process_alive(pid: Option<u32>) -> bool {
     }
 }
 
-fn fsync_dir(dir: &Path) -> Result<()> {
+pub(super) fn fsync_dir(dir: &Path) -> Result<()> {
     // Directories can be opened read-only and fsynced on Unix; elsewhere this is best effort.
     match File::open(dir) {
         Ok(f) => match f.sync_all() {

@@ -31,6 +31,15 @@ pub enum CheckpointError {
         /// What is wrong with it.
         why: String,
     },
+    /// A path given as a checkpoint is none: neither a checkpoint nor a directory of them, or one without a valid
+    /// checkpoint.
+    #[error("{}: {why}", path.display())]
+    NotACheckpoint {
+        /// The path given.
+        path: PathBuf,
+        /// Why it is not one.
+        why: String,
+    },
     /// The caller passed tensors that cannot be saved.
     #[error("cannot save checkpoint: {why}")]
     InvalidInput {
@@ -63,7 +72,10 @@ impl CheckpointError {
     /// The file or directory the error is about, if any.
     pub fn path(&self) -> Option<&Path> {
         match self {
-            Self::Io { path, .. } | Self::Missing { path } | Self::Corrupt { path, .. } => Some(path),
+            Self::Io { path, .. }
+            | Self::Missing { path }
+            | Self::Corrupt { path, .. }
+            | Self::NotACheckpoint { path, .. } => Some(path),
             Self::InvalidInput { .. } | Self::Timeout { .. } | Self::SaverGone { .. } | Self::Remote { .. } => None,
         }
     }

@@ -2,7 +2,9 @@
 //! one file (header, then the values little-endian, converted a chunk at a time straight into the writer's buffer)
 //! while a second thread hashes the same bytes, and parsed back from a verified file.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
+use std::fs::File;
+use std::io::Read;
 use std::path::Path;
 use std::thread;
 
@@ -11,7 +13,7 @@ use safetensors::tensor::{Dtype, Metadata, TensorInfo};
 use sha2::{Digest, Sha256};
 
 use super::direct::{CHUNK_BYTES, write_stream};
-use super::error::{CheckpointError, Result, corrupt};
+use super::error::{CheckpointError, Result, corrupt, io_err, open_err};
 use super::manifest::FileEntry;
 
 /// One named tensor as a flat, row-major `f32` buffer.
@@ -64,8 +66,9 @@ pub(super) fn validate_tensors(what: &str, tensors: &[TensorData]) -> Result<()>
     Ok(())
 }
 
-/// The safetensors header (length prefix included) for `tensors` laid out in order.
-fn safetensors_header(path: &Path, tensors: &[TensorData]) -> Result<Vec<u8>> {
+/// The safetensors header (length prefix included) for `tensors` laid out in order, with the string map `extra`
+/// under `__metadata__` when given.
+fn safetensors_header(path: &Path, tensors: &[TensorData], extra: Option<HashMap<String, String>>) -> Result<Vec<u8>> {
     let mut offset = 0usize;
     let mut infos = Vec::with_capacity(tensors.len());
     for t in tensors {
@@ -83,7 +86,7 @@ fn safetensors_header(path: &Path, tensors: &[TensorData]) -> Result<Vec<u8>> {
         ));
         offset = end;
     }
-    let metadata = Metadata::new(None, infos)
+    let metadata = Metadata::new(extra, infos)
         .map_err(|e| CheckpointError::InvalidInput { why: format!("{}: {e}", path.display()) })?;
     let mut json = serde_json::to_vec(&metadata)
         .map_err(|e| CheckpointError::InvalidInput { why: format!("{}: {e}", path.display()) })?;
@@ -130,7 +133,16 @@ fn write_file(path: &Path, header: &[u8], tensors: &[TensorData]) -> Result<u64>
 /// computed on a second thread while the file is written (the two overlap;
 /// each converts its own chunks, so neither holds a full copy).
 pub(super) fn write_safetensors(path: &Path, tensors: &[TensorData]) -> Result<FileEntry> {
-    let header = safetensors_header(path, tensors)?;
+    write_safetensors_with(path, tensors, None)
+}
+
+/// [`write_safetensors`] with a `__metadata__` string map in the header.
+pub(super) fn write_safetensors_with(
+    path: &Path,
+    tensors: &[TensorData],
+    extra: Option<HashMap<String, String>>,
+) -> Result<FileEntry> {
+    let header = safetensors_header(path, tensors, extra)?;
     let (written, sha256) = thread::scope(|s| {
         let hasher = thread::Builder::new()
             .name("shoal-ckpt-hash".to_string())
@@ -176,6 +188,63 @@ pub(super) fn parse_safetensors(path: &Path, bytes: &[u8]) -> Result<Vec<TensorD
             })
             .collect();
         out.push(TensorData { name, shape: info.shape.clone(), data: values });
+    }
+    Ok(out)
+}
+
+/// Largest safetensors header read on its own (the safetensors crate's own limit).
+const MAX_HEADER_BYTES: u64 = 100_000_000;
+
+/// One tensor as a safetensors header describes it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) struct HeaderEntry {
+    /// Its name.
+    pub name: String,
+    /// Its dtype as safetensors spells it (`F32`).
+    pub dtype: String,
+    /// Its shape.
+    pub shape: Vec<usize>,
+    /// Byte range within the data section.
+    pub data_offsets: (usize, usize),
+}
+
+/// Reads only the header of the safetensors file at `path` (not its data) and checks it against the file's
+/// length; returns its tensors in file order.
+pub(super) fn read_safetensors_header(path: &Path) -> Result<Vec<HeaderEntry>> {
+    let mut file = File::open(path).map_err(|e| open_err(path, e))?;
+    let len = file.metadata().map_err(|e| io_err(path, e))?.len();
+    let mut prefix = [0u8; 8];
+    if len < 8 {
+        return Err(corrupt(path, format!("{len} bytes is too short for a safetensors file")));
+    }
+    file.read_exact(&mut prefix).map_err(|e| io_err(path, e))?;
+    let n = u64::from_le_bytes(prefix);
+    if n > MAX_HEADER_BYTES || n > len - 8 {
+        return Err(corrupt(path, format!("header length {n} does not fit the file ({len} bytes)")));
+    }
+    let mut header = vec![0u8; n as usize];
+    file.read_exact(&mut header).map_err(|e| io_err(path, e))?;
+    let metadata: Metadata =
+        serde_json::from_slice(&header).map_err(|e| corrupt(path, format!("not a valid safetensors header: {e}")))?;
+    let data_len = metadata.data_len() as u64;
+    if 8 + n + data_len != len {
+        return Err(corrupt(
+            path,
+            format!(
+                "the header describes {} bytes but the file has {len} (truncated or overwritten)",
+                8 + n + data_len
+            ),
+        ));
+    }
+    let mut out = Vec::new();
+    for name in metadata.offset_keys() {
+        let info = metadata.info(&name).ok_or_else(|| corrupt(path, format!("tensor {name:?} lost")))?;
+        out.push(HeaderEntry {
+            dtype: format!("{:?}", info.dtype),
+            shape: info.shape.clone(),
+            data_offsets: info.data_offsets,
+            name,
+        });
     }
     Ok(out)
 }

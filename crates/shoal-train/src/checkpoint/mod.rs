@@ -33,13 +33,20 @@
 //! - `dir.rs`: [`CheckpointDir`] — atomic saves, verified loads, the newest valid checkpoint, pruning;
 //! - `saver.rs`: [`AsyncSaver`], the background saver thread with its reused snapshot buffers, and the [`Mirror`]
 //!   it uploads to;
+//! - `inspect.rs`: [`inspect`] — where a path given as a checkpoint leads (a step, or a run's newest valid one),
+//!   what the checkpoint holds (manifest, every tensor with shape, dtype, size and layout: shards onto full
+//!   tensors) and the status of each step, read without loading the tensors;
+//! - `consolidate.rs`: [`consolidate`] — a verified checkpoint's full tensors by parameter name in one
+//!   safetensors file, written atomically;
 //! - `memory.rs`: [`MemoryStore`], the same checkpoints kept in shared memory on the host (`/dev/shm`), one
 //!   directory per job and host, for restarts that read no storage.
 
+mod consolidate;
 mod dir;
 mod direct;
 mod error;
 mod format;
+mod inspect;
 mod layout;
 mod manifest;
 mod memory;
@@ -47,10 +54,12 @@ mod saver;
 #[cfg(test)]
 mod testing;
 
+pub use consolidate::{ConsolidateOptions, Consolidated, OPTIMIZER_PREFIX, WrittenTensor, consolidate};
 pub use dir::{CheckpointDir, Loaded, SaveStats};
 pub use direct::{measure_disk_write, measure_disk_write_direct};
 pub use error::{CheckpointError, Result};
 pub use format::TensorData;
+pub use inspect::{Inspection, Part, PartTotals, Shard, StepStatus, TensorLayout, Totals, inspect};
 pub(crate) use layout::parse_step_name;
 pub use layout::{CHECKPOINTS_SUBDIR, MANIFEST_FILE, MODEL_FILE, OPTIMIZER_FILE};
 pub use manifest::{FORMAT_VERSION, FileEntry, Manifest, ManifestMeta};

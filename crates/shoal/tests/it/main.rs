@@ -2,6 +2,7 @@
 //! shared memory.
 
 mod bench;
+mod checkpoint;
 mod cli;
 mod dashboard;
 mod deploy;
