@@ -378,9 +378,10 @@ mod tests {
 
     #[test]
     fn a_7b_gpt_needs_sharding_on_80_gib_devices_and_the_plan_says_so() {
-        let m = ModelCost::gpt(32000, 2048, 32, 32, 4096);
+        // Context 512 and 8 samples a step: activations are kept whole, in f32, with no recomputation.
+        let m = ModelCost::gpt(32000, 512, 32, 32, 4096);
         assert!((6.4e9..7.0e9).contains(&(m.params() as f64)), "{}", m.params());
-        let b = BatchCost { global: 64, grad_accum: 8, optimizer_values: 2 };
+        let b = BatchCost { global: 8, grad_accum: 1, optimizer_values: 2 };
         let plans = plan(&m, b, &cluster(8, 80 << 30));
         let ddp = plans.iter().find(|l| (l.data, l.tensor, l.pipeline, l.zero) == (8, 1, 1, 0)).expect("ddp");
         assert!(!ddp.fits, "16 bytes a parameter of a 7B model is over 80 GiB: {ddp:?}");
