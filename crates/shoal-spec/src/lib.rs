@@ -219,11 +219,15 @@ pub enum Strategy {
     /// ZeRO stage 3: the parameters sharded too, each layer gathered just before its use in forward and backward
     /// and freed after, the next layer's gather overlapping the current layer's computation.
     Zero3,
+    /// The planner's choice for the job's model at the world size it starts with and `resources.memory` per worker
+    /// (`shoal_train::plan::choose`): DDP when it fits, else the lightest ZeRO stage that does; what ran, and why,
+    /// is recorded.
+    Auto,
 }
 
 impl Strategy {
     /// The strategies that can run, as written in a spec.
-    pub const NAMES: [&'static str; 4] = ["ddp", "zero1", "zero2", "zero3"];
+    pub const NAMES: [&'static str; 5] = ["ddp", "zero1", "zero2", "zero3", "auto"];
     /// Strategies a spec may name that do not exist yet (refused with a message saying so).
     pub const PLANNED: [&'static str; 4] = ["fsdp", "pipeline", "tensor", "ps"];
 
@@ -233,6 +237,7 @@ impl Strategy {
             Strategy::Zero1 => "zero1",
             Strategy::Zero2 => "zero2",
             Strategy::Zero3 => "zero3",
+            Strategy::Auto => "auto",
         }
     }
 
@@ -242,6 +247,7 @@ impl Strategy {
             "zero1" => Some(Strategy::Zero1),
             "zero2" => Some(Strategy::Zero2),
             "zero3" => Some(Strategy::Zero3),
+            "auto" => Some(Strategy::Auto),
             _ => None,
         }
     }

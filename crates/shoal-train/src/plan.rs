@@ -303,6 +303,61 @@ pub fn estimate(
     }
 }
 
+/// `train.strategy = "auto"`: the strategy the planner picks for `spec` on `world` workers of `memory` bytes each,
+/// and why, in words. Among the layouts this build runs (data parallel, any ZeRO stage), the first that fits by the
+/// cost model — DDP when it does, since sharding only adds communication — else ZeRO-3, which holds the least. The
+/// same on every rank (no measurement: the choice turns on memory and communication volume only).
+pub fn choose(spec: &JobSpec, world: usize, memory: u64) -> Result<(crate::spec::Strategy, String), String> {
+    use crate::spec::Strategy;
+    let model = ModelCost::of(spec)?;
+    let cluster = ClusterCost { devices: world.max(1), memory_per_device: memory, flops_per_s: 1e11, bandwidth: 1e10 };
+    let runnable: Vec<Layout> =
+        plan(&model, BatchCost::of(spec), &cluster).into_iter().filter(|l| l.runnable).collect();
+    let gib = |b: u64| format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64);
+    let by_name = |n: &str| match n {
+        "zero1" => Strategy::Zero1,
+        "zero2" => Strategy::Zero2,
+        "zero3" => Strategy::Zero3,
+        _ => Strategy::Ddp,
+    };
+    let ddp = runnable.iter().find(|l| l.zero == 0);
+    let pick = runnable.iter().find(|l| l.fits);
+    Ok(match pick {
+        Some(l) => {
+            let name = l.strategy.unwrap_or("ddp");
+            let why = match (name, ddp) {
+                ("ddp", _) => format!(
+                    "ddp: the whole model fits each of the {world} workers ({} of {} by the planner's estimate)",
+                    gib(l.memory_per_device_bytes),
+                    gib(memory)
+                ),
+                (_, Some(d)) => format!(
+                    "{name}: ddp would need {} per worker, over resources.memory = {}; {name} needs {}",
+                    gib(d.memory_per_device_bytes),
+                    gib(memory),
+                    gib(l.memory_per_device_bytes)
+                ),
+                (_, None) => {
+                    format!("{name}: it needs {} per worker of {}", gib(l.memory_per_device_bytes), gib(memory))
+                }
+            };
+            (by_name(name), why)
+        }
+        None => {
+            let least = runnable.iter().map(|l| l.memory_per_device_bytes).min().unwrap_or(0);
+            (
+                Strategy::Zero3,
+                format!(
+                    "zero3: no data-parallel layout fits resources.memory = {} by the planner's estimate (ZeRO-3 needs \
+                     {}); it holds the least",
+                    gib(memory),
+                    gib(least)
+                ),
+            )
+        }
+    })
+}
+
 /// What this host sustains, measured in about a second: the FLOP/s of one core on f32 matrix products of a model of
 /// `width` (a device
 /// here is a worker on a core) and the bytes/s a memory copy moves (what the shared-memory collectives are bound by).
@@ -345,6 +400,26 @@ mod tests {
 
     fn cluster(devices: usize, memory: u64) -> ClusterCost {
         ClusterCost { devices, memory_per_device: memory, flops_per_s: 1e11, bandwidth: 1e9 }
+    }
+
+    #[test]
+    fn auto_takes_ddp_when_it_fits_and_the_lightest_zero_stage_otherwise() {
+        let spec = crate::spec::parse_job(
+            "name = \"a\"\n[train]\ndataset = \"digits\"\nglobal_batch = 64\nsteps = 1\nlr = 0.1\n\
+             strategy = \"auto\"\n[train.model]\nkind = \"mlp\"\nhidden = [4096, 4096]\n",
+            "JOB.toml",
+        )
+        .expect("spec");
+        let (s, why) = choose(&spec, 4, 1 << 30).expect("choose");
+        assert_eq!(s, crate::spec::Strategy::Ddp, "{why}");
+        assert!(why.starts_with("ddp: the whole model fits"), "{why}");
+        // About 17M parameters: DDP needs 16 bytes each (272 MB); ZeRO-1 on 4 workers 10 (170 MB).
+        let (s, why) = choose(&spec, 4, 200 << 20).expect("choose");
+        assert_eq!(s, crate::spec::Strategy::Zero1, "{why}");
+        assert!(why.contains("ddp would need") && why.contains("resources.memory"), "{why}");
+        let (s, why) = choose(&spec, 4, 1 << 20).expect("choose");
+        assert_eq!(s, crate::spec::Strategy::Zero3, "{why}");
+        assert!(why.contains("no data-parallel layout fits"), "{why}");
     }
 
     #[test]

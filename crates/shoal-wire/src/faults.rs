@@ -38,6 +38,9 @@ pub struct Heartbeat {
     /// step N`; absent before, or when it started from nothing.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resumed: Option<String>,
+    /// What `train.strategy = "auto"` chose for the attempt, and why (rank 0, once decided).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub strategy: Option<String>,
     /// Why the rank is failing, sent once, at once, before it exits (a collective's report: the operation, its
     /// sequence number, the ranks that never arrived); absent while it runs.
     #[serde(default, skip_serializing_if = "Option::is_none")]

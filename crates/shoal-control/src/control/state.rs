@@ -236,11 +236,21 @@ pub(crate) struct Watch {
     pub(super) step_moved: Option<Instant>,
     /// Whether the `resumed` event of the attempt was recorded.
     pub(super) resume_told: bool,
+    /// Whether the attempt's `strategy` event (what `train.strategy = "auto"` chose) was recorded.
+    pub(super) strategy_told: bool,
 }
 
 impl Watch {
     pub(super) fn new(attempt: i64) -> Watch {
-        Watch { attempt, ranks: HashMap::new(), step: 0, first_step: None, step_moved: None, resume_told: false }
+        Watch {
+            attempt,
+            ranks: HashMap::new(),
+            step: 0,
+            first_step: None,
+            step_moved: None,
+            resume_told: false,
+            strategy_told: false,
+        }
     }
 }
 

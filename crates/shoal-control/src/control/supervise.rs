@@ -317,6 +317,9 @@ impl Control {
         if let Some(news) = self.resume_news(&job.id, job.attempt) {
             self.db.event(&job.id, "resumed", job.state, &news).await?;
         }
+        if let Some(news) = self.strategy_news(&job.id, job.attempt) {
+            self.db.event(&job.id, "strategy", job.state, &news).await?;
+        }
         match verdict {
             Verdict::Fine => {}
             Verdict::Silent { why, dump } => {

@@ -126,6 +126,16 @@ impl Control {
         Some(format!("attempt {attempt} resumed from its {from}"))
     }
 
+    /// What `train.strategy = "auto"` chose for attempt `attempt` of job `id`, as rank 0's heartbeat says, the first
+    /// time it says so: for the attempt's `strategy` event.
+    pub(super) fn strategy_news(&self, id: &str, attempt: i64) -> Option<String> {
+        let mut watched = self.watched.lock().unwrap_or_else(|p| p.into_inner());
+        let w = watched.get_mut(id).filter(|w| w.attempt == attempt && !w.strategy_told)?;
+        let why = w.ranks.get(&0)?.hb.strategy.clone()?;
+        w.strategy_told = true;
+        Some(format!("attempt {attempt}: train.strategy = \"auto\" chose {why}"))
+    }
+
     /// Whether attempt `attempt` of job `id` completed a training step after it was first seen training.
     pub(super) fn progressed(&self, id: &str, attempt: i64) -> bool {
         let watched = self.watched.lock().unwrap_or_else(|p| p.into_inner());

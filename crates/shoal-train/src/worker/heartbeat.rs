@@ -53,6 +53,8 @@ struct Shared {
     stop: AtomicBool,
     /// Where the state came from (`Heartbeat::resumed`), once known.
     resumed: std::sync::Mutex<Option<String>>,
+    /// What `train.strategy = "auto"` chose and why (`Heartbeat::strategy`).
+    chose: std::sync::Mutex<Option<String>>,
 }
 
 /// The running heartbeat; it stops when dropped.
@@ -147,6 +149,7 @@ impl Reporter {
             op_s: a.for_.as_secs_f64(),
             ops_done: a.done,
             resumed: s.resumed.lock().map(|r| r.clone()).unwrap_or_default(),
+            strategy: s.chose.lock().map(|r| r.clone()).unwrap_or_default(),
             error,
         }
     }
@@ -230,6 +233,13 @@ impl Beat {
     pub(super) fn resumed(&self, from: String) {
         if let Ok(mut r) = self.shared.resumed.lock() {
             *r = Some(from);
+        }
+    }
+
+    /// What `train.strategy = "auto"` chose, and why: said in every later heartbeat.
+    pub(super) fn chose(&self, why: String) {
+        if let Ok(mut c) = self.shared.chose.lock() {
+            *c = Some(why);
         }
     }
 

@@ -83,6 +83,9 @@ fn train(
         b.resumed(format!("{source} at step {}", l.manifest.step));
     }
     let mut training = setup::training(spec, setup, params)?;
+    if let (Some(b), Some(why), 0) = (beat, &training.chose, setup.rank) {
+        b.chose(why.clone());
+    }
     let start_step = match &resumed {
         Some(l) => resume::restore(l, &mut training)?,
         None => 0,

@@ -53,6 +53,8 @@ pub(super) struct Training {
     pub(super) overlap: bool,
     /// The strategy `train.strategy` names: what the manifest and the summary record.
     pub(super) ran: Strategy,
+    /// Why `train.strategy = "auto"` chose `ran` (absent when the spec named it).
+    pub(super) chose: Option<String>,
     pub(super) trainer: Trainer,
 }
 
@@ -156,13 +158,23 @@ pub(super) fn training(spec: &JobSpec, setup: &Setup, params: Params) -> Result<
     };
     // The strategy `train.strategy` names (the spec refuses names that have none yet): what the manifest and the
     // summary record.
-    let ran = t.strategy;
+    let (ran, chose) = match t.strategy {
+        Strategy::Auto => {
+            let (s, why) = crate::plan::choose(spec, world, spec.resources.memory).map_err(Error::Spec)?;
+            if rank == 0 {
+                eprintln!("train.strategy = \"auto\" chose {why}");
+            }
+            (s, Some(why))
+        }
+        s => (s, None),
+    };
     let strategy: Box<dyn crate::strategy::Strategy> = match ran {
         Strategy::Ddp => Box::new(crate::strategy::ddp::Ddp::new(Some(comm.clone()), cfg.ddp())),
         Strategy::Zero1 => Box::new(crate::strategy::zero::Zero1::new(Some(comm.clone()))),
         Strategy::Zero2 => Box::new(crate::strategy::zero::Zero::new(Some(comm.clone()), 2, cfg.bucket_bytes)),
         // The next layer's gather overlaps the current layer's computation where a core is free for it.
         Strategy::Zero3 => Box::new(crate::strategy::zero::Zero3::new(Some(comm.clone()), overlap)),
+        Strategy::Auto => return Err(Error::Spec("train.strategy: \"auto\" was not resolved".into())),
     };
     let trainer = Trainer::with_strategy(params, strategy, cfg)?;
 
@@ -172,7 +184,7 @@ pub(super) fn training(spec: &JobSpec, setup: &Setup, params: Params) -> Result<
         world,
         rank,
     )?;
-    Ok(Training { sampler, micro, overlap, ran, trainer })
+    Ok(Training { sampler, micro, overlap, ran, chose, trainer })
 }
 
 /// The model of a job and the parameters behind it.

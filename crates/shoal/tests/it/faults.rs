@@ -610,3 +610,19 @@ fn phases_resize_the_job_at_their_boundary_and_release_what_the_next_does_not_ne
     assert_eq!((sum["steps"].as_u64(), sum["resumed_from"].as_u64()), (Some(600), Some(250)), "{sum}");
     assert_eq!(sum["world_size"], 1, "{sum}");
 }
+
+#[test]
+#[cfg_attr(not(feature = "failpoints"), ignore = "slows the job's data: needs `--features shoal/failpoints`")]
+fn strategy_auto_runs_the_planners_choice_and_says_why_in_the_events() {
+    let p = Platform::new("auto-strategy");
+    let spec = job("auto", 60, "").replace("[train]\n", "[train]\nstrategy = \"auto\"\n");
+    let id = p.submit("auto", &spec);
+    let v = p.wait_state(&id, "succeeded");
+    let ev = events(&v);
+    let chose = ev.iter().find(|e| e.1 == "strategy").unwrap_or_else(|| panic!("no strategy event: {ev:?}"));
+    assert!(
+        chose.2.contains("attempt 1: train.strategy = \"auto\" chose ddp: the whole model fits each of the 2 workers"),
+        "{chose:?}"
+    );
+    assert_eq!(v["summary"]["strategy"], "ddp", "{}", v["summary"]);
+}
