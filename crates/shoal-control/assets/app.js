@@ -1338,35 +1338,15 @@ async function jobView(ctx, root, seg) {
     renderMemory(ranks);
   }
   function renderMemory(ranks) {
-    const rows = ranks.map((r) => {
+    stackedBars(memoryEl, MEMORY, fmtBytes, 'total', ranks.map((r) => {
       const c = train.get(r);
       const parts = {};
       for (const [k] of MEMORY) parts[k] = c.last(k);
-      const total = Object.values(parts).reduce((a, v) => a + (v || 0), 0);
-      return { r, parts, total };
-    }).filter((x) => x.total > 0);
-    if (!rows.length) {
-      fill(memoryEl, h('div', { class: 'empty' }, 'waiting for data…'));
-      return;
-    }
-    const max = Math.max(...rows.map((x) => x.total));
-    const numbers = table([
-      { label: 'rank', num: true, get: (x) => fmtInt(x.r) },
-      ...MEMORY.map(([k, label]) => ({ label, num: true, get: (x) => fmtBytes(x.parts[k]) })),
-      { label: 'total', num: true, get: (x) => h('b', null, fmtBytes(x.total)) },
-    ], rows);
-    numbers.style.marginTop = '12px';
-    fill(memoryEl, rows.map(({ r, parts, total }) => {
-      const title = MEMORY.map(([k, label]) => `${label} ${fmtBytes(parts[k])}`).join(' · ');
-      return h('div', { class: 'bar-row', title },
-        h('span', { class: 'label' }, `rank ${r}`),
-        h('div', { class: 'stack', style: { width: `${Math.max(2, (100 * total) / max)}%` } },
-          MEMORY.map(([k, , color]) => (parts[k] > 0 ? h('div', { style: { width: `${(100 * parts[k]) / total}%`, background: color } }) : null))),
-        h('span', { class: 'total' }, fmtBytes(total)));
-    }), numbers);
+      return { r, parts, total: Object.values(parts).reduce((a, v) => a + (v || 0), 0) };
+    }));
   }
   function renderBars(ranks) {
-    const rows = ranks.map((r) => {
+    stackedBars(barsEl, PHASES, fmtSecs, 'step', ranks.map((r) => {
       const c = train.get(r);
       const parts = {};
       for (const [k] of PHASES) if (k !== 'other_s') parts[k] = c.median(k, 50);
@@ -1374,25 +1354,29 @@ async function jobView(ctx, root, seg) {
       const known = Object.values(parts).reduce((a, v) => a + (v || 0), 0);
       parts.other_s = step !== null && step > known ? step - known : 0;
       return { r, parts, total: step ?? known };
-    }).filter((x) => x.total > 0);
+    }));
+  }
+  // One bar per rank, stacked from `kinds` ([key, label, color]), with the numbers in a table below.
+  function stackedBars(el, kinds, fmt, totalLabel, all) {
+    const rows = all.filter((x) => x.total > 0);
     if (!rows.length) {
-      fill(barsEl, h('div', { class: 'empty' }, 'waiting for data…'));
+      fill(el, h('div', { class: 'empty' }, 'waiting for data…'));
       return;
     }
     const max = Math.max(...rows.map((x) => x.total));
     const numbers = table([
       { label: 'rank', num: true, get: (x) => fmtInt(x.r) },
-      ...PHASES.map(([k, label]) => ({ label, num: true, get: (x) => fmtSecs(x.parts[k]) })),
-      { label: 'step', num: true, get: (x) => h('b', null, fmtSecs(x.total)) },
+      ...kinds.map(([k, label]) => ({ label, num: true, get: (x) => fmt(x.parts[k]) })),
+      { label: totalLabel, num: true, get: (x) => h('b', null, fmt(x.total)) },
     ], rows);
     numbers.style.marginTop = '12px';
-    fill(barsEl, rows.map(({ r, parts, total }) => {
-      const title = PHASES.map(([k, label]) => `${label} ${fmtSecs(parts[k])}`).join(' · ');
+    fill(el, rows.map(({ r, parts, total }) => {
+      const title = kinds.map(([k, label]) => `${label} ${fmt(parts[k])}`).join(' · ');
       return h('div', { class: 'bar-row', title },
         h('span', { class: 'label' }, `rank ${r}`),
         h('div', { class: 'stack', style: { width: `${Math.max(2, (100 * total) / max)}%` } },
-          PHASES.map(([k, , color]) => (parts[k] > 0 ? h('div', { style: { width: `${(100 * parts[k]) / total}%`, background: color } }) : null))),
-        h('span', { class: 'total' }, fmtSecs(total)));
+          kinds.map(([k, , color]) => (parts[k] > 0 ? h('div', { style: { width: `${(100 * parts[k]) / total}%`, background: color } }) : null))),
+        h('span', { class: 'total' }, fmt(total)));
     }), numbers);
   }
   function renderSamples() {

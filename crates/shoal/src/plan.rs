@@ -87,9 +87,8 @@ pub fn run(a: &PlanArgs) -> Result<bool> {
     let (flops, bandwidth) = match (a.flops, a.bandwidth) {
         (Some(f), Some(b)) => (f, b),
         (f, b) => {
-            let width = model.layers.iter().map(|l| l.params).max().map_or(64, |_| {
-                if m.kind == shoal_train::spec::ModelKind::Gpt { a.width.unwrap_or(m.width()) } else { 64 }
-            });
+            // Products of the GPT's width; an MLP's are measured at 64.
+            let width = if m.kind == shoal_train::spec::ModelKind::Gpt { a.width.unwrap_or(m.width()) } else { 64 };
             let (mf, mb) = measure_host(width);
             (f.unwrap_or(mf), b.unwrap_or(mb))
         }

@@ -59,7 +59,6 @@ struct Shared {
 
 /// The running heartbeat; it stops when dropped.
 pub(super) struct Beat {
-    shared: Arc<Shared>,
     reporter: Arc<Reporter>,
 }
 
@@ -125,7 +124,7 @@ struct Reporter {
     comm: Communicator,
     rank: usize,
     attempt: i64,
-    shared: Arc<Shared>,
+    shared: Shared,
     link: Option<Arc<ServerLink>>,
     path: PathBuf,
     tmp: PathBuf,
@@ -154,18 +153,14 @@ impl Reporter {
         }
     }
 
-    /// Sends `hb` to the server, or writes it to the file when there is no server or it cannot be reached; an
-    /// error says what failed.
+    /// Sends `hb` to the server, or writes it to the file when there is no server; when the server cannot be
+    /// reached, writes the file and says why it was not heard.
     fn report(&self, hb: &Heartbeat) -> Result<(), String> {
-        let sent = match &self.link {
-            Some(link) => link.send(hb),
-            None => Err(String::new()),
-        };
-        match sent {
-            Ok(()) => Ok(()),
-            Err(why) => write(&self.tmp, &self.path, hb)
-                .map_err(|e| format!("{}: {e}", self.path.display()))
-                .and(if why.is_empty() { Ok(()) } else { Err(why) }),
+        let write = || write(&self.tmp, &self.path, hb).map_err(|e| format!("{}: {e}", self.path.display()));
+        match self.link.as_ref().map(|link| link.send(hb)) {
+            None => write(),
+            Some(Ok(())) => Ok(()),
+            Some(Err(why)) => write().and(Err(why)),
         }
     }
 }
@@ -181,12 +176,11 @@ impl Beat {
         output: &Path,
         link: Option<Arc<ServerLink>>,
     ) -> Option<Beat> {
-        let shared = Arc::new(Shared::default());
         let reporter = Arc::new(Reporter {
             comm,
             rank,
             attempt,
-            shared: shared.clone(),
+            shared: Shared::default(),
             link,
             path: heartbeat_file(output, rank),
             tmp: output.join(format!(".heartbeat.rank-{rank}.json.tmp")),
@@ -206,7 +200,7 @@ impl Beat {
             }
         });
         match started {
-            Ok(_) => Some(Beat { shared, reporter }),
+            Ok(_) => Some(Beat { reporter }),
             Err(e) => {
                 tracing::warn!(rank, error = %e, "the heartbeat thread could not start; no heartbeats");
                 None
@@ -217,7 +211,7 @@ impl Beat {
     /// Tells the control plane at once, from the calling thread, why this rank fails (before it exits), and stops
     /// the heartbeats.
     pub(super) fn fail(&self, why: &str) {
-        self.shared.stop.store(true, Ordering::Relaxed);
+        self.reporter.shared.stop.store(true, Ordering::Relaxed);
         let hb = self.reporter.heartbeat(Some(why.to_owned()));
         if let Err(e) = self.reporter.report(&hb) {
             tracing::warn!(rank = self.reporter.rank, error = %e, "the failure report did not reach the server");
@@ -226,31 +220,31 @@ impl Beat {
 
     /// The steps completed so far.
     pub(super) fn step(&self, step: u64) {
-        self.shared.step.store(step, Ordering::Relaxed);
+        self.reporter.shared.step.store(step, Ordering::Relaxed);
     }
 
     /// Where the state came from: said in every later heartbeat.
     pub(super) fn resumed(&self, from: String) {
-        if let Ok(mut r) = self.shared.resumed.lock() {
+        if let Ok(mut r) = self.reporter.shared.resumed.lock() {
             *r = Some(from);
         }
     }
 
     /// What `train.strategy = "auto"` chose, and why: said in every later heartbeat.
     pub(super) fn chose(&self, why: String) {
-        if let Ok(mut c) = self.shared.chose.lock() {
+        if let Ok(mut c) = self.reporter.shared.chose.lock() {
             *c = Some(why);
         }
     }
 
     pub(super) fn phase(&self, phase: Phase) {
-        self.shared.phase.store(phase as u8, Ordering::Relaxed);
+        self.reporter.shared.phase.store(phase as u8, Ordering::Relaxed);
     }
 }
 
 impl Drop for Beat {
     fn drop(&mut self) {
-        self.shared.stop.store(true, Ordering::Relaxed);
+        self.reporter.shared.stop.store(true, Ordering::Relaxed);
     }
 }
 

@@ -53,11 +53,9 @@ impl Graceful {
 }
 
 impl Drop for Graceful {
+    /// A stop asked for during the run's last step is moot (the run ends there anyway); a SIGTERM from now on ends
+    /// the process at once.
     fn drop(&mut self) {
         ARMED.store(false, Ordering::SeqCst);
-        // Asked for while the loop ended anyway: end now, as the signal would have.
-        if ASKED.load(Ordering::SeqCst) {
-            tracing::info!("a stop was asked for as the step loop ended");
-        }
     }
 }

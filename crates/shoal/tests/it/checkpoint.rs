@@ -7,20 +7,10 @@ use std::process::{Command, Output};
 
 use safetensors::SafeTensors;
 
+use crate::train::run_json;
+
 fn shoal(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_shoal")).args(args).output().expect("run shoal")
-}
-
-fn ok_json(args: &[&str]) -> serde_json::Value {
-    let out = shoal(args);
-    assert!(
-        out.status.success(),
-        "shoal {args:?} failed:\n{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout)
-        .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)))
 }
 
 /// Runs `shoal args`, which must fail; returns its stderr.
@@ -45,7 +35,7 @@ fn train(dir: &Path, strategy: &str, ranks: &str) -> PathBuf {
     );
     std::fs::write(&job, text).expect("write job");
     let out = dir.join(strategy);
-    ok_json(&["run", "-n", ranks, "--json", "--output", s(&out), s(&job)]);
+    run_json(&["run", "-n", ranks, "--json", "--output", s(&out), s(&job)]);
     out
 }
 
@@ -69,7 +59,7 @@ fn inspect_and_consolidate_zero_and_ddp_checkpoints() {
     for (run, strategy, world) in [(&zero, "zero2", 2), (&ddp, "ddp", 1)] {
         let last = run.join("checkpoints/step-000008");
         // The run's directory leads to its newest checkpoint, with every step listed.
-        let i = ok_json(&["checkpoint", "inspect", "--json", s(run)]);
+        let i = run_json(&["checkpoint", "inspect", "--json", s(run)]);
         assert_eq!(i["step"], 8, "{i}");
         assert_eq!(i["strategy"], strategy, "{i}");
         assert_eq!(i["world_size"], world, "{i}");
@@ -112,7 +102,7 @@ fn inspect_and_consolidate_zero_and_ddp_checkpoints() {
 
         // Consolidated: the model's tensors as saved, with the step, strategy and world size.
         let out = dir.join(format!("{strategy}.safetensors"));
-        let c = ok_json(&["checkpoint", "consolidate", s(run), "--out", s(&out), "--json"]);
+        let c = run_json(&["checkpoint", "consolidate", s(run), "--out", s(&out), "--json"]);
         assert_eq!(c["step"], 8, "{c}");
         let bytes = std::fs::read(&out).expect("consolidated file");
         assert_eq!(c["bytes"].as_u64(), Some(bytes.len() as u64));
@@ -124,7 +114,7 @@ fn inspect_and_consolidate_zero_and_ddp_checkpoints() {
         assert_eq!(meta.get("world_size"), Some(&world.to_string()));
 
         // With the optimizer's state, under `optimizer.`.
-        let c = ok_json(&["checkpoint", "consolidate", s(&last), "--out", s(&out), "--optimizer", "--json"]);
+        let c = run_json(&["checkpoint", "consolidate", s(&last), "--out", s(&out), "--optimizer", "--json"]);
         let bytes = std::fs::read(&out).expect("consolidated file");
         let opt = tensors(&std::fs::read(last.join("optimizer.safetensors")).expect("optimizer"));
         let all = tensors(&bytes);
@@ -149,11 +139,11 @@ fn inspect_and_consolidate_zero_and_ddp_checkpoints() {
     assert!(!out.exists(), "nothing written for a corrupt checkpoint");
     let err = fails(&["checkpoint", "inspect", s(&last)]);
     assert!(err.contains(s(&bad)), "{err}");
-    let i = ok_json(&["checkpoint", "inspect", "--json", s(&zero)]);
+    let i = run_json(&["checkpoint", "inspect", "--json", s(&zero)]);
     assert_eq!(i["step"], 4, "{i}");
     assert_eq!(i["steps"][1]["valid"], false, "{i}");
     assert_eq!(i["steps"][1]["file"], s(&bad), "{i}");
-    let c = ok_json(&["checkpoint", "consolidate", s(&zero), "--out", s(&out), "--json"]);
+    let c = run_json(&["checkpoint", "consolidate", s(&zero), "--out", s(&out), "--json"]);
     assert_eq!(c["step"], 4, "{c}");
 
     // Bad paths: errors naming them, no panic.

@@ -494,33 +494,9 @@ fn a_cancelled_jobs_in_memory_copies_are_removed() {
 /// A job of `min..max` workers of one CPU each, at least 5 ms a step, storage checkpoints only every 1000 steps: a
 /// checkpoint at any other step is one a stop asked for.
 fn elastic_job(name: &str, steps: usize, workers: &str, priority: i64) -> String {
-    format!(
-        r#"
-name = "{name}"
-priority = {priority}
-[workers]
-{workers}
-[resources]
-cpus = 1
-memory = "1GiB"
-[fault_tolerance]
-policy = "elastic"
-[env]
-SHOAL_FAULT_DATA_DELAY = "5ms"
-[train]
-dataset = "digits"
-global_batch = 64
-steps = {steps}
-lr = 3e-3
-log_every = 500
-[train.model]
-kind = "mlp"
-hidden = [64]
-[checkpoint]
-every = 1000
-keep = 2
-"#
-    )
+    job(name, steps, "policy = \"elastic\"")
+        .replace("[workers]\ncount = 2\n", &format!("priority = {priority}\n[workers]\n{workers}\n"))
+        .replace("every = 50\n", "every = 1000\n")
 }
 
 /// The running attempt's number of workers.

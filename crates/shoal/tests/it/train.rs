@@ -21,7 +21,8 @@ fn tmpdir(tag: &str) -> PathBuf {
     d
 }
 
-fn run_json(args: &[&str]) -> serde_json::Value {
+/// Runs `shoal args`, which must succeed and print one JSON value.
+pub(crate) fn run_json(args: &[&str]) -> serde_json::Value {
     let out = shoal().args(args).output().expect("run shoal");
     assert!(
         out.status.success(),
@@ -30,7 +31,7 @@ fn run_json(args: &[&str]) -> serde_json::Value {
         String::from_utf8_lossy(&out.stderr)
     );
     serde_json::from_slice(&out.stdout)
-        .unwrap_or_else(|e| panic!("summary is not JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)))
+        .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)))
 }
 
 fn losses(metrics: &Path) -> Vec<(u64, f64)> {
