@@ -689,6 +689,10 @@ impl Communicator {
             if let Ok(mut c) = inner.closed.lock() {
                 c.get_or_insert_with(|| format!("{name} #{seq} failed: {e}"));
             }
+            // The peers still waiting on this rank in the failed operation learn at once that it left.
+            for t in &inner.transports {
+                t.close();
+            }
             tracing::debug!(comm = %inner.cfg.name, rank = inner.rank, op = name, seq, error = %e, "collective failed; communicator closed");
         }
         if let Ok(mut turn) = inner.turn.lock() {

@@ -13,6 +13,7 @@
 //! | `SHOAL_HOST_ID` | optional: overrides the host identity (tests of multi-host layouts) |
 //! | `SHOAL_SERVER`, `SHOAL_SERVER_CA` | optional: the control plane's URL, where a task sends its heartbeats (signed with the job secret), and the PEM file of certificates to trust for it |
 //! | `SHOAL_RENDEZVOUS_HOST` | optional: `1` makes rank 0 host the store at `SHOAL_RENDEZVOUS` itself (for launchers that start no store, e.g. `srun` or `mpirun`) |
+//! | `SHOAL_GENERATION`, `SHOAL_TASK_RANK` | optional: a task that joins a running job's group in place — the group's generation (its communicator is [`group_name`]'s, the state comes from its rank 0) and the task's own number among the attempt's tasks (`SHOAL_RANK` is its rank in the group) |
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -44,6 +45,9 @@ pub mod var {
     /// Fault injection (feature `failpoints`): every training batch takes this long to load.
     pub const FAULT_DATA_DELAY: &str = "SHOAL_FAULT_DATA_DELAY";
     pub const HOST_ID: &str = "SHOAL_HOST_ID";
+    /// A task that joins a running group in place: the group's generation, and the task's number in its attempt.
+    pub const GENERATION: &str = "SHOAL_GENERATION";
+    pub const TASK_RANK: &str = "SHOAL_TASK_RANK";
     /// torchrun's names, for programs that read those.
     pub const MASTER_ADDR: &str = "MASTER_ADDR";
     pub const MASTER_PORT: &str = "MASTER_PORT";
@@ -91,12 +95,17 @@ pub struct TaskEnv {
     pub threads: Option<usize>,
     /// GPUs the task sees (`None`: not restricted).
     pub gpus: Option<String>,
+    /// A task that joins a running job's group in place: the group's generation and the task's own number among
+    /// its attempt's tasks (`rank` and `world_size` are then the group's; no rank hosts the store).
+    pub join: Option<(u32, usize)>,
 }
 
 /// Names the contract sets that a job's own environment may not: everything [`TaskEnv::vars`] writes except the
 /// thread counts, which a job may tune.
-pub const RESERVED: [&str; 20] = [
+pub const RESERVED: [&str; 22] = [
     var::JOB_ID,
+    var::GENERATION,
+    var::TASK_RANK,
     var::RANK,
     var::WORLD_SIZE,
     var::LOCAL_RANK,
@@ -168,6 +177,8 @@ impl TaskEnv {
             (var::RAYON_THREADS, self.threads.map(|t| t.to_string())),
             (var::OMP_THREADS, self.threads.map(|t| t.to_string())),
             (var::VISIBLE_GPUS, self.gpus.clone()),
+            (var::GENERATION, self.join.map(|(g, _)| g.to_string())),
+            (var::TASK_RANK, self.join.map(|(_, t)| t.to_string())),
         ];
         v.extend(optional.into_iter().filter_map(|(k, x)| x.map(|x| (k, x))));
         v
@@ -248,6 +259,19 @@ pub struct EnvContract {
     /// server started the task.
     pub server: Option<String>,
     pub server_ca: Option<String>,
+    /// The group generation a joining task enters (`SHOAL_GENERATION`; 0: the attempt's first group).
+    pub generation: u32,
+    /// The task's own number among its attempt's tasks (`SHOAL_TASK_RANK`; by default its rank).
+    pub task_rank: usize,
+}
+
+/// The name of a job's communicator in group generation `generation` (0: the attempt's first), under `base` (the
+/// first group's name): the store keys of each generation's rendezvous apart.
+pub fn group_name(base: &str, generation: u32) -> String {
+    match generation {
+        0 => base.to_owned(),
+        g => format!("{base}/g{g}"),
+    }
 }
 
 impl EnvContract {
@@ -299,7 +323,31 @@ impl EnvContract {
         };
         let server = std::env::var(var::SERVER).ok().filter(|s| !s.is_empty());
         let server_ca = std::env::var(var::SERVER_CA).ok().filter(|s| !s.is_empty());
-        Ok(EnvContract { rank, world_size, rendezvous, host_store, cfg, attempt, job_id, server, server_ca })
+        let number = |name: &str| -> Result<Option<usize>> {
+            match std::env::var(name) {
+                Ok(v) => v
+                    .parse::<usize>()
+                    .map(Some)
+                    .map_err(|_| Error::InvalidArgument(format!("{name}={v:?} is not a whole number"))),
+                Err(_) => Ok(None),
+            }
+        };
+        let generation = number(var::GENERATION)?.unwrap_or(0) as u32;
+        let task_rank = number(var::TASK_RANK)?.unwrap_or(rank);
+        let host_store = host_store && generation == 0;
+        Ok(EnvContract {
+            rank,
+            world_size,
+            rendezvous,
+            host_store,
+            cfg,
+            attempt,
+            job_id,
+            server,
+            server_ca,
+            generation,
+            task_rank,
+        })
     }
 
     /// Connects to the rendezvous store and builds the world communicator. With
@@ -313,8 +361,10 @@ impl EnvContract {
                 h.push(server);
             }
         }
-        let store: Arc<dyn Store> = Arc::new(TcpStore::connect(&self.rendezvous, &self.cfg.secret, self.cfg.timeout)?);
-        Communicator::init(store, self.rank, self.world_size, self.cfg)
+        let mut cfg = self.cfg;
+        cfg.name = group_name(&cfg.name, self.generation);
+        let store: Arc<dyn Store> = Arc::new(TcpStore::connect(&self.rendezvous, &cfg.secret, cfg.timeout)?);
+        Communicator::init(store, self.rank, self.world_size, cfg)
     }
 }
 
@@ -355,6 +405,8 @@ mod tests {
                         job_id: None,
                         server: None,
                         server_ca: None,
+                        generation: 0,
+                        task_rank: rank,
                     };
                     let c = env.connect()?;
                     let mut v = vec![rank as i32; 5];

@@ -265,6 +265,13 @@ pub struct RingTransport {
 
 impl Drop for RingTransport {
     fn drop(&mut self) {
+        self.leave();
+    }
+}
+
+impl RingTransport {
+    /// Marks this rank's segment closed and wakes every peer, which then sees it gone.
+    fn leave(&self) {
         self.segs[self.me].alive().store(0, Ordering::SeqCst);
         for (i, s) in self.segs.iter().enumerate() {
             if i != self.me {
@@ -520,6 +527,10 @@ impl Popper<'_, '_> {
 impl Transport for RingTransport {
     fn kind(&self) -> TransportKind {
         self.kind
+    }
+
+    fn close(&self) {
+        self.leave();
     }
 
     fn reaches(&self, peer: usize) -> bool {

@@ -401,6 +401,14 @@ impl Transport for TcpTransport {
         TransportKind::Tcp
     }
 
+    fn close(&self) {
+        for p in self.peers.iter().flatten() {
+            if let Ok(w) = p.writer.lock() {
+                let _ = w.shutdown(std::net::Shutdown::Both);
+            }
+        }
+    }
+
     fn reaches(&self, peer: usize) -> bool {
         peer != self.rank && matches!(self.peers.get(peer), Some(Some(_)))
     }

@@ -58,8 +58,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{MethodFilter, MethodRouter};
 use serde::Deserialize;
 use shoal_wire::{
-    CancelAccepted, ChaosDone, ChaosRequest, ErrorBody, EventList, HangDump, Health, Heartbeat, JobDetail, JobList,
-    MetricList, MetricsBatch, MetricsStored, NewToken, NodeList, QueueList, Submitted, TokenCreated, WhoAmI,
+    CancelAccepted, ChaosDone, ChaosRequest, ErrorBody, EventList, HangDump, Health, Heartbeat, HeartbeatReply,
+    JobDetail, JobList, MetricList, MetricsBatch, MetricsStored, NewToken, NodeList, QueueList, Submitted,
+    TokenCreated, WhoAmI,
 };
 use utoipa::{IntoParams, OpenApi};
 
@@ -534,7 +535,9 @@ async fn debug(
         description = "HMAC-SHA256 of the body under the job secret, in hex (what `shoal_comm::auth::sign` gives)")),
     request_body(content = Heartbeat, content_type = "application/json"),
     responses(
-        (status = 204, description = "Heard: the rank lives (a report of its failure goes into the job's events)"),
+        (status = 200, description = "Heard: the rank lives (a report of its failure goes into the job's events); the \
+            answer names the newer group the rank is to train in when its elastic job regroups in place",
+            body = HeartbeatReply),
         (status = 400, description = "A malformed heartbeat", body = ErrorBody),
         (status = 401, description = "No job with that id, or a tag that does not verify under its secret",
             body = ErrorBody),
@@ -550,7 +553,7 @@ async fn heartbeat(
     headers: HeaderMap,
     id: std::result::Result<Path<String>, PathRejection>,
     b: std::result::Result<Bytes, BytesRejection>,
-) -> ApiResult<StatusCode> {
+) -> ApiResult<Json<HeartbeatReply>> {
     let id = job_id(id)?;
     let b = body(b)?;
     let tag = headers.get("x-shoal-tag").and_then(|v| v.to_str().ok()).unwrap_or_default();
@@ -567,10 +570,11 @@ async fn heartbeat(
     if job.state != JobState::Running {
         return Err(ApiError::conflict(format!("job {id} is {}, not running", job.state.as_str())));
     }
+    let reply = HeartbeatReply { regroup: state.control.regroup_for(&job, &hb) };
     if let Some(report) = state.control.heard(&job, hb) {
         state.control.db.event(&id, "rank_report", job.state, &report).await?;
     }
-    Ok(StatusCode::NO_CONTENT)
+    Ok(Json(reply))
 }
 
 #[utoipa::path(

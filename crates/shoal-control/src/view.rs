@@ -110,7 +110,11 @@ pub fn finding(f: &crate::diagnose::Finding) -> wire::Finding {
 /// newest metrics line of rank 0.
 pub async fn job_detail(control: &Control, job: &JobRow) -> Result<wire::JobDetail> {
     let db = &control.db;
-    let tasks = db.tasks(&job.id, job.attempt).await?;
+    let mut tasks = db.tasks(&job.id, job.attempt).await?;
+    // An elastic job regrouped in place works with its group's members; the tasks it lost are in its events.
+    if let Some(members) = control.members(job) {
+        tasks.retain(|t| members.contains(&t.rank));
+    }
     let events = db.events(&job.id, 0).await?;
     let last = db.metrics(&job.id, Some(0), db.last_metric_step(&job.id, 0).await? - 1, 1).await?;
     Ok(wire::JobDetail {

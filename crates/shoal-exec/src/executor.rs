@@ -34,6 +34,19 @@ pub struct TaskLaunch {
     /// (`SHOAL_SERVER`, `SHOAL_SERVER_CA`); `None`: the task reports through files only.
     pub server: Option<String>,
     pub server_ca: Option<String>,
+    /// A task that joins its job's running group in place ([`Executor::joins_in_place`]) instead of starting with
+    /// its attempt: `rank` is then the task's own number among the attempt's tasks.
+    pub join: Option<Join>,
+}
+
+/// Where a task that joins a running group sits in it: the group's generation, its rank and size there, and the
+/// rendezvous store the group meets at (hosted by the control plane, not by a rank).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Join {
+    pub generation: u32,
+    pub rank: usize,
+    pub world_size: usize,
+    pub rendezvous: String,
 }
 
 /// The exit status of a worker that stopped at a step boundary with a checkpoint there (on a SIGTERM, or at the end
@@ -192,6 +205,12 @@ pub trait Executor: Send + Sync + std::fmt::Debug {
 
     /// Starts one task, with the environment contract.
     fn start(&self, launch: &TaskLaunch) -> Result<Task>;
+
+    /// Whether [`Executor::start`] honours [`TaskLaunch::join`]: a task started into a running job's group in place
+    /// (by default not: the job then grows by a restart at its new size).
+    fn joins_in_place(&self) -> bool {
+        false
+    }
 
     /// Starts every rank of one attempt (`launches`, in rank order) and gives their handles in the same order. An
     /// executor whose cluster manager allocates a gang at once (Slurm) makes it one request; by default, each task

@@ -229,6 +229,7 @@ impl JobObjects<'_> {
             threads: Some(r.cpus.div_ceil(1000).max(1) as usize),
             // The device plugin says which GPUs a pod that asked for some sees; one that asked none sees none.
             gpus: if r.gpus > 0 { None } else { Some(String::new()) },
+            join: None,
         }
     }
 

@@ -324,6 +324,7 @@ impl KubeExecutor {
             threads: Some(l.cpus_milli.div_ceil(1000).max(1) as usize),
             // The device plugin says which GPUs a Pod that asked for some sees; one that asked none sees none.
             gpus: if l.gpus.is_empty() { Some(String::new()) } else { None },
+            join: None,
         };
         let gpus_milli: u64 = l.gpus.iter().map(|(_, share)| u64::from(*share)).sum();
         let res = resources(l.cpus_milli, l.memory_bytes, gpus_milli)

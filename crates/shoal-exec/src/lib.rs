@@ -42,7 +42,7 @@ pub mod slurm;
 
 pub use error::{ExecError, Result, SpawnError};
 pub use executor::{
-    Executor, Fault, GangError, NodeInfo, STOPPED_EXIT, Stop, Stray, Task, TaskLaunch, TaskStatus, Usage,
+    Executor, Fault, GangError, Join, NodeInfo, STOPPED_EXIT, Stop, Stray, Task, TaskLaunch, TaskStatus, Usage,
 };
 #[cfg(feature = "kubernetes")]
 pub use kubernetes::{KubeExecutor, KubeOptions};

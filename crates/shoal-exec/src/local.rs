@@ -191,16 +191,22 @@ impl LocalExecutor {
         let Some(program) = l.argv.first() else {
             return Err(ExecError::BadTask(format!("job {} rank {}: empty command", l.job_id, l.rank)));
         };
-        let (host, port) = l.rendezvous.rsplit_once(':').unwrap_or((l.rendezvous.as_str(), ""));
+        // A task joining a running group takes its seat there; the others start the attempt's first group.
+        let (rank, world, rendezvous) = match &l.join {
+            Some(j) => (j.rank, j.world_size, &j.rendezvous),
+            None => (l.rank, l.world_size, &l.rendezvous),
+        };
+        let (host, port) = rendezvous.rsplit_once(':').unwrap_or((rendezvous.as_str(), ""));
         let contract = TaskEnv {
             job_id: l.job_id.clone(),
-            rank: l.rank,
-            world_size: l.world_size,
-            local_rank: l.rank,
-            local_world_size: l.world_size,
-            rendezvous: l.rendezvous.clone(),
-            // No store runs beside the tasks: rank 0 hosts it, at the address the executor picked.
-            host_store: true,
+            rank,
+            world_size: world,
+            local_rank: rank,
+            local_world_size: world,
+            rendezvous: rendezvous.clone(),
+            // No store runs beside the tasks: rank 0 hosts it, at the address the executor picked (a group joined in
+            // place meets at the control plane's).
+            host_store: l.join.is_none(),
             secret: l.secret.clone(),
             master_addr: host.to_owned(),
             master_port: port.parse().unwrap_or(0),
@@ -211,6 +217,7 @@ impl LocalExecutor {
             server_ca: l.server_ca.clone(),
             threads: Some(cpus.len().max(1)),
             gpus: Some(l.gpus.iter().map(|(i, _)| i.to_string()).collect::<Vec<_>>().join(",")),
+            join: l.join.as_ref().map(|j| (j.generation, l.rank)),
         };
         let mut cmd = Command::new("/bin/sh");
         // Absolute paths only: the job's own `PATH` must not decide whether its exit status is recorded.
@@ -264,7 +271,7 @@ impl LocalExecutor {
         let row = Task {
             job_id: l.job_id.clone(),
             attempt: l.attempt,
-            rank,
+            rank: l.rank as i64,
             host: self.host.clone(),
             pid: Some(pid),
             worker_pid,
@@ -418,6 +425,10 @@ impl Executor for LocalExecutor {
 
     fn start(&self, launch: &TaskLaunch) -> Result<Task> {
         self.start_task(launch)
+    }
+
+    fn joins_in_place(&self) -> bool {
+        true
     }
 
     /// Always answers: `/proc` and the exit files are here.

@@ -538,6 +538,7 @@ impl SlurmExecutor {
                 threads: Some(ask.cpus as usize),
                 // Slurm says which GPUs a step with `--gres` sees; a task that asked none sees none.
                 gpus: if ask.gpus > 0 { None } else { Some(String::new()) },
+                join: None,
             };
             s.push_str("(\n");
             for (k, v) in task_env(&contract, &l.env) {
@@ -935,6 +936,7 @@ mod tests {
 
     fn launch(rank: usize, world: usize, node: &str) -> TaskLaunch {
         TaskLaunch {
+            join: None,
             job_id: "j-00000001".into(),
             attempt: 1,
             rank,

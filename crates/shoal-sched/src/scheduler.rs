@@ -356,6 +356,28 @@ impl Scheduler {
         Ok(())
     }
 
+    /// Frees the tasks at `positions` (in the order the job's tasks were placed and grown) of a running job that
+    /// goes on without them (an elastic job that lost them and regrouped in place); the rest keep their places.
+    pub fn release_tasks(&mut self, job: &str, positions: &[usize]) -> Result<()> {
+        let Some(j) = self.jobs.get_mut(job) else {
+            return Err(SchedError::UnknownJob { job: job.to_string() });
+        };
+        let State::Running { tasks, .. } = &mut j.state else { return Ok(()) };
+        let mut freed = Vec::new();
+        let mut i = 0;
+        tasks.retain(|t| {
+            let keep = !positions.contains(&i);
+            i += 1;
+            if !keep {
+                freed.push(t.clone());
+            }
+            keep
+        });
+        let req = j.req.clone();
+        self.free_tasks(&req, &freed);
+        Ok(())
+    }
+
     fn free_tasks(&mut self, req: &JobRequest, tasks: &[TaskAlloc]) {
         for t in tasks {
             place::release(&mut self.free, t, &req.per_task);

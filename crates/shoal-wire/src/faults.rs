@@ -45,6 +45,34 @@ pub struct Heartbeat {
     /// sequence number, the ranks that never arrived); absent while it runs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// The group generation the rank trains in: 0 for the attempt's first group, one more at each regrouping in
+    /// place ([`Regroup`]).
+    #[serde(default)]
+    pub generation: u32,
+}
+
+/// The server's answer to a heartbeat.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct HeartbeatReply {
+    /// A newer group for this rank to train in, when the job regroups in place.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub regroup: Option<Regroup>,
+}
+
+/// An elastic job's group regrouped in place (a member lost, or newcomers joining): the survivors keep their
+/// processes and their state, build a communicator at the new size at their next step boundary, and take the
+/// group's rank 0's state (the newcomers receive it the same way).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct Regroup {
+    /// One more than the group it follows.
+    pub generation: u32,
+    /// This task's rank in the new group, and the group's size.
+    pub rank: usize,
+    pub world: usize,
+    /// `host:port` of the rendezvous store the group meets at (the control plane's).
+    pub rendezvous: String,
+    /// The attempt's task numbers of the members, in rank order.
+    pub members: Vec<i64>,
 }
 
 /// Where one rank stands in a dump.

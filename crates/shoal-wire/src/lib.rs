@@ -28,7 +28,7 @@ pub use cluster::{
 };
 pub use cost::{CostReport, Hours, JobCost, Prices, TeamCost};
 pub use error::{ErrorBody, ErrorCode};
-pub use faults::{ChaosAction, ChaosDone, ChaosRequest, HangDump, Heartbeat, RankDump};
+pub use faults::{ChaosAction, ChaosDone, ChaosRequest, HangDump, Heartbeat, HeartbeatReply, RankDump, Regroup};
 pub use jobs::{
     CancelAccepted, Diagnosis, Event, EventList, Finding, JobDetail, JobList, JobState, JobView, LogText, Metric,
     MetricList, MetricsBatch, MetricsStored, Submitted, TaskState, TaskView,

@@ -5,13 +5,14 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use shoal_exec::{Stop as Halt, Task, TaskLaunch, TaskStatus};
+use shoal_exec::{Stop as Halt, TaskLaunch, TaskStatus};
 use shoal_sched::{Decision, PreemptReason, TaskPlacement};
 
 use crate::db::{JobRow, JobState, TaskRow, TaskState, Transition, now};
 use crate::error::Result;
 
 use super::state::{Control, StopWhy, handle};
+use super::tasks::{intent_row, started_row};
 
 impl Control {
     /// A job the scheduler places and grows in the same pass has not started yet: it starts with every task it
@@ -130,6 +131,9 @@ impl Control {
                         .await?;
                     return Ok(());
                 }
+                if self.grow_in_place(&row, &spec, &tasks).await? {
+                    return Ok(());
+                }
                 let why = format!(
                     "grows from {now} to {to} workers into free capacity ([workers] max = {hi}): every worker \
                      checkpoints at its next step boundary, and the job resumes there at {to}"
@@ -223,25 +227,7 @@ impl Control {
         let intents: Vec<TaskRow> = assignments
             .iter()
             .enumerate()
-            .map(|(rank, a)| TaskRow {
-                job_id: id.to_owned(),
-                attempt,
-                rank: rank as i64,
-                node: a.node.clone(),
-                host: self.exec.host().to_owned(),
-                pid: None,
-                worker_pid: None,
-                start_ticks: None,
-                state: TaskState::Starting,
-                exit_code: None,
-                reason: String::new(),
-                cpus: String::new(),
-                gpus: a.gpus.iter().map(|(i, _)| i.to_string()).collect::<Vec<_>>().join(","),
-                started_ms: None,
-                ended_ms: None,
-                cpu_seconds: None,
-                external_id: None,
-            })
+            .map(|(rank, a)| intent_row(id, attempt, rank as i64, a, self.exec.host()))
             .collect();
         for t in &intents {
             if let Err(e) = self.db.upsert_task(t).await {
@@ -262,38 +248,12 @@ impl Control {
                 .abort_start(&job, attempt, &[], StopWhy::Failure(format!("preparing its directory: {e}")))
                 .await;
         }
-        let argv = vec![
-            self.config.worker_program.display().to_string(),
-            "worker".into(),
-            "--output".into(),
-            run_dir.display().to_string(),
-            "--resume".into(),
-            spec_path.display().to_string(),
-        ];
         self.ingested.lock().unwrap_or_else(|p| p.into_inner()).retain(|k, _| k.0 != id);
-        let mut env: Vec<(String, String)> = spec.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
-        env.extend(self.config.policy.team_env(&job.team));
-        let secret = self.job_secret(&job);
+        self.forget_group(id);
         let launches: Vec<TaskLaunch> = assignments
             .iter()
             .enumerate()
-            .map(|(rank, a)| TaskLaunch {
-                job_id: id.to_owned(),
-                attempt,
-                rank,
-                world_size: world,
-                secret: secret.clone(),
-                rendezvous: rendezvous.clone(),
-                argv: argv.clone(),
-                cpus_milli: spec.resources.cpus,
-                memory_bytes: spec.resources.memory,
-                gpus: a.gpus.clone(),
-                node: a.node.clone(),
-                env: env.clone(),
-                queue: job.queue.clone(),
-                server: self.config.server.clone(),
-                server_ca: self.config.server_ca.clone(),
-            })
+            .map(|(rank, a)| self.launch_of(&job, &spec, attempt, rank, world, &rendezvous, a))
             .collect();
         // The gang starts at once (one request to a cluster manager, or each task in turn); what started is
         // recorded right after, and undone when anything failed.
@@ -368,28 +328,5 @@ impl Control {
         let _ = self.sched().finish(&job.id);
         let spec = self.spec_of(job)?;
         self.stopped(&current, &spec, why).await
-    }
-}
-
-/// The row of a task its executor just started on `node`.
-fn started_row(t: Task, node: &str) -> TaskRow {
-    TaskRow {
-        job_id: t.job_id,
-        attempt: t.attempt,
-        rank: t.rank,
-        node: node.to_owned(),
-        host: t.host,
-        pid: t.pid,
-        worker_pid: t.worker_pid,
-        start_ticks: t.start_ticks,
-        state: TaskState::Running,
-        exit_code: None,
-        reason: String::new(),
-        cpus: t.cpus,
-        gpus: t.gpus,
-        started_ms: t.started_ms.or_else(|| Some(now())),
-        ended_ms: None,
-        cpu_seconds: None,
-        external_id: t.external_id,
     }
 }

@@ -19,14 +19,16 @@
 //! The parts, each one concern over the shared [`state::Control`]: `admission.rs` (the scheduler's check),
 //! `supervise.rs` (probing, limits, stopping and what follows a stop), `notes.rs` (what the executor says of a task
 //! that waits), `watch.rs` (heartbeats, hangs and their dumps), `stragglers.rs` (persistent stragglers replaced),
-//! `chaos.rs` (faults injected on purpose),
+//! `chaos.rs` (faults injected on purpose), `group.rs` (elastic jobs regrouped in place: survivors keep their
+//! processes, newcomers join),
 //! `decisions.rs` (placing, preempting,
-//! requeueing), `ingest.rs` (metrics files into the store), `sampling.rs` (resource samples), `recovery.rs` (after a
+//! requeueing), `tasks.rs` (how a task is launched and recorded), `ingest.rs` (metrics files into the store), `sampling.rs` (resource samples), `recovery.rs` (after a
 //! server restart); this file holds the loop itself.
 
 mod admission;
 mod chaos;
 mod decisions;
+mod group;
 mod ingest;
 mod notes;
 mod recovery;
@@ -34,6 +36,7 @@ mod sampling;
 mod state;
 mod stragglers;
 mod supervise;
+mod tasks;
 mod watch;
 
 use std::collections::HashSet;

@@ -111,7 +111,35 @@ pub struct Control {
     pub(super) stragglers: Mutex<HashMap<String, Straggling>>,
     /// Per job whose straggler was replaced by shrinking it: the most workers it may be placed with.
     pub(super) shrunk: Mutex<HashMap<String, u32>>,
+    /// Per elastic job regrouped in place: its current group (`group.rs`).
+    pub(super) groups: Mutex<Groups>,
 }
+
+/// An attempt regrouped in place at least once.
+pub(crate) struct Group {
+    pub(super) attempt: i64,
+    pub(super) generation: u32,
+    /// The attempt's task numbers of the members, in rank order.
+    pub(super) members: Vec<i64>,
+    /// Where the group meets.
+    pub(super) rendezvous: String,
+    /// Hosts the store while the group lives (shut down when dropped).
+    pub(super) _store: shoal_comm::store::StoreServer,
+}
+
+impl std::fmt::Debug for Group {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Group")
+            .field("attempt", &self.attempt)
+            .field("generation", &self.generation)
+            .field("members", &self.members)
+            .field("rendezvous", &self.rendezvous)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The groups of running jobs, by job id.
+pub(crate) type Groups = HashMap<String, Group>;
 
 pub fn parse_stored_spec(job: &JobRow) -> Result<JobSpec> {
     let path = format!("job {} (stored spec)", job.id);
@@ -167,6 +195,7 @@ impl Control {
             backoff: Mutex::new(HashMap::new()),
             stragglers: Mutex::new(HashMap::new()),
             shrunk: Mutex::new(HashMap::new()),
+            groups: Mutex::new(HashMap::new()),
         })
     }
 

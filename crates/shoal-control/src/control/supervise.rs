@@ -194,7 +194,11 @@ impl Control {
 
     pub(super) async fn tick_running(&self, job: &JobRow) -> Result<()> {
         let spec = self.spec_of(job)?;
-        let tasks = self.db.tasks(&job.id, job.attempt).await?;
+        let mut tasks = self.db.tasks(&job.id, job.attempt).await?;
+        // A job regrouped in place is its group's members; the tasks it lost have ended and are recorded.
+        if let Some(members) = self.members(job) {
+            tasks.retain(|t| members.contains(&t.rank));
+        }
         if tasks.is_empty() || tasks.iter().any(|t| t.state == TaskState::Starting) {
             // A start that never completed (the server stopped half-way): whatever of it ran unrecorded was killed
             // as a stray at recovery; what was recorded is stopped, then the attempt starts again.
@@ -251,6 +255,7 @@ impl Control {
             // Every process of the attempt is gone: only now may the job change hands.
             self.stopping.lock().unwrap_or_else(|p| p.into_inner()).remove(&job.id);
             let _ = self.sched().finish(&job.id);
+            self.forget_group(&job.id);
             return self.stopped(job, &spec, why).await;
         }
 
@@ -307,6 +312,21 @@ impl Control {
             }
         };
         if let Some(why) = failed {
+            // An elastic job that can goes on in place with its survivors, while there are enough of them.
+            let lost: Vec<i64> = statuses
+                .iter()
+                .filter(|(_, s)| !matches!(s, TaskStatus::Running | TaskStatus::Exited(0)))
+                .map(|(t, _)| t.rank)
+                .collect();
+            let survivors = statuses.iter().filter(|(_, s)| *s == TaskStatus::Running).count();
+            let (lo, _) = spec.workers.range();
+            if self.regroups_in_place(&spec)
+                && survivors >= (lo as usize).max(1)
+                && survivors + lost.len() == statuses.len()
+                && spec.validate_world(survivors).is_ok()
+            {
+                return self.shrink_in_place(job, &tasks, &lost, &why).await;
+            }
             self.begin_stop(job, &tasks, StopWhy::Failure(why));
             return Ok(());
         }
@@ -351,6 +371,7 @@ impl Control {
         }
         if !statuses.is_empty() && statuses.iter().all(|(_, s)| *s == TaskStatus::Exited(0)) {
             let _ = self.sched().finish(&job.id);
+            self.forget_group(&job.id);
             let summary = std::fs::read_to_string(self.run_dir(&job.id).join("summary.json")).ok();
             self.ingest_metrics(&job.id, job.workers).await;
             self.db

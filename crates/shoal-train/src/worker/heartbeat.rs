@@ -10,11 +10,11 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
 use shoal_comm::Communicator;
-use shoal_wire::Heartbeat;
+use shoal_wire::{Heartbeat, HeartbeatReply, Regroup};
 
 /// How often a heartbeat is written.
 pub const INTERVAL: Duration = Duration::from_millis(500);
@@ -30,6 +30,8 @@ pub(super) enum Phase {
     /// A periodic evaluation.
     Eval = 3,
     Finish = 4,
+    /// Leaving a group for the next one (an elastic job regrouping in place).
+    Regroup = 5,
 }
 
 impl Phase {
@@ -39,6 +41,7 @@ impl Phase {
             1 => "train",
             2 => "checkpoint",
             3 => "eval",
+            5 => "regroup",
             _ => "finish",
         }
     }
@@ -55,7 +58,16 @@ struct Shared {
     resumed: std::sync::Mutex<Option<String>>,
     /// What `train.strategy = "auto"` chose and why (`Heartbeat::strategy`).
     chose: std::sync::Mutex<Option<String>>,
+    /// The group generation the rank trains in.
+    generation: AtomicU32,
+    /// The newest group the server told of, not yet entered.
+    regroup: std::sync::Mutex<Option<Regroup>>,
+    /// Beat every [`HURRY`] instead of every [`INTERVAL`] (while waiting to hear of a new group).
+    hurry: AtomicBool,
 }
+
+/// How often a rank that waits for its new group asks the server.
+const HURRY: Duration = Duration::from_millis(50);
 
 /// The running heartbeat; it stops when dropped.
 pub(super) struct Beat {
@@ -102,17 +114,20 @@ impl ServerLink {
         Ok(ServerLink { url, secret: secret.to_vec(), agent })
     }
 
-    /// Sends one heartbeat; an error says why it did not arrive.
-    fn send(&self, hb: &Heartbeat) -> Result<(), String> {
+    /// Sends one heartbeat and reads the server's answer; an error says why it did not arrive.
+    fn send(&self, hb: &Heartbeat) -> Result<HeartbeatReply, String> {
         let body = serde_json::to_vec(hb).map_err(|e| e.to_string())?;
         let tag = shoal_comm::auth::sign(&self.secret, &body).map_err(|e| e.to_string())?;
-        self.agent
+        let mut answer = self
+            .agent
             .post(&self.url)
             .header(TAG_HEADER, &tag)
             .content_type("application/json")
             .send(&body[..])
-            .map(drop)
-            .map_err(|e| format!("{}: {e}", self.url))
+            .map_err(|e| format!("{}: {e}", self.url))?;
+        // An answer it cannot read still means the heartbeat arrived.
+        let text = answer.body_mut().read_to_string().unwrap_or_default();
+        Ok(serde_json::from_str::<HeartbeatReply>(&text).unwrap_or_default())
     }
 }
 
@@ -121,7 +136,7 @@ const SEND_LIMIT: Duration = Duration::from_secs(2);
 
 /// What a heartbeat is built from, and where it goes.
 struct Reporter {
-    comm: Communicator,
+    comm: std::sync::Mutex<Communicator>,
     rank: usize,
     attempt: i64,
     shared: Shared,
@@ -133,7 +148,7 @@ struct Reporter {
 impl Reporter {
     fn heartbeat(&self, error: Option<String>) -> Heartbeat {
         let s = &self.shared;
-        let a = self.comm.activity();
+        let a = self.comm.lock().unwrap_or_else(|p| p.into_inner()).activity();
         Heartbeat {
             rank: self.rank as i64,
             attempt: self.attempt,
@@ -150,6 +165,7 @@ impl Reporter {
             resumed: s.resumed.lock().map(|r| r.clone()).unwrap_or_default(),
             strategy: s.chose.lock().map(|r| r.clone()).unwrap_or_default(),
             error,
+            generation: s.generation.load(Ordering::Relaxed),
         }
     }
 
@@ -159,7 +175,22 @@ impl Reporter {
         let write = || write(&self.tmp, &self.path, hb).map_err(|e| format!("{}: {e}", self.path.display()));
         match self.link.as_ref().map(|link| link.send(hb)) {
             None => write(),
-            Some(Ok(())) => Ok(()),
+            Some(Ok(reply)) => {
+                if let Some(next) = reply.regroup
+                    && next.generation > self.shared.generation.load(Ordering::Relaxed)
+                    && let Ok(mut r) = self.shared.regroup.lock()
+                    && r.as_ref().is_none_or(|old| old.generation < next.generation)
+                {
+                    tracing::info!(
+                        generation = next.generation,
+                        rank = next.rank,
+                        world = next.world,
+                        "told of a new group"
+                    );
+                    *r = Some(next);
+                }
+                Ok(())
+            }
             Some(Err(why)) => write().and(Err(why)),
         }
     }
@@ -177,7 +208,7 @@ impl Beat {
         link: Option<Arc<ServerLink>>,
     ) -> Option<Beat> {
         let reporter = Arc::new(Reporter {
-            comm,
+            comm: std::sync::Mutex::new(comm),
             rank,
             attempt,
             shared: Shared::default(),
@@ -196,7 +227,15 @@ impl Beat {
                     warned = true;
                     tracing::warn!(rank, error = %e, "a heartbeat did not reach the server; written to its file");
                 }
-                std::thread::sleep(INTERVAL);
+                // Slept in slices, so that a rank starting to wait for its new group asks at once.
+                let mut slept = Duration::ZERO;
+                while slept < INTERVAL && !r.shared.stop.load(Ordering::Relaxed) {
+                    if r.shared.hurry.load(Ordering::Relaxed) && slept >= HURRY {
+                        break;
+                    }
+                    std::thread::sleep(HURRY.min(INTERVAL - slept));
+                    slept += HURRY;
+                }
             }
         });
         match started {
@@ -239,6 +278,37 @@ impl Beat {
 
     pub(super) fn phase(&self, phase: Phase) {
         self.reporter.shared.phase.store(phase as u8, Ordering::Relaxed);
+    }
+
+    /// Whether the server told of a group newer than the one the rank trains in.
+    pub(super) fn regroup_pending(&self) -> bool {
+        self.reporter.shared.regroup.lock().is_ok_and(|r| r.is_some())
+    }
+
+    /// Waits until the server tells of a newer group, asking it every [`HURRY`], for at most `limit`.
+    pub(super) fn wait_regroup(&self, limit: Duration) -> Option<Regroup> {
+        let s = &self.reporter.shared;
+        s.hurry.store(true, Ordering::Relaxed);
+        let deadline = std::time::Instant::now() + limit;
+        let found = loop {
+            if let Some(r) = s.regroup.lock().ok().and_then(|mut r| r.take()) {
+                // Taken: the answers to heartbeats sent before the rank enters it do not bring it back.
+                s.generation.store(r.generation, Ordering::Relaxed);
+                break Some(r);
+            }
+            if std::time::Instant::now() >= deadline {
+                break None;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        s.hurry.store(false, Ordering::Relaxed);
+        found
+    }
+
+    /// The rank trains over `comm` now: the communicator of its new group, or of the group it joined.
+    pub(super) fn regrouped(&self, generation: u32, comm: Communicator) {
+        self.reporter.shared.generation.store(generation, Ordering::Relaxed);
+        *self.reporter.comm.lock().unwrap_or_else(|p| p.into_inner()) = comm;
     }
 }
 

@@ -12,6 +12,8 @@
 //! - `train_loop.rs`: the step loop — metrics, periodic checkpoints, in-memory copies, evaluations;
 //! - `report.rs`: the final evaluation and `summary.json`, or the summary kept when the run was already complete.
 //!
+//! `regroup.rs` keeps an elastic job's survivors training when the group loses a member or gains newcomers: a new
+//! communicator at the new size, and the state of the group's rank 0, with no process restarted.
 //! `stop.rs` turns a SIGTERM during the step loop into a stop at the next step boundary, with a checkpoint there,
 //! agreed by every rank. `eval.rs` holds the evaluation pass both the loop and the report run; `wire.rs` the types of the files others
 //! read (`metrics.jsonl`, `eval.jsonl`, `summary.json`); `heartbeat.rs` the thread that, on the platform, tells the
@@ -19,6 +21,7 @@
 
 mod eval;
 mod heartbeat;
+mod regroup;
 mod report;
 mod resume;
 mod setup;
@@ -48,12 +51,15 @@ pub struct WorkerOptions {
 /// Runs this process's rank of `spec`; rank 0 returns the summary.
 pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
     let started = Instant::now();
-    let (setup, params) = setup::setup(spec, &opts.output)?;
+    let (mut setup, params) = setup::setup(spec, &opts.output)?;
     // On the platform, the control plane hears from this rank until it exits, and at once why it fails.
     let beat = setup
         .attempt
-        .and_then(|a| heartbeat::Beat::start(setup.comm.clone(), setup.rank, a, &opts.output, setup.link.clone()));
-    let ran = train(spec, opts, &setup, params, beat.as_ref(), started);
+        .and_then(|a| heartbeat::Beat::start(setup.comm.clone(), setup.task_rank, a, &opts.output, setup.link.clone()));
+    if let (Some(b), g @ 1..) = (&beat, setup.joined) {
+        b.regrouped(g, setup.comm.clone());
+    }
+    let ran = train(spec, opts, &mut setup, params, beat.as_ref(), started);
     match (&ran, &beat) {
         (Err(crate::error::Error::Stopped { .. }), _) | (Ok(_), _) | (_, None) => {}
         (Err(e), Some(b)) => b.fail(&e.to_string()),
@@ -61,11 +67,12 @@ pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
     ran
 }
 
-/// Everything after the setup: resume, train, report.
+/// Everything after the setup: resume (or, for a rank that joined a running group, the group's state), train —
+/// regrouping in place as often as the group changes — and report.
 fn train(
     spec: &JobSpec,
     opts: &WorkerOptions,
-    setup: &setup::Setup,
+    setup: &mut setup::Setup,
     params: crate::params::Params,
     beat: Option<&heartbeat::Beat>,
     started: Instant,
@@ -73,7 +80,8 @@ fn train(
     if let Some(b) = beat {
         b.phase(heartbeat::Phase::Resume);
     }
-    let resumed = resume::load(spec, opts.resume, setup, &params)?;
+    let joined = setup.joined > 0;
+    let resumed = if joined { None } else { resume::load(spec, opts.resume, setup, &params)? };
     let from_memory = match (&resumed, &setup.memory) {
         (Some(l), Some(m)) => l.dir.starts_with(m.job_root()),
         _ => false,
@@ -82,26 +90,89 @@ fn train(
         let source = if from_memory { "memory copy" } else { "storage checkpoint" };
         b.resumed(format!("{source} at step {}", l.manifest.step));
     }
-    let mut training = setup::training(spec, setup, params)?;
+    let (mut training, start_step, last_loss) = if joined {
+        // A newcomer: the group's rank 0 gives the state, as to a member that regrouped.
+        let (at, opt_t, named) = regroup::sync(&setup.comm, None, 0)?;
+        let mut training = setup::training(spec, setup, params)?;
+        training.sampler.restore(at.sampler)?;
+        training.trainer.load_optimizer_state(opt_t, &named)?;
+        (training, at.step, at.loss)
+    } else {
+        let mut training = setup::training(spec, setup, params)?;
+        let start_step = match &resumed {
+            Some(l) => resume::restore(l, &mut training)?,
+            None => 0,
+        };
+        let loss = resumed.as_ref().and_then(|l| l.manifest.extra.get("loss").and_then(serde_json::Value::as_f64));
+        (training, start_step, loss.unwrap_or(f64::NAN))
+    };
     if let (Some(b), Some(why), 0) = (beat, &training.chose, setup.rank) {
         b.chose(why.clone());
     }
-    let start_step = match &resumed {
-        Some(l) => resume::restore(l, &mut training)?,
-        None => 0,
-    };
     // Nothing left to train: the run ends with the summary of the run that got here, when rank 0 has it.
     if let Some(kept) = report::kept_summary(spec, setup, start_step, &opts.output)? {
         remove_memory_copies(setup);
         return Ok(kept);
     }
-    let mut steps = train_loop::StepLoop::open(spec, setup, &training, start_step, &opts.output)?;
+    let mut steps = train_loop::StepLoop::open(spec, setup, &training, start_step, last_loss, &opts.output)?;
     steps.resumed_from_memory = from_memory;
-    if let Some(b) = beat {
-        b.step(start_step as u64);
-        b.phase(heartbeat::Phase::Train);
+    let mut trained: Option<train_loop::Trained> = None;
+    loop {
+        if let Some(b) = beat {
+            b.step(steps.boundary.step as u64);
+            b.phase(heartbeat::Phase::Train);
+        }
+        let failed = match steps.run(spec, setup, &mut training, beat) {
+            Ok(t) => {
+                let again = t.regroup;
+                match trained.as_mut() {
+                    Some(all) => all.absorb(t),
+                    None => trained = Some(t),
+                }
+                if !again {
+                    break;
+                }
+                None
+            }
+            // A peer gone from a collective: an elastic group goes on without it, when the server says how.
+            Err(crate::error::Error::Comm(e)) if regroup::in_place(spec, setup) && beat.is_some() => Some(e),
+            Err(e) => return Err(e),
+        };
+        let Some(b) = beat else { break };
+        b.phase(heartbeat::Phase::Regroup);
+        let limit = if failed.is_some() { regroup::patience(spec) } else { std::time::Duration::from_secs(30) };
+        if let Some(e) = &failed {
+            tracing::warn!(error = %e, "a collective failed; waiting to hear of the group that goes on");
+        }
+        let Some(next) = b.wait_regroup(limit) else {
+            return Err(match failed {
+                Some(e) => e.into(),
+                None => crate::error::Error::InvalidArgument(format!(
+                    "the group was to regroup after step {}, but the server named no new group within {limit:?}",
+                    steps.boundary.step
+                )),
+            });
+        };
+        let at = steps.boundary.clone();
+        drop(steps);
+        regroup::enter(spec, setup, &next)?;
+        b.regrouped(next.generation, setup.comm.clone());
+        let opt_t = training.trainer.optimizer().t;
+        let (at, opt_t, named) = regroup::sync(&setup.comm, Some((&at, &training)), opt_t)?;
+        let params = training.trainer.params().clone();
+        drop(training);
+        training = setup::training(spec, setup, params)?;
+        training.sampler.restore(at.sampler)?;
+        training.trainer.load_optimizer_state(opt_t, &named)?;
+        if setup.rank == 0 {
+            eprintln!(
+                "regrouped in place: group {} of {} workers goes on from step {}",
+                next.generation, setup.world, at.step
+            );
+        }
+        steps = train_loop::StepLoop::open(spec, setup, &training, at.step, at.loss, &opts.output)?;
     }
-    let trained = steps.run(spec, setup, &mut training, resumed.as_ref(), beat)?;
+    let trained = trained.ok_or_else(|| crate::error::Error::InvalidArgument("the step loop never ran".into()))?;
     if let Some(step) = trained.stopped_at {
         return Err(crate::error::Error::Stopped { step });
     }

@@ -90,6 +90,7 @@ pub(super) fn finish(
         memory_copies,
         memory_stall_s,
         stopped_at: _,
+        regroup: _,
     } = trained;
     let layers = tr.trainer.params().layers();
     let (eval_loss, eval_acc) = evaluate(model.as_ref(), layers, eval.as_ref(), comm, micro, t.eval_batches)?;

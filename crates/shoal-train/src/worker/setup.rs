@@ -19,8 +19,16 @@ use crate::trainer::{Trainer, TrainerConfig, overlap_pays};
 
 /// What set-up builds for the phases after it.
 pub(super) struct Setup {
-    /// This rank.
+    /// This rank (in its group).
     pub(super) rank: usize,
+    /// This task's own number among its attempt's tasks (its rank, unless it joined a regrouped group): what its
+    /// heartbeats are known by.
+    pub(super) task_rank: usize,
+    /// The group generation the rank entered by its start (0: the attempt's first group; more: it joined a group
+    /// in place, and takes its state from the group's rank 0 rather than from a checkpoint).
+    pub(super) joined: u32,
+    /// The name of the attempt's first communicator: each group's is derived from it.
+    pub(super) comm_base: String,
     /// The number of ranks.
     pub(super) world: usize,
     /// The object store checkpoints are mirrored to (rank 0 only).
@@ -76,10 +84,11 @@ pub(super) fn setup(spec: &JobSpec, output: &Path) -> Result<(Setup, Params)> {
         }
         _ => None,
     };
+    let (task_rank, joined, comm_base) = (env.task_rank, env.generation, env.cfg.name.clone());
     let comm = env.connect()?;
     let (world, rank) = (comm.size(), comm.rank());
+    let host_leader = host_leader(&comm);
     let host = comm.hosts().get(rank).cloned().unwrap_or_default();
-    let host_leader = comm.hosts().iter().position(|h| *h == host) == Some(rank);
     let memory = match (spec.checkpoint.memory_every, job_id.as_deref().and_then(crate::spec::memory_checkpoint_dir)) {
         (0, _) => None,
         (_, Some(root)) => Some(MemoryStore::new(root, &host)),
@@ -106,6 +115,9 @@ pub(super) fn setup(spec: &JobSpec, output: &Path) -> Result<(Setup, Params)> {
     Ok((
         Setup {
             rank,
+            task_rank,
+            joined,
+            comm_base,
             world,
             remote,
             ckpt_dir,
@@ -121,6 +133,28 @@ pub(super) fn setup(spec: &JobSpec, output: &Path) -> Result<(Setup, Params)> {
         },
         params,
     ))
+}
+
+/// Whether this rank is the first of its host in `comm`.
+fn host_leader(comm: &Communicator) -> bool {
+    let host = comm.hosts().get(comm.rank()).cloned().unwrap_or_default();
+    comm.hosts().iter().position(|h| *h == host) == Some(comm.rank())
+}
+
+impl Setup {
+    /// This rank trains in a new group now, over `comm`: its rank, the world, whether it leads its host, and (when it
+    /// became rank 0) the object store rank 0 mirrors checkpoints to follow.
+    pub(super) fn regrouped(&mut self, comm: Communicator, spec: &JobSpec) -> Result<()> {
+        spec.validate_world(comm.size()).map_err(|e| Error::Spec(e.to_string()))?;
+        self.rank = comm.rank();
+        self.world = comm.size();
+        self.host_leader = host_leader(&comm);
+        if self.rank == 0 && self.remote.is_none() {
+            self.remote = checkpoint_remote(spec)?;
+        }
+        self.comm = comm;
+        Ok(())
+    }
 }
 
 /// The optimizer, whether all-reduces overlap backward, the trainer over the strategy `train.strategy` names (its

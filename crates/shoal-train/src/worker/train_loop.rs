@@ -17,7 +17,7 @@ use super::heartbeat::Phase;
 use super::setup::{Setup, Training};
 use super::wire::{StepMetrics, metrics_file};
 use crate::batch::{Flat, to_flat};
-use crate::checkpoint::{AsyncSaver, CheckpointError, Loaded, MEMORY_KEEP, ManifestMeta, TensorData};
+use crate::checkpoint::{AsyncSaver, CheckpointError, MEMORY_KEEP, ManifestMeta, TensorData};
 use crate::error::{Error, Result};
 use crate::optim::learning_rate;
 use crate::spec::{JobSpec, ModelKind, Schedule};
@@ -36,12 +36,16 @@ pub(super) struct StepLoop {
     pub(super) start_step: usize,
     /// Whether that checkpoint was an in-memory copy (for the summary).
     pub(super) resumed_from_memory: bool,
+    /// Where the run stands at its last step boundary (what a regrouping group takes from its rank 0).
+    pub(super) boundary: super::regroup::Boundary,
 }
 
 /// What the step loop measured, for the summary.
 pub(super) struct Trained {
     /// The step a stop asked from outside ended the loop at (its checkpoint written), if one did.
     pub(super) stopped_at: Option<usize>,
+    /// Whether the loop ended at a step boundary for the group to regroup in place (a member told of a new group).
+    pub(super) regroup: bool,
     /// The loss of the last step taken; before any, the one the checkpoint recorded (NaN if none).
     pub(super) last_loss: f64,
     /// Samples of the steps taken, over all ranks.
@@ -69,6 +73,31 @@ pub(super) struct Trained {
     pub(super) memory_stall_s: f64,
 }
 
+impl Trained {
+    /// Adds what a later stretch of the same run measured (after the group regrouped in place).
+    pub(super) fn absorb(&mut self, later: Trained) {
+        self.stopped_at = later.stopped_at;
+        self.regroup = later.regroup;
+        self.last_loss = later.last_loss;
+        self.samples_seen += later.samples_seen;
+        self.data_t.extend(later.data_t);
+        self.compute_t.extend(later.compute_t);
+        self.comm_t.extend(later.comm_t);
+        self.opt_t.extend(later.opt_t);
+        self.step_t.extend(later.step_t);
+        self.train_s += later.train_s;
+        self.checkpoints += later.checkpoints;
+        self.stall_s += later.stall_s;
+        self.last_mb_s = later.last_mb_s.or(self.last_mb_s);
+        self.activations_peak = match (self.activations_peak, later.activations_peak) {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            (a, b) => a.or(b),
+        };
+        self.memory_copies += later.memory_copies;
+        self.memory_stall_s += later.memory_stall_s;
+    }
+}
+
 impl StepLoop {
     /// Starts the loader and (rank 0) the saver, and opens the metrics files in `output`: after a resume, what was
     /// logged for the steps after the checkpoint is dropped.
@@ -77,6 +106,7 @@ impl StepLoop {
         setup: &Setup,
         tr: &Training,
         start_step: usize,
+        last_loss: f64,
         output: &Path,
     ) -> Result<StepLoop> {
         let t = &spec.train;
@@ -135,7 +165,17 @@ impl StepLoop {
                 let _ = std::fs::remove_file(eval_log.path());
             }
         }
-        Ok(StepLoop { metrics, saver, memory_saver, loader, eval_log, start_step, resumed_from_memory: false })
+        let boundary = super::regroup::Boundary { step: start_step, sampler: sampler.state(), loss: last_loss };
+        Ok(StepLoop {
+            metrics,
+            saver,
+            memory_saver,
+            loader,
+            eval_log,
+            start_step,
+            resumed_from_memory: false,
+            boundary,
+        })
     }
 
     /// Trains from the start step to `train.steps`, then waits for the last checkpoint's save.
@@ -144,7 +184,6 @@ impl StepLoop {
         spec: &JobSpec,
         setup: &Setup,
         tr: &mut Training,
-        resumed: Option<&Loaded>,
         beat: Option<&super::heartbeat::Beat>,
     ) -> Result<Trained> {
         let t = &spec.train;
@@ -162,9 +201,11 @@ impl StepLoop {
         let mut memory_snapshot: Option<MemorySnapshot> = None;
         let (mut data_t, mut compute_t, mut comm_t, mut opt_t, mut step_t) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        // The loss of the last step taken; before any, the one the checkpoint recorded.
-        let mut last_loss =
-            resumed.and_then(|l| l.manifest.extra.get("loss").and_then(serde_json::Value::as_f64)).unwrap_or(f64::NAN);
+        // The loss of the last step taken; before any, the one the run started from recorded.
+        let mut last_loss = self.boundary.loss;
+        // Told of a new group: every member leaves at the same step boundary (agreed in the step's scalars).
+        let regroups = super::regroup::in_place(spec, setup);
+        let mut regroup = false;
         let mut samples_seen = 0usize;
         // The model's hand-written backward pass, unless SHOAL_AUTOGRAD=1 asks for candle's autograd.
         let hand = model.hand_backward().filter(|_| std::env::var("SHOAL_AUTOGRAD").map_or(true, |v| v != "1"));
@@ -179,6 +220,7 @@ impl StepLoop {
         for step in start_step..t.steps {
             let step_started = Instant::now();
             let vote = graceful.vote();
+            let moving = f32::from(u8::from(regroups && beat.is_some_and(|b| b.regroup_pending())));
             let held = crate::memory::PeakOver::start();
             let (mut data_s, mut compute_s) = (0f64, 0f64);
             let mut local_loss = 0f64;
@@ -197,7 +239,7 @@ impl StepLoop {
                 match (to_flat(&batch.samples)?, hand) {
                     (Some(flat), Some(hand)) => trainer.backward_with(last, |sink| {
                         local_loss += f64::from(hand.loss_and_grads(&flat, weight as f32, sink)?);
-                        sink.attach_scalars(&[local_loss as f32, vote]);
+                        sink.attach_scalars(&[local_loss as f32, vote, moving]);
                         Ok(())
                     })?,
                     (flat, _) => {
@@ -211,7 +253,7 @@ impl StepLoop {
                             None => None,
                         };
                         if last {
-                            trainer.attach_scalars(&[local_loss as f32, vote]);
+                            trainer.attach_scalars(&[local_loss as f32, vote, moving]);
                         }
                         trainer.backward(loss.as_ref(), last)?;
                     }
@@ -245,6 +287,8 @@ impl StepLoop {
             // Some rank was asked to stop: every rank sees the same sum, checkpoints this step and ends.
             let asked = times.scalars.get(1).is_some_and(|v| *v > 0.0);
             let stopping = asked || phase_end == Some(step + 1);
+            regroup = times.scalars.get(2).is_some_and(|v| *v > 0.0) && step + 1 < t.steps;
+            self.boundary = super::regroup::Boundary { step: step + 1, sampler: sampler_state, loss: last_loss };
             samples_seen += global_samples;
             data_t.push(data_s);
             compute_t.push(compute_s);
@@ -360,6 +404,12 @@ impl StepLoop {
                 stopped_at = Some(step + 1);
                 break;
             }
+            if regroup {
+                if rank == 0 {
+                    eprintln!("the group changes: regrouping in place after step {}", step + 1);
+                }
+                break;
+            }
             if t.eval_every > 0 && (step + 1) % t.eval_every == 0 && step + 1 < t.steps {
                 if let Some(b) = beat {
                     b.phase(Phase::Eval);
@@ -393,6 +443,7 @@ impl StepLoop {
         drop(graceful);
         Ok(Trained {
             stopped_at,
+            regroup,
             last_loss,
             samples_seen,
             data_t,
