@@ -10,7 +10,7 @@
 //!
 //! [train]
 //! dataset = "digits"             # a built-in dataset: digits, cicero, synthetic
-//! strategy = "ddp"               # ddp (default) | zero1 | zero2 | zero3
+//! strategy = "ddp"               # ddp (default) | zero1 | zero2 | zero3 | pipeline | auto
 //! global_batch = 64              # samples per optimizer step over all ranks and accumulation steps
 //! steps = 600                    # optimizer steps
 //! seed = 0
@@ -30,6 +30,11 @@
 //! keep = 3
 //! memory_every = 10              # copy the state to this host's shared memory every 10 steps; 0 = off
 //! url = "file:///tmp/ckpt"       # optional; default: the run's output directory
+//!
+//! [parallel]                     # with strategy = "pipeline" only
+//! pipeline_stages = 2            # stages of consecutive layers, one rank each (world size = stages)
+//! micro_batches = 4              # the global batch split into this many micro-batches
+//! schedule = "1f1b"              # 1f1b (default) | gpipe
 //! ```
 //!
 //! # Contract
@@ -74,6 +79,8 @@
 //! | `checkpoint.every` | 0 (only at the end) |
 //! | `checkpoint.keep` | 3 |
 //! | `checkpoint.memory_every` | 0 (no in-memory copies) |
+//! | `parallel.schedule` | `1f1b` |
+//! | `parallel.virtual_stages` | 1 |
 //!
 //! # Model architectures (what [`ModelSpec::param_count`] counts)
 //!
@@ -198,6 +205,105 @@ pub struct JobSpec {
     pub train: TrainSpec,
     #[serde(default)]
     pub checkpoint: CheckpointSpec,
+    /// `[parallel]`: how the model is cut across the ranks (`train.strategy = "pipeline"`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parallel: Option<ParallelSpec>,
+}
+
+/// `[parallel]`: the layout of a pipeline-parallel job.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ParallelSpec {
+    /// Stages of consecutive layers, one rank each (at least 2).
+    #[cfg_attr(feature = "openapi", schema(minimum = 2))]
+    pub pipeline_stages: usize,
+    /// Micro-batches the global batch is split into, each passed through the stages in turn.
+    #[cfg_attr(feature = "openapi", schema(minimum = 1))]
+    pub micro_batches: usize,
+    /// The order in which a stage runs its micro-batches' forward and backward passes.
+    #[serde(default)]
+    pub schedule: PipelineSchedule,
+    /// Model chunks per rank (interleaved schedules only; default 1).
+    #[serde(default = "one")]
+    pub virtual_stages: usize,
+    /// Data-parallel degree (not available yet: refused).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data: Option<u64>,
+    /// Tensor-parallel degree (not available yet: refused).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tensor: Option<u64>,
+    /// Reserved: the pipeline degree is `pipeline_stages`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pipeline: Option<u64>,
+    /// ZeRO stage within a data-parallel group (not available yet: refused).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub zero: Option<u64>,
+}
+
+/// `parallel.schedule`.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub enum PipelineSchedule {
+    /// Every micro-batch's forward, then every backward (GPipe).
+    #[serde(rename = "gpipe")]
+    Gpipe,
+    /// Stage `s` runs `S-1-s` forwards, then alternates one forward and one backward, then the backwards left
+    /// (PipeDream-flush): as little idle time as GPipe with at most `S-s` micro-batches' activations held.
+    #[default]
+    #[serde(rename = "1f1b")]
+    OneFOneB,
+    /// Virtual stages per rank (not available yet: refused at validation).
+    #[serde(rename = "interleaved")]
+    Interleaved,
+}
+
+impl PipelineSchedule {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PipelineSchedule::Gpipe => "gpipe",
+            PipelineSchedule::OneFOneB => "1f1b",
+            PipelineSchedule::Interleaved => "interleaved",
+        }
+    }
+}
+
+impl ParallelSpec {
+    /// Checks the layout on its own (what needs the model or the world size is checked with them).
+    fn validate(&self) -> Result<()> {
+        if self.pipeline_stages < 2 {
+            return Err(SpecError::at(
+                "parallel.pipeline_stages",
+                format!("{} stages: at least 2", self.pipeline_stages),
+            ));
+        }
+        positive("parallel.micro_batches", self.micro_batches)?;
+        positive("parallel.virtual_stages", self.virtual_stages)?;
+        if self.schedule == PipelineSchedule::Interleaved {
+            return Err(SpecError::at(
+                "parallel.schedule",
+                "\"interleaved\" is not available yet; available: gpipe, 1f1b",
+            ));
+        }
+        if self.virtual_stages != 1 {
+            return Err(SpecError::at(
+                "parallel.virtual_stages",
+                format!("{} virtual stages: only an interleaved schedule has more than 1", self.virtual_stages),
+            ));
+        }
+        let refused = [
+            ("data", self.data, "composing pipeline stages with data parallelism is not available yet"),
+            ("tensor", self.tensor, "tensor parallelism is not available yet"),
+            ("pipeline", self.pipeline, "the pipeline degree is parallel.pipeline_stages"),
+            ("zero", self.zero, "ZeRO inside a pipeline is not available yet"),
+        ];
+        for (key, set, why) in refused {
+            if set.is_some() {
+                return Err(SpecError::at(format!("parallel.{key}"), why));
+            }
+        }
+        Ok(())
+    }
 }
 
 fn default_queue() -> String {
@@ -219,6 +325,9 @@ pub enum Strategy {
     /// ZeRO stage 3: the parameters sharded too, each layer gathered just before its use in forward and backward
     /// and freed after, the next layer's gather overlapping the current layer's computation.
     Zero3,
+    /// Pipeline parallel: the model cut into `parallel.pipeline_stages` stages of consecutive layers, one rank each,
+    /// activations sent forward and their gradients back between neighbours, micro-batch by micro-batch.
+    Pipeline,
     /// The planner's choice for the job's model at the world size it starts with and `resources.memory` per worker
     /// (`shoal_train::plan::choose`): DDP when it fits, else the lightest ZeRO stage that does; what ran, and why,
     /// is recorded.
@@ -227,9 +336,9 @@ pub enum Strategy {
 
 impl Strategy {
     /// The strategies that can run, as written in a spec.
-    pub const NAMES: [&'static str; 5] = ["ddp", "zero1", "zero2", "zero3", "auto"];
+    pub const NAMES: [&'static str; 6] = ["ddp", "zero1", "zero2", "zero3", "pipeline", "auto"];
     /// Strategies a spec may name that do not exist yet (refused with a message saying so).
-    pub const PLANNED: [&'static str; 4] = ["fsdp", "pipeline", "tensor", "ps"];
+    pub const PLANNED: [&'static str; 3] = ["fsdp", "tensor", "ps"];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -237,6 +346,7 @@ impl Strategy {
             Strategy::Zero1 => "zero1",
             Strategy::Zero2 => "zero2",
             Strategy::Zero3 => "zero3",
+            Strategy::Pipeline => "pipeline",
             Strategy::Auto => "auto",
         }
     }
@@ -247,6 +357,7 @@ impl Strategy {
             "zero1" => Some(Strategy::Zero1),
             "zero2" => Some(Strategy::Zero2),
             "zero3" => Some(Strategy::Zero3),
+            "pipeline" => Some(Strategy::Pipeline),
             "auto" => Some(Strategy::Auto),
             _ => None,
         }
@@ -1073,6 +1184,7 @@ impl JobSpec {
             if numbers.is_ok() { self.validate_phases() } else { Ok(()) },
             self.train.validate_model_and_data(available),
             self.checkpoint.validate(),
+            if numbers.is_ok() { self.validate_parallel() } else { Ok(()) },
         ]
         .into_iter()
         .filter_map(Result::err)
@@ -1115,13 +1227,98 @@ impl JobSpec {
         s
     }
 
+    /// `[parallel]` against the strategy and the model: a pipeline job has one, no other job does, and its stages
+    /// divide the model's layers and its micro-batches the global batch.
+    fn validate_parallel(&self) -> Result<()> {
+        let t = &self.train;
+        let Some(p) = &self.parallel else {
+            if t.strategy == Strategy::Pipeline {
+                return Err(SpecError::at(
+                    "parallel",
+                    "train.strategy = \"pipeline\" needs a [parallel] table with pipeline_stages and micro_batches",
+                ));
+            }
+            return Ok(());
+        };
+        if t.strategy != Strategy::Pipeline {
+            return Err(SpecError::at(
+                "parallel",
+                format!("applies to train.strategy = \"pipeline\" only, not \"{}\"", t.strategy),
+            ));
+        }
+        p.validate()?;
+        let stages = p.pipeline_stages;
+        let m = &t.model;
+        match m.kind {
+            ModelKind::Gpt if !m.layers().is_multiple_of(stages) => {
+                return Err(SpecError::at(
+                    "parallel.pipeline_stages",
+                    format!("{stages} stages do not divide the GPT's {} layers", m.layers()),
+                ));
+            }
+            ModelKind::Gpt => {}
+            ModelKind::Mlp | ModelKind::Cnn => {
+                let (layers, what) = match m.kind {
+                    ModelKind::Mlp => (m.hidden().len() + 1, "MLP"),
+                    _ => (m.channels().len() + 1, "CNN"),
+                };
+                if stages > layers {
+                    return Err(SpecError::at(
+                        "parallel.pipeline_stages",
+                        format!("{stages} stages for the {what}'s {layers} layers: at most {layers}"),
+                    ));
+                }
+            }
+        }
+        if !t.global_batch.is_multiple_of(p.micro_batches) {
+            return Err(SpecError::at(
+                "parallel.micro_batches",
+                format!("{} does not divide train.global_batch {}", p.micro_batches, t.global_batch),
+            ));
+        }
+        if t.grad_accum != 1 {
+            return Err(SpecError::at(
+                "train.grad_accum",
+                "a pipeline accumulates gradients over parallel.micro_batches: leave grad_accum at 1",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The pipeline's stages (`parallel.pipeline_stages` under `train.strategy = "pipeline"`; else 1).
+    pub fn pipeline_stages(&self) -> usize {
+        match (&self.parallel, self.train.strategy) {
+            (Some(p), Strategy::Pipeline) => p.pipeline_stages.max(1),
+            _ => 1,
+        }
+    }
+
     /// Checks that the job can run on `world_size` ranks: each rank needs at least one sample of every
-    /// micro-batch (`global_batch / grad_accum ≥ world_size`).
+    /// micro-batch (`global_batch / grad_accum ≥ world_size`); a pipeline needs one rank per stage.
     pub fn validate_world(&self, world_size: usize) -> Result<()> {
         if world_size == 0 {
             return Err(SpecError::at("", "the world size must be at least 1"));
         }
         let t = &self.train;
+        let stages = self.pipeline_stages();
+        if stages > 1 {
+            if !world_size.is_multiple_of(stages) {
+                return Err(SpecError::at(
+                    "parallel.pipeline_stages",
+                    format!("{stages} stages do not divide the world size {world_size}"),
+                ));
+            }
+            if world_size != stages {
+                return Err(SpecError::at(
+                    "parallel.pipeline_stages",
+                    format!(
+                        "{stages} stages on {world_size} workers: a pipeline runs one rank per stage (composing it \
+                         with data parallelism is not available yet)"
+                    ),
+                ));
+            }
+            return Ok(());
+        }
         if t.micro_batch() < world_size {
             let what = if t.grad_accum > 1 {
                 format!(
@@ -1498,6 +1695,86 @@ lr = 0.01
     }
 
     #[test]
+    fn pipeline_layouts_that_do_not_divide_are_refused_by_key_path() {
+        let gpt = |parallel: &str, train: &str| {
+            format!(
+                "name = \"t\"\n[train]\ndataset = \"cicero\"\nstrategy = \"pipeline\"\nglobal_batch = 8\nsteps = 2\n\
+                 lr = 0.01\n{train}\n[train.model]\nkind = \"gpt\"\nlayers = 4\n[parallel]\n{parallel}\n"
+            )
+        };
+        let mlp_pipe = |parallel: &str| mlp("strategy = \"pipeline\"", &format!("[parallel]\n{parallel}"));
+        let cases: Vec<(String, &str)> = vec![
+            (gpt("pipeline_stages = 2\nmicro_batches = 4", ""), ""),
+            (gpt("pipeline_stages = 4\nmicro_batches = 8\nschedule = \"gpipe\"", ""), ""),
+            (gpt("pipeline_stages = 2\nmicro_batches = 2\nschedule = \"1f1b\"\nvirtual_stages = 1", ""), ""),
+            (
+                gpt("pipeline_stages = 3\nmicro_batches = 4", ""),
+                "parallel.pipeline_stages: 3 stages do not divide the GPT's 4 layers",
+            ),
+            (gpt("pipeline_stages = 1\nmicro_batches = 4", ""), "parallel.pipeline_stages: 1 stages: at least 2"),
+            (
+                gpt("pipeline_stages = 2\nmicro_batches = 3", ""),
+                "parallel.micro_batches: 3 does not divide train.global_batch 8",
+            ),
+            (gpt("pipeline_stages = 2\nmicro_batches = 0", ""), "parallel.micro_batches: must be > 0"),
+            (
+                gpt("pipeline_stages = 2\nmicro_batches = 4\nschedule = \"interleaved\"\nvirtual_stages = 2", ""),
+                "parallel.schedule: \"interleaved\" is not available yet",
+            ),
+            (
+                gpt("pipeline_stages = 2\nmicro_batches = 4\nvirtual_stages = 2", ""),
+                "parallel.virtual_stages: 2 virtual stages",
+            ),
+            (
+                gpt("pipeline_stages = 2\nmicro_batches = 4\nschedule = \"zigzag\"", ""),
+                "parallel.schedule: unknown variant `zigzag`",
+            ),
+            (
+                gpt("pipeline_stages = 2\nmicro_batches = 4\ndata = 2", ""),
+                "parallel.data: composing pipeline stages with data parallelism",
+            ),
+            (
+                gpt("pipeline_stages = 2\nmicro_batches = 4\ntensor = 2", ""),
+                "parallel.tensor: tensor parallelism is not available yet",
+            ),
+            (gpt("pipeline_stages = 2\nmicro_batches = 4\nstages = 2", ""), "parallel.stages: unknown field `stages`"),
+            (
+                gpt("pipeline_stages = -2\nmicro_batches = 4", ""),
+                "parallel.pipeline_stages: invalid value: integer `-2`",
+            ),
+            (gpt("micro_batches = 4", ""), "parallel: missing field `pipeline_stages`"),
+            (
+                gpt("pipeline_stages = 2\nmicro_batches = 4", "grad_accum = 2"),
+                "train.grad_accum: a pipeline accumulates",
+            ),
+            (
+                gpt("pipeline_stages = 2\nmicro_batches = 4", "[workers]\ncount = 3"),
+                "parallel.pipeline_stages: 2 stages do not divide the world size 3",
+            ),
+            (
+                gpt("pipeline_stages = 2\nmicro_batches = 4", "[workers]\ncount = 4"),
+                "parallel.pipeline_stages: 2 stages on 4 workers",
+            ),
+            (gpt("pipeline_stages = 2\nmicro_batches = 4", "[workers]\ncount = 2"), ""),
+            (mlp_pipe("pipeline_stages = 3\nmicro_batches = 4"), ""),
+            (
+                mlp_pipe("pipeline_stages = 4\nmicro_batches = 4"),
+                "parallel.pipeline_stages: 4 stages for the MLP's 3 layers: at most 3",
+            ),
+            (
+                mlp("", "[parallel]\npipeline_stages = 2\nmicro_batches = 4"),
+                "parallel: applies to train.strategy = \"pipeline\" only, not \"ddp\"",
+            ),
+        ];
+        check_all(&cases);
+        let j = parse_job(&gpt("pipeline_stages = 2\nmicro_batches = 4", ""), "x").expect("valid");
+        let p = j.parallel.clone().expect("[parallel]");
+        assert_eq!((p.schedule, p.virtual_stages, j.pipeline_stages()), (PipelineSchedule::OneFOneB, 1, 2));
+        // Written back and read again, the same job.
+        assert_eq!(parse_job(&j.to_toml().expect("toml"), "x").expect("again"), j);
+    }
+
+    #[test]
     fn memory_checkpoint_dirs_are_one_plain_name_under_dev_shm() {
         let dir = |id: &str| memory_checkpoint_dir(id).map(|p| p.display().to_string());
         assert_eq!(dir("42").as_deref(), Some("/dev/shm/shoal-42"));
@@ -1544,10 +1821,10 @@ lr = 0.01
             (mlp("strategy = \"ddp\"", ""), ""),
             (
                 mlp("strategy = \"fsdp\"", ""),
-                "train.strategy: \"fsdp\" is not available yet; available: ddp, zero1, zero2, zero3",
+                "train.strategy: \"fsdp\" is not available yet; available: ddp, zero1, zero2, zero3, pipeline",
             ),
             (mlp("strategy = \"zero3\"", ""), ""),
-            (mlp("strategy = \"pipeline\"", ""), "train.strategy: \"pipeline\" is not available yet"),
+            (mlp("strategy = \"pipeline\"", ""), "parallel: train.strategy = \"pipeline\" needs a [parallel] table"),
             (mlp("strategy = \"tensor\"", ""), "train.strategy: \"tensor\" is not available yet"),
             (mlp("strategy = \"ps\"", ""), "train.strategy: \"ps\" is not available yet"),
             (mlp("strategy = \"banana\"", ""), "train.strategy: unknown strategy \"banana\"; available: ddp"),

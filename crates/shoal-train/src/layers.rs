@@ -34,6 +34,12 @@
 //! a time, each with only its own layer's parameters present (refilled in place: the graph holds the same tensors).
 //! Hence the one rule for a model: everything between its input and its output is computed inside its layers'
 //! closures, and the last layer's output is what the loss is computed from.
+//!
+//! Pipeline stages (`crate::strategy::pipeline`) use the same rule: a rank that holds only layers `a..b` of the
+//! model cuts it there ([`Layers::cut`]). The model's forward then runs only those layers: a layer before `a`
+//! hands its input on untouched, layer `a` (when it is not the first) takes the activation the previous stage sent
+//! ([`Layers::feed`]) in place of its input, and a layer from `b` on hands its input on, so the forward returns the
+//! stage's output — the logits on the last stage.
 
 use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -72,6 +78,9 @@ struct Inner {
     inference: usize,
     /// The current training forward's layers so far.
     tape: Vec<Taped>,
+    /// The layers this rank computes, when it is one stage of a pipeline, and the activation its first layer takes
+    /// in the next forward.
+    cut: Option<(Range<usize>, Option<Tensor>)>,
 }
 
 /// A model's layers, shared by its `Params`, the model (which goes through it layer by layer) and the strategy
@@ -241,6 +250,21 @@ impl Layers {
         x: &Tensor,
         f: impl FnOnce(&Tensor) -> candle_core::Result<Tensor>,
     ) -> candle_core::Result<Tensor> {
+        let cut = self.lock().cut.as_ref().map(|(r, _)| r.clone());
+        if let Some(r) = cut {
+            if !r.contains(&layer) {
+                return Ok(x.clone());
+            }
+            if layer == r.start && layer > 0 {
+                let input = self.lock().cut.as_mut().and_then(|(_, i)| i.take()).ok_or_else(|| {
+                    candle_core::Error::Msg(format!(
+                        "layer {layer} starts this pipeline stage, and no activation came for it"
+                    ))
+                })?;
+                return f(&input);
+            }
+            return f(x);
+        }
         let (store, count, training) = self.state();
         if store.is_none() {
             return f(x);
@@ -260,6 +284,24 @@ impl Layers {
         guard.release().map_err(candle_core::Error::wrap)?;
         self.lock().tape.push(Taped { input, output: y.clone() });
         Ok(if layer + 1 == count { y } else { y.detach() })
+    }
+
+    /// Makes this rank compute only `layers` of the model in every forward (a pipeline stage; see the module
+    /// documentation); `None` computes them all again.
+    pub(crate) fn cut(&self, layers: Option<Range<usize>>) {
+        self.lock().cut = layers.map(|r| (r, None));
+    }
+
+    /// The layers this rank computes, when the model is cut into pipeline stages.
+    pub fn stage_layers(&self) -> Option<Range<usize>> {
+        self.lock().cut.as_ref().map(|(r, _)| r.clone())
+    }
+
+    /// The activation the first layer of this rank's stage takes in the next forward (what the previous stage sent).
+    pub(crate) fn feed(&self, input: Tensor) {
+        if let Some((_, slot)) = self.lock().cut.as_mut() {
+            *slot = Some(input);
+        }
     }
 
     /// Opens an inference scope: until it is dropped, forward passes record nothing and free every layer after

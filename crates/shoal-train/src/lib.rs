@@ -9,8 +9,9 @@
 //!   ([`layers`]), which is all a strategy that shards the parameters (ZeRO-3)
 //!   needs to gather each layer just before its use.
 //! - Every rank applies the same update to the same parameters, so the ranks'
-//!   models stay identical; a run of N workers matches a run of one worker with
-//!   the same global batch within floating-point tolerance.
+//!   models stay identical (under a pipeline, each stage updates its own layers
+//!   with gradients of the same global batch); a run of N workers matches a run
+//!   of one worker with the same global batch within floating-point tolerance.
 //! - This crate talks to the control plane only over the wire and through the
 //!   files it writes for it (metrics, heartbeats, the summary); it depends on
 //!   none of the control plane, only on the wire types (`shoal-wire`).

@@ -212,8 +212,45 @@ impl Trainer {
         })
     }
 
+    /// Whether this rank holds only a part of the model (a pipeline stage): then a step's micro-batches go through
+    /// [`Self::run_micro_batches`], and a forward pass through [`Self::forward_stage`].
+    pub fn splits_model(&self) -> bool {
+        self.strategy.splits_model()
+    }
+
+    /// Runs a step's `count` micro-batches: `forward(i)` runs the model on micro-batch `i`, `loss(i, logits)` gives
+    /// its loss weighted by its share of the global batch. Under a pipeline each stage runs its layers in its
+    /// schedule's order (`loss` only on the last stage); otherwise forward, loss and [`Self::backward`] in turn. Give
+    /// the step's scalars with [`Self::attach_scalars`] before [`Self::step`].
+    pub fn run_micro_batches(
+        &mut self,
+        count: usize,
+        mut forward: impl FnMut(usize) -> Result<Tensor>,
+        mut loss: impl FnMut(usize, &Tensor) -> Result<Tensor>,
+    ) -> Result<()> {
+        if !self.strategy.splits_model() {
+            for i in 0..count {
+                let y = forward(i)?;
+                let l = loss(i, &y)?;
+                self.backward(Some(&l), i + 1 == count)?;
+            }
+            return Ok(());
+        }
+        self.strategy.run_micro_batches(&self.params, count, &mut forward, &mut loss)
+    }
+
+    /// One forward pass without backward, every rank calling it for the same batch (evaluation): `forward`'s output
+    /// where this rank has the model's output (under a pipeline, the last stage only).
+    pub fn forward_stage(&self, mut forward: impl FnMut() -> Result<Tensor>) -> Result<Option<Tensor>> {
+        self.strategy.forward_stage(&self.params, &mut forward)
+    }
+
     /// Ends the step: the strategy combines the gradients, clips, and applies the optimizer with `lr`.
     pub fn step(&mut self, lr: f64) -> Result<StepTimes> {
+        if self.strategy.splits_model() {
+            let scalars = std::mem::take(&mut self.scalars);
+            self.strategy.attach_step_scalars(scalars);
+        }
         self.strategy.step(&self.params, &mut self.opt, lr, self.cfg.clip_grad_norm)
     }
 }

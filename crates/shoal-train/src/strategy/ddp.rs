@@ -281,7 +281,13 @@ impl Strategy for Ddp {
                 None => None,
             };
             opt.step(params, &grads, lr)?;
-            return Ok(StepTimes { comm_s: 0.0, optimizer_s: t0.elapsed().as_secs_f64(), grad_norm, scalars });
+            return Ok(StepTimes {
+                comm_s: 0.0,
+                optimizer_s: t0.elapsed().as_secs_f64(),
+                grad_norm,
+                scalars,
+                bubble: None,
+            });
         }
         let vars = params.vars();
         let mut datas: Vec<(Vec<usize>, Vec<f32>)> = Vec::with_capacity(self.buckets.len());
@@ -335,6 +341,6 @@ impl Strategy for Ddp {
             data.clear();
             self.spare.push(data);
         }
-        Ok(StepTimes { comm_s, optimizer_s: t1.elapsed().as_secs_f64(), grad_norm, scalars })
+        Ok(StepTimes { comm_s, optimizer_s: t1.elapsed().as_secs_f64(), grad_norm, scalars, bubble: None })
     }
 }

@@ -15,10 +15,21 @@
 //!   through the model-side seam `crate::layers`). The cut into buckets and shards, and the collectives that move
 //!   them, are one place for every stage ([`shards`]). Checkpoints hold whole tensors, as DDP's.
 //!
+//! - [`pipeline`]: pipeline parallel — the model's layers cut into stages of consecutive layers, each rank holding
+//!   one stage's parameters, gradients and optimizer state. A stage runs only part of each forward, so a pipeline
+//!   does not fit "one backward per micro-batch, then step": the trainer hands it the whole step's micro-batches
+//!   ([`Strategy::run_micro_batches`], with [`Strategy::splits_model`] saying so), and it runs them in its
+//!   schedule's order ([`schedule`]: GPipe or 1F1B), activations and their gradients going between neighbouring
+//!   stages with the communicator's point-to-point calls; evaluation's forward passes go through it too
+//!   ([`Strategy::forward_stage`]). [`Strategy::step`] then clips at the global norm (an all-reduce of the stages'
+//!   squared norms) and updates each stage. Checkpoints hold whole tensors, gathered from the stages.
+//!
 //! The worker builds the strategy `train.strategy` names; a name with no strategy yet is refused when the spec is
 //! validated (`shoal_spec::Strategy`), never silently replaced.
 
 pub mod ddp;
+pub mod pipeline;
+pub mod schedule;
 pub mod shards;
 pub mod zero;
 pub mod zero3;
@@ -57,13 +68,28 @@ pub struct StepTimes {
     pub grad_norm: Option<f64>,
     /// The scalars given with the step's last micro-batch, summed over ranks.
     pub scalars: Vec<f32>,
+    /// A pipeline's idle time in the step (`None` for a strategy that does not cut the model into stages).
+    pub bubble: Option<Bubble>,
+}
+
+/// A pipeline step's idle time on its stages ([`pipeline`]).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Bubble {
+    /// This rank's time waiting for its neighbours over its time running the schedule.
+    pub rank: f64,
+    /// The same, averaged over the stages.
+    pub mean: f64,
+    /// `(S-1)/(M+S-1)`.
+    pub theory: f64,
 }
 
 /// A micro-batch's gradients from autograd: per parameter, `None` for a parameter with no gradient.
 pub type TensorGrads = Vec<Option<Tensor>>;
 
 /// How the ranks share a step. Called by the trainer in this order, every step: [`Strategy::backward`] or
-/// [`Strategy::backward_tensors`] once per micro-batch (`last` on the step's final one), then [`Strategy::step`].
+/// [`Strategy::backward_tensors`] once per micro-batch (`last` on the step's final one), then [`Strategy::step`] —
+/// or, for a strategy that [splits the model](Strategy::splits_model), [`Strategy::run_micro_batches`] once, then
+/// [`Strategy::step`].
 pub trait Strategy: Send {
     /// The name a run records (`train.strategy`, the manifest, `summary.json`).
     fn name(&self) -> &'static str;
@@ -88,6 +114,45 @@ pub trait Strategy: Send {
 
     /// One micro-batch's gradients from autograd.
     fn backward_tensors(&mut self, params: &Params, last: bool, scalars: Vec<f32>, grads: TensorGrads) -> Result<()>;
+
+    /// Whether each rank holds only a part of the model's layers (a pipeline stage): then the trainer hands the
+    /// strategy the whole step's micro-batches ([`Strategy::run_micro_batches`]) instead of one backward at a time,
+    /// and a forward pass goes through it ([`Strategy::forward_stage`]).
+    fn splits_model(&self) -> bool {
+        false
+    }
+
+    /// Runs the step's `count` micro-batches in the strategy's order: `forward(i)` runs the model on micro-batch
+    /// `i` (on a stage, only the stage's layers) and `loss(i, output)` gives its loss, already weighted by its
+    /// share of the global batch, where the model's output is the logits. Each micro-batch's gradients are kept for
+    /// [`Strategy::step`]. By default (a strategy whose ranks hold every layer): forward, loss and
+    /// [`Strategy::backward_tensors`] in turn.
+    fn run_micro_batches(
+        &mut self,
+        params: &Params,
+        count: usize,
+        forward: &mut dyn FnMut(usize) -> Result<Tensor>,
+        loss: &mut dyn FnMut(usize, &Tensor) -> Result<Tensor>,
+    ) -> Result<()> {
+        for i in 0..count {
+            let y = forward(i)?;
+            let l = loss(i, &y)?;
+            let grads = l.backward()?;
+            let per_param = params.vars().iter().map(|(_, v)| grads.get(v.as_tensor()).cloned()).collect();
+            self.backward_tensors(params, i + 1 == count, Vec::new(), per_param)?;
+        }
+        Ok(())
+    }
+
+    /// One forward pass without backward (evaluation), every rank calling it for the same batch: the model's
+    /// output where this rank has it (everywhere by default; on a pipeline's last stage only).
+    fn forward_stage(&self, _params: &Params, forward: &mut dyn FnMut() -> Result<Tensor>) -> Result<Option<Tensor>> {
+        forward().map(Some)
+    }
+
+    /// The scalars to sum over ranks at the next [`Strategy::step`], for a strategy that runs the micro-batches
+    /// itself (the others take them with the last backward).
+    fn attach_step_scalars(&mut self, _values: Vec<f32>) {}
 
     /// Ends the step: the gradients combined across ranks, clipped to a global norm of `clip`, and `opt` applied
     /// with `lr`, the same update on every rank that holds a parameter.

@@ -344,7 +344,7 @@ impl Strategy for Zero {
             let full = self.shards.gather(&p)?;
             self.shards.write_params(params, &full)?;
         }
-        Ok(StepTimes { comm_s: comm_s + t2.elapsed().as_secs_f64(), optimizer_s, grad_norm, scalars })
+        Ok(StepTimes { comm_s: comm_s + t2.elapsed().as_secs_f64(), optimizer_s, grad_norm, scalars, bubble: None })
     }
 
     fn optimizer_bytes(&self, _opt: &Optimizer) -> usize {

@@ -11,8 +11,8 @@ use shoal_data::Dataset;
 use super::wire::EvalMetrics;
 use crate::batch::to_tensors;
 use crate::error::{Error, Result};
-use crate::layers::Layers;
 use crate::models::Model;
+use crate::trainer::Trainer;
 
 /// Loss (mean over rows) and correct predictions of one batch.
 fn loss_and_correct(model: &dyn Model, input: &Tensor, target: &Tensor) -> Result<(Tensor, usize)> {
@@ -25,15 +25,20 @@ fn loss_and_correct(model: &dyn Model, input: &Tensor, target: &Tensor) -> Resul
 
 /// Mean loss and accuracy over the eval set (sharded across ranks, summed with an all-reduce). With the model's
 /// layers gathered one by one (ZeRO-3) every rank runs as many forward passes as the rank with the most batches,
-/// the ones it has no batch for without computing, so the layers' gathers stay in step.
+/// the ones it has no batch for without computing, so the layers' gathers stay in step. Under a pipeline every
+/// stage goes through every batch ([`evaluate_stages`]).
 pub(super) fn evaluate(
     model: &dyn Model,
-    layers: &Layers,
+    trainer: &Trainer,
     data: &dyn Dataset,
     comm: &Communicator,
     batch: usize,
     max_batches: usize,
 ) -> Result<(f64, f64)> {
+    if trainer.splits_model() {
+        return evaluate_stages(model, trainer, data, comm, batch, max_batches);
+    }
+    let layers = trainer.params().layers();
     let _inference = layers.inference();
     let n = data.len().min(batch * max_batches.max(1));
     let share = shoal_comm::chunk::segment(n, comm.size(), comm.rank());
@@ -64,6 +69,42 @@ pub(super) fn evaluate(
     let mut v = [loss_sum, correct, tokens, rows];
     comm.all_reduce(&mut v, ReduceOp::Sum)?;
     let [loss_sum, correct, tokens, _] = v;
+    Ok((loss_sum / tokens.max(1.0), correct / tokens.max(1.0)))
+}
+
+/// [`evaluate`] through a pipeline: every stage takes every batch through its layers (the activations sent on), the
+/// last stage scores them, and the sums are shared with an all-reduce.
+fn evaluate_stages(
+    model: &dyn Model,
+    trainer: &Trainer,
+    data: &dyn Dataset,
+    comm: &Communicator,
+    batch: usize,
+    max_batches: usize,
+) -> Result<(f64, f64)> {
+    let n = data.len().min(batch * max_batches.max(1));
+    let (mut loss_sum, mut correct, mut tokens) = (0f64, 0f64, 0f64);
+    let mut i = 0;
+    while i < n {
+        let end = (i + batch.max(1)).min(n);
+        let samples = (i..end).map(|j| data.get(j)).collect::<shoal_data::Result<Vec<_>>>()?;
+        if let Some(t) = to_tensors(&samples)? {
+            let logits = trainer.forward_stage(|| Ok(model.forward(&t.input)?))?;
+            if let Some(logits) = logits {
+                let loss = candle_nn::loss::cross_entropy(&logits, &t.target)?;
+                let pred = logits.argmax(candle_core::D::Minus1)?;
+                let c = pred.eq(&t.target)?.to_dtype(candle_core::DType::F32)?.sum_all()?.to_scalar::<f32>()?;
+                let targets = t.target.elem_count() as f64;
+                loss_sum += loss.to_scalar::<f32>()? as f64 * targets;
+                correct += f64::from(c);
+                tokens += targets;
+            }
+        }
+        i = end;
+    }
+    let mut v = [loss_sum, correct, tokens];
+    comm.all_reduce(&mut v, ReduceOp::Sum)?;
+    let [loss_sum, correct, tokens] = v;
     Ok((loss_sum / tokens.max(1.0), correct / tokens.max(1.0)))
 }
 

@@ -89,11 +89,12 @@ pub(super) fn finish(
         activations_peak,
         memory_copies,
         memory_stall_s,
+        bubble_t,
+        bubble_theory,
         stopped_at: _,
         regroup: _,
     } = trained;
-    let layers = tr.trainer.params().layers();
-    let (eval_loss, eval_acc) = evaluate(model.as_ref(), layers, eval.as_ref(), comm, micro, t.eval_batches)?;
+    let (eval_loss, eval_acc) = evaluate(model.as_ref(), &tr.trainer, eval.as_ref(), comm, micro, t.eval_batches)?;
     steps.eval_log.log(t.steps, eval_loss, eval_acc)?;
     let text = t.model.kind == ModelKind::Gpt;
     let baseline_loss =
@@ -153,6 +154,8 @@ pub(super) fn finish(
         memory_copies,
         memory_stall_s,
         resumed_from_memory: steps.resumed_from_memory,
+        bubble_fraction: median(bubble_t),
+        bubble_theory,
     };
     comm.barrier()?;
     if rank == 0 {

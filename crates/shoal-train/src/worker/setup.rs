@@ -208,17 +208,33 @@ pub(super) fn training(spec: &JobSpec, setup: &Setup, params: Params) -> Result<
         Strategy::Zero2 => Box::new(crate::strategy::zero::Zero::new(Some(comm.clone()), 2, cfg.bucket_bytes)),
         // The next layer's gather overlaps the current layer's computation where a core is free for it.
         Strategy::Zero3 => Box::new(crate::strategy::zero::Zero3::new(Some(comm.clone()), overlap)),
+        Strategy::Pipeline => {
+            Box::new(crate::strategy::pipeline::Pipeline::new(Some(comm.clone()), pipeline_config(spec)?))
+        }
         Strategy::Auto => return Err(Error::Spec("train.strategy: \"auto\" was not resolved".into())),
     };
     let trainer = Trainer::with_strategy(params, strategy, cfg)?;
 
     let micro = t.micro_batch();
+    // The stages of a pipeline share every batch: the data is split over the data-parallel ranks only.
+    let stages = spec.pipeline_stages();
     let sampler = DistributedSampler::new(
         SamplerConfig { seed: t.seed, ..SamplerConfig::new(setup.train.len(), micro) },
-        world,
-        rank,
+        world / stages,
+        rank / stages,
     )?;
     Ok(Training { sampler, micro, overlap, ran, chose, trainer })
+}
+
+/// A pipeline job's `[parallel]` layout.
+fn pipeline_config(spec: &JobSpec) -> Result<crate::strategy::pipeline::PipelineConfig> {
+    let p =
+        spec.parallel.as_ref().ok_or_else(|| Error::Spec("train.strategy = \"pipeline\" needs [parallel]".into()))?;
+    Ok(crate::strategy::pipeline::PipelineConfig {
+        stages: p.pipeline_stages,
+        micro_batches: p.micro_batches,
+        schedule: p.schedule,
+    })
 }
 
 /// The model of a job and the parameters behind it.

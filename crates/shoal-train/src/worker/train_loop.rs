@@ -16,7 +16,7 @@ use super::eval::{EvalLog, evaluate};
 use super::heartbeat::Phase;
 use super::setup::{Setup, Training};
 use super::wire::{StepMetrics, metrics_file};
-use crate::batch::{Flat, to_flat};
+use crate::batch::{Flat, to_flat, to_tensors};
 use crate::checkpoint::{AsyncSaver, CheckpointError, MEMORY_KEEP, ManifestMeta, TensorData};
 use crate::error::{Error, Result};
 use crate::optim::learning_rate;
@@ -71,6 +71,9 @@ pub(super) struct Trained {
     /// Seconds the step loop spent on in-memory copies (the state's handles, the optimizer state gathered for them
     /// alone, the wait for the copy thread).
     pub(super) memory_stall_s: f64,
+    /// Under a pipeline: each step's bubble (averaged over the stages), and the theory's.
+    pub(super) bubble_t: Vec<f64>,
+    pub(super) bubble_theory: Option<f64>,
 }
 
 impl Trained {
@@ -217,6 +220,9 @@ impl StepLoop {
         // `[[phases]]`: the run ends at its phase's last step, with a checkpoint there, and the platform starts the
         // next phase at its own size (the same step on every rank).
         let phase_end = spec.phase_end(start_step);
+        // A pipeline's micro-batches a step (each stage holds the whole global batch).
+        let pipeline_micro = spec.parallel.as_ref().map_or(1, |p| p.micro_batches);
+        let (mut bubble_t, mut bubble_theory) = (Vec::new(), None);
         for step in start_step..t.steps {
             let step_started = Instant::now();
             let vote = graceful.vote();
@@ -236,6 +242,33 @@ impl StepLoop {
                 global_samples += batch.global_size;
                 sampler_state = batch.next;
                 let last = k + 1 == t.grad_accum;
+                if trainer.splits_model() {
+                    // A pipeline stage: the batch's micro-batches in the schedule's order, the loss on the last stage.
+                    let n = batch.samples.len();
+                    let parts = crate::strategy::pipeline::micro_batch_ranges(n, pipeline_micro)
+                        .into_iter()
+                        .map(|r| {
+                            let w = weight * r.len() as f64 / n as f64;
+                            let x = to_tensors(&batch.samples[r])?
+                                .ok_or_else(|| Error::InvalidArgument("an empty micro-batch".into()))?;
+                            Ok((x, w))
+                        })
+                        .collect::<Result<Vec<_>>>()?;
+                    trainer.run_micro_batches(
+                        parts.len(),
+                        |i| Ok(model.forward(&parts[i].0.input)?),
+                        |i, logits| {
+                            let l = (candle_nn::loss::cross_entropy(logits, &parts[i].0.target)? * parts[i].1)?;
+                            local_loss += l.to_scalar::<f32>()? as f64;
+                            Ok(l)
+                        },
+                    )?;
+                    if last {
+                        trainer.attach_scalars(&[local_loss as f32, vote, moving]);
+                    }
+                    compute_s += c0.elapsed().as_secs_f64();
+                    continue;
+                }
                 match (to_flat(&batch.samples)?, hand) {
                     (Some(flat), Some(hand)) => trainer.backward_with(last, |sink| {
                         local_loss += f64::from(hand.loss_and_grads(&flat, weight as f32, sink)?);
@@ -295,6 +328,10 @@ impl StepLoop {
             comm_t.push(comm_s);
             opt_t.push(times.optimizer_s);
             step_t.push(step_started.elapsed().as_secs_f64());
+            if let Some(b) = times.bubble {
+                bubble_t.push(b.mean);
+                bubble_theory = Some(b.theory);
+            }
             if let Some(b) = beat {
                 b.step(step as u64 + 1);
             }
@@ -322,6 +359,8 @@ impl StepLoop {
                     grads_bytes: trainer.gradient_bytes() as u64,
                     optimizer_bytes: trainer.optimizer_bytes() as u64,
                     activations_bytes: step_peak.map(|p| p as u64),
+                    bubble_fraction: times.bubble.map(|b| b.rank),
+                    bubble_theory: times.bubble.map(|b| b.theory),
                 };
                 let line = serde_json::to_string(&m).map_err(|e| Error::InvalidArgument(e.to_string()))?;
                 writeln!(f, "{line}").map_err(|e| Error::io("writing metrics.jsonl", e))?;
@@ -414,8 +453,7 @@ impl StepLoop {
                 if let Some(b) = beat {
                     b.phase(Phase::Eval);
                 }
-                let layers = trainer.params().layers();
-                let evaluated = evaluate(model.as_ref(), layers, eval.as_ref(), comm, micro, t.eval_batches);
+                let evaluated = evaluate(model.as_ref(), trainer, eval.as_ref(), comm, micro, t.eval_batches);
                 if let Some(b) = beat {
                     b.phase(Phase::Train);
                 }
@@ -458,6 +496,8 @@ impl StepLoop {
             activations_peak,
             memory_copies,
             memory_stall_s,
+            bubble_t,
+            bubble_theory,
         })
     }
 }

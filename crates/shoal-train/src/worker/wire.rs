@@ -69,6 +69,12 @@ pub struct Summary {
     /// What each rank's memory held, from its real buffers.
     #[serde(default)]
     pub memory_bytes: Vec<RankMemory>,
+    /// Under a pipeline: the median over the steps of the part of the schedule the stages spent waiting for their
+    /// neighbours (averaged over the stages), and `(S-1)/(M+S-1)` (theory).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bubble_fraction: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bubble_theory: Option<f64>,
 }
 
 /// One rank's memory, in bytes: its parameters, its gradient buffers, its optimizer state (a shard of it under
@@ -127,6 +133,12 @@ pub struct StepMetrics {
     pub optimizer_bytes: u64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub activations_bytes: Option<u64>,
+    /// Under a pipeline: the part of this step's schedule this rank spent waiting for its neighbours (measured), and
+    /// `(S-1)/(M+S-1)` for `S` stages and `M` micro-batches (theory).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bubble_fraction: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bubble_theory: Option<f64>,
 }
 
 /// The metrics file of a rank: `metrics.jsonl` for rank 0 (the job's curve), `metrics.rank-R.jsonl` for the others.

@@ -1,5 +1,6 @@
-//! Integration tests of shoal-train: DDP and ZeRO equivalence with a single process; the spec's parameter counts.
+//! Integration tests of shoal-train: DDP, ZeRO and pipeline equivalence with a single process; the spec's parameter counts.
 
 mod equivalence;
 mod param_counts;
+mod pipeline;
 mod zero3;

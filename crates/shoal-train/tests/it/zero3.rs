@@ -51,7 +51,7 @@ fn gpt(zero: u8, steps: usize, grad_accum: usize, prefetch: bool) -> Run {
 /// (softmax over the keys ignores what adds the same to every key's score), so what a step computes for it is
 /// rounding noise, which AdamW's `m / sqrt(v)` scales up to a full step: there one process and N ranks (DDP as much
 /// as ZeRO) differ by about 1e-3 relative after 20 steps, and by at most 2e-5 everywhere else.
-fn without_key_biases(params: Vec<(String, Vec<f32>)>) -> Vec<(String, Vec<f32>)> {
+pub(crate) fn without_key_biases(params: Vec<(String, Vec<f32>)>) -> Vec<(String, Vec<f32>)> {
     params
         .into_iter()
         .map(|(n, v)| {

@@ -462,3 +462,58 @@ fn zero3_trains_a_gpt_as_ddp_does_holding_a_share_of_its_parameters() {
     }
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// Pipeline parallel through the whole worker: the GPT in 2 stages of 4 micro-batches under 1F1B, on 2 processes,
+/// with an evaluation every 5 steps through the stages: the loss falls and is DDP's, each rank holds at most 55% of
+/// the parameters, and every metrics line and the summary carry the measured bubble beside the theory's 1/5.
+#[test]
+fn pipeline_trains_a_gpt_in_two_stages_as_ddp_does_and_reports_its_bubble() {
+    let dir = tmpdir("pipeline-gpt");
+    let run = |strategy: &str, parallel: &str| {
+        let job = dir.join(format!("{strategy}.toml"));
+        let text = format!(
+            "name = \"g\"\n[train]\ndataset = \"cicero\"\nglobal_batch = 12\nsteps = 10\nseed = 2\n\
+             optimizer = \"adamw\"\nlr = 3e-3\neval_every = 5\neval_batches = 3\nstrategy = \"{strategy}\"\n\
+             clip_grad_norm = 1.0\n[train.model]\nkind = \"gpt\"\nlayers = 4\nheads = 2\nwidth = 32\ncontext = 16\n\
+             [checkpoint]\nevery = 5\n{parallel}"
+        );
+        std::fs::write(&job, text).expect("write job");
+        let out = dir.join(strategy);
+        (
+            run_json(&["run", "-n", "2", "--json", "--output", &out.display().to_string(), job.to_str().unwrap_or("")]),
+            out,
+        )
+    };
+    let (d, _) = run("ddp", "");
+    let (p, out) = run("pipeline", "[parallel]\npipeline_stages = 2\nmicro_batches = 4\nschedule = \"1f1b\"\n");
+    assert_eq!(p["strategy"], "pipeline", "{p}");
+    for key in ["final_loss", "eval_loss"] {
+        let (a, b) = (d[key].as_f64().unwrap_or(f64::NAN), p[key].as_f64().unwrap_or(f64::NAN));
+        assert!((a - b).abs() <= 1e-4 * a.abs(), "{key}: ddp {a}, pipeline {b}");
+    }
+    let curve = losses(&out.join("metrics.jsonl"));
+    assert_eq!(curve.len(), 10);
+    assert!(curve[9].1 < curve[0].1, "the loss falls: {curve:?}");
+    let bubble = p["bubble_fraction"].as_f64().expect("bubble_fraction in summary.json");
+    assert!((0.0..1.0).contains(&bubble), "bubble {bubble}");
+    assert!((p["bubble_theory"].as_f64().unwrap_or(0.0) - 0.2).abs() < 1e-12, "{p}");
+    for rank in 0..2 {
+        let text = std::fs::read_to_string(shoal_train::worker::metrics_file(&out, rank)).expect("metrics");
+        for line in text.lines() {
+            let v: serde_json::Value = serde_json::from_str(line).expect("metrics line");
+            assert!(v["bubble_fraction"].as_f64().is_some_and(|b| (0.0..1.0).contains(&b)), "rank {rank}: {line}");
+        }
+    }
+    let params = p["parameters"].as_u64().expect("parameters");
+    let held: Vec<u64> = p["memory_bytes"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+        .iter()
+        .map(|m| m["params"].as_u64().unwrap_or(0))
+        .collect();
+    assert_eq!(held.len(), 2);
+    assert!(held.iter().all(|b| b * 100 <= 4 * params * 55), "each stage holds at most 55%: {held:?} of {params}");
+    assert_eq!(held.iter().sum::<u64>(), 4 * params);
+    let _ = std::fs::remove_dir_all(dir);
+}

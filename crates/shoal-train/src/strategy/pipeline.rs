@@ -1,0 +1,549 @@
+//! Pipeline parallel: the model's layers cut into `stages` stages of consecutive layers, rank `s` holding only stage
+//! `s`'s parameters, gradients and optimizer state.
+//!
+//! - [`Strategy::init`]: rank 0's parameters broadcast (every rank starts from the same model), the layers split
+//!   into stages of as even a parameter count as consecutive layers allow ([`balance`]), every other stage's
+//!   parameters freed on this rank, and the model cut at this rank's stage (`crate::layers`: its forward runs only
+//!   the stage's layers, the first of them on the activation the previous stage sent).
+//! - [`Strategy::run_micro_batches`]: the step's micro-batches in the order of the schedule
+//!   (`super::schedule`: GPipe or 1F1B). A forward's output goes to the next stage with the communicator's `send`
+//!   (a small header with its shape, then the values); the stage's input is a leaf variable, so its backward — the
+//!   loss's on the last stage, `sum(y · dy)` on the others, `dy` the gradient the next stage sent back — gives the
+//!   input's gradient to send to the previous stage and the stage's parameters' gradients, summed over the
+//!   micro-batches. The time spent in those sends and receives is this rank's idle time: over the schedule's time it
+//!   is the measured bubble.
+//! - [`Strategy::step`]: one all-reduce over the stages of the squared gradient norms (the global norm, for
+//!   clipping), the bubbles and the step's scalars; then each stage's optimizer on its own parameters.
+//! - Checkpoints hold whole tensors by their full names, as DDP's: every rank's stage put into a buffer of the whole
+//!   model (zeros elsewhere) and summed with an all-reduce, for the parameters and for each optimizer moment. A
+//!   pipeline checkpoint resumes under DDP or ZeRO at any world size, and theirs under a pipeline.
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::time::Instant;
+
+use candle_core::{Tensor, Var};
+use shoal_comm::{Communicator, ReduceOp};
+
+use super::schedule::{Op, ops, theoretical_bubble};
+use super::{Bubble, GradSink, StepTimes, Strategy, TensorGrads, broadcast_from_rank0};
+use crate::error::{Error, Result};
+use crate::kernels::{replace_storage, with_slice};
+use crate::optim::{OptimConfig, Optimizer, sum_sq};
+use crate::params::Params;
+use crate::spec::PipelineSchedule;
+
+/// How a [`Pipeline`] cuts and schedules.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PipelineConfig {
+    pub stages: usize,
+    pub micro_batches: usize,
+    pub schedule: PipelineSchedule,
+}
+
+/// Up to 7 dimensions in an activation's header (the header's first value is the count).
+const HEADER: usize = 8;
+
+/// What one stage keeps of a micro-batch between its forward and its backward.
+struct Held {
+    /// The stage's input as a leaf variable (none on the first stage).
+    input: Option<Var>,
+    /// The stage's output with its graph (the weighted loss on the last stage).
+    output: Tensor,
+}
+
+/// Pipeline parallel (see the module documentation).
+pub struct Pipeline {
+    comm: Option<Communicator>,
+    cfg: PipelineConfig,
+    stage: usize,
+    /// This stage's layers and parameters (indices into the model's).
+    layers: Range<usize>,
+    members: Range<usize>,
+    /// The stage's parameters alone, for its optimizer.
+    own: Params,
+    /// The stage's optimizer (made at the first step or restore, with the trainer's configuration).
+    opt: Option<Optimizer>,
+    /// Gradients summed over the step's micro-batches, per stage parameter.
+    acc: Vec<Vec<f32>>,
+    scalars: Vec<f32>,
+    /// The last schedule's idle and total seconds.
+    idle_s: f64,
+    span_s: f64,
+    /// Micro-batches of the last schedule.
+    ran: usize,
+}
+
+impl std::fmt::Debug for Pipeline {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pipeline")
+            .field("cfg", &self.cfg)
+            .field("stage", &self.stage)
+            .field("layers", &self.layers)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The step's `samples` split into at most `micro` contiguous micro-batches of near-equal size (fewer when there
+/// are fewer samples: the last global batch of an epoch may be short), each a range of sample indices.
+pub fn micro_batch_ranges(samples: usize, micro: usize) -> Vec<Range<usize>> {
+    let m = micro.min(samples).max(1);
+    (0..m).map(|i| (i * samples / m)..((i + 1) * samples / m)).filter(|r| !r.is_empty()).collect()
+}
+
+/// Cuts layers of `costs` into `stages` runs of consecutive layers with the smallest largest cost (ties: the
+/// earliest cut); each run's range of layers. `None` when there are fewer layers than stages.
+pub fn balance(costs: &[usize], stages: usize) -> Option<Vec<Range<usize>>> {
+    let n = costs.len();
+    if stages == 0 || stages > n {
+        return None;
+    }
+    let prefix: Vec<usize> = std::iter::once(0)
+        .chain(costs.iter().scan(0, |s, c| {
+            *s += c;
+            Some(*s)
+        }))
+        .collect();
+    let cost = |a: usize, b: usize| prefix[b] - prefix[a];
+    // best[k][i]: the smallest largest cost of cutting the first i layers into k runs; from[k][i]: where the last
+    // run starts.
+    let mut best = vec![vec![usize::MAX; n + 1]; stages + 1];
+    let mut from = vec![vec![0; n + 1]; stages + 1];
+    best[0][0] = 0;
+    for k in 1..=stages {
+        for i in k..=n {
+            for j in (k - 1)..i {
+                if best[k - 1][j] == usize::MAX {
+                    continue;
+                }
+                let c = best[k - 1][j].max(cost(j, i));
+                if c < best[k][i] {
+                    best[k][i] = c;
+                    from[k][i] = j;
+                }
+            }
+        }
+    }
+    let mut cuts = vec![0..0; stages];
+    let mut end = n;
+    for k in (1..=stages).rev() {
+        let start = from[k][end];
+        cuts[k - 1] = start..end;
+        end = start;
+    }
+    Some(cuts)
+}
+
+impl Pipeline {
+    /// Stage `comm.rank()` of a pipeline of `cfg.stages` ranks (the communicator's size).
+    pub fn new(comm: Option<Communicator>, cfg: PipelineConfig) -> Pipeline {
+        let stage = comm.as_ref().map_or(0, Communicator::rank);
+        Pipeline {
+            comm,
+            cfg,
+            stage,
+            layers: 0..0,
+            members: 0..0,
+            own: Params::default(),
+            opt: None,
+            acc: Vec::new(),
+            scalars: Vec::new(),
+            idle_s: 0.0,
+            span_s: 0.0,
+            ran: cfg.micro_batches,
+        }
+    }
+
+    /// This rank's stage and its layers (after `init`).
+    pub fn stage(&self) -> (usize, Range<usize>) {
+        (self.stage, self.layers.clone())
+    }
+
+    fn last(&self) -> bool {
+        self.stage + 1 == self.cfg.stages
+    }
+
+    fn comm_or_err(&self) -> Result<&Communicator> {
+        self.comm.as_ref().ok_or_else(|| Error::InvalidArgument("a pipeline needs a communicator".into()))
+    }
+
+    /// Sends `t` (its shape first) to the next stage; returns the seconds it took.
+    fn send_act(&self, t: &Tensor) -> Result<f64> {
+        let dims = t.dims();
+        if dims.len() >= HEADER {
+            return Err(Error::InvalidArgument(format!("an activation of {} dimensions: at most 7", dims.len())));
+        }
+        let mut header = [0i64; HEADER];
+        header[0] = dims.len() as i64;
+        for (h, d) in header[1..].iter_mut().zip(dims) {
+            *h = *d as i64;
+        }
+        let values = t.flatten_all()?.to_vec1::<f32>()?;
+        let c = self.comm_or_err()?;
+        let t0 = Instant::now();
+        c.send(&header, self.stage + 1)?;
+        c.send(&values, self.stage + 1)?;
+        Ok(t0.elapsed().as_secs_f64())
+    }
+
+    /// Receives an activation from the previous stage as a leaf variable; with the seconds it took.
+    fn recv_act(&self) -> Result<(Var, f64)> {
+        let c = self.comm_or_err()?;
+        let t0 = Instant::now();
+        let mut header = [0i64; HEADER];
+        c.recv(&mut header, self.stage - 1)?;
+        let rank = usize::try_from(header[0]).unwrap_or(HEADER).min(HEADER);
+        let dims: Vec<usize> = header.get(1..1 + rank).unwrap_or(&[]).iter().map(|d| (*d).max(0) as usize).collect();
+        if rank == 0 || rank >= HEADER {
+            return Err(Error::InvalidArgument(format!("stage {}: a malformed activation header", self.stage)));
+        }
+        let mut values = vec![0f32; dims.iter().product()];
+        c.recv(&mut values, self.stage - 1)?;
+        let idle = t0.elapsed().as_secs_f64();
+        Ok((Var::from_tensor(&Tensor::from_vec(values, dims, &candle_core::Device::Cpu)?)?, idle))
+    }
+
+    /// Adds this micro-batch's gradients of the stage's parameters into the step's sums.
+    fn accumulate(&mut self, params: &Params, grads: &candle_core::backprop::GradStore) -> Result<()> {
+        for (k, i) in self.members.clone().enumerate() {
+            let (name, var) = &params.vars()[i];
+            let Some(g) = grads.get(var.as_tensor()) else { continue };
+            let g = g.contiguous()?;
+            let acc = &mut self.acc[k];
+            with_slice(&g, |s| {
+                if s.len() != acc.len() {
+                    return Err(Error::InvalidArgument(format!(
+                        "gradient of {name}: {} values, {}",
+                        s.len(),
+                        acc.len()
+                    )));
+                }
+                acc.iter_mut().zip(s).for_each(|(a, g)| *a += g);
+                Ok(())
+            })??;
+        }
+        Ok(())
+    }
+
+    /// The stage's optimizer, made with `cfg` if it is not yet.
+    fn optimizer(&mut self, cfg: OptimConfig) -> &mut Optimizer {
+        let own = &self.own;
+        self.opt.get_or_insert_with(|| Optimizer::new(cfg, own))
+    }
+
+    /// Every stage's values of one kind (the parameters, or one optimizer moment), each rank's own put into a
+    /// buffer of the whole model and the buffers summed: whole named tensors on every rank (a collective).
+    fn gather(&self, params: &Params, own: &[Vec<f32>], suffix: &str) -> Result<Vec<(String, Tensor)>> {
+        let (offsets, total) = super::flat_offsets(params);
+        let mut flat = vec![0f32; total];
+        for (k, i) in self.members.clone().enumerate() {
+            let values = own.get(k).ok_or_else(|| Error::InvalidArgument("a stage's state is incomplete".into()))?;
+            flat[offsets[i]..offsets[i] + values.len()].copy_from_slice(values);
+        }
+        self.comm_or_err()?.all_reduce(&mut flat, ReduceOp::Sum)?;
+        params
+            .vars()
+            .iter()
+            .enumerate()
+            .map(|(i, (name, var))| {
+                let part = flat[offsets[i]..offsets[i] + var.elem_count()].to_vec();
+                Ok((format!("{name}{suffix}"), Tensor::from_vec(part, var.shape(), &candle_core::Device::Cpu)?))
+            })
+            .collect()
+    }
+}
+
+fn values_of(t: &Tensor) -> Result<Vec<f32>> {
+    Ok(t.flatten_all()?.to_vec1::<f32>()?)
+}
+
+impl Strategy for Pipeline {
+    fn name(&self) -> &'static str {
+        "pipeline"
+    }
+
+    fn comm(&self) -> Option<&Communicator> {
+        self.comm.as_ref()
+    }
+
+    fn init(&mut self, params: &Params) -> Result<()> {
+        let world = self.comm.as_ref().map_or(1, Communicator::size);
+        if world != self.cfg.stages || self.cfg.stages < 2 {
+            return Err(Error::InvalidArgument(format!(
+                "a pipeline of {} stages runs on as many ranks, not {world}",
+                self.cfg.stages
+            )));
+        }
+        if self.cfg.micro_batches == 0 {
+            return Err(Error::InvalidArgument("a pipeline needs at least one micro-batch".into()));
+        }
+        if self.cfg.schedule == PipelineSchedule::Interleaved {
+            return Err(Error::InvalidArgument("the interleaved pipeline schedule is not available yet".into()));
+        }
+        broadcast_from_rank0(self.comm.as_ref(), params)?;
+        let ranges = params.layers().ranges(params.vars().len())?;
+        let costs: Vec<usize> =
+            ranges.iter().map(|(_, m)| m.clone().map(|i| params.vars()[i].1.elem_count()).sum()).collect();
+        let cuts = balance(&costs, self.cfg.stages).ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "{} pipeline stages for a model of {} layers: at most one stage per layer",
+                self.cfg.stages,
+                ranges.len()
+            ))
+        })?;
+        self.layers = cuts[self.stage].clone();
+        self.members = ranges[self.layers.start].1.start..ranges[self.layers.end - 1].1.end;
+        // Only this stage's parameters stay: the others' tensors keep their shapes and hold nothing.
+        for (i, (name, var)) in params.vars().iter().enumerate() {
+            if !self.members.contains(&i) {
+                replace_storage(var.as_tensor(), Vec::new()).map_err(|e| {
+                    Error::InvalidArgument(format!("parameter {name} cannot be left to its stage: {e}"))
+                })?;
+            }
+        }
+        self.own = Params::from_vars(params.vars()[self.members.clone()].to_vec());
+        self.acc = self.own.vars().iter().map(|(_, v)| vec![0f32; v.elem_count()]).collect();
+        params.layers().cut(Some(self.layers.clone()));
+        Ok(())
+    }
+
+    fn backward(
+        &mut self,
+        _params: &Params,
+        _last: bool,
+        _scalars: Vec<f32>,
+        _f: &mut dyn FnMut(&mut dyn GradSink) -> Result<()>,
+    ) -> Result<()> {
+        Err(Error::InvalidArgument(
+            "a pipeline stage runs the step's micro-batches itself (Trainer::run_micro_batches)".into(),
+        ))
+    }
+
+    fn backward_tensors(
+        &mut self,
+        _params: &Params,
+        _last: bool,
+        _scalars: Vec<f32>,
+        _grads: TensorGrads,
+    ) -> Result<()> {
+        Err(Error::InvalidArgument(
+            "a pipeline stage runs the step's micro-batches itself (Trainer::run_micro_batches)".into(),
+        ))
+    }
+
+    fn splits_model(&self) -> bool {
+        true
+    }
+
+    fn run_micro_batches(
+        &mut self,
+        params: &Params,
+        count: usize,
+        forward: &mut dyn FnMut(usize) -> Result<Tensor>,
+        loss: &mut dyn FnMut(usize, &Tensor) -> Result<Tensor>,
+    ) -> Result<()> {
+        // Fewer than configured only for a short global batch (`micro_batch_ranges`).
+        if count == 0 || count > self.cfg.micro_batches {
+            return Err(Error::InvalidArgument(format!(
+                "{count} micro-batches for a pipeline of {} a step",
+                self.cfg.micro_batches
+            )));
+        }
+        self.ran = count;
+        let started = Instant::now();
+        let mut idle = 0f64;
+        let mut inputs: HashMap<usize, Var> = HashMap::new();
+        let mut held: HashMap<usize, Held> = HashMap::new();
+        let mut outgoing: HashMap<usize, Tensor> = HashMap::new();
+        let mut grads_in: HashMap<usize, Tensor> = HashMap::new();
+        let mut grads_out: HashMap<usize, Vec<f32>> = HashMap::new();
+        let missing =
+            |what: &str, i: usize| Error::InvalidArgument(format!("pipeline schedule: no {what} for micro-batch {i}"));
+        let layers = params.layers().clone();
+        for op in ops(self.cfg.schedule, self.cfg.stages, self.stage, count) {
+            match op {
+                Op::RecvAct(i) => {
+                    let (v, s) = self.recv_act()?;
+                    idle += s;
+                    inputs.insert(i, v);
+                }
+                Op::Forward(i) => {
+                    let input = inputs.remove(&i);
+                    if let Some(v) = &input {
+                        layers.feed(v.as_tensor().clone());
+                    } else if self.stage > 0 {
+                        return Err(missing("activation", i));
+                    }
+                    let y = forward(i)?;
+                    let output = if self.last() {
+                        loss(i, &y)?
+                    } else {
+                        outgoing.insert(i, y.detach());
+                        y
+                    };
+                    held.insert(i, Held { input, output });
+                }
+                Op::SendAct(i) => {
+                    let y = outgoing.remove(&i).ok_or_else(|| missing("output", i))?;
+                    idle += self.send_act(&y)?;
+                }
+                Op::RecvGrad(i) => {
+                    let shape = held.get(&i).ok_or_else(|| missing("forward", i))?.output.shape().clone();
+                    let mut values = vec![0f32; shape.elem_count()];
+                    let t0 = Instant::now();
+                    self.comm_or_err()?.recv(&mut values, self.stage + 1)?;
+                    idle += t0.elapsed().as_secs_f64();
+                    grads_in.insert(i, Tensor::from_vec(values, shape, &candle_core::Device::Cpu)?);
+                }
+                Op::Backward(i) => {
+                    let h = held.remove(&i).ok_or_else(|| missing("forward", i))?;
+                    let root = if self.last() {
+                        h.output
+                    } else {
+                        let dy = grads_in.remove(&i).ok_or_else(|| missing("gradient", i))?;
+                        (&h.output * dy)?.sum_all()?
+                    };
+                    let grads = root.backward()?;
+                    self.accumulate(params, &grads)?;
+                    if let Some(x) = &h.input {
+                        let dx = match grads.get(x.as_tensor()) {
+                            Some(g) => values_of(g)?,
+                            None => vec![0f32; x.elem_count()],
+                        };
+                        grads_out.insert(i, dx);
+                    }
+                }
+                Op::SendGrad(i) => {
+                    let dx = grads_out.remove(&i).ok_or_else(|| missing("input gradient", i))?;
+                    let t0 = Instant::now();
+                    self.comm_or_err()?.send(&dx, self.stage - 1)?;
+                    idle += t0.elapsed().as_secs_f64();
+                }
+            }
+        }
+        self.idle_s = idle;
+        self.span_s = started.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    fn forward_stage(&self, params: &Params, forward: &mut dyn FnMut() -> Result<Tensor>) -> Result<Option<Tensor>> {
+        if self.stage > 0 {
+            let (v, _) = self.recv_act()?;
+            params.layers().feed(v.as_tensor().clone());
+        }
+        let y = forward()?;
+        if self.last() {
+            return Ok(Some(y));
+        }
+        self.send_act(&y)?;
+        Ok(None)
+    }
+
+    fn attach_step_scalars(&mut self, values: Vec<f32>) {
+        self.scalars = values;
+    }
+
+    fn step(&mut self, _params: &Params, opt: &mut Optimizer, lr: f64, clip: Option<f64>) -> Result<StepTimes> {
+        let t0 = Instant::now();
+        let sq: f64 = self.acc.iter().map(|g| sum_sq(g)).sum();
+        let mine = if self.span_s > 0.0 { self.idle_s / self.span_s } else { 0.0 };
+        let scalars = std::mem::take(&mut self.scalars);
+        let mut summed: Vec<f64> = [sq, mine].into_iter().chain(scalars.iter().map(|v| f64::from(*v))).collect();
+        self.comm_or_err()?.all_reduce(&mut summed, ReduceOp::Sum)?;
+        let comm_s = t0.elapsed().as_secs_f64();
+        let t1 = Instant::now();
+        let norm = summed[0].sqrt();
+        let grad_norm = clip.map(|_| norm);
+        if let Some(max) = clip
+            && norm > max
+            && norm > 0.0
+        {
+            let s = (max / norm) as f32;
+            self.acc.iter_mut().for_each(|g| g.iter_mut().for_each(|x| *x *= s));
+        }
+        let mut acc = std::mem::take(&mut self.acc);
+        let own = self.own.clone();
+        let stage_opt = self.optimizer(opt.config());
+        let slices: Vec<&[f32]> = acc.iter().map(Vec::as_slice).collect();
+        let stepped = stage_opt.step_slices(&own, &slices, lr);
+        opt.t = stage_opt.t;
+        acc.iter_mut().for_each(|g| g.fill(0.0));
+        self.acc = acc;
+        stepped?;
+        let bubble = Bubble {
+            rank: mine,
+            mean: summed[1] / self.cfg.stages as f64,
+            theory: theoretical_bubble(self.cfg.stages, self.ran),
+        };
+        Ok(StepTimes {
+            comm_s,
+            optimizer_s: t1.elapsed().as_secs_f64(),
+            grad_norm,
+            scalars: summed[2..].iter().map(|v| *v as f32).collect(),
+            bubble: Some(bubble),
+        })
+    }
+
+    fn optimizer_bytes(&self, _opt: &Optimizer) -> usize {
+        self.opt.as_ref().map_or(0, Optimizer::state_bytes)
+    }
+
+    fn gradient_bytes(&self, _params: &Params) -> usize {
+        self.own.count() * 4
+    }
+
+    fn param_bytes(&self, _params: &Params) -> usize {
+        self.own.count() * 4
+    }
+
+    fn model_state(&self, params: &Params) -> Result<Vec<(String, Tensor)>> {
+        let own = self.own.vars().iter().map(|(_, v)| values_of(v.as_tensor())).collect::<Result<Vec<_>>>()?;
+        self.gather(params, &own, "")
+    }
+
+    fn optimizer_state(&self, params: &Params, opt: &Optimizer) -> Result<Vec<(String, Tensor)>> {
+        // The same moments on every stage (one configuration, stepped together): the same collectives.
+        let moments: &[&str] = match (opt.t, opt.config()) {
+            (0, _) | (_, OptimConfig::Sgd { momentum: 0.0, .. }) => &[],
+            (_, OptimConfig::Sgd { .. }) => &["m"],
+            (_, OptimConfig::AdamW { .. }) => &["m", "v"],
+        };
+        let mine: HashMap<String, Tensor> =
+            self.opt.as_ref().map(|o| o.state(&self.own)).unwrap_or_default().into_iter().collect();
+        let mut out: Vec<(String, Tensor)> = Vec::new();
+        for m in moments {
+            let suffix = format!(".{m}");
+            let own = self
+                .own
+                .vars()
+                .iter()
+                .map(|(name, v)| match mine.get(&format!("{name}{suffix}")) {
+                    Some(t) => values_of(t),
+                    None => Ok(vec![0f32; v.elem_count()]),
+                })
+                .collect::<Result<Vec<_>>>()?;
+            out.extend(self.gather(params, &own, &suffix)?);
+        }
+        // In the optimizer's order: each parameter's moments together.
+        let order: HashMap<&str, usize> = params.vars().iter().enumerate().map(|(i, (n, _))| (n.as_str(), i)).collect();
+        let key = |n: &str| {
+            let (p, m) = n.rsplit_once('.').unwrap_or((n, ""));
+            (order.get(p).copied().unwrap_or(usize::MAX), m.to_string())
+        };
+        out.sort_by_key(|(n, _)| key(n));
+        Ok(out)
+    }
+
+    fn load_optimizer_state(
+        &mut self,
+        _params: &Params,
+        opt: &mut Optimizer,
+        t: u64,
+        named: &HashMap<String, Tensor>,
+    ) -> Result<()> {
+        let own = self.own.clone();
+        self.optimizer(opt.config()).load_state(&own, t, named)?;
+        opt.t = t;
+        Ok(())
+    }
+}
