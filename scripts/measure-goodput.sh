@@ -6,6 +6,8 @@
 #
 #   scripts/measure-goodput.sh [SHOAL_BINARY] [STEPS] [EVERY] [CKPT] [POLICY] [BACKOFF]
 #   (default target/debug/shoal, 40000, 10s, 200, restart, 0s; SHOAL_GOODPUT_EVENTS=1 prints each run's events)
+#   POLICY elastic runs the job with [workers] min = 1, max = 2: a lost worker's survivor goes on in place and a
+#   newcomer joins it when the CPU is free again.
 set -euo pipefail
 BIN=$(realpath "${1:-target/debug/shoal}")
 STEPS=${2:-40000}
@@ -37,6 +39,9 @@ t = re.sub(r"(?m)^eval_every = .*", "eval_every = 0", t)
 t = re.sub(r"(?m)^log_every = .*", "log_every = 1000", t)
 t = re.sub(r"(?s)\[fault_tolerance\].*?\n\n",
            f'[fault_tolerance]\npolicy = "{policy}"\nmax_restarts = 1000\nbackoff = "{backoff}"\n\n', t)
+if policy == "elastic":
+    # Elastic: down to one worker while one is lost, back to two when its CPU is free again.
+    t = t.replace("[workers]\ncount = 2\n", "[workers]\nmin = 1\nmax = 2\n")
 open(dst, "w").write(t)
 PY
 
@@ -64,15 +69,16 @@ ev = v["events"]
 t0 = next(e["time_ms"] for e in ev if e["kind"] == "started")
 t1 = next(e["time_ms"] for e in ev if e["kind"] == "succeeded")
 kills = sum(1 for e in ev if e["kind"] == "chaos")
+regroups = sum(1 for e in ev if e["kind"] == "regrouped")
 steps, restarts, secs = v["summary"]["steps"], v["restarts"], (t1 - t0) / 1000
-print(f"{steps / secs:.1f} {restarts} {kills} {secs:.1f}")'
+print(f"{steps / secs:.1f} {restarts} {kills} {secs:.1f} {regroups}")'
 }
 
 # Undisturbed before and after the run under chaos: on a shared machine the two tell how much the load moved.
-read -r base1 _ _ base1_s < <(run 0)
+read -r base1 _ _ base1_s _ < <(run 0)
 echo "undisturbed: $base1 steps/s ($STEPS steps in $base1_s s)"
-read -r chaos restarts kills chaos_s < <(run 1)
-echo "chaos (a worker killed every $EVERY, policy $POLICY, backoff $BACKOFF, checkpoint every $CKPT): $chaos steps/s ($STEPS steps in $chaos_s s, $kills kills, $restarts restarts)"
-read -r base2 _ _ base2_s < <(run 0)
+read -r chaos restarts kills chaos_s regroups < <(run 1)
+echo "chaos (a worker killed every $EVERY, policy $POLICY, backoff $BACKOFF, checkpoint every $CKPT): $chaos steps/s ($STEPS steps in $chaos_s s, $kills kills, $restarts restarts, $regroups regroupings in place)"
+read -r base2 _ _ base2_s _ < <(run 0)
 echo "undisturbed again: $base2 steps/s ($STEPS steps in $base2_s s)"
 python3 -c "print(f'goodput: {100 * $chaos / (($base1 + $base2) / 2):.1f}% of the mean undisturbed rate')"

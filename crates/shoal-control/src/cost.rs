@@ -1,6 +1,7 @@
 //! What jobs cost: resource-hours allocated (what a worker held, from its start to its end) and used (CPU time
 //! its processes took; memory from the resident-size samples), queue time, and money at the server's prices.
-//! Money is charged on allocation, as clouds do. Pure: rows in, report out.
+//! Money is charged on allocation, as clouds do; a job with `[[phases]]` is charged each phase at its own resources
+//! (a task at those of the phase it started in) and reported phase by phase. Pure: rows in, report out.
 //!
 //! Prices come from the server's configuration (`--prices FILE`, TOML):
 //! ```toml
@@ -11,7 +12,7 @@
 //! kwh = 0.15          # per kWh, for the energy estimate where GPUs report power
 //! ```
 
-pub use shoal_wire::{CostReport, Hours, JobCost, Prices, TeamCost};
+pub use shoal_wire::{CostReport, Hours, JobCost, PhaseCost, Prices, TeamCost};
 
 use crate::db::{JobRow, SampleRow, TaskRow};
 
@@ -26,26 +27,68 @@ pub fn parse_prices(text: &str) -> Result<Prices, String> {
     Ok(p)
 }
 
-/// One job's cost. `per_worker` is `(cpus, memory bytes, gpus)` held by each worker.
+/// What each worker of a job (or of one of its `[[phases]]`) holds, and from when.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Rate {
+    /// `(cpus, memory bytes, gpus)` held by each worker.
+    pub per_worker: (f64, u64, f64),
+    /// Tasks started from this time on (ms since the epoch) are charged at this rate (the first: `i64::MIN`).
+    pub from_ms: i64,
+    /// The phase's last step (none: the run's end).
+    pub until_step: Option<usize>,
+}
+
+impl Rate {
+    /// A job without phases.
+    pub fn whole(per_worker: (f64, u64, f64)) -> [Rate; 1] {
+        [Rate { per_worker, from_ms: i64::MIN, until_step: None }]
+    }
+}
+
+/// One job's cost: each task charged at the rate of the phase it started in (`rates`, in phase order; one for a job
+/// without phases).
 pub fn job_cost(
     job: &JobRow,
-    per_worker: (f64, u64, f64),
+    rates: &[Rate],
     tasks: &[TaskRow],
     samples: &[SampleRow],
     prices: &Prices,
     now_ms: i64,
 ) -> JobCost {
-    let (cpus, mem, gpus) = per_worker;
-    let gib = mem as f64 / (1u64 << 30) as f64;
     let mut allocated = Hours::default();
     let mut used = Hours::default();
+    let mut phases: Vec<PhaseCost> = rates
+        .iter()
+        .enumerate()
+        .map(|(phase, r)| PhaseCost {
+            phase,
+            until_step: r.until_step,
+            workers: 0,
+            allocated: Hours::default(),
+            cost: 0.0,
+        })
+        .collect();
+    let mut spans: Vec<Vec<(i64, i64)>> = vec![Vec::new(); rates.len()];
     for t in tasks {
         let Some(start) = t.started_ms else { continue };
+        let Some(phase) = rates.iter().rposition(|r| r.from_ms <= start) else { continue };
+        let (cpus, mem, gpus) = rates[phase].per_worker;
+        let gib = mem as f64 / (1u64 << 30) as f64;
         let end = t.ended_ms.unwrap_or(now_ms).max(start);
         let h = (end - start) as f64 / 3_600_000.0;
-        allocated.add(&Hours { cpu_hours: cpus * h, gib_hours: gib * h, gpu_hours: gpus * h });
+        let held = Hours { cpu_hours: cpus * h, gib_hours: gib * h, gpu_hours: gpus * h };
+        allocated.add(&held);
+        phases[phase].allocated.add(&held);
+        spans[phase].push((start, end));
         used.cpu_hours += t.cpu_seconds.unwrap_or(0.0) / 3600.0;
     }
+    for (p, s) in phases.iter_mut().zip(&spans) {
+        p.workers = s.iter().map(|(a, _)| s.iter().filter(|(b, e)| b <= a && a < e).count()).max().unwrap_or(0);
+        p.cost = charge(&p.allocated, prices);
+    }
+    // A job without phases is one; a phase not reached yet is left out.
+    let phases =
+        if rates.len() > 1 { phases.into_iter().filter(|p| !spans[p.phase].is_empty()).collect() } else { Vec::new() };
     // Memory used: resident size held between consecutive samples of each rank.
     let mut ranks: Vec<i64> = samples.iter().map(|s| s.rank).collect();
     ranks.sort_unstable();
@@ -74,10 +117,7 @@ pub fn job_cost(
     };
     let first_start = tasks.iter().filter_map(|t| t.started_ms).min();
     let queue_s = (first_start.unwrap_or(now_ms) - job.created_ms).max(0) as f64 / 1000.0;
-    let cost = allocated.cpu_hours * prices.cpu_hour
-        + allocated.gib_hours * prices.gib_hour
-        + allocated.gpu_hours * prices.gpu_hour
-        + energy_kwh.unwrap_or(0.0) * prices.kwh;
+    let cost = charge(&allocated, prices) + energy_kwh.unwrap_or(0.0) * prices.kwh;
     JobCost {
         id: job.id.clone(),
         name: job.name.clone(),
@@ -88,7 +128,13 @@ pub fn job_cost(
         used,
         cost,
         energy_kwh,
+        phases,
     }
+}
+
+/// What holding `h` costs.
+fn charge(h: &Hours, prices: &Prices) -> f64 {
+    h.cpu_hours * prices.cpu_hour + h.gib_hours * prices.gib_hour + h.gpu_hours * prices.gpu_hour
 }
 
 /// Sums jobs into teams and a total.
@@ -173,12 +219,34 @@ mod tests {
     }
 
     #[test]
+    fn a_job_with_phases_is_charged_each_at_its_own_resources() {
+        let prices = Prices { currency: "USD".into(), cpu_hour: 0.10, gib_hour: 0.0, gpu_hour: 0.0, kwh: 0.0 };
+        let rates = [
+            Rate { per_worker: (4.0, 0, 0.0), from_ms: i64::MIN, until_step: Some(1000) },
+            Rate { per_worker: (1.0, 0, 0.0), from_ms: 3_600_000, until_step: None },
+        ];
+        // Phase 0: two workers of 4 CPUs for an hour; phase 1 (from its event at 1 h): one of 1 CPU for an hour.
+        let tasks = [task(0, 0, 3_600_000, 0.0), task(1, 0, 3_600_000, 0.0), task(0, 3_600_000, 7_200_000, 0.0)];
+        let c = job_cost(&job("p", "nlp", 0), &rates, &tasks, &[], &prices, 10_000_000);
+        let got: Vec<(usize, Option<usize>, usize, f64)> =
+            c.phases.iter().map(|p| (p.phase, p.until_step, p.workers, p.allocated.cpu_hours)).collect();
+        assert_eq!(got, vec![(0, Some(1000), 2, 8.0), (1, None, 1, 1.0)]);
+        assert!((c.phases[0].cost - 0.8).abs() < 1e-12 && (c.phases[1].cost - 0.1).abs() < 1e-12, "{c:?}");
+        assert!((c.cost - c.phases.iter().map(|p| p.cost).sum::<f64>()).abs() < 1e-12, "the phases add up");
+        // Before the second phase is reached it is not reported; a job without phases reports none.
+        let early = job_cost(&job("p", "nlp", 0), &rates, &tasks[..2], &[], &prices, 10_000_000);
+        assert_eq!(early.phases.len(), 1);
+        let plain = job_cost(&job("q", "nlp", 0), &Rate::whole((4.0, 0, 0.0)), &tasks[..2], &[], &prices, 1);
+        assert!(plain.phases.is_empty() && (plain.cost - 0.8).abs() < 1e-12, "{plain:?}");
+    }
+
+    #[test]
     fn costs_add_up_on_known_jobs() {
         let prices = Prices { currency: "USD".into(), cpu_hour: 0.10, gib_hour: 0.01, gpu_hour: 3.0, kwh: 0.0 };
         // Job a: 2 workers x (2 CPUs, 4 GiB, 1 GPU) for exactly one hour, queued 60 s.
         let a = job_cost(
             &job("a", "vision", 0),
-            (2.0, 4 << 30, 1.0),
+            &Rate::whole((2.0, 4 << 30, 1.0)),
             &[task(0, 60_000, 3_660_000, 3600.0), task(1, 60_000, 3_660_000, 1800.0)],
             &[],
             &prices,
@@ -194,7 +262,7 @@ mod tests {
         // Job b: one CPU-only worker for 30 minutes, restarted once (two tasks of 15 minutes), still waiting 0 s.
         let b = job_cost(
             &job("b", "nlp", 1_000),
-            (1.0, 1 << 30, 0.0),
+            &Rate::whole((1.0, 1 << 30, 0.0)),
             &[task(0, 1_000, 901_000, 100.0), task(0, 901_000, 1_801_000, 100.0)],
             &[],
             &prices,
@@ -202,7 +270,7 @@ mod tests {
         );
         // 0.5 CPU-h * 0.10 + 0.5 GiB-h * 0.01 = 0.055
         assert!((b.cost - 0.055).abs() < 1e-9, "{}", b.cost);
-        let c = job_cost(&job("c", "vision", 0), (1.0, 1 << 30, 0.0), &[], &[], &prices, 5_000);
+        let c = job_cost(&job("c", "vision", 0), &Rate::whole((1.0, 1 << 30, 0.0)), &[], &[], &prices, 5_000);
         assert_eq!(c.cost, 0.0);
         assert!((c.queue_s - 5.0).abs() < 1e-12, "a job never started has queued until now");
         let r = report(vec![a.clone(), b.clone(), c], &prices);

@@ -506,9 +506,22 @@ pub async fn cost(
         let Ok(spec) = parse_stored_spec(j) else { continue };
         let tasks = c.db.all_tasks(&j.id).await?;
         let samples = c.db.samples(&j.id, 0, 1_000_000).await?;
-        let per_worker =
-            (spec.resources.cpus as f64 / 1000.0, spec.resources.memory, spec.resources.gpus as f64 / 1000.0);
-        costs.push(crate::cost::job_cost(j, per_worker, &tasks, &samples, &c.config.prices, now_ms));
+        // Each phase at its own resources, from the event that began it (a job without phases: one rate).
+        let began: Vec<i64> = match spec.phases.len() {
+            0 => Vec::new(),
+            _ => c.db.events(&j.id, 0).await?.iter().filter(|e| e.kind == "phase").map(|e| e.time_ms).collect(),
+        };
+        let rates: Vec<crate::cost::Rate> = (0..spec.phases.len().max(1))
+            .map(|i| {
+                let r = spec.in_phase(i).resources;
+                crate::cost::Rate {
+                    per_worker: (r.cpus as f64 / 1000.0, r.memory, r.gpus as f64 / 1000.0),
+                    from_ms: if i == 0 { i64::MIN } else { began.get(i - 1).copied().unwrap_or(i64::MAX) },
+                    until_step: spec.phases.get(i).and_then(|p| p.until_step),
+                }
+            })
+            .collect();
+        costs.push(crate::cost::job_cost(j, &rates, &tasks, &samples, &c.config.prices, now_ms));
     }
     Ok(Json(crate::cost::report(costs, &c.config.prices)))
 }

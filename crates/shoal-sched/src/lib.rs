@@ -32,6 +32,7 @@
 //!     spread: false,
 //!     submitted_at_ms: 0,
 //!     expected_runtime_ms: Some(3_600_000),
+//!     avoid_nodes: Vec::new(),
 //! })?;
 //! let decisions = s.schedule(1_000);
 //! let Decision::Place { assignments, .. } = &decisions[0] else { panic!("not placed") };

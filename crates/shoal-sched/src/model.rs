@@ -98,6 +98,8 @@ pub struct JobRequest {
     pub submitted_at_ms: u64,
     /// The user's estimate of the run time, used by backfill.
     pub expected_runtime_ms: Option<u64>,
+    /// Nodes to place it elsewhere than when it can (the node of a straggler it was restarted without).
+    pub avoid_nodes: Vec<String>,
 }
 
 /// Where one task runs.

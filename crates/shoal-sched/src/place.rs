@@ -238,6 +238,36 @@ pub(crate) fn place(
     Some(tasks)
 }
 
+/// [`place`], first on the nodes not in `avoid` (positions: a node the job should leave if it can, such as the one
+/// its replaced straggler ran on), then, when the gang does not fit there, anywhere.
+pub(crate) fn place_avoiding(
+    a: &mut [NodeFree],
+    mut b: Option<&mut [NodeFree]>,
+    r: &Resources,
+    k: u32,
+    spread: bool,
+    avoid: &[usize],
+) -> Option<Vec<TaskAlloc>> {
+    if !avoid.is_empty() && avoid.len() < a.len() {
+        let none = |n: &NodeFree| NodeFree { cpu: 0, mem: 0, gpus: vec![GpuFree { share: 0, mem: 0 }; n.gpus.len()] };
+        let n = a.len();
+        let mut kept: Vec<(usize, NodeFree)> = Vec::with_capacity(avoid.len());
+        for &i in avoid.iter().filter(|&&i| i < n) {
+            let empty = none(&a[i]);
+            kept.push((i, std::mem::replace(&mut a[i], empty)));
+        }
+        let placed = place(a, b.as_deref_mut(), r, k, spread);
+        for (i, n) in kept {
+            // What the placement took from other nodes stays taken; the avoided nodes come back whole.
+            a[i] = n;
+        }
+        if placed.is_some() {
+            return placed;
+        }
+    }
+    place(a, b, r, k, spread)
+}
+
 /// Whether a gang of `k` tasks fits (no change); agrees with [`place`], but
 /// stops at the first nodes that are enough.
 pub(crate) fn fits(a: &[NodeFree], r: &Resources, k: u32, spread: bool) -> bool {

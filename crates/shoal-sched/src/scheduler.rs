@@ -515,6 +515,8 @@ impl Scheduler {
             return Attempt::Skipped; // held back by its own queue's quota
         }
         let r = req.per_task;
+        let avoid: Vec<usize> =
+            self.nodes.iter().enumerate().filter(|(_, n)| req.avoid_nodes.contains(&n.id)).map(|(i, _)| i).collect();
         let counts: &[u32] =
             if req.tasks_max > req.tasks_min { &[req.tasks_max, req.tasks_min] } else { &[req.tasks_min] };
         let dominated = |cache: &[(Resources, u32, bool)], k: u32| {
@@ -539,7 +541,7 @@ impl Scheduler {
                     if dominated(failed_dual, k) {
                         continue;
                     }
-                    match place::place(&mut self.free, Some(&mut rv.free), &r, k, req.spread) {
+                    match place::place_avoiding(&mut self.free, Some(&mut rv.free), &r, k, req.spread, &avoid) {
                         Some(t) => {
                             placed = Some(t);
                             break;
@@ -551,7 +553,7 @@ impl Scheduler {
                     if dominated(failed_now, k) {
                         continue;
                     }
-                    match place::place(&mut self.free, None, &r, k, req.spread) {
+                    match place::place_avoiding(&mut self.free, None, &r, k, req.spread, &avoid) {
                         Some(t) => {
                             placed = Some(t);
                             break;
@@ -572,7 +574,7 @@ impl Scheduler {
                         failed_dual.clear();
                     }
                     out.extend(decisions);
-                    placed = place::place(&mut self.free, None, &r, req.tasks_min, req.spread);
+                    placed = place::place_avoiding(&mut self.free, None, &r, req.tasks_min, req.spread, &avoid);
                 }
             }
             if placed.is_none() {

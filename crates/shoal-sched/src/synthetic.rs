@@ -88,6 +88,7 @@ pub fn synthetic_jobs(n: usize, seed: u64) -> Vec<JobRequest> {
                 spread: false,
                 submitted_at_ms: i as u64,
                 expected_runtime_ms: Some(rng.range(600_000, 36_000_000)),
+                avoid_nodes: Vec::new(),
             }
         })
         .collect()

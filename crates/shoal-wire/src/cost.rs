@@ -67,6 +67,23 @@ pub struct JobCost {
     pub cost: f64,
     /// Energy where GPUs report power (NVML); none otherwise.
     pub energy_kwh: Option<f64>,
+    /// A job with `[[phases]]`: what each phase held and cost (the phases it has reached), adding up to the job's.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub phases: Vec<PhaseCost>,
+}
+
+/// One `[[phases]]` phase of a job's cost.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct PhaseCost {
+    /// Its index in `[[phases]]`.
+    pub phase: usize,
+    /// The step it ends at (none: the run's end).
+    pub until_step: Option<usize>,
+    /// The most workers it ran with at once.
+    pub workers: usize,
+    pub allocated: Hours,
+    /// Charged on allocation (energy is the job's, not split by phase).
+    pub cost: f64,
 }
 
 /// One team's jobs, summed.

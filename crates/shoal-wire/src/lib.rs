@@ -26,7 +26,7 @@ pub use cluster::{
     ClusterSample, ClusterView, GpuView, Health, JobCounts, NewToken, NodeList, NodeView, Overview, QueueList,
     QueueView, Resources, Sample, SampleList, TokenCreated, WhoAmI,
 };
-pub use cost::{CostReport, Hours, JobCost, Prices, TeamCost};
+pub use cost::{CostReport, Hours, JobCost, PhaseCost, Prices, TeamCost};
 pub use error::{ErrorBody, ErrorCode};
 pub use faults::{ChaosAction, ChaosDone, ChaosRequest, HangDump, Heartbeat, HeartbeatReply, RankDump, Regroup};
 pub use jobs::{

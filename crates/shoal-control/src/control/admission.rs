@@ -28,6 +28,7 @@ pub fn request_of(job: &JobRow, spec: &JobSpec) -> JobRequest {
         spread: spec.workers.spread,
         submitted_at_ms: job.created_ms.max(0) as u64,
         expected_runtime_ms: None,
+        avoid_nodes: Vec::new(),
     }
 }
 
@@ -68,6 +69,7 @@ impl Control {
             spread: spec.workers.spread,
             submitted_at_ms: 0,
             expected_runtime_ms: None,
+            avoid_nodes: Vec::new(),
         };
         let refused = self.sched().admissible(&req);
         refused.map_err(|e| {

@@ -38,8 +38,14 @@ impl Control {
 
     /// The answer to a heartbeat: the newer group its rank belongs to, if there is one.
     pub fn regroup_for(&self, job: &JobRow, hb: &Heartbeat) -> Option<Regroup> {
-        let groups = self.groups.lock().unwrap_or_else(|p| p.into_inner());
-        let g = groups.get(&job.id).filter(|g| g.attempt == hb.attempt && g.generation > hb.generation)?;
+        let mut groups = self.groups.lock().unwrap_or_else(|p| p.into_inner());
+        let g = groups.get_mut(&job.id).filter(|g| g.attempt == hb.attempt)?;
+        if hb.generation == g.generation {
+            g.joining.retain(|&r| r != hb.rank);
+        }
+        if g.generation <= hb.generation || !g.joining.is_empty() {
+            return None;
+        }
         let rank = g.members.iter().position(|&m| m == hb.rank)?;
         Some(Regroup {
             generation: g.generation,
@@ -57,10 +63,12 @@ impl Control {
 
     /// The next group of `job` with `members`: its generation, and where it meets (this server hosts the store, on
     /// the address tasks reach it at).
-    fn next_group(&self, job: &JobRow, members: Vec<i64>) -> Result<(u32, String)> {
+    fn next_group(&self, job: &JobRow, members: Vec<i64>, joining: Vec<i64>) -> Result<(u32, String)> {
         let mut groups = self.groups.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(g) = groups.get_mut(&job.id).filter(|g| g.attempt == job.attempt) {
             g.generation += 1;
+            let still: Vec<i64> = g.joining.iter().chain(&joining).copied().filter(|r| members.contains(r)).collect();
+            g.joining = still;
             g.members = members;
             return Ok((g.generation, g.rendezvous.clone()));
         }
@@ -78,7 +86,14 @@ impl Control {
         let rendezvous = store.local_addr().to_string();
         groups.insert(
             job.id.clone(),
-            Group { attempt: job.attempt, generation: 1, members, rendezvous: rendezvous.clone(), _store: store },
+            Group {
+                attempt: job.attempt,
+                generation: 1,
+                members,
+                rendezvous: rendezvous.clone(),
+                joining,
+                _store: store,
+            },
         );
         Ok((1, rendezvous))
     }
@@ -94,7 +109,7 @@ impl Control {
         let positions: Vec<usize> =
             before.iter().enumerate().filter(|(_, m)| lost.contains(m)).map(|(i, _)| i).collect();
         let members: Vec<i64> = before.iter().copied().filter(|m| !lost.contains(m)).collect();
-        let (generation, _) = self.next_group(job, members.clone())?;
+        let (generation, _) = self.next_group(job, members.clone(), Vec::new())?;
         let _ = self.sched().release_tasks(&job.id, &positions);
         self.ingested.lock().unwrap_or_else(|p| p.into_inner()).retain(|k, _| k.0 != job.id);
         let message = format!(
@@ -131,7 +146,7 @@ impl Control {
         let numbers: Vec<i64> = (next..next + added.len() as i64).collect();
         let members: Vec<i64> = before.iter().chain(&numbers).copied().collect();
         let world = members.len();
-        let (generation, rendezvous) = self.next_group(job, members.clone())?;
+        let (generation, rendezvous) = self.next_group(job, members.clone(), numbers.clone())?;
         self.ingested.lock().unwrap_or_else(|p| p.into_inner()).retain(|k, _| k.0 != job.id);
         let mut rows = Vec::with_capacity(added.len());
         for (k, (number, a)) in numbers.iter().zip(added).enumerate() {

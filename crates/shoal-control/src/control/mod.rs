@@ -110,6 +110,8 @@ impl Control {
         self.backoff.lock().unwrap_or_else(|p| p.into_inner()).retain(|id, _| ids.contains(id.as_str()));
         self.stragglers.lock().unwrap_or_else(|p| p.into_inner()).retain(|id, _| ids.contains(id.as_str()));
         self.shrunk.lock().unwrap_or_else(|p| p.into_inner()).retain(|id, _| ids.contains(id.as_str()));
+        self.avoided.lock().unwrap_or_else(|p| p.into_inner()).retain(|id, _| ids.contains(id.as_str()));
+        self.groups.lock().unwrap_or_else(|p| p.into_inner()).retain(|id, _| ids.contains(id.as_str()));
         let t0 = Instant::now();
         let decisions = self.sched().schedule(now() as u64);
         let decisions = self.fold_growth(decisions);

@@ -111,6 +111,8 @@ pub struct Control {
     pub(super) stragglers: Mutex<HashMap<String, Straggling>>,
     /// Per job whose straggler was replaced by shrinking it: the most workers it may be placed with.
     pub(super) shrunk: Mutex<HashMap<String, u32>>,
+    /// Per job whose straggler was replaced: the nodes it ran on, which the job is placed elsewhere than if it can.
+    pub(super) avoided: Mutex<HashMap<String, Vec<String>>>,
     /// Per elastic job regrouped in place: its current group (`group.rs`).
     pub(super) groups: Mutex<Groups>,
 }
@@ -123,6 +125,9 @@ pub(crate) struct Group {
     pub(super) members: Vec<i64>,
     /// Where the group meets.
     pub(super) rendezvous: String,
+    /// Newcomers not heard from yet: the members are told of the group once every newcomer has said it is there
+    /// (its first heartbeat), so they train on while the newcomers start.
+    pub(super) joining: Vec<i64>,
     /// Hosts the store while the group lives (shut down when dropped).
     pub(super) _store: shoal_comm::store::StoreServer,
 }
@@ -195,6 +200,7 @@ impl Control {
             backoff: Mutex::new(HashMap::new()),
             stragglers: Mutex::new(HashMap::new()),
             shrunk: Mutex::new(HashMap::new()),
+            avoided: Mutex::new(HashMap::new()),
             groups: Mutex::new(HashMap::new()),
         })
     }

@@ -102,11 +102,26 @@ impl Control {
         } else {
             format!("the job restarts with a fresh process in its place ({} workers is the minimum)", lo)
         };
+        let how = if node.is_empty() || self.nodes.len() < 2 {
+            how
+        } else {
+            let mut avoided = self.avoided.lock().unwrap_or_else(|p| p.into_inner());
+            let nodes = avoided.entry(job.id.clone()).or_default();
+            if !nodes.contains(&node) {
+                nodes.push(node.clone());
+            }
+            format!("{how}, placed elsewhere than node {node} where it fits")
+        };
         self.db.event(&job.id, "straggler", job.state, &format!("{named}; replacing it: {how}")).await?;
         self.stragglers.lock().unwrap_or_else(|p| p.into_inner()).remove(&job.id);
         let why = format!("rank {rank}{on} was a persistent straggler, replaced ({how})");
         self.begin_stop(job, tasks, StopWhy::Failure(why));
         Ok(true)
+    }
+
+    /// The nodes `job` is placed elsewhere than when it can: where its replaced stragglers ran.
+    pub(super) fn avoided_nodes(&self, id: &str) -> Vec<String> {
+        self.avoided.lock().unwrap_or_else(|p| p.into_inner()).get(id).cloned().unwrap_or_default()
     }
 
     /// The most workers `job` may be placed with again, after a straggler was replaced by shrinking it.

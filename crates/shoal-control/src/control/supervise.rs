@@ -167,6 +167,7 @@ impl Control {
                 return Ok(());
             }
             let mut request = request_of(job, &spec);
+            request.avoid_nodes = self.avoided_nodes(&job.id);
             if let Some(most) = self.shrunk_to(&job.id) {
                 // A straggler was replaced by leaving its place out.
                 request.tasks_max = request.tasks_max.min(most).max(request.tasks_min);

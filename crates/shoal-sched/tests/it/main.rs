@@ -157,6 +157,7 @@ pub fn run(script: &str) -> (Scheduler, Vec<String>) {
                     spread: a.contains_key("spread"),
                     submitted_at_ms: get("at").map(num).unwrap_or(0),
                     expected_runtime_ms: get("rt").map(num),
+                    avoid_nodes: get("avoid").map(|n| n.split(',').map(str::to_owned).collect()).unwrap_or_default(),
                 };
                 if let Err(e) = s.submit(job) {
                     out.push(format!("error: {e}"));

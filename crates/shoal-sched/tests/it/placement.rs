@@ -117,3 +117,26 @@ fn gpu_memory_is_respected() {
         ",
     );
 }
+
+#[test]
+fn a_job_is_placed_away_from_the_nodes_it_avoids_while_it_fits_elsewhere() {
+    // Packing would put b on n1 beside a; avoiding n1 it goes to n2. c avoids n2 too, but only n2 has room for a
+    // whole node's gang: it goes there all the same rather than wait.
+    check(
+        "
+        node n1 gpus=8
+        node n2 gpus=8
+        job a gpus=4
+        job b gpus=2 avoid=n1 at=1
+        job c gpus=2 avoid=n1,n2 at=2
+        job d gpus=4 avoid=n2 at=3
+        sched 0
+        ",
+        "
+        @0 place a n1:0,1,2,3
+        @0 place b n2:0,1
+        @0 place c n1:4,5
+        @0 place d n2:2,3,4,5
+        ",
+    );
+}

@@ -74,6 +74,7 @@ proptest! {
                         tasks_min: min, tasks_max: min + extra,
                         per_task: Resources { cpus_milli: cpus * 1000, memory_bytes: 4 << 30, gpus_milli: gpus, gpu_memory_bytes: if gpus > 0 { gmem_g << 30 } else { 0 } },
                         spread, submitted_at_ms: now, expected_runtime_ms: rt,
+                        avoid_nodes: Vec::new(),
                     };
                     if s.submit(job).is_ok() {
                         ranges.insert(id.clone(), (min, min + extra));
@@ -153,6 +154,7 @@ proptest! {
                     tasks_min: j.tasks, tasks_max: j.tasks,
                     per_task: Resources { cpus_milli: 1000, memory_bytes: 1 << 30, gpus_milli: j.gpus, gpu_memory_bytes: 0 },
                     spread: false, submitted_at_ms: j.at, expected_runtime_ms: Some(j.rt),
+                    avoid_nodes: Vec::new(),
                 });
                 next += 1;
             }

@@ -131,6 +131,30 @@ impl ServerLink {
     }
 }
 
+/// A task starting into a running group tells the server it is there (one heartbeat, phase `join`, from the calling
+/// thread) before it meets the group: the members are told of the group only then, and train on meanwhile.
+pub(super) fn announce(link: &ServerLink, rank: usize, attempt: i64, generation: u32) -> Result<(), String> {
+    link.send(&Heartbeat {
+        rank: rank as i64,
+        attempt,
+        pid: std::process::id(),
+        beat: 0,
+        time_ms: now_ms(),
+        phase: "join".into(),
+        step: 0,
+        op: String::new(),
+        seq: 0,
+        in_op: false,
+        op_s: 0.0,
+        ops_done: 0,
+        resumed: None,
+        strategy: None,
+        error: None,
+        generation,
+    })
+    .map(drop)
+}
+
 /// How long one heartbeat may take to reach the server before it goes to the file instead.
 const SEND_LIMIT: Duration = Duration::from_secs(2);
 

@@ -144,21 +144,32 @@ fn train(
         if let Some(e) = &failed {
             tracing::warn!(error = %e, "a collective failed; waiting to hear of the group that goes on");
         }
-        let Some(next) = b.wait_regroup(limit) else {
-            return Err(match failed {
-                Some(e) => e.into(),
-                None => crate::error::Error::InvalidArgument(format!(
-                    "the group was to regroup after step {}, but the server named no new group within {limit:?}",
-                    steps.boundary.step
-                )),
-            });
-        };
         let at = steps.boundary.clone();
         drop(steps);
-        regroup::enter(spec, setup, &next)?;
-        b.regrouped(next.generation, setup.comm.clone());
         let opt_t = training.trainer.optimizer().t;
-        let (at, opt_t, named) = regroup::sync(&setup.comm, Some((&at, &training)), opt_t)?;
+        // A group that does not form (a member lost while it meets) gives way to the next one the server names.
+        let mut failed = failed.map(crate::error::Error::from);
+        let (next, (at, opt_t, named)) = loop {
+            let Some(next) = b.wait_regroup(limit) else {
+                return Err(failed.unwrap_or_else(|| {
+                    crate::error::Error::InvalidArgument(format!(
+                        "the group was to regroup after step {}, but the server named no new group within {limit:?}",
+                        at.step
+                    ))
+                }));
+            };
+            let met = regroup::enter(spec, setup, &next)
+                .and_then(|()| regroup::sync(&setup.comm, Some((&at, &training)), opt_t));
+            match met {
+                Ok(state) => break (next, state),
+                Err(e @ crate::error::Error::Comm(_)) => {
+                    tracing::warn!(generation = next.generation, error = %e, "the group did not form; waiting for the next");
+                    failed = Some(e);
+                }
+                Err(e) => return Err(e),
+            }
+        };
+        b.regrouped(next.generation, setup.comm.clone());
         let params = training.trainer.params().clone();
         drop(training);
         training = setup::training(spec, setup, params)?;

@@ -85,6 +85,11 @@ pub(super) fn setup(spec: &JobSpec, output: &Path) -> Result<(Setup, Params)> {
         _ => None,
     };
     let (task_rank, joined, comm_base) = (env.task_rank, env.generation, env.cfg.name.clone());
+    if let (1.., Some(l), Some(a)) = (joined, &link, attempt)
+        && let Err(e) = super::heartbeat::announce(l, task_rank, a, joined)
+    {
+        tracing::warn!(error = %e, "could not tell the server this task joins group {joined}");
+    }
     let comm = env.connect()?;
     let (world, rank) = (comm.size(), comm.rank());
     let host_leader = host_leader(&comm);

@@ -584,6 +584,19 @@ fn phases_resize_the_job_at_their_boundary_and_release_what_the_next_does_not_ne
     let sum = &v2["summary"];
     assert_eq!((sum["steps"].as_u64(), sum["resumed_from"].as_u64()), (Some(600), Some(250)), "{sum}");
     assert_eq!(sum["world_size"], 1, "{sum}");
+    // The cost report shows each phase at its own size: two workers of one CPU, then one.
+    let cost = p.get("/api/v1/cost");
+    let job =
+        cost["jobs"].as_array().and_then(|js| js.iter().find(|j| j["id"] == id.as_str())).expect("the job's cost");
+    let phases: Vec<(u64, u64)> = job["phases"]
+        .as_array()
+        .expect("phases")
+        .iter()
+        .map(|p| (p["phase"].as_u64().unwrap_or(9), p["workers"].as_u64().unwrap_or(0)))
+        .collect();
+    assert_eq!(phases, vec![(0, 2), (1, 1)], "{job}");
+    let summed: f64 = job["phases"].as_array().expect("phases").iter().filter_map(|p| p["cost"].as_f64()).sum();
+    assert!((summed - job["cost"].as_f64().unwrap_or(-1.0)).abs() < 1e-9, "{job}");
 }
 
 #[test]
