@@ -36,12 +36,13 @@ pub mod plan;
 pub mod remote;
 pub use shoal_spec as spec;
 pub mod strategy;
+pub mod tensor_parallel;
 pub mod trainer;
 pub mod worker;
 
 pub use error::{Error, Result};
 pub use layers::Layers;
-pub use models::{Cnn, Gpt, GptConfig, HandBackward, Mlp, Model};
+pub use models::{Cnn, Gpt, GptConfig, HandBackward, Mlp, Model, Vit, VitConfig};
 pub use optim::{OptimConfig, Optimizer};
 pub use params::{Params, SeededRng};
 pub use trainer::{GradSink, StepTimes, Trainer, TrainerConfig, overlap_pays};
