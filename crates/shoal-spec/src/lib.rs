@@ -10,7 +10,7 @@
 //!
 //! [train]
 //! dataset = "digits"             # a built-in dataset: digits, cicero, synthetic
-//! strategy = "ddp"               # ddp (default) | zero1 | zero2 | zero3 | pipeline | auto
+//! strategy = "ddp"               # ddp (default) | zero1 | zero2 | zero3 | pipeline | tensor | auto
 //! global_batch = 64              # samples per optimizer step over all ranks and accumulation steps
 //! steps = 600                    # optimizer steps
 //! seed = 0
@@ -20,7 +20,7 @@
 //! schedule = "cosine"            # cosine (default) | constant
 //!
 //! [train.model]                  # or just `model = "mlp"` in [train] for all the defaults
-//! kind = "mlp"                   # mlp | cnn | gpt
+//! kind = "mlp"                   # mlp | cnn | gpt | vit
 //! hidden = [128, 64]
 //!
 //! [train.data]                   # data::Options (dataset options), e.g. features/classes/samples
@@ -31,10 +31,11 @@
 //! memory_every = 10              # copy the state to this host's shared memory every 10 steps; 0 = off
 //! url = "file:///tmp/ckpt"       # optional; default: the run's output directory
 //!
-//! [parallel]                     # with strategy = "pipeline" only
-//! pipeline_stages = 2            # stages of consecutive layers, one rank each (world size = stages)
-//! micro_batches = 4              # the global batch split into this many micro-batches
-//! schedule = "1f1b"              # 1f1b (default) | gpipe
+//! [parallel]                     # with strategy = "pipeline" or "tensor" only
+//! pipeline_stages = 2            # pipeline: stages of consecutive layers, one rank each (world size = stages)
+//! micro_batches = 4              # pipeline: the global batch split into this many micro-batches
+//! schedule = "1f1b"              # pipeline: 1f1b (default) | gpipe
+//! # tensor = 2                   # tensor (instead of the three above): ranks that split every layer (world size)
 //! ```
 //!
 //! # Contract
@@ -75,6 +76,8 @@
 //! | `train.model.channels` (cnn) | [16, 32] |
 //! | `train.model.layers`, `heads`, `width`, `context` (gpt) | 2, 4, 64, 64 |
 //! | `train.model.vocab` (gpt) | 256 (byte-level) |
+//! | `train.model.patch` (vit) | 4 (4×4 patches: 4 of them for the 8×8 digits) |
+//! | `train.model.layers`, `heads`, `width` (vit) | 2, 4, 64 |
 //! | `train.model.dropout` | 0.0 |
 //! | `checkpoint.every` | 0 (only at the end) |
 //! | `checkpoint.keep` | 3 |
@@ -92,6 +95,10 @@
 //!   blocks (LayerNorm with bias, causal self-attention with a fused QKV linear `width → 3·width` and an output
 //!   linear `width → width`, LayerNorm, MLP `width → 4·width → width`, all linears with bias), a final LayerNorm
 //!   and an untied head `width → vocab`, with bias.
+//! - **vit**: the `side × side` image cut into `(side/patch)²` patches of `patch × patch` pixels, each projected by
+//!   a linear `patch² → width` (with bias); a learned class token `width` first, learned position embeddings
+//!   `(patches + 1) × width`; `layers` pre-norm blocks as the GPT's but without the causal mask; a final LayerNorm
+//!   and a head `width → classes` (with bias) on the class token.
 
 use std::fmt;
 use std::path::Path;
@@ -210,17 +217,21 @@ pub struct JobSpec {
     pub parallel: Option<ParallelSpec>,
 }
 
-/// `[parallel]`: the layout of a pipeline-parallel job.
+/// `[parallel]`: the layout of a pipeline-parallel or tensor-parallel job.
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ParallelSpec {
-    /// Stages of consecutive layers, one rank each (at least 2).
+    /// Pipeline: stages of consecutive layers, one rank each (at least 2; required with `strategy = "pipeline"`,
+    /// refused with any other).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "openapi", schema(minimum = 2))]
-    pub pipeline_stages: usize,
-    /// Micro-batches the global batch is split into, each passed through the stages in turn.
+    pub pipeline_stages: Option<usize>,
+    /// Pipeline: micro-batches the global batch is split into, each passed through the stages in turn (required with
+    /// `strategy = "pipeline"`, refused with any other).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "openapi", schema(minimum = 1))]
-    pub micro_batches: usize,
+    pub micro_batches: Option<usize>,
     /// The order in which a stage runs its micro-batches' forward and backward passes.
     #[serde(default)]
     pub schedule: PipelineSchedule,
@@ -230,8 +241,10 @@ pub struct ParallelSpec {
     /// Data-parallel degree (not available yet: refused).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub data: Option<u64>,
-    /// Tensor-parallel degree (not available yet: refused).
+    /// Tensor parallel: the ranks every layer is split across, Megatron-style (at least 2; required with
+    /// `strategy = "tensor"`, refused with any other). The world size must equal it (no data composition yet).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(minimum = 2))]
     pub tensor: Option<u64>,
     /// Reserved: the pipeline degree is `pipeline_stages`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -269,15 +282,53 @@ impl PipelineSchedule {
 }
 
 impl ParallelSpec {
-    /// Checks the layout on its own (what needs the model or the world size is checked with them).
-    fn validate(&self) -> Result<()> {
-        if self.pipeline_stages < 2 {
+    /// The pipeline's stages and micro-batches (0 where not set: refused by validation under a pipeline).
+    pub fn stages_and_micro_batches(&self) -> (usize, usize) {
+        (self.pipeline_stages.unwrap_or(0), self.micro_batches.unwrap_or(0))
+    }
+
+    /// Checks a tensor-parallel layout on its own: `tensor` set and at least 2, nothing of a pipeline's.
+    fn validate_tensor(&self) -> Result<()> {
+        let pipeline = [
+            ("pipeline_stages", self.pipeline_stages.is_some()),
+            ("micro_batches", self.micro_batches.is_some()),
+            ("schedule", self.schedule != PipelineSchedule::default()),
+            ("virtual_stages", self.virtual_stages != 1),
+        ];
+        if let Some((key, _)) = pipeline.iter().find(|(_, set)| *set) {
             return Err(SpecError::at(
-                "parallel.pipeline_stages",
-                format!("{} stages: at least 2", self.pipeline_stages),
+                format!("parallel.{key}"),
+                "applies to train.strategy = \"pipeline\" only (composing tensor and pipeline parallelism is not \
+                 available yet)",
             ));
         }
-        positive("parallel.micro_batches", self.micro_batches)?;
+        let refused = [
+            ("data", self.data, "composing tensor parallelism with data parallelism is not available yet"),
+            ("pipeline", self.pipeline, "composing tensor and pipeline parallelism is not available yet"),
+            ("zero", self.zero, "ZeRO inside a tensor-parallel group is not available yet"),
+        ];
+        for (key, set, why) in refused {
+            if set.is_some() {
+                return Err(SpecError::at(format!("parallel.{key}"), why));
+            }
+        }
+        match self.tensor {
+            None => Err(SpecError::at("parallel.tensor", "train.strategy = \"tensor\" needs parallel.tensor (≥ 2)")),
+            Some(n) if n < 2 => Err(SpecError::at("parallel.tensor", format!("{n} ranks: at least 2"))),
+            Some(_) => Ok(()),
+        }
+    }
+
+    /// Checks a pipeline layout on its own (what needs the model or the world size is checked with them).
+    fn validate(&self) -> Result<()> {
+        let (Some(stages), Some(micro)) = (self.pipeline_stages, self.micro_batches) else {
+            let key = if self.pipeline_stages.is_none() { "pipeline_stages" } else { "micro_batches" };
+            return Err(SpecError::at(format!("parallel.{key}"), "required with train.strategy = \"pipeline\""));
+        };
+        if stages < 2 {
+            return Err(SpecError::at("parallel.pipeline_stages", format!("{stages} stages: at least 2")));
+        }
+        positive("parallel.micro_batches", micro)?;
         positive("parallel.virtual_stages", self.virtual_stages)?;
         if self.schedule == PipelineSchedule::Interleaved {
             return Err(SpecError::at(
@@ -293,7 +344,7 @@ impl ParallelSpec {
         }
         let refused = [
             ("data", self.data, "composing pipeline stages with data parallelism is not available yet"),
-            ("tensor", self.tensor, "tensor parallelism is not available yet"),
+            ("tensor", self.tensor, "composing pipeline and tensor parallelism is not available yet"),
             ("pipeline", self.pipeline, "the pipeline degree is parallel.pipeline_stages"),
             ("zero", self.zero, "ZeRO inside a pipeline is not available yet"),
         ];
@@ -328,6 +379,10 @@ pub enum Strategy {
     /// Pipeline parallel: the model cut into `parallel.pipeline_stages` stages of consecutive layers, one rank each,
     /// activations sent forward and their gradients back between neighbours, micro-batch by micro-batch.
     Pipeline,
+    /// Tensor parallel (Megatron-LM style): every transformer layer split across `parallel.tensor` ranks — attention
+    /// by heads, the MLP by its hidden units, the vocabulary of the GPT's embedding and head by rows — with
+    /// all-reduces of activations in forward and backward; each rank holds only its shards and their optimizer state.
+    Tensor,
     /// The planner's choice for the job's model at the world size it starts with and `resources.memory` per worker
     /// (`shoal_train::plan::choose`): DDP when it fits, else the lightest ZeRO stage that does; what ran, and why,
     /// is recorded.
@@ -336,9 +391,9 @@ pub enum Strategy {
 
 impl Strategy {
     /// The strategies that can run, as written in a spec.
-    pub const NAMES: [&'static str; 6] = ["ddp", "zero1", "zero2", "zero3", "pipeline", "auto"];
+    pub const NAMES: [&'static str; 7] = ["ddp", "zero1", "zero2", "zero3", "pipeline", "tensor", "auto"];
     /// Strategies a spec may name that do not exist yet (refused with a message saying so).
-    pub const PLANNED: [&'static str; 3] = ["fsdp", "tensor", "ps"];
+    pub const PLANNED: [&'static str; 2] = ["fsdp", "ps"];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -347,6 +402,7 @@ impl Strategy {
             Strategy::Zero2 => "zero2",
             Strategy::Zero3 => "zero3",
             Strategy::Pipeline => "pipeline",
+            Strategy::Tensor => "tensor",
             Strategy::Auto => "auto",
         }
     }
@@ -358,6 +414,7 @@ impl Strategy {
             "zero2" => Some(Strategy::Zero2),
             "zero3" => Some(Strategy::Zero3),
             "pipeline" => Some(Strategy::Pipeline),
+            "tensor" => Some(Strategy::Tensor),
             "auto" => Some(Strategy::Auto),
             _ => None,
         }
@@ -404,17 +461,19 @@ pub enum ModelKind {
     Mlp,
     Cnn,
     Gpt,
+    Vit,
 }
 
 impl ModelKind {
     /// The names as written in a spec.
-    pub const NAMES: [&'static str; 3] = ["mlp", "cnn", "gpt"];
+    pub const NAMES: [&'static str; 4] = ["mlp", "cnn", "gpt", "vit"];
 
     pub fn as_str(self) -> &'static str {
         match self {
             ModelKind::Mlp => "mlp",
             ModelKind::Cnn => "cnn",
             ModelKind::Gpt => "gpt",
+            ModelKind::Vit => "vit",
         }
     }
 
@@ -423,6 +482,7 @@ impl ModelKind {
             "mlp" => Some(ModelKind::Mlp),
             "cnn" => Some(ModelKind::Cnn),
             "gpt" => Some(ModelKind::Gpt),
+            "vit" => Some(ModelKind::Vit),
             _ => None,
         }
     }
@@ -575,13 +635,13 @@ pub struct ModelSpec {
     /// CNN conv channels, one conv block each (default [16, 32]).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub channels: Option<Vec<usize>>,
-    /// GPT blocks (default 2).
+    /// GPT or ViT blocks (default 2).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub layers: Option<usize>,
-    /// GPT attention heads (default 4); must divide `width`.
+    /// GPT or ViT attention heads (default 4); must divide `width`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub heads: Option<usize>,
-    /// GPT model width (default 64).
+    /// GPT or ViT model width (default 64).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub width: Option<usize>,
     /// GPT context length in tokens (default 64).
@@ -590,6 +650,9 @@ pub struct ModelSpec {
     /// GPT vocabulary (default 256: byte-level tokens).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub vocab: Option<usize>,
+    /// ViT patch side in pixels (default 4); must divide the image side.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub patch: Option<usize>,
     /// Dropout probability (default 0.0).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub dropout: Option<f64>,
@@ -616,6 +679,8 @@ struct ModelTable {
     #[serde(default)]
     vocab: Option<usize>,
     #[serde(default)]
+    patch: Option<usize>,
+    #[serde(default)]
     dropout: Option<f64>,
 }
 
@@ -626,7 +691,7 @@ impl<'de> Deserialize<'de> for ModelSpec {
         impl<'de> Visitor<'de> for V {
             type Value = ModelSpec;
             fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("a model name (\"mlp\", \"cnn\", \"gpt\") or a table with `kind` and sizes")
+                f.write_str("a model name (\"mlp\", \"cnn\", \"gpt\", \"vit\") or a table with `kind` and sizes")
             }
             fn visit_str<E: de::Error>(self, v: &str) -> Result<ModelSpec, E> {
                 match ModelKind::from_name(v) {
@@ -645,6 +710,7 @@ impl<'de> Deserialize<'de> for ModelSpec {
                     width: t.width,
                     context: t.context,
                     vocab: t.vocab,
+                    patch: t.patch,
                     dropout: t.dropout,
                 })
             }
@@ -869,6 +935,7 @@ impl ModelSpec {
             width: None,
             context: None,
             vocab: None,
+            patch: None,
             dropout: None,
         }
     }
@@ -893,6 +960,9 @@ impl ModelSpec {
     }
     pub fn vocab(&self) -> usize {
         self.vocab.unwrap_or(256)
+    }
+    pub fn patch(&self) -> usize {
+        self.patch.unwrap_or(4)
     }
     pub fn dropout(&self) -> f64 {
         self.dropout.unwrap_or(0.0)
@@ -935,6 +1005,18 @@ impl ModelSpec {
                     .saturating_add(d.saturating_mul(2))
                     .saturating_add(linear(d, v))
             }
+            ModelKind::Vit => {
+                let (d, l, p) = (n(self.width()), n(self.layers()), n(self.patch()));
+                let side = n(ModelSpec::image_side(features).unwrap_or(0));
+                let patches = side.checked_div(p).map_or(0, |g| g.saturating_mul(g));
+                let block = d.saturating_mul(d).saturating_mul(12).saturating_add(d.saturating_mul(13));
+                linear(p.saturating_mul(p), d)
+                    .saturating_add(d)
+                    .saturating_add(patches.saturating_add(1).saturating_mul(d))
+                    .saturating_add(l.saturating_mul(block))
+                    .saturating_add(d.saturating_mul(2))
+                    .saturating_add(linear(d, n(classes)))
+            }
         };
         u64::try_from(total).unwrap_or(u64::MAX)
     }
@@ -945,6 +1027,7 @@ impl ModelSpec {
             ModelKind::Mlp => &["hidden", "dropout"],
             ModelKind::Cnn => &["channels", "dropout"],
             ModelKind::Gpt => &["layers", "heads", "width", "context", "vocab", "dropout"],
+            ModelKind::Vit => &["layers", "heads", "width", "patch", "dropout"],
         }
     }
 }
@@ -1066,6 +1149,12 @@ impl ModelSpec {
                 m.width = Some(self.width());
                 m.context = Some(self.context());
                 m.vocab = Some(self.vocab());
+            }
+            ModelKind::Vit => {
+                m.layers = Some(self.layers());
+                m.heads = Some(self.heads());
+                m.width = Some(self.width());
+                m.patch = Some(self.patch());
             }
         }
         m
@@ -1227,27 +1316,68 @@ impl JobSpec {
         s
     }
 
-    /// `[parallel]` against the strategy and the model: a pipeline job has one, no other job does, and its stages
-    /// divide the model's layers and its micro-batches the global batch.
+    /// `[parallel]` against the strategy and the model: a pipeline or tensor-parallel job has one, no other job
+    /// does; a pipeline's stages divide the model's layers and its micro-batches the global batch; a tensor-parallel
+    /// degree divides every dimension it splits.
     fn validate_parallel(&self) -> Result<()> {
         let t = &self.train;
         let Some(p) = &self.parallel else {
-            if t.strategy == Strategy::Pipeline {
-                return Err(SpecError::at(
+            return match t.strategy {
+                Strategy::Pipeline => Err(SpecError::at(
                     "parallel",
                     "train.strategy = \"pipeline\" needs a [parallel] table with pipeline_stages and micro_batches",
+                )),
+                Strategy::Tensor => {
+                    Err(SpecError::at("parallel", "train.strategy = \"tensor\" needs a [parallel] table with tensor"))
+                }
+                _ => Ok(()),
+            };
+        };
+        match t.strategy {
+            Strategy::Pipeline => self.validate_pipeline(p),
+            Strategy::Tensor => self.validate_tensor(p),
+            other => Err(SpecError::at(
+                "parallel",
+                format!("applies to train.strategy = \"pipeline\" or \"tensor\" only, not \"{other}\""),
+            )),
+        }
+    }
+
+    /// A tensor-parallel layout against the model: the degree divides the heads (and the GPT's vocabulary).
+    fn validate_tensor(&self, p: &ParallelSpec) -> Result<()> {
+        p.validate_tensor()?;
+        let n = p.tensor.unwrap_or(0) as usize;
+        let m = &self.train.model;
+        let what = match m.kind {
+            ModelKind::Gpt => "GPT",
+            ModelKind::Vit => "ViT",
+            ModelKind::Mlp | ModelKind::Cnn => {
+                return Err(SpecError::at(
+                    "parallel.tensor",
+                    format!("model \"{}\" has no tensor-parallel layout (gpt and vit have)", m.kind),
                 ));
             }
-            return Ok(());
         };
-        if t.strategy != Strategy::Pipeline {
+        if !m.heads().is_multiple_of(n) {
             return Err(SpecError::at(
-                "parallel",
-                format!("applies to train.strategy = \"pipeline\" only, not \"{}\"", t.strategy),
+                "parallel.tensor",
+                format!("{n} does not divide the {what}'s {} heads", m.heads()),
             ));
         }
+        if m.kind == ModelKind::Gpt && !m.vocab().is_multiple_of(n) {
+            return Err(SpecError::at(
+                "parallel.tensor",
+                format!("{n} does not divide the GPT's vocabulary of {} tokens", m.vocab()),
+            ));
+        }
+        Ok(())
+    }
+
+    /// A pipeline layout against the model and the batch.
+    fn validate_pipeline(&self, p: &ParallelSpec) -> Result<()> {
+        let t = &self.train;
         p.validate()?;
-        let stages = p.pipeline_stages;
+        let (stages, micro) = p.stages_and_micro_batches();
         let m = &t.model;
         match m.kind {
             ModelKind::Gpt if !m.layers().is_multiple_of(stages) => {
@@ -1257,9 +1387,10 @@ impl JobSpec {
                 ));
             }
             ModelKind::Gpt => {}
-            ModelKind::Mlp | ModelKind::Cnn => {
+            ModelKind::Mlp | ModelKind::Cnn | ModelKind::Vit => {
                 let (layers, what) = match m.kind {
                     ModelKind::Mlp => (m.hidden().len() + 1, "MLP"),
+                    ModelKind::Vit => (m.layers() + 2, "ViT"),
                     _ => (m.channels().len() + 1, "CNN"),
                 };
                 if stages > layers {
@@ -1270,10 +1401,10 @@ impl JobSpec {
                 }
             }
         }
-        if !t.global_batch.is_multiple_of(p.micro_batches) {
+        if !t.global_batch.is_multiple_of(micro) {
             return Err(SpecError::at(
                 "parallel.micro_batches",
-                format!("{} does not divide train.global_batch {}", p.micro_batches, t.global_batch),
+                format!("{micro} does not divide train.global_batch {}", t.global_batch),
             ));
         }
         if t.grad_accum != 1 {
@@ -1288,9 +1419,31 @@ impl JobSpec {
     /// The pipeline's stages (`parallel.pipeline_stages` under `train.strategy = "pipeline"`; else 1).
     pub fn pipeline_stages(&self) -> usize {
         match (&self.parallel, self.train.strategy) {
-            (Some(p), Strategy::Pipeline) => p.pipeline_stages.max(1),
+            (Some(p), Strategy::Pipeline) => p.pipeline_stages.unwrap_or(1).max(1),
             _ => 1,
         }
+    }
+
+    /// The pipeline's micro-batches a step (`parallel.micro_batches` under `train.strategy = "pipeline"`; else 1).
+    pub fn pipeline_micro_batches(&self) -> usize {
+        match (&self.parallel, self.train.strategy) {
+            (Some(p), Strategy::Pipeline) => p.micro_batches.unwrap_or(1).max(1),
+            _ => 1,
+        }
+    }
+
+    /// The ranks every layer is split across (`parallel.tensor` under `train.strategy = "tensor"`; else 1).
+    pub fn tensor_degree(&self) -> usize {
+        match (&self.parallel, self.train.strategy) {
+            (Some(p), Strategy::Tensor) => p.tensor.map_or(1, |n| usize::try_from(n).unwrap_or(usize::MAX)).max(1),
+            _ => 1,
+        }
+    }
+
+    /// The ranks that hold one copy of the model between them (a pipeline's stages, a tensor-parallel group): the
+    /// data is split over the world size divided by this.
+    pub fn model_parallel(&self) -> usize {
+        self.pipeline_stages() * self.tensor_degree()
     }
 
     /// Checks that the job can run on `world_size` ranks: each rank needs at least one sample of every
@@ -1314,6 +1467,19 @@ impl JobSpec {
                     format!(
                         "{stages} stages on {world_size} workers: a pipeline runs one rank per stage (composing it \
                          with data parallelism is not available yet)"
+                    ),
+                ));
+            }
+            return Ok(());
+        }
+        let tensor = self.tensor_degree();
+        if tensor > 1 {
+            if world_size != tensor {
+                return Err(SpecError::at(
+                    "parallel.tensor",
+                    format!(
+                        "{tensor} tensor-parallel ranks on {world_size} workers: the world size must equal it \
+                         (composing it with data parallelism is not available yet)"
                     ),
                 ));
             }
@@ -1447,7 +1613,7 @@ impl TrainSpec {
     fn validate_model_and_data(&self, available: Option<u64>) -> Result<()> {
         let m = &self.model;
         // Sizes that do not apply to the kind.
-        let set: [(&str, bool); 8] = [
+        let set: [(&str, bool); 9] = [
             ("hidden", m.hidden.is_some()),
             ("channels", m.channels.is_some()),
             ("layers", m.layers.is_some()),
@@ -1455,6 +1621,7 @@ impl TrainSpec {
             ("width", m.width.is_some()),
             ("context", m.context.is_some()),
             ("vocab", m.vocab.is_some()),
+            ("patch", m.patch.is_some()),
             ("dropout", m.dropout.is_some()),
         ];
         if let Some((key, _)) = set.iter().find(|(k, on)| *on && !m.allowed().contains(k)) {
@@ -1493,6 +1660,18 @@ impl TrainSpec {
                     ));
                 }
             }
+            ModelKind::Vit => {
+                positive("train.model.layers", m.layers())?;
+                positive("train.model.heads", m.heads())?;
+                positive("train.model.width", m.width())?;
+                positive("train.model.patch", m.patch())?;
+                if !m.width().is_multiple_of(m.heads()) {
+                    return Err(SpecError::at(
+                        "train.model.heads",
+                        format!("{} heads do not divide width {}", m.heads(), m.width()),
+                    ));
+                }
+            }
         }
         // The dataset, and whether it fits the model.
         let shape = self.data_shape()?;
@@ -1506,7 +1685,7 @@ impl TrainSpec {
                     ),
                 ));
             }
-            (ModelKind::Mlp | ModelKind::Cnn, false) => {
+            (ModelKind::Mlp | ModelKind::Cnn | ModelKind::Vit, false) => {
                 return Err(SpecError::at(
                     "train.dataset",
                     format!(
@@ -1518,6 +1697,23 @@ impl TrainSpec {
             _ => {}
         }
         match m.kind {
+            ModelKind::Vit => {
+                let Some(side) = ModelSpec::image_side(shape.features) else {
+                    return Err(SpecError::at(
+                        "train.dataset",
+                        format!(
+                            "model \"vit\" needs square images, but \"{}\" has {} features, not a square",
+                            self.dataset, shape.features
+                        ),
+                    ));
+                };
+                if !side.is_multiple_of(m.patch()) {
+                    return Err(SpecError::at(
+                        "train.model.patch",
+                        format!("{}-pixel patches do not divide the {side}x{side} image", m.patch()),
+                    ));
+                }
+            }
             ModelKind::Cnn => {
                 let Some(side) = ModelSpec::image_side(shape.features) else {
                     return Err(SpecError::at(
@@ -1735,14 +1931,15 @@ lr = 0.01
             ),
             (
                 gpt("pipeline_stages = 2\nmicro_batches = 4\ntensor = 2", ""),
-                "parallel.tensor: tensor parallelism is not available yet",
+                "parallel.tensor: composing pipeline and tensor parallelism is not available yet",
             ),
             (gpt("pipeline_stages = 2\nmicro_batches = 4\nstages = 2", ""), "parallel.stages: unknown field `stages`"),
             (
                 gpt("pipeline_stages = -2\nmicro_batches = 4", ""),
                 "parallel.pipeline_stages: invalid value: integer `-2`",
             ),
-            (gpt("micro_batches = 4", ""), "parallel: missing field `pipeline_stages`"),
+            (gpt("micro_batches = 4", ""), "parallel.pipeline_stages: required with train.strategy = \"pipeline\""),
+            (gpt("pipeline_stages = 2", ""), "parallel.micro_batches: required with train.strategy = \"pipeline\""),
             (
                 gpt("pipeline_stages = 2\nmicro_batches = 4", "grad_accum = 2"),
                 "train.grad_accum: a pipeline accumulates",
@@ -1763,7 +1960,7 @@ lr = 0.01
             ),
             (
                 mlp("", "[parallel]\npipeline_stages = 2\nmicro_batches = 4"),
-                "parallel: applies to train.strategy = \"pipeline\" only, not \"ddp\"",
+                "parallel: applies to train.strategy = \"pipeline\" or \"tensor\" only, not \"ddp\"",
             ),
         ];
         check_all(&cases);
@@ -1772,6 +1969,75 @@ lr = 0.01
         assert_eq!((p.schedule, p.virtual_stages, j.pipeline_stages()), (PipelineSchedule::OneFOneB, 1, 2));
         // Written back and read again, the same job.
         assert_eq!(parse_job(&j.to_toml().expect("toml"), "x").expect("again"), j);
+    }
+
+    #[test]
+    fn tensor_layouts_that_do_not_divide_are_refused_by_key_path() {
+        let job = |kind: &str, model: &str, parallel: &str, tail: &str| {
+            let dataset = if kind == "gpt" { "cicero" } else { "digits" };
+            format!(
+                "name = \"t\"\n[train]\ndataset = \"{dataset}\"\nstrategy = \"tensor\"\nglobal_batch = 8\nsteps = 2\n\
+                 lr = 0.01\n[train.model]\nkind = \"{kind}\"\n{model}\n[parallel]\n{parallel}\n{tail}"
+            )
+        };
+        let gpt = |model: &str, parallel: &str| job("gpt", model, parallel, "");
+        let cases: Vec<(String, &str)> = vec![
+            (gpt("heads = 4", "tensor = 2"), ""),
+            (gpt("heads = 4", "tensor = 4"), ""),
+            (gpt("heads = 4", "tensor = 3"), "parallel.tensor: 3 does not divide the GPT's 4 heads"),
+            (
+                gpt("heads = 3\nwidth = 48\nvocab = 257", "tensor = 3"),
+                "parallel.tensor: 3 does not divide the GPT's vocabulary of 257 tokens",
+            ),
+            (gpt("", "tensor = 1"), "parallel.tensor: 1 ranks: at least 2"),
+            (gpt("", ""), "parallel.tensor: train.strategy = \"tensor\" needs parallel.tensor"),
+            (gpt("", "tensor = 2\npipeline_stages = 2"), "parallel.pipeline_stages: applies to train.strategy"),
+            (gpt("", "tensor = 2\nmicro_batches = 2"), "parallel.micro_batches: applies to train.strategy"),
+            (gpt("", "tensor = 2\ndata = 2"), "parallel.data: composing tensor parallelism with data parallelism"),
+            (gpt("", "tensor = 2\nzero = 1"), "parallel.zero: ZeRO inside a tensor-parallel group"),
+            (job("gpt", "", "tensor = 2", "[workers]\ncount = 4"), "parallel.tensor: 2 tensor-parallel ranks on 4"),
+            (job("gpt", "", "tensor = 2", "[workers]\ncount = 2"), ""),
+            (job("vit", "heads = 4", "tensor = 2", ""), ""),
+            (
+                job("vit", "heads = 2\nwidth = 32", "tensor = 4", ""),
+                "parallel.tensor: 4 does not divide the ViT's 2 heads",
+            ),
+            (job("mlp", "", "tensor = 2", ""), "parallel.tensor: model \"mlp\" has no tensor-parallel layout"),
+            (
+                "name = \"t\"\n[train]\ndataset = \"cicero\"\nstrategy = \"tensor\"\nglobal_batch = 8\nsteps = 2\n\
+                 lr = 0.01\nmodel = \"gpt\"\n"
+                    .into(),
+                "parallel: train.strategy = \"tensor\" needs a [parallel] table",
+            ),
+        ];
+        check_all(&cases);
+        let j = parse_job(&gpt("heads = 4", "tensor = 2"), "x").expect("valid");
+        assert_eq!((j.tensor_degree(), j.pipeline_stages(), j.model_parallel()), (2, 1, 2));
+        assert_eq!(parse_job(&j.to_toml().expect("toml"), "x").expect("again"), j);
+    }
+
+    #[test]
+    fn vit_sizes_are_checked_against_the_images() {
+        let vit = |model: &str, dataset: &str| {
+            format!(
+                "name = \"t\"\n[train]\ndataset = \"{dataset}\"\nglobal_batch = 8\nsteps = 2\nlr = 0.01\n\
+                 [train.model]\nkind = \"vit\"\n{model}\n"
+            )
+        };
+        let cases: Vec<(String, &str)> = vec![
+            (vit("", "digits"), ""),
+            (vit("patch = 2\nlayers = 1\nheads = 2\nwidth = 32", "digits"), ""),
+            (vit("patch = 3", "digits"), "train.model.patch: 3-pixel patches do not divide the 8x8 image"),
+            (vit("patch = 0", "digits"), "train.model.patch: must be > 0"),
+            (vit("heads = 3", "digits"), "train.model.heads: 3 heads do not divide width 64"),
+            (vit("vocab = 3", "digits"), "train.model.vocab: does not apply to model \"vit\""),
+            (vit("", "cicero"), "train.dataset: model \"vit\" needs a classification dataset"),
+        ];
+        check_all(&cases);
+        let m = parse_job(&vit("", "digits"), "x").expect("valid").train.model;
+        // 16-pixel patch linear, class token, 5 positions, 2 blocks, final norm, head to 10 classes.
+        let (w, blocks) = (64u64, 2 * (12 * 64 * 64 + 13 * 64));
+        assert_eq!(m.param_count(64, 10), 16 * w + w + w + 5 * w + blocks + 2 * w + w * 10 + 10);
     }
 
     #[test]
@@ -1821,11 +2087,11 @@ lr = 0.01
             (mlp("strategy = \"ddp\"", ""), ""),
             (
                 mlp("strategy = \"fsdp\"", ""),
-                "train.strategy: \"fsdp\" is not available yet; available: ddp, zero1, zero2, zero3, pipeline",
+                "train.strategy: \"fsdp\" is not available yet; available: ddp, zero1, zero2, zero3, pipeline, tensor, auto",
             ),
             (mlp("strategy = \"zero3\"", ""), ""),
             (mlp("strategy = \"pipeline\"", ""), "parallel: train.strategy = \"pipeline\" needs a [parallel] table"),
-            (mlp("strategy = \"tensor\"", ""), "train.strategy: \"tensor\" is not available yet"),
+            (mlp("strategy = \"tensor\"", ""), "parallel: train.strategy = \"tensor\" needs a [parallel] table"),
             (mlp("strategy = \"ps\"", ""), "train.strategy: \"ps\" is not available yet"),
             (mlp("strategy = \"banana\"", ""), "train.strategy: unknown strategy \"banana\"; available: ddp"),
             (mlp("strategy = 3", ""), "train.strategy: invalid type: integer `3`, expected a strategy name"),
@@ -2163,7 +2429,13 @@ lr = 0.001
 
     #[test]
     fn resolved_specs_spell_out_every_default_and_read_back_the_same() {
-        let specs = [MLP.to_owned(), GPT.to_owned(), CNN.to_owned(), mlp("optimizer = \"sgd\"", "")];
+        let specs = [
+            MLP.to_owned(),
+            GPT.to_owned(),
+            CNN.to_owned(),
+            mlp("optimizer = \"sgd\"", ""),
+            CNN.replace("\"cnn\"", "\"vit\""),
+        ];
         for text in &specs {
             let spec = parse_job(text, "JOB.toml").unwrap_or_else(|e| panic!("{e}"));
             let r = spec.resolved();
@@ -2182,6 +2454,7 @@ lr = 0.001
                 ModelKind::Gpt => {
                     assert_eq!((t.model.layers, t.model.vocab, t.data.context), (Some(2), Some(256), Some(64)))
                 }
+                ModelKind::Vit => assert_eq!((t.model.layers, t.model.patch), (Some(2), Some(4))),
             }
             let toml_text = r.to_toml().unwrap_or_else(|e| panic!("{e}"));
             let back = parse_job(&toml_text, "resolved.toml").unwrap_or_else(|e| panic!("{e}\n{toml_text}"));

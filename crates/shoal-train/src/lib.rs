@@ -10,7 +10,9 @@
 //!   needs to gather each layer just before its use.
 //! - Every rank applies the same update to the same parameters, so the ranks'
 //!   models stay identical (under a pipeline, each stage updates its own layers
-//!   with gradients of the same global batch); a run of N workers matches a run
+//!   with gradients of the same global batch; under tensor parallelism, each rank
+//!   its parts of every layer, and the replicated parameters identically from rank
+//!   0's gradients); a run of N workers matches a run
 //!   of one worker with the same global batch within floating-point tolerance.
 //! - This crate talks to the control plane only over the wire and through the
 //!   files it writes for it (metrics, heartbeats, the summary); it depends on
@@ -36,12 +38,13 @@ pub mod plan;
 pub mod remote;
 pub use shoal_spec as spec;
 pub mod strategy;
+pub mod tensor_parallel;
 pub mod trainer;
 pub mod worker;
 
 pub use error::{Error, Result};
 pub use layers::Layers;
-pub use models::{Cnn, Gpt, GptConfig, HandBackward, Mlp, Model};
+pub use models::{Cnn, Gpt, GptConfig, HandBackward, Mlp, Model, Vit, VitConfig};
 pub use optim::{OptimConfig, Optimizer};
 pub use params::{Params, SeededRng};
 pub use trainer::{GradSink, StepTimes, Trainer, TrainerConfig, overlap_pays};

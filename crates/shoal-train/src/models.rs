@@ -1,8 +1,10 @@
-//! The built-in models: MLP, CNN and a decoder-only transformer (GPT), written
+//! The built-in models: MLP, CNN, a decoder-only transformer (GPT) and a vision transformer (ViT), written
 //! with candle tensor operations over [`Params`], so every parameter has a stable
 //! name and order and its initial value depends only on the seed. Each declares
 //! its layers and goes through them with [`Layers`], so a strategy that shards
-//! the parameters (ZeRO-3) can gather each layer just before its use.
+//! the parameters (ZeRO-3) can gather each layer just before its use. The
+//! transformers also build on tensor-parallel [`Params`]: each rank then holds
+//! its part of every block (`crate::tensor_parallel`).
 
 use candle_core::{D, DType, Device, Tensor};
 
@@ -11,11 +13,23 @@ use crate::error::{Error, Result};
 use crate::kernels::{Mat, cpu_f32, matmul};
 use crate::layers::Layers;
 use crate::params::{Params, SeededRng};
+use crate::tensor_parallel::{self as tp, Shard};
 use crate::trainer::GradSink;
 
 /// A model maps an input batch to logits of shape `[rows, classes]`.
 pub trait Model: Send + Sync {
     fn forward(&self, input: &Tensor) -> candle_core::Result<Tensor>;
+
+    /// The mean cross-entropy of `logits` (this model's output) against `target` (by default candle's; a model
+    /// whose logits are cut across a tensor-parallel group computes it across the group).
+    fn loss(&self, logits: &Tensor, target: &Tensor) -> candle_core::Result<Tensor> {
+        candle_nn::loss::cross_entropy(logits, target)
+    }
+
+    /// How many rows of `logits` predict their target (the largest logit is the target's).
+    fn correct(&self, logits: &Tensor, target: &Tensor) -> candle_core::Result<f64> {
+        argmax_correct(logits, target)
+    }
 
     /// The model's hand-written loss and backward pass, when it has one; the
     /// worker then trains through it instead of candle's autograd.
@@ -270,6 +284,45 @@ pub struct GptConfig {
     pub width: usize,
 }
 
+/// How a linear layer is cut across a tensor-parallel group (`crate::tensor_parallel`); whole without one (a
+/// replicated linear is [`linear`]).
+#[derive(Debug, Clone, Copy)]
+enum Cut {
+    /// Column-parallel: output features (in `groups` equal blocks), the bias with them.
+    Columns(usize),
+    /// Row-parallel: input features; the bias whole.
+    Rows,
+}
+
+fn linear_cut(
+    p: &mut Params,
+    rng: &mut SeededRng,
+    name: &str,
+    fan_in: usize,
+    fan_out: usize,
+    cut: Cut,
+) -> Result<(Tensor, Tensor)> {
+    let bound = 1.0 / (fan_in as f64).sqrt();
+    let (w, b) = (format!("{name}.weight"), format!("{name}.bias"));
+    Ok(match cut {
+        Cut::Columns(g) => (
+            p.uniform_split(rng, &w, &[fan_in, fan_out], bound, 1, g)?,
+            p.uniform_split(rng, &b, &[fan_out], bound, 0, g)?,
+        ),
+        Cut::Rows => {
+            (p.uniform_split(rng, &w, &[fan_in, fan_out], bound, 0, 1)?, p.uniform(rng, &b, &[fan_out], bound)?)
+        }
+    })
+}
+
+fn layer_norm_params(p: &mut Params, name: &str, w: usize) -> Result<(Tensor, Tensor)> {
+    Ok((p.constant(&format!("{name}.weight"), &[w], 1.0)?, p.constant(&format!("{name}.bias"), &[w], 0.0)?))
+}
+
+/// One pre-norm transformer block, the GPT's and the ViT's: multi-head self-attention with a fused `q|k|v`
+/// projection, then a GELU MLP of 4× the width, each with its residual. Under tensor parallelism the attention is
+/// cut by heads (`q|k|v` column-parallel in three groups, the output projection row-parallel) and the MLP by its
+/// hidden units (column then row); the norms and the row-parallel biases are whole on every rank.
 #[derive(Debug)]
 struct Block {
     ln1: (Tensor, Tensor),
@@ -280,9 +333,58 @@ struct Block {
     out: (Tensor, Tensor),
 }
 
+impl Block {
+    fn new(p: &mut Params, rng: &mut SeededRng, n: &str, w: usize) -> Result<Block> {
+        Ok(Block {
+            ln1: layer_norm_params(p, &format!("{n}.ln1"), w)?,
+            qkv: linear_cut(p, rng, &format!("{n}.attn.qkv"), w, 3 * w, Cut::Columns(3))?,
+            proj: linear_cut(p, rng, &format!("{n}.attn.proj"), w, w, Cut::Rows)?,
+            ln2: layer_norm_params(p, &format!("{n}.ln2"), w)?,
+            fc: linear_cut(p, rng, &format!("{n}.mlp.fc"), w, 4 * w, Cut::Columns(1))?,
+            out: linear_cut(p, rng, &format!("{n}.mlp.proj"), 4 * w, w, Cut::Rows)?,
+        })
+    }
+
+    /// The block on `x` (`[batch, time, width]`) with heads of `head_dim` (this rank's share of them under
+    /// `shard`); `causal`: each position sees only itself and those before it.
+    fn forward(&self, x: &Tensor, head_dim: usize, causal: bool, shard: Option<&Shard>) -> candle_core::Result<Tensor> {
+        let (b, t, _) = x.dims3()?;
+        // This rank's width of q (and k, v): its heads.
+        let wl = self.qkv.0.dim(1)? / 3;
+        let nh = wl / head_dim;
+        let scale = 1.0 / (head_dim as f64).sqrt();
+        let h = tp::enter(shard, &layer_norm(x, &self.ln1)?)?;
+        let qkv = apply_linear(&h, &self.qkv)?;
+        let split = |i: usize| -> candle_core::Result<Tensor> {
+            qkv.narrow(2, i * wl, wl)?.reshape((b, t, nh, head_dim))?.transpose(1, 2)?.contiguous()
+        };
+        let (q, k, v) = (split(0)?, split(1)?, split(2)?);
+        let att = (q.matmul(&k.t()?.contiguous()?)? * scale)?;
+        let att = if causal {
+            let mask = Tensor::tril2(t, DType::U8, &Device::Cpu)?.broadcast_as((b, nh, t, t))?;
+            let neg = Tensor::new(f32::NEG_INFINITY, &Device::Cpu)?.broadcast_as((b, nh, t, t))?;
+            mask.where_cond(&att, &neg)?
+        } else {
+            att
+        };
+        let att = candle_nn::ops::softmax(&att, D::Minus1)?;
+        let y = att.matmul(&v)?.transpose(1, 2)?.contiguous()?.reshape((b, t, wl))?;
+        let y = tp::reduce(shard, &y.broadcast_matmul(&self.proj.0)?)?.broadcast_add(&self.proj.1)?;
+        let x = (x + y)?;
+        let h = tp::enter(shard, &layer_norm(&x, &self.ln2)?)?;
+        let a = apply_linear(&h, &self.fc)?.gelu_erf()?;
+        let y = tp::reduce(shard, &a.broadcast_matmul(&self.out.0)?)?.broadcast_add(&self.out.1)?;
+        x + y
+    }
+}
+
 /// Decoder-only transformer over byte (or char) tokens: token and position
 /// embeddings, pre-norm blocks of causal multi-head attention and a GELU MLP,
 /// a final layer norm and a linear head. Logits come out as `[batch*time, vocab]`.
+///
+/// Built on tensor-parallel [`Params`], each rank holds its heads and MLP units of every block, and its slice of the
+/// vocabulary in the token embedding and the head (vocabulary-parallel; its logits are that slice, and
+/// [`Model::loss`] is the vocabulary-parallel cross-entropy).
 #[derive(Debug)]
 pub struct Gpt {
     cfg: GptConfig,
@@ -294,6 +396,7 @@ pub struct Gpt {
     /// The layers (the embeddings, one per block, the final norm with the head), and the index of the first.
     gate: Layers,
     first_layer: usize,
+    shard: Option<Shard>,
 }
 
 fn layer_norm(x: &Tensor, (w, b): &(Tensor, Tensor)) -> candle_core::Result<Tensor> {
@@ -311,55 +414,32 @@ impl Gpt {
                 cfg.width, cfg.heads
             )));
         }
+        let shard = p.shard().cloned();
+        if let Some(s) = &shard
+            && (!cfg.heads.is_multiple_of(s.parts()) || !cfg.vocab.is_multiple_of(s.parts()))
+        {
+            return Err(Error::InvalidArgument(format!(
+                "gpt: {} tensor-parallel ranks do not divide its {} heads and vocabulary of {}",
+                s.parts(),
+                cfg.heads,
+                cfg.vocab
+            )));
+        }
         let w = cfg.width;
         let emb = 0.02 * 3f64.sqrt();
         let first_layer = p.layer("gpt.embed");
-        let tok = p.uniform(rng, "gpt.tok_emb", &[cfg.vocab, w], emb)?;
+        let tok = p.uniform_split(rng, "gpt.tok_emb", &[cfg.vocab, w], emb, 0, 1)?;
         let pos = p.uniform(rng, "gpt.pos_emb", &[cfg.context, w], emb)?;
-        let ln = |p: &mut Params, name: &str| -> Result<(Tensor, Tensor)> {
-            Ok((p.constant(&format!("{name}.weight"), &[w], 1.0)?, p.constant(&format!("{name}.bias"), &[w], 0.0)?))
-        };
         let mut blocks = Vec::with_capacity(cfg.layers);
         for l in 0..cfg.layers {
             let n = format!("gpt.h{l}");
             p.layer(&n);
-            blocks.push(Block {
-                ln1: ln(p, &format!("{n}.ln1"))?,
-                qkv: linear(p, rng, &format!("{n}.attn.qkv"), w, 3 * w)?,
-                proj: linear(p, rng, &format!("{n}.attn.proj"), w, w)?,
-                ln2: ln(p, &format!("{n}.ln2"))?,
-                fc: linear(p, rng, &format!("{n}.mlp.fc"), w, 4 * w)?,
-                out: linear(p, rng, &format!("{n}.mlp.proj"), 4 * w, w)?,
-            });
+            blocks.push(Block::new(p, rng, &n, w)?);
         }
         p.layer("gpt.out");
-        let ln_f = ln(p, "gpt.ln_f")?;
-        let head = linear(p, rng, "gpt.head", w, cfg.vocab)?;
-        Ok(Gpt { cfg, tok, pos, blocks, ln_f, head, gate: p.layers().clone(), first_layer })
-    }
-}
-
-impl Gpt {
-    /// One pre-norm block on `x` (`[batch, time, width]`): causal self-attention (`mask` and `neg` say where each
-    /// position may not look), then the MLP, each with its residual.
-    fn block(&self, blk: &Block, x: &Tensor, mask: &Tensor, neg: &Tensor) -> candle_core::Result<Tensor> {
-        let (b, t, w) = x.dims3()?;
-        let nh = self.cfg.heads;
-        let hd = w / nh;
-        let scale = 1.0 / (hd as f64).sqrt();
-        let h = layer_norm(x, &blk.ln1)?;
-        let qkv = apply_linear(&h, &blk.qkv)?;
-        let split = |i: usize| -> candle_core::Result<Tensor> {
-            qkv.narrow(2, i * w, w)?.reshape((b, t, nh, hd))?.transpose(1, 2)?.contiguous()
-        };
-        let (q, k, v) = (split(0)?, split(1)?, split(2)?);
-        let att = (q.matmul(&k.t()?.contiguous()?)? * scale)?;
-        let att = mask.where_cond(&att, neg)?;
-        let att = candle_nn::ops::softmax(&att, D::Minus1)?;
-        let y = att.matmul(&v)?.transpose(1, 2)?.contiguous()?.reshape((b, t, w))?;
-        let x = (x + apply_linear(&y, &blk.proj)?)?;
-        let h = layer_norm(&x, &blk.ln2)?;
-        x + apply_linear(&apply_linear(&h, &blk.fc)?.gelu_erf()?, &blk.out)?
+        let ln_f = layer_norm_params(p, "gpt.ln_f", w)?;
+        let head = linear_cut(p, rng, "gpt.head", w, cfg.vocab, Cut::Columns(1))?;
+        Ok(Gpt { cfg, tok, pos, blocks, ln_f, head, gate: p.layers().clone(), first_layer, shard })
     }
 }
 
@@ -369,22 +449,140 @@ impl Model for Gpt {
         if t > self.cfg.context {
             candle_core::bail!("sequence of {t} tokens exceeds the context of {}", self.cfg.context);
         }
-        let (w, nh) = (self.cfg.width, self.cfg.heads);
+        let w = self.cfg.width;
+        let shard = self.shard.as_ref();
         let first = self.first_layer;
         let mut x = self.gate.run(first, ids, |ids| {
-            let x = self.tok.embedding(&ids.flatten_all()?)?.reshape((b, t, w))?;
+            let x = match shard {
+                Some(s) => s.embedding(&self.tok, ids)?,
+                None => self.tok.embedding(&ids.flatten_all()?)?.reshape((b, t, w))?,
+            };
             x.broadcast_add(&self.pos.narrow(0, 0, t)?)
         })?;
-        let mask = Tensor::tril2(t, DType::U8, &Device::Cpu)?.broadcast_as((b, nh, t, t))?;
-        let neg = Tensor::new(f32::NEG_INFINITY, &Device::Cpu)?.broadcast_as((b, nh, t, t))?;
+        let head_dim = w / self.cfg.heads;
         for (l, blk) in self.blocks.iter().enumerate() {
-            x = self.gate.run(first + 1 + l, &x, |x| self.block(blk, x, &mask, &neg))?;
+            x = self.gate.run(first + 1 + l, &x, |x| blk.forward(x, head_dim, true, shard))?;
         }
         self.gate.run(first + 1 + self.blocks.len(), &x, |x| {
-            let x = layer_norm(x, &self.ln_f)?;
-            apply_linear(&x, &self.head)?.reshape((b * t, self.cfg.vocab))
+            let x = tp::enter(shard, &layer_norm(x, &self.ln_f)?)?;
+            let logits = apply_linear(&x, &self.head)?;
+            let v = logits.dim(2)?;
+            logits.reshape((b * t, v))
         })
     }
+
+    fn loss(&self, logits: &Tensor, target: &Tensor) -> candle_core::Result<Tensor> {
+        match &self.shard {
+            Some(s) => Ok(s.cross_entropy(logits, target)?.0),
+            None => candle_nn::loss::cross_entropy(logits, target),
+        }
+    }
+
+    fn correct(&self, logits: &Tensor, target: &Tensor) -> candle_core::Result<f64> {
+        match &self.shard {
+            Some(s) => Ok(s.cross_entropy(logits, target)?.1),
+            None => argmax_correct(logits, target),
+        }
+    }
+}
+
+/// Sizes of a [`Vit`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VitConfig {
+    /// The images' side in pixels (`side²` features, row-major).
+    pub side: usize,
+    /// The patches' side in pixels (divides `side`).
+    pub patch: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub width: usize,
+    pub classes: usize,
+}
+
+/// Vision transformer for square single-channel images: the image cut into `patch × patch` patches, each projected
+/// linearly to the width; a learned class token first and learned position embeddings; the GPT's pre-norm blocks
+/// without the causal mask; a final layer norm and a linear head on the class token. Under tensor parallelism the
+/// blocks are cut as the GPT's (heads, MLP units); the patch embedding, class token, positions and head are small
+/// and whole on every rank, so the logits are whole too.
+#[derive(Debug)]
+pub struct Vit {
+    cfg: VitConfig,
+    patch: (Tensor, Tensor),
+    cls: Tensor,
+    pos: Tensor,
+    blocks: Vec<Block>,
+    ln_f: (Tensor, Tensor),
+    head: (Tensor, Tensor),
+    gate: Layers,
+    first_layer: usize,
+    shard: Option<Shard>,
+}
+
+impl Vit {
+    pub fn new(p: &mut Params, rng: &mut SeededRng, cfg: VitConfig) -> Result<Vit> {
+        let parts = p.shard().map_or(1, Shard::parts);
+        if cfg.heads == 0 || !cfg.width.is_multiple_of(cfg.heads) || !cfg.heads.is_multiple_of(parts) {
+            return Err(Error::InvalidArgument(format!(
+                "vit: {} heads must divide width {} and be a multiple of the {parts} tensor-parallel ranks",
+                cfg.heads, cfg.width
+            )));
+        }
+        if cfg.patch == 0 || !cfg.side.is_multiple_of(cfg.patch) {
+            return Err(Error::InvalidArgument(format!(
+                "vit: {}-pixel patches do not divide the {}x{} image",
+                cfg.patch, cfg.side, cfg.side
+            )));
+        }
+        let w = cfg.width;
+        let patches = (cfg.side / cfg.patch).pow(2);
+        let emb = 0.02 * 3f64.sqrt();
+        let first_layer = p.layer("vit.embed");
+        let patch = linear(p, rng, "vit.patch", cfg.patch * cfg.patch, w)?;
+        let cls = p.uniform(rng, "vit.cls", &[1, 1, w], emb)?;
+        let pos = p.uniform(rng, "vit.pos_emb", &[patches + 1, w], emb)?;
+        let mut blocks = Vec::with_capacity(cfg.layers);
+        for l in 0..cfg.layers {
+            let n = format!("vit.h{l}");
+            p.layer(&n);
+            blocks.push(Block::new(p, rng, &n, w)?);
+        }
+        p.layer("vit.out");
+        let ln_f = layer_norm_params(p, "vit.ln_f", w)?;
+        let head = linear(p, rng, "vit.head", w, cfg.classes)?;
+        let shard = p.shard().cloned();
+        Ok(Vit { cfg, patch, cls, pos, blocks, ln_f, head, gate: p.layers().clone(), first_layer, shard })
+    }
+}
+
+impl Model for Vit {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let c = self.cfg;
+        let b = x.dim(0)?;
+        let (g, ps) = (c.side / c.patch, c.patch);
+        let first = self.first_layer;
+        let mut h = self.gate.run(first, x, |x| {
+            // [b, side²] → [b, patches, patch²], patches in row-major order, each patch's pixels row-major.
+            let patches = x.reshape((b, g, ps, g, ps))?.permute((0, 1, 3, 2, 4))?.reshape((b, g * g, ps * ps))?;
+            let tokens = apply_linear(&patches, &self.patch)?;
+            let cls = self.cls.broadcast_as((b, 1, c.width))?;
+            Tensor::cat(&[&cls, &tokens], 1)?.broadcast_add(&self.pos)
+        })?;
+        let head_dim = c.width / c.heads;
+        let shard = self.shard.as_ref();
+        for (l, blk) in self.blocks.iter().enumerate() {
+            h = self.gate.run(first + 1 + l, &h, |h| blk.forward(h, head_dim, false, shard))?;
+        }
+        self.gate.run(first + 1 + self.blocks.len(), &h, |h| {
+            let cls = layer_norm(h, &self.ln_f)?.narrow(1, 0, 1)?.squeeze(1)?;
+            apply_linear(&cls, &self.head)
+        })
+    }
+}
+
+/// Rows of `logits` whose largest value is at the target's index.
+fn argmax_correct(logits: &Tensor, target: &Tensor) -> candle_core::Result<f64> {
+    let pred = logits.argmax(D::Minus1)?;
+    Ok(f64::from(pred.eq(target)?.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()?))
 }
 
 #[cfg(test)]

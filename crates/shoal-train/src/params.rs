@@ -6,6 +6,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use crate::error::{Error, Result};
 use crate::kernels::with_slice;
 use crate::layers::Layers;
+use crate::tensor_parallel::{Shard, Split};
 
 /// The seeded generator of initial weights: `shoal-data`'s SplitMix64 keyed by
 /// the seed, so the same seed gives the same weights in every process and on
@@ -23,11 +24,16 @@ impl SeededRng {
     }
 }
 
-/// The model's parameters, in a stable order (registration order), and the layers the model groups them in.
+/// The model's parameters, in a stable order (registration order), and the layers the model groups them in. Under
+/// tensor parallelism ([`Params::tensor_parallel`]) a split parameter holds only this rank's part, under its full
+/// name, and remembers how it was cut ([`Params::split`]).
 #[derive(Debug, Clone, Default)]
 pub struct Params {
     vars: Vec<(String, Var)>,
     layers: Layers,
+    /// Per parameter, how it is cut across the tensor-parallel group (`None`: whole on every rank).
+    splits: Vec<Option<Split>>,
+    shard: Option<Shard>,
 }
 
 impl Params {
@@ -48,7 +54,86 @@ impl Params {
         let v = Var::from_tensor(&t)?;
         let out = v.as_tensor().clone();
         self.vars.push((name.to_string(), v));
+        self.splits.push(None);
         Ok(out)
+    }
+
+    /// Parameters for the model of rank `shard.rank()` of a tensor-parallel group (`crate::tensor_parallel`).
+    pub fn tensor_parallel(shard: Shard) -> Self {
+        Params { shard: Some(shard), ..Params::default() }
+    }
+
+    /// This rank's place in its tensor-parallel group, when the model is built for one of more than one rank.
+    pub fn shard(&self) -> Option<&Shard> {
+        self.shard.as_ref().filter(|s| s.parts() > 1)
+    }
+
+    /// Registers a parameter drawn like [`Self::uniform`] (the same values, whatever the group), of which a
+    /// tensor-parallel rank keeps only its part: dimension `dim` cut into `groups` equal blocks, each shared among
+    /// the group's ranks (see [`Split`]). Whole without a group.
+    pub fn uniform_split(
+        &mut self,
+        rng: &mut SeededRng,
+        name: &str,
+        shape: &[usize],
+        bound: f64,
+        dim: usize,
+        groups: usize,
+    ) -> Result<Tensor> {
+        let Some(shard) = self.shard().cloned() else { return self.uniform(rng, name, shape, bound) };
+        let n: usize = shape.iter().product();
+        let data: Vec<f32> = (0..n).map(|_| ((rng.uniform() * 2.0 - 1.0) * bound) as f32).collect();
+        let split = Split { dim, groups, full: shape.to_vec() };
+        let part = split
+            .take(&data, shard.rank(), shard.parts())
+            .map_err(|e| Error::InvalidArgument(format!("parameter {name}: {e}")))?;
+        let t = self.insert(name, Tensor::from_vec(part, split.shard_dims(shard.parts())?, &Device::Cpu)?)?;
+        if let Some(last) = self.splits.last_mut() {
+            *last = Some(split);
+        }
+        Ok(t)
+    }
+
+    /// How parameter `index` is cut across the tensor-parallel group (`None`: whole).
+    pub fn split(&self, index: usize) -> Option<&Split> {
+        self.splits.get(index).and_then(Option::as_ref)
+    }
+
+    /// The whole shape of parameter `index` (its own, unless it is split).
+    pub fn full_dims(&self, index: usize) -> Vec<usize> {
+        match (self.split(index), self.vars.get(index)) {
+            (Some(s), _) => s.full.clone(),
+            (None, Some((_, v))) => v.dims().to_vec(),
+            (None, None) => Vec::new(),
+        }
+    }
+
+    /// Number of scalar parameters of the whole model (this rank's, [`Self::count`], are fewer under tensor
+    /// parallelism).
+    pub fn full_count(&self) -> usize {
+        (0..self.vars.len()).map(|i| self.full_dims(i).iter().product::<usize>()).sum()
+    }
+
+    /// Sets parameter `index` from its whole values (a checkpoint's): a split parameter keeps its part.
+    pub fn set_whole(&self, index: usize, values: &[f32]) -> Result<()> {
+        let Some((name, var)) = self.vars.get(index) else {
+            return Err(Error::InvalidArgument(format!("no parameter {index}")));
+        };
+        let part = match (self.split(index), self.shard()) {
+            (Some(split), Some(shard)) => split
+                .take(values, shard.rank(), shard.parts())
+                .map_err(|e| Error::InvalidArgument(format!("parameter {name}: {e}")))?,
+            _ => values.to_vec(),
+        };
+        if part.len() != var.elem_count() {
+            return Err(Error::InvalidArgument(format!(
+                "parameter {name}: {} values for shape {:?}",
+                values.len(),
+                self.full_dims(index)
+            )));
+        }
+        var.set(&Tensor::from_vec(part, var.shape(), &Device::Cpu)?)?;
+        Ok(())
     }
 
     /// Starts layer `name`: the parameters registered after this call, up to the next one, are one layer — what a
@@ -65,7 +150,8 @@ impl Params {
 
     /// Adopts existing variables (for users' own candle models; no layers).
     pub fn from_vars(vars: Vec<(String, Var)>) -> Self {
-        Params { vars, layers: Layers::default() }
+        let splits = vec![None; vars.len()];
+        Params { vars, layers: Layers::default(), splits, shard: None }
     }
 
     pub fn vars(&self) -> &[(String, Var)] {

@@ -56,7 +56,9 @@ impl ModelCost {
                 let shape = t.data_shape().map_err(|e| e.to_string())?;
                 Ok(ModelCost::mlp(shape.features, m.hidden(), shape.classes))
             }
-            ModelKind::Cnn => Err("train.model.kind: the planner knows the mlp and the gpt (not yet the cnn)".into()),
+            ModelKind::Cnn | ModelKind::Vit => {
+                Err(format!("train.model.kind: the planner knows the mlp and the gpt (not yet the {})", m.kind))
+            }
         }
     }
 

@@ -212,6 +212,11 @@ impl Trainer {
         })
     }
 
+    /// How many ranks compute every batch together (a tensor-parallel group; 1 otherwise).
+    pub fn tensor_degree(&self) -> usize {
+        self.strategy.tensor_degree()
+    }
+
     /// Whether this rank holds only a part of the model (a pipeline stage): then a step's micro-batches go through
     /// [`Self::run_micro_batches`], and a forward pass through [`Self::forward_stage`].
     pub fn splits_model(&self) -> bool {

@@ -24,6 +24,14 @@
 //!   ([`Strategy::forward_stage`]). [`Strategy::step`] then clips at the global norm (an all-reduce of the stages'
 //!   squared norms) and updates each stage. Checkpoints hold whole tensors, gathered from the stages.
 //!
+//! - [`tensor`]: tensor parallel (Megatron-LM style) — every layer split across the ranks of a group, attention by
+//!   heads, the MLP by hidden units, the GPT's embedding and head by vocabulary rows; each rank holds its parts and
+//!   their optimizer state. The model does the communication (`crate::tensor_parallel`: all-reduces as custom
+//!   autograd operations in its forward and backward, built on `Params::tensor_parallel`), so a micro-batch is one
+//!   ordinary forward and backward; the strategy connects the group, keeps the replicated parameters identical,
+//!   clips at the global norm and updates each rank's parts. Checkpoints hold whole tensors, gathered from the
+//!   parts.
+//!
 //! The worker builds the strategy `train.strategy` names; a name with no strategy yet is refused when the spec is
 //! validated (`shoal_spec::Strategy`), never silently replaced.
 
@@ -31,6 +39,7 @@ pub mod ddp;
 pub mod pipeline;
 pub mod schedule;
 pub mod shards;
+pub mod tensor;
 pub mod zero;
 pub mod zero3;
 
@@ -148,6 +157,12 @@ pub trait Strategy: Send {
     /// output where this rank has it (everywhere by default; on a pipeline's last stage only).
     fn forward_stage(&self, _params: &Params, forward: &mut dyn FnMut() -> Result<Tensor>) -> Result<Option<Tensor>> {
         forward().map(Some)
+    }
+
+    /// How many ranks compute every batch together, each with its part of every layer (a tensor-parallel group;
+    /// 1 otherwise): evaluation gives the ranks of a group the same batches and counts them once.
+    fn tensor_degree(&self) -> usize {
+        1
     }
 
     /// The scalars to sum over ranks at the next [`Strategy::step`], for a strategy that runs the micro-batches

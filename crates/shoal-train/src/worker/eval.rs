@@ -17,9 +17,8 @@ use crate::trainer::Trainer;
 /// Loss (mean over rows) and correct predictions of one batch.
 fn loss_and_correct(model: &dyn Model, input: &Tensor, target: &Tensor) -> Result<(Tensor, usize)> {
     let logits = model.forward(input)?;
-    let loss = candle_nn::loss::cross_entropy(&logits, target)?;
-    let pred = logits.argmax(candle_core::D::Minus1)?;
-    let correct = pred.eq(target)?.to_dtype(candle_core::DType::F32)?.sum_all()?.to_scalar::<f32>()? as usize;
+    let loss = model.loss(&logits, target)?;
+    let correct = model.correct(&logits, target)? as usize;
     Ok((loss, correct))
 }
 
@@ -41,7 +40,10 @@ pub(super) fn evaluate(
     let layers = trainer.params().layers();
     let _inference = layers.inference();
     let n = data.len().min(batch * max_batches.max(1));
-    let share = shoal_comm::chunk::segment(n, comm.size(), comm.rank());
+    // The ranks of a tensor-parallel group compute the same batches together; one of them counts them.
+    let group = trainer.tensor_degree().max(1);
+    let share = shoal_comm::chunk::segment(n, comm.size() / group, comm.rank() / group);
+    let counts = comm.rank().is_multiple_of(group);
     let (mut loss_sum, mut correct, mut rows, mut tokens) = (0f64, 0f64, 0f64, 0f64);
     let mut passes = 0usize;
     let mut i = share.start;
@@ -66,7 +68,7 @@ pub(super) fn evaluate(
             layers.idle_forward()?;
         }
     }
-    let mut v = [loss_sum, correct, tokens, rows];
+    let mut v = if counts { [loss_sum, correct, tokens, rows] } else { [0.0; 4] };
     comm.all_reduce(&mut v, ReduceOp::Sum)?;
     let [loss_sum, correct, tokens, _] = v;
     Ok((loss_sum / tokens.max(1.0), correct / tokens.max(1.0)))
@@ -91,9 +93,8 @@ fn evaluate_stages(
         if let Some(t) = to_tensors(&samples)? {
             let logits = trainer.forward_stage(|| Ok(model.forward(&t.input)?))?;
             if let Some(logits) = logits {
-                let loss = candle_nn::loss::cross_entropy(&logits, &t.target)?;
-                let pred = logits.argmax(candle_core::D::Minus1)?;
-                let c = pred.eq(&t.target)?.to_dtype(candle_core::DType::F32)?.sum_all()?.to_scalar::<f32>()?;
+                let loss = model.loss(&logits, &t.target)?;
+                let c = model.correct(&logits, &t.target)? as f32;
                 let targets = t.target.elem_count() as f64;
                 loss_sum += loss.to_scalar::<f32>()? as f64 * targets;
                 correct += f64::from(c);

@@ -57,19 +57,20 @@ pub(super) fn load(spec: &JobSpec, resume: bool, setup: &Setup, params: &Params)
             }
             let by_name: std::collections::HashMap<&str, &TensorData> =
                 l.model.iter().map(|t| (t.name.as_str(), t)).collect();
-            for (name, var) in params.vars() {
+            for (i, (name, _)) in params.vars().iter().enumerate() {
                 let td = by_name.get(name.as_str()).ok_or_else(|| {
                     Error::Checkpoint(format!("{}: no tensor {name} in model.safetensors", l.dir.display()))
                 })?;
-                if td.shape != var.dims() {
+                // Whole tensors: a tensor-parallel rank keeps its part.
+                let full = params.full_dims(i);
+                if td.shape != full {
                     return Err(Error::Checkpoint(format!(
-                        "{}: tensor {name} has shape {:?}, the model expects {:?}",
+                        "{}: tensor {name} has shape {:?}, the model expects {full:?}",
                         l.dir.display(),
                         td.shape,
-                        var.dims()
                     )));
                 }
-                var.set(&Tensor::from_slice(&td.data, var.shape(), &candle_core::Device::Cpu)?)?;
+                params.set_whole(i, &td.data)?;
             }
             if rank == 0 {
                 match &setup.memory {

@@ -10,7 +10,7 @@ use shoal_data::{Dataset, DistributedSampler, SamplerConfig, Split};
 
 use crate::checkpoint::{CheckpointDir, MemoryStore};
 use crate::error::{Error, Result};
-use crate::models::{Cnn, Gpt, GptConfig, Mlp, Model};
+use crate::models::{Cnn, Gpt, GptConfig, Mlp, Model, Vit, VitConfig};
 use crate::optim::OptimConfig;
 use crate::params::{Params, SeededRng};
 use crate::remote::RemoteStore;
@@ -113,8 +113,10 @@ pub(super) fn setup(spec: &JobSpec, output: &Path) -> Result<(Setup, Params)> {
     let eval: Arc<dyn Dataset> = Arc::from(shoal_data::builtin(&t.dataset, &data_opts)?);
 
     let mut rng = SeededRng::new(t.seed);
-    let (params, model) = build_model(spec, &mut rng)?;
-    let parameters = params.count();
+    // Under tensor parallelism each rank builds only its part of the model.
+    let shard = (spec.tensor_degree() > 1).then(|| crate::tensor_parallel::Shard::new(rank, spec.tensor_degree()));
+    let (params, model) = build_model_sharded(spec, &mut rng, shard)?;
+    let parameters = params.full_count();
     let ckpt_dir = CheckpointDir::new(checkpoint_root(spec, output)?);
     let remote = if rank == 0 { checkpoint_remote(spec)? } else { None };
     Ok((
@@ -216,13 +218,15 @@ pub(super) fn training(spec: &JobSpec, setup: &Setup, params: Params) -> Result<
         Strategy::Pipeline => {
             Box::new(crate::strategy::pipeline::Pipeline::new(Some(comm.clone()), pipeline_config(spec)?))
         }
+        Strategy::Tensor => Box::new(crate::strategy::tensor::TensorParallel::new(Some(comm.clone()))),
         Strategy::Auto => return Err(Error::Spec("train.strategy: \"auto\" was not resolved".into())),
     };
     let trainer = Trainer::with_strategy(params, strategy, cfg)?;
 
     let micro = t.micro_batch();
-    // The stages of a pipeline share every batch: the data is split over the data-parallel ranks only.
-    let stages = spec.pipeline_stages();
+    // The stages of a pipeline, or a tensor-parallel group, share every batch: the data is split over the
+    // data-parallel ranks only.
+    let stages = spec.model_parallel();
     let sampler = DistributedSampler::new(
         SamplerConfig { seed: t.seed, ..SamplerConfig::new(setup.train.len(), micro) },
         world / stages,
@@ -235,19 +239,26 @@ pub(super) fn training(spec: &JobSpec, setup: &Setup, params: Params) -> Result<
 fn pipeline_config(spec: &JobSpec) -> Result<crate::strategy::pipeline::PipelineConfig> {
     let p =
         spec.parallel.as_ref().ok_or_else(|| Error::Spec("train.strategy = \"pipeline\" needs [parallel]".into()))?;
-    Ok(crate::strategy::pipeline::PipelineConfig {
-        stages: p.pipeline_stages,
-        micro_batches: p.micro_batches,
-        schedule: p.schedule,
-    })
+    let (stages, micro_batches) = p.stages_and_micro_batches();
+    Ok(crate::strategy::pipeline::PipelineConfig { stages, micro_batches, schedule: p.schedule })
 }
 
 /// The model of a job and the parameters behind it.
 pub fn build_model(spec: &JobSpec, rng: &mut SeededRng) -> Result<(Params, Box<dyn Model>)> {
+    build_model_sharded(spec, rng, None)
+}
+
+/// [`build_model`] for one rank of a tensor-parallel group (`shard`): its parameters are its parts of the model's
+/// (`crate::tensor_parallel`).
+pub fn build_model_sharded(
+    spec: &JobSpec,
+    rng: &mut SeededRng,
+    shard: Option<crate::tensor_parallel::Shard>,
+) -> Result<(Params, Box<dyn Model>)> {
     let t = &spec.train;
     let shape = t.data_shape().map_err(|e| Error::Spec(e.to_string()))?;
     let m = &t.model;
-    let mut params = Params::default();
+    let mut params = shard.map_or_else(Params::default, Params::tensor_parallel);
     let model: Box<dyn Model> = match m.kind {
         ModelKind::Mlp => Box::new(Mlp::new(&mut params, rng, shape.features, m.hidden(), shape.classes)?),
         ModelKind::Cnn => Box::new(Cnn::new(&mut params, rng, shape.features, m.channels(), shape.classes)?),
@@ -260,6 +271,20 @@ pub fn build_model(spec: &JobSpec, rng: &mut SeededRng) -> Result<(Params, Box<d
                 layers: m.layers(),
                 heads: m.heads(),
                 width: m.width(),
+            },
+        )?),
+        ModelKind::Vit => Box::new(Vit::new(
+            &mut params,
+            rng,
+            VitConfig {
+                side: crate::spec::ModelSpec::image_side(shape.features).ok_or_else(|| {
+                    Error::Spec(format!("train.dataset: {} features are not a square image", shape.features))
+                })?,
+                patch: m.patch(),
+                layers: m.layers(),
+                heads: m.heads(),
+                width: m.width(),
+                classes: shape.classes,
             },
         )?),
     };

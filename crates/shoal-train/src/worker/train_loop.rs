@@ -221,7 +221,7 @@ impl StepLoop {
         // next phase at its own size (the same step on every rank).
         let phase_end = spec.phase_end(start_step);
         // A pipeline's micro-batches a step (each stage holds the whole global batch).
-        let pipeline_micro = spec.parallel.as_ref().map_or(1, |p| p.micro_batches);
+        let pipeline_micro = spec.pipeline_micro_batches();
         let (mut bubble_t, mut bubble_theory) = (Vec::new(), None);
         for step in start_step..t.steps {
             let step_started = Instant::now();
@@ -258,7 +258,7 @@ impl StepLoop {
                         parts.len(),
                         |i| Ok(model.forward(&parts[i].0.input)?),
                         |i, logits| {
-                            let l = (candle_nn::loss::cross_entropy(logits, &parts[i].0.target)? * parts[i].1)?;
+                            let l = (model.loss(logits, &parts[i].0.target)? * parts[i].1)?;
                             local_loss += l.to_scalar::<f32>()? as f64;
                             Ok(l)
                         },
@@ -279,7 +279,7 @@ impl StepLoop {
                         let loss = match flat.map(Flat::into_tensors).transpose()? {
                             Some(x) => {
                                 let logits = model.forward(&x.input)?;
-                                let l = (candle_nn::loss::cross_entropy(&logits, &x.target)? * weight)?;
+                                let l = (model.loss(&logits, &x.target)? * weight)?;
                                 local_loss += l.to_scalar::<f32>()? as f64;
                                 Some(l)
                             }

@@ -1,6 +1,7 @@
-//! Integration tests of shoal-train: DDP, ZeRO and pipeline equivalence with a single process; the spec's parameter counts.
+//! Integration tests of shoal-train: DDP, ZeRO, pipeline and tensor-parallel equivalence with a single process; the spec's parameter counts.
 
 mod equivalence;
 mod param_counts;
 mod pipeline;
+mod tensor;
 mod zero3;

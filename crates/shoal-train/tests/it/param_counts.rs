@@ -44,6 +44,8 @@ fn the_specs_parameter_counts_are_the_built_models() {
         ("digits", "kind = \"cnn\"\nchannels = [3, 6]"),
         ("cicero", "kind = \"gpt\"\nlayers = 1\nheads = 2\nwidth = 16\ncontext = 8"),
         ("cicero", "kind = \"gpt\"\nlayers = 3\nheads = 4\nwidth = 32\ncontext = 24"),
+        ("digits", "kind = \"vit\""),
+        ("digits", "kind = \"vit\"\npatch = 2\nlayers = 1\nheads = 2\nwidth = 16"),
     ] {
         let text = format!("{base}dataset = \"{dataset}\"\n[train.model]\n{model}\n");
         let job = spec::parse_job(&text, "variation").unwrap_or_else(|e| panic!("{text}: {e}"));

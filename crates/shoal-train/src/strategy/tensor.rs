@@ -1,0 +1,306 @@
+//! Tensor parallel (Megatron-LM style): every rank of a group of `parts` runs every layer of the model on the whole
+//! global batch, holding only its part of each split parameter — attention heads, MLP hidden units, a slice of the
+//! vocabulary — and the optimizer state of that part.
+//!
+//! The model does the work (`crate::tensor_parallel`: built on `Params::tensor_parallel`, its forward all-reduces
+//! row-parallel outputs and its backward column-parallel inputs' gradients through custom autograd operations), so
+//! one micro-batch is one ordinary forward and backward. The strategy:
+//! - [`Strategy::init`]: connects the model's group to the communicator (its size and rank must be the ones the
+//!   model was built for) and makes every replicated parameter rank 0's (a broadcast); the split ones are each
+//!   rank's part of the same seeded (or checkpointed) whole.
+//! - [`Strategy::backward_tensors`]: adds the micro-batch's gradients of this rank's parameters into the step's sums.
+//! - [`Strategy::step`]: the replicated parameters' gradients made rank 0's (a broadcast: they are the same on every
+//!   rank already, see `crate::tensor_parallel`, and this keeps the copies identical bit for bit), the global norm
+//!   for clipping (the split parameters' squared norms summed over the group, the replicated ones' counted once, in
+//!   one all-reduce with the step's scalars), then the optimizer on this rank's parameters. The scalars (every
+//!   rank's loss is the whole batch's) are averaged over the group.
+//! - Checkpoints hold whole tensors by their full names, as every strategy's: the parts of each split parameter and
+//!   of its optimizer moments all-gathered and put back in place (`crate::tensor_parallel::Split`). Loading cuts
+//!   them again, so a tensor-parallel checkpoint resumes under DDP at any world size and a DDP one under tensor
+//!   parallelism.
+//!
+//! Memory: each rank's parameters, gradients and optimizer state are its parts plus the replicated parameters —
+//! what [`Strategy::param_bytes`] and the others report, since the model's tensors are the parts themselves.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use candle_core::Tensor;
+use shoal_comm::{Communicator, ReduceOp};
+
+use super::{GradSink, StepTimes, Strategy, TensorGrads, check_order, copy_f32};
+use crate::error::{Error, Result};
+use crate::kernels::with_slice;
+use crate::optim::{Optimizer, sum_sq};
+use crate::params::Params;
+use crate::tensor_parallel::Split;
+
+/// Tensor parallel (see the module documentation).
+pub struct TensorParallel {
+    comm: Option<Communicator>,
+    parts: usize,
+    /// Gradients summed over the step's micro-batches, per parameter.
+    acc: Vec<Vec<f32>>,
+    scalars: Vec<f32>,
+}
+
+impl std::fmt::Debug for TensorParallel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TensorParallel").field("parts", &self.parts).finish_non_exhaustive()
+    }
+}
+
+/// Adds a hand-written backward pass's gradients into the step's sums.
+struct Adder<'a> {
+    acc: &'a mut [Vec<f32>],
+    next: Option<usize>,
+    scalars: Option<Vec<f32>>,
+}
+
+impl GradSink for Adder<'_> {
+    fn put(&mut self, index: usize, fill: &mut dyn FnMut(&mut [f32]) -> Result<()>) -> Result<()> {
+        check_order(index, self.acc.len(), self.next)?;
+        let mut buf = vec![0f32; self.acc[index].len()];
+        fill(&mut buf)?;
+        self.acc[index].iter_mut().zip(&buf).for_each(|(a, g)| *a += g);
+        self.next = index.checked_sub(1);
+        Ok(())
+    }
+
+    fn attach_scalars(&mut self, values: &[f32]) {
+        self.scalars = Some(values.to_vec());
+    }
+}
+
+impl TensorParallel {
+    /// A rank of the tensor-parallel group `comm` (all its ranks).
+    pub fn new(comm: Option<Communicator>) -> TensorParallel {
+        let parts = comm.as_ref().map_or(1, Communicator::size);
+        TensorParallel { comm, parts, acc: Vec::new(), scalars: Vec::new() }
+    }
+
+    fn comm_or_err(&self) -> Result<&Communicator> {
+        self.comm.as_ref().ok_or_else(|| Error::InvalidArgument("tensor parallelism needs a communicator".into()))
+    }
+
+    /// Indices of the parameters whole on every rank.
+    fn replicated(params: &Params) -> Vec<usize> {
+        (0..params.vars().len()).filter(|&i| params.split(i).is_none()).collect()
+    }
+
+    /// Whole named tensors from `items` (name, how it is cut, this rank's values): the split ones' parts
+    /// all-gathered (one collective for all of them) and put in place, the others as they are.
+    fn gather(&self, items: Vec<(String, Option<Split>, Tensor)>) -> Result<Vec<(String, Tensor)>> {
+        let mut local = Vec::new();
+        let mut at = Vec::with_capacity(items.len());
+        for (_, split, t) in &items {
+            if split.is_some() {
+                let v = t.flatten_all()?.to_vec1::<f32>()?;
+                at.push(Some((local.len(), v.len())));
+                local.extend(v);
+            } else {
+                at.push(None);
+            }
+        }
+        let n = local.len();
+        let mut all = vec![0f32; n * self.parts];
+        self.comm_or_err()?.all_gather(&local, &mut all)?;
+        items
+            .into_iter()
+            .zip(at)
+            .map(|((name, split, t), at)| match (split, at) {
+                (Some(split), Some((o, l))) => {
+                    let shards: Vec<&[f32]> = (0..self.parts).map(|r| &all[r * n + o..r * n + o + l]).collect();
+                    let whole = split.place(&shards)?;
+                    Ok((name, Tensor::from_vec(whole, split.full.as_slice(), &candle_core::Device::Cpu)?))
+                }
+                _ => Ok((name, t.copy()?)),
+            })
+            .collect()
+    }
+}
+
+impl Strategy for TensorParallel {
+    fn name(&self) -> &'static str {
+        "tensor"
+    }
+
+    fn comm(&self) -> Option<&Communicator> {
+        self.comm.as_ref()
+    }
+
+    fn init(&mut self, params: &Params) -> Result<()> {
+        let comm = self.comm_or_err()?.clone();
+        if self.parts < 2 {
+            return Err(Error::InvalidArgument(format!(
+                "tensor parallelism needs at least 2 ranks, not {}",
+                self.parts
+            )));
+        }
+        let shard = params.shard().ok_or_else(|| {
+            Error::InvalidArgument(
+                "the model was not built for tensor parallelism (Params::tensor_parallel with a group of more than \
+                 one rank)"
+                    .into(),
+            )
+        })?;
+        if (0..params.vars().len()).all(|i| params.split(i).is_none()) {
+            return Err(Error::InvalidArgument("the model splits none of its parameters across the group".into()));
+        }
+        shard.connect(comm.clone())?;
+        let replicated = Self::replicated(params);
+        let mut flat = Vec::new();
+        for &i in &replicated {
+            with_slice(params.vars()[i].1.as_tensor(), |s| flat.extend_from_slice(s))?;
+        }
+        comm.broadcast(&mut flat, 0)?;
+        let mut off = 0;
+        for &i in &replicated {
+            let var = &params.vars()[i].1;
+            let n = var.elem_count();
+            var.set(&Tensor::from_slice(&flat[off..off + n], var.shape(), &candle_core::Device::Cpu)?)?;
+            off += n;
+        }
+        self.acc = params.vars().iter().map(|(_, v)| vec![0f32; v.elem_count()]).collect();
+        Ok(())
+    }
+
+    fn backward(
+        &mut self,
+        _params: &Params,
+        last: bool,
+        scalars: Vec<f32>,
+        f: &mut dyn FnMut(&mut dyn GradSink) -> Result<()>,
+    ) -> Result<()> {
+        let next = self.acc.len().checked_sub(1);
+        let mut sink = Adder { acc: &mut self.acc, next, scalars: None };
+        f(&mut sink)?;
+        if last {
+            self.scalars = sink.scalars.unwrap_or(scalars);
+        }
+        Ok(())
+    }
+
+    fn backward_tensors(&mut self, params: &Params, last: bool, scalars: Vec<f32>, grads: TensorGrads) -> Result<()> {
+        for (i, g) in grads.iter().enumerate() {
+            let Some(g) = g else { continue };
+            let acc = self.acc.get_mut(i).ok_or_else(|| {
+                Error::InvalidArgument(format!("a gradient for parameter {i} of {}", params.vars().len()))
+            })?;
+            let mut buf = vec![0f32; acc.len()];
+            copy_f32(&mut buf, g)?;
+            acc.iter_mut().zip(&buf).for_each(|(a, g)| *a += g);
+        }
+        if last {
+            self.scalars = scalars;
+        }
+        Ok(())
+    }
+
+    fn tensor_degree(&self) -> usize {
+        self.parts
+    }
+
+    fn step(&mut self, params: &Params, opt: &mut Optimizer, lr: f64, clip: Option<f64>) -> Result<StepTimes> {
+        let comm = self.comm_or_err()?.clone();
+        let t0 = Instant::now();
+        let replicated = Self::replicated(params);
+        let mut flat: Vec<f32> = replicated.iter().flat_map(|&i| self.acc[i].iter().copied()).collect();
+        comm.broadcast(&mut flat, 0)?;
+        let mut off = 0;
+        for &i in &replicated {
+            let n = self.acc[i].len();
+            self.acc[i].copy_from_slice(&flat[off..off + n]);
+            off += n;
+        }
+        let split_sq: f64 =
+            (0..self.acc.len()).filter(|&i| params.split(i).is_some()).map(|i| sum_sq(&self.acc[i])).sum();
+        let replicated_sq: f64 = replicated.iter().map(|&i| sum_sq(&self.acc[i])).sum();
+        let mut sums = vec![split_sq];
+        sums.extend(self.scalars.iter().map(|&v| f64::from(v)));
+        comm.all_reduce(&mut sums, ReduceOp::Sum)?;
+        let shard_s = params.shard().map_or(0.0, |s| s.take_comm_seconds());
+        let comm_s = t0.elapsed().as_secs_f64() + shard_s;
+        let t1 = Instant::now();
+        let norm = (sums[0] + replicated_sq).sqrt();
+        if let Some(c) = clip
+            && norm > c
+            && norm > 0.0
+        {
+            let s = (c / norm) as f32;
+            self.acc.iter_mut().for_each(|g| g.iter_mut().for_each(|x| *x *= s));
+        }
+        let grads: Vec<&[f32]> = self.acc.iter().map(Vec::as_slice).collect();
+        opt.step_slices(params, &grads, lr)?;
+        self.acc.iter_mut().for_each(|g| g.fill(0.0));
+        let parts = self.parts as f64;
+        Ok(StepTimes {
+            comm_s,
+            optimizer_s: t1.elapsed().as_secs_f64(),
+            grad_norm: clip.map(|_| norm),
+            scalars: sums[1..].iter().map(|v| (v / parts) as f32).collect(),
+            bubble: None,
+        })
+    }
+
+    fn model_state(&self, params: &Params) -> Result<Vec<(String, Tensor)>> {
+        let items = params
+            .vars()
+            .iter()
+            .enumerate()
+            .map(|(i, (n, v))| (n.clone(), params.split(i).cloned(), v.as_tensor().clone()))
+            .collect();
+        self.gather(items)
+    }
+
+    fn optimizer_state(&self, params: &Params, opt: &Optimizer) -> Result<Vec<(String, Tensor)>> {
+        let state: HashMap<String, Tensor> = opt.state(params).into_iter().collect();
+        let mut items = Vec::new();
+        for (i, (name, _)) in params.vars().iter().enumerate() {
+            for suffix in ["m", "v"] {
+                let key = format!("{name}.{suffix}");
+                if let Some(t) = state.get(&key) {
+                    items.push((key, params.split(i).cloned(), t.clone()));
+                }
+            }
+        }
+        self.gather(items)
+    }
+
+    fn load_optimizer_state(
+        &mut self,
+        params: &Params,
+        opt: &mut Optimizer,
+        t: u64,
+        named: &HashMap<String, Tensor>,
+    ) -> Result<()> {
+        let Some(shard) = params.shard() else { return opt.load_state(params, t, named) };
+        let mut own = HashMap::with_capacity(named.len());
+        for (i, (name, var)) in params.vars().iter().enumerate() {
+            for suffix in ["m", "v"] {
+                let key = format!("{name}.{suffix}");
+                let Some(whole) = named.get(&key) else { continue };
+                let part = match params.split(i) {
+                    Some(split) if whole.dims() == split.full.as_slice() => {
+                        let values = whole.flatten_all()?.to_vec1::<f32>()?;
+                        Tensor::from_vec(
+                            split.take(&values, shard.rank(), shard.parts())?,
+                            var.shape(),
+                            whole.device(),
+                        )?
+                    }
+                    Some(split) => {
+                        return Err(Error::Checkpoint(format!(
+                            "optimizer state {key} has shape {:?}, the parameter {:?}",
+                            whole.dims(),
+                            split.full
+                        )));
+                    }
+                    None => whole.clone(),
+                };
+                own.insert(key, part);
+            }
+        }
+        opt.load_state(params, t, &own)
+    }
+}
