@@ -356,6 +356,22 @@ impl Scheduler {
         Ok(())
     }
 
+    /// The positions of the nodes `req` avoids.
+    fn avoided(&self, req: &JobRequest) -> Vec<usize> {
+        self.nodes.iter().enumerate().filter(|(_, n)| req.avoid_nodes.contains(&n.id)).map(|(i, _)| i).collect()
+    }
+
+    /// Asks that `job`'s later tasks (its growth, or its next placement) go elsewhere than `node` where they fit.
+    pub fn avoid(&mut self, job: &str, node: &str) -> Result<()> {
+        let Some(j) = self.jobs.get_mut(job) else {
+            return Err(SchedError::UnknownJob { job: job.to_string() });
+        };
+        if !j.req.avoid_nodes.iter().any(|n| n == node) {
+            j.req.avoid_nodes.push(node.to_owned());
+        }
+        Ok(())
+    }
+
     /// Frees the tasks at `positions` (in the order the job's tasks were placed and grown) of a running job that
     /// goes on without them (an elastic job that lost them and regrouped in place); the rest keep their places.
     pub fn release_tasks(&mut self, job: &str, positions: &[usize]) -> Result<()> {
@@ -515,8 +531,7 @@ impl Scheduler {
             return Attempt::Skipped; // held back by its own queue's quota
         }
         let r = req.per_task;
-        let avoid: Vec<usize> =
-            self.nodes.iter().enumerate().filter(|(_, n)| req.avoid_nodes.contains(&n.id)).map(|(i, _)| i).collect();
+        let avoid = self.avoided(&req);
         let counts: &[u32] =
             if req.tasks_max > req.tasks_min { &[req.tasks_max, req.tasks_min] } else { &[req.tasks_min] };
         let dominated = |cache: &[(Resources, u32, bool)], k: u32| {
@@ -823,7 +838,10 @@ impl Scheduler {
                 if have as u32 >= req.tasks_max || !self.queue_allows(&req, 1) {
                     break;
                 }
-                let Some(mut t) = place::place(&mut self.free, None, &req.per_task, 1, false) else { break };
+                let avoid = self.avoided(&req);
+                let Some(mut t) = place::place_avoiding(&mut self.free, None, &req.per_task, 1, false, &avoid) else {
+                    break;
+                };
                 self.charge(&req, 1);
                 added.append(&mut t);
             }

@@ -111,6 +111,8 @@ impl Control {
         let members: Vec<i64> = before.iter().copied().filter(|m| !lost.contains(m)).collect();
         let (generation, _) = self.next_group(job, members.clone(), Vec::new())?;
         let _ = self.sched().release_tasks(&job.id, &positions);
+        // The ranks are numbered afresh: what the straggler watch kept of the old group's rows no longer applies.
+        self.stragglers.lock().unwrap_or_else(|p| p.into_inner()).remove(&job.id);
         self.ingested.lock().unwrap_or_else(|p| p.into_inner()).retain(|k, _| k.0 != job.id);
         let message = format!(
             "{why}; elastic: the {} survivors (task {}) go on in place as group {generation} of {} workers, no \
@@ -147,6 +149,7 @@ impl Control {
         let members: Vec<i64> = before.iter().chain(&numbers).copied().collect();
         let world = members.len();
         let (generation, rendezvous) = self.next_group(job, members.clone(), numbers.clone())?;
+        self.stragglers.lock().unwrap_or_else(|p| p.into_inner()).remove(&job.id);
         self.ingested.lock().unwrap_or_else(|p| p.into_inner()).retain(|k, _| k.0 != job.id);
         let mut rows = Vec::with_capacity(added.len());
         for (k, (number, a)) in numbers.iter().zip(added).enumerate() {

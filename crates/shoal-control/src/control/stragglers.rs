@@ -3,7 +3,9 @@
 //! `shoal diagnose` would, once per second of rows. A rank named the straggler in every one of those diagnoses for
 //! [`PERSIST_MS`] is replaced: an event names it, its node and the evidence, and the job restarts (elastic, one of
 //! its restarts) without it — with one worker fewer while that stays within `[workers] min..max`, else at the same
-//! size with a fresh process in its place. With no restarts left it is only told, once.
+//! size with a fresh process in its place. With no restarts left it is only told, once. A job that regroups in place
+//! (`group.rs`) loses the straggler's process instead and goes on without it, no restart used; free capacity then
+//! brings it a newcomer, placed away from the straggler's node where the cluster has another.
 //!
 //! Judged by the workers' own clock on their rows (not the server's), so what counts is the time the job trained.
 //! Kept in memory: a server restarted meanwhile starts judging afresh.
@@ -80,7 +82,12 @@ impl Control {
             }
         };
         let Some((rank, for_ms, evidence, told)) = verdict else { return Ok(false) };
-        let node = tasks.iter().find(|t| t.rank == rank).map(|t| t.node.clone()).unwrap_or_default();
+        // The rows' ranks are the group's; a group regrouped in place numbers its tasks otherwise.
+        let task = match self.members(job) {
+            Some(m) => m.get(rank as usize).copied().unwrap_or(rank),
+            None => rank,
+        };
+        let node = tasks.iter().find(|t| t.rank == task).map(|t| t.node.clone()).unwrap_or_default();
         let on = if node.is_empty() { String::new() } else { format!(" on node {node}") };
         let named = format!(
             "rank {rank}{on} was named the straggler in every diagnosis for {:.0} s \
@@ -96,6 +103,25 @@ impl Control {
         }
         let (lo, _) = spec.workers.range();
         let fewer = job.workers - 1;
+        // In place: the straggler's process goes, the others regroup without it and take a newcomer when there is
+        // room for one (away from its node where the cluster has another); no restart is used.
+        if self.regroups_in_place(spec)
+            && fewer >= i64::from(lo.max(1))
+            && let Some(t) = tasks.iter().find(|t| t.rank == task)
+        {
+            if !node.is_empty() && self.nodes.len() > 1 {
+                let _ = self.sched().avoid(&job.id, &node);
+            }
+            let why = format!(
+                "{named}; replacing it in place: its process is stopped, the others go on without it and take a \
+                 newcomer when there is room"
+            );
+            self.db.event(&job.id, "straggler", job.state, &why).await?;
+            self.stragglers.lock().unwrap_or_else(|p| p.into_inner()).remove(&job.id);
+            self.exec.stop(&super::state::handle(t), shoal_exec::Stop::Kill);
+            self.wake.notify_one();
+            return Ok(true);
+        }
         let how = if fewer >= i64::from(lo) {
             self.shrunk.lock().unwrap_or_else(|p| p.into_inner()).insert(job.id.clone(), fewer as u32);
             format!("the job restarts without it, with at most {fewer} workers")

@@ -692,3 +692,61 @@ fn elastic_kill_9_shrinks_in_place_and_grows_back_with_no_process_restarted() {
         stepped - t0
     );
 }
+
+#[test]
+#[cfg_attr(not(feature = "failpoints"), ignore = "slows the job's data: needs `--features shoal/failpoints`")]
+fn a_persistent_straggler_is_replaced_in_place_and_a_newcomer_takes_its_place() {
+    let p = Platform::with_server("faults-straggler", &["--cpus", "2"], &[]);
+    // No slowed data here: a rank stopped while it waits for its data would be judged slow at loading it.
+    let spec = elastic_job("slowpoke", 1_000_000, "min = 1\nmax = 2", 0)
+        .replace("policy = \"elastic\"", "policy = \"elastic\"\nreplace_stragglers = true")
+        .replace("SHOAL_FAULT_DATA_DELAY = \"5ms\"\n", "");
+    let id = p.submit("slowpoke", &spec);
+    let v = training(&p, &id, 1, 20);
+    assert_eq!(workers_of(&v), 2, "{v}");
+    let group = v["workers"]
+        .as_array()
+        .and_then(|w| w.iter().find(|w| w["rank"] == 1))
+        .and_then(|w| w["wrapper_pid"].as_i64())
+        .expect("rank 1's process group") as i32;
+    // Rank 1 is stopped from outside 120 ms of every 160 ms until it is gone.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stopper = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                // SAFETY: signals to the process group of a worker this test's server started.
+                if unsafe { libc::kill(-group, libc::SIGSTOP) } != 0 {
+                    break;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(120));
+                // SAFETY: as above.
+                unsafe { libc::kill(-group, libc::SIGCONT) };
+                std::thread::sleep(std::time::Duration::from_millis(40));
+            }
+        })
+    };
+    let replaced = p.wait_state_where(&id, "the straggler replaced and a newcomer in its place", |v| {
+        let ev = events(v);
+        ev.iter().any(|e| e.1 == "straggler") && ev.iter().filter(|e| e.1 == "regrouped").count() >= 2
+    });
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let _ = stopper.join();
+    // SAFETY: whatever happened above, nothing of the group stays stopped.
+    unsafe { libc::kill(-group, libc::SIGCONT) };
+    let ev = events(&replaced);
+    let said: Vec<&String> = ev.iter().filter(|e| e.1 == "straggler" || e.1 == "regrouped").map(|e| &e.2).collect();
+    assert!(said[0].contains("rank 1") && said[0].contains("replacing it in place"), "{said:?}");
+    assert!(said[1].contains("rank 1 exited with status 137") && said[1].contains("survivors (task 0)"), "{said:?}");
+    assert!(said[2].contains("grows in place from 1 to 2 workers") && said[2].contains("task 2 joins"), "{said:?}");
+    assert_eq!((replaced["attempt"].as_i64(), replaced["restarts"].as_i64()), (Some(1), Some(0)), "{ev:?}");
+    // The group trains on, then the job is cancelled: its point was made.
+    let before = replaced["last_metrics"]["step"].as_u64().unwrap_or(0);
+    p.wait("steps after the replacement", || {
+        let (_, phase, step) = heard(&p, &id, 0)?;
+        (phase == "train" && step > before + 10).then_some(())
+    });
+    let r = p.request("POST", &format!("/api/v1/jobs/{id}/cancel"), Some(p.token()), None);
+    assert_eq!(r.status, 202, "{}", text(&r.body));
+    p.wait_state(&id, "cancelled");
+}
