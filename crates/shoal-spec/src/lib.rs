@@ -31,11 +31,14 @@
 //! memory_every = 10              # copy the state to this host's shared memory every 10 steps; 0 = off
 //! url = "file:///tmp/ckpt"       # optional; default: the run's output directory
 //!
-//! [parallel]                     # with strategy = "pipeline" or "tensor" only
+//! [parallel]                     # with strategy = "pipeline", "tensor" or "3d" only
 //! pipeline_stages = 2            # pipeline: stages of consecutive layers, one rank each (world size = stages)
 //! micro_batches = 4              # pipeline: the global batch split into this many micro-batches
 //! schedule = "1f1b"              # pipeline: 1f1b (default) | gpipe
 //! # tensor = 2                   # tensor (instead of the three above): ranks that split every layer (world size)
+//! # strategy = "3d" composes them: data × tensor × pipeline_stages = world size (each 1 by default)
+//! # data = 2                     # 3d: data-parallel replicas, each a whole model split by tensor and pipeline
+//! # zero = 1                     # 3d: 0 (default) | 1 — the optimizer state sharded over each data-parallel group
 //! ```
 //!
 //! # Contract
@@ -238,18 +241,21 @@ pub struct ParallelSpec {
     /// Model chunks per rank (interleaved schedules only; default 1).
     #[serde(default = "one")]
     pub virtual_stages: usize,
-    /// Data-parallel degree (not available yet: refused).
+    /// Data-parallel degree (`strategy = "3d"` only; default 1): replicas of the model, each split by `tensor` and
+    /// `pipeline_stages`, each taking its share of every global batch.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub data: Option<u64>,
     /// Tensor parallel: the ranks every layer is split across, Megatron-style (at least 2; required with
-    /// `strategy = "tensor"`, refused with any other). The world size must equal it (no data composition yet).
+    /// `strategy = "tensor"`, where the world size must equal it; with `strategy = "3d"` any degree, default 1).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "openapi", schema(minimum = 2))]
     pub tensor: Option<u64>,
-    /// Reserved: the pipeline degree is `pipeline_stages`.
+    /// The pipeline degree under another name: `pipeline_stages` (accepted with `strategy = "3d"`, where it must
+    /// agree with `pipeline_stages` if both are set).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pipeline: Option<u64>,
-    /// ZeRO stage within a data-parallel group (not available yet: refused).
+    /// ZeRO stage within each data-parallel group (`strategy = "3d"` only): 0 (default) or 1, the optimizer state
+    /// sharded over the group; 2 and 3 are not available in a composed layout yet.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub zero: Option<u64>,
 }
@@ -287,6 +293,76 @@ impl ParallelSpec {
         (self.pipeline_stages.unwrap_or(0), self.micro_batches.unwrap_or(0))
     }
 
+    /// The degrees of a composed layout (`strategy = "3d"`): data, tensor, pipeline (each 1 where not set).
+    pub fn degrees(&self) -> (usize, usize, usize) {
+        let n = |v: Option<u64>| v.map_or(1, |n| usize::try_from(n).unwrap_or(usize::MAX));
+        let pipeline = self.pipeline_stages.or_else(|| self.pipeline.map(|p| usize::try_from(p).unwrap_or(usize::MAX)));
+        (n(self.data), n(self.tensor), pipeline.unwrap_or(1))
+    }
+
+    /// The ZeRO stage inside each data-parallel group of a composed layout (0 where not set).
+    pub fn zero_stage(&self) -> u8 {
+        self.zero.map_or(0, |z| u8::try_from(z).unwrap_or(u8::MAX))
+    }
+
+    /// Checks a composed layout on its own (what needs the model or the world size is checked with them).
+    fn validate_composed(&self) -> Result<()> {
+        for (key, v) in [("data", self.data), ("tensor", self.tensor), ("pipeline", self.pipeline)] {
+            if v == Some(0) {
+                return Err(SpecError::at(format!("parallel.{key}"), "must be > 0"));
+            }
+        }
+        if self.pipeline_stages == Some(0) {
+            return Err(SpecError::at("parallel.pipeline_stages", "must be > 0"));
+        }
+        if let (Some(a), Some(b)) = (self.pipeline_stages, self.pipeline)
+            && a as u64 != b
+        {
+            return Err(SpecError::at(
+                "parallel.pipeline",
+                format!("{b} disagrees with parallel.pipeline_stages = {a} (the same degree: set one of them)"),
+            ));
+        }
+        let (_, _, pipeline) = self.degrees();
+        if pipeline > 1 {
+            let Some(micro) = self.micro_batches else {
+                return Err(SpecError::at("parallel.micro_batches", "required with a pipeline of 2 stages or more"));
+            };
+            positive("parallel.micro_batches", micro)?;
+            if self.schedule == PipelineSchedule::Interleaved {
+                return Err(SpecError::at(
+                    "parallel.schedule",
+                    "\"interleaved\" is not available yet; available: gpipe, 1f1b",
+                ));
+            }
+        } else {
+            let pipeline_only = [
+                ("micro_batches", self.micro_batches.is_some()),
+                ("schedule", self.schedule != PipelineSchedule::default()),
+            ];
+            if let Some((key, _)) = pipeline_only.iter().find(|(_, set)| *set) {
+                return Err(SpecError::at(
+                    format!("parallel.{key}"),
+                    "applies to a pipeline only (parallel.pipeline_stages ≥ 2)",
+                ));
+            }
+        }
+        if self.virtual_stages != 1 {
+            return Err(SpecError::at(
+                "parallel.virtual_stages",
+                format!("{} virtual stages: only an interleaved schedule has more than 1", self.virtual_stages),
+            ));
+        }
+        match self.zero {
+            None | Some(0 | 1) => Ok(()),
+            Some(z @ (2 | 3)) => Err(SpecError::at(
+                "parallel.zero",
+                format!("ZeRO-{z} inside a composed layout is not available yet; available: 0, 1"),
+            )),
+            Some(z) => Err(SpecError::at("parallel.zero", format!("{z}: a ZeRO stage is 0, 1, 2 or 3"))),
+        }
+    }
+
     /// Checks a tensor-parallel layout on its own: `tensor` set and at least 2, nothing of a pipeline's.
     fn validate_tensor(&self) -> Result<()> {
         let pipeline = [
@@ -303,8 +379,8 @@ impl ParallelSpec {
             ));
         }
         let refused = [
-            ("data", self.data, "composing tensor parallelism with data parallelism is not available yet"),
-            ("pipeline", self.pipeline, "composing tensor and pipeline parallelism is not available yet"),
+            ("pipeline", self.pipeline, "composing tensor and pipeline parallelism is train.strategy = \"3d\""),
+            ("data", self.data, "composing tensor parallelism with data parallelism is train.strategy = \"3d\""),
             ("zero", self.zero, "ZeRO inside a tensor-parallel group is not available yet"),
         ];
         for (key, set, why) in refused {
@@ -343,10 +419,10 @@ impl ParallelSpec {
             ));
         }
         let refused = [
-            ("data", self.data, "composing pipeline stages with data parallelism is not available yet"),
-            ("tensor", self.tensor, "composing pipeline and tensor parallelism is not available yet"),
+            ("data", self.data, "composing pipeline stages with data parallelism is train.strategy = \"3d\""),
+            ("tensor", self.tensor, "composing pipeline and tensor parallelism is train.strategy = \"3d\""),
             ("pipeline", self.pipeline, "the pipeline degree is parallel.pipeline_stages"),
-            ("zero", self.zero, "ZeRO inside a pipeline is not available yet"),
+            ("zero", self.zero, "ZeRO inside a pipeline is train.strategy = \"3d\" with parallel.zero"),
         ];
         for (key, set, why) in refused {
             if set.is_some() {
@@ -383,6 +459,11 @@ pub enum Strategy {
     /// by heads, the MLP by its hidden units, the vocabulary of the GPT's embedding and head by rows — with
     /// all-reduces of activations in forward and backward; each rank holds only its shards and their optimizer state.
     Tensor,
+    /// Composed layouts (Megatron-LM's "3D parallelism"): `parallel.data` × `parallel.tensor` ×
+    /// `parallel.pipeline_stages` ranks, tensor-parallel groups inside pipeline stages inside data-parallel replicas,
+    /// with `parallel.zero = 1` sharding the optimizer state over each data-parallel group.
+    #[serde(rename = "3d")]
+    ThreeD,
     /// The planner's choice for the job's model at the world size it starts with and `resources.memory` per worker
     /// (`shoal_train::plan::choose`): DDP when it fits, else the lightest ZeRO stage that does; what ran, and why,
     /// is recorded.
@@ -391,7 +472,7 @@ pub enum Strategy {
 
 impl Strategy {
     /// The strategies that can run, as written in a spec.
-    pub const NAMES: [&'static str; 7] = ["ddp", "zero1", "zero2", "zero3", "pipeline", "tensor", "auto"];
+    pub const NAMES: [&'static str; 8] = ["ddp", "zero1", "zero2", "zero3", "pipeline", "tensor", "3d", "auto"];
     /// Strategies a spec may name that do not exist yet (refused with a message saying so).
     pub const PLANNED: [&'static str; 2] = ["fsdp", "ps"];
 
@@ -403,6 +484,7 @@ impl Strategy {
             Strategy::Zero3 => "zero3",
             Strategy::Pipeline => "pipeline",
             Strategy::Tensor => "tensor",
+            Strategy::ThreeD => "3d",
             Strategy::Auto => "auto",
         }
     }
@@ -415,6 +497,7 @@ impl Strategy {
             "zero3" => Some(Strategy::Zero3),
             "pipeline" => Some(Strategy::Pipeline),
             "tensor" => Some(Strategy::Tensor),
+            "3d" => Some(Strategy::ThreeD),
             "auto" => Some(Strategy::Auto),
             _ => None,
         }
@@ -1330,15 +1413,20 @@ impl JobSpec {
                 Strategy::Tensor => {
                     Err(SpecError::at("parallel", "train.strategy = \"tensor\" needs a [parallel] table with tensor"))
                 }
+                Strategy::ThreeD => Err(SpecError::at(
+                    "parallel",
+                    "train.strategy = \"3d\" needs a [parallel] table with its degrees (data, tensor, pipeline_stages)",
+                )),
                 _ => Ok(()),
             };
         };
         match t.strategy {
             Strategy::Pipeline => self.validate_pipeline(p),
             Strategy::Tensor => self.validate_tensor(p),
+            Strategy::ThreeD => self.validate_composed(p),
             other => Err(SpecError::at(
                 "parallel",
-                format!("applies to train.strategy = \"pipeline\" or \"tensor\" only, not \"{other}\""),
+                format!("applies to train.strategy = \"pipeline\", \"tensor\" or \"3d\" only, not \"{other}\""),
             )),
         }
     }
@@ -1346,7 +1434,25 @@ impl JobSpec {
     /// A tensor-parallel layout against the model: the degree divides the heads (and the GPT's vocabulary).
     fn validate_tensor(&self, p: &ParallelSpec) -> Result<()> {
         p.validate_tensor()?;
-        let n = p.tensor.unwrap_or(0) as usize;
+        self.check_tensor_degree(p.tensor.unwrap_or(0) as usize)
+    }
+
+    /// A composed layout against the model and the batch: each degree above 1 checked as its strategy alone checks
+    /// it (the world size is checked with it, [`Self::validate_world`]).
+    fn validate_composed(&self, p: &ParallelSpec) -> Result<()> {
+        p.validate_composed()?;
+        let (_, tensor, pipeline) = p.degrees();
+        if tensor > 1 {
+            self.check_tensor_degree(tensor)?;
+        }
+        if pipeline > 1 {
+            self.check_pipeline(pipeline, p.micro_batches.unwrap_or(1))?;
+        }
+        Ok(())
+    }
+
+    /// A tensor-parallel degree against the model: it divides the heads (and the GPT's vocabulary).
+    fn check_tensor_degree(&self, n: usize) -> Result<()> {
         let m = &self.train.model;
         let what = match m.kind {
             ModelKind::Gpt => "GPT",
@@ -1375,9 +1481,14 @@ impl JobSpec {
 
     /// A pipeline layout against the model and the batch.
     fn validate_pipeline(&self, p: &ParallelSpec) -> Result<()> {
-        let t = &self.train;
         p.validate()?;
         let (stages, micro) = p.stages_and_micro_batches();
+        self.check_pipeline(stages, micro)
+    }
+
+    /// A pipeline's stages and micro-batches against the model and the batch.
+    fn check_pipeline(&self, stages: usize, micro: usize) -> Result<()> {
+        let t = &self.train;
         let m = &t.model;
         match m.kind {
             ModelKind::Gpt if !m.layers().is_multiple_of(stages) => {
@@ -1420,6 +1531,7 @@ impl JobSpec {
     pub fn pipeline_stages(&self) -> usize {
         match (&self.parallel, self.train.strategy) {
             (Some(p), Strategy::Pipeline) => p.pipeline_stages.unwrap_or(1).max(1),
+            (Some(p), Strategy::ThreeD) => p.degrees().2.max(1),
             _ => 1,
         }
     }
@@ -1428,15 +1540,34 @@ impl JobSpec {
     pub fn pipeline_micro_batches(&self) -> usize {
         match (&self.parallel, self.train.strategy) {
             (Some(p), Strategy::Pipeline) => p.micro_batches.unwrap_or(1).max(1),
+            (Some(p), Strategy::ThreeD) if p.degrees().2 > 1 => p.micro_batches.unwrap_or(1).max(1),
             _ => 1,
         }
     }
 
-    /// The ranks every layer is split across (`parallel.tensor` under `train.strategy = "tensor"`; else 1).
+    /// The ranks every layer is split across (`parallel.tensor` under `train.strategy = "tensor"` or `"3d"`; else 1).
     pub fn tensor_degree(&self) -> usize {
         match (&self.parallel, self.train.strategy) {
-            (Some(p), Strategy::Tensor) => p.tensor.map_or(1, |n| usize::try_from(n).unwrap_or(usize::MAX)).max(1),
+            (Some(p), Strategy::Tensor | Strategy::ThreeD) => {
+                p.tensor.map_or(1, |n| usize::try_from(n).unwrap_or(usize::MAX)).max(1)
+            }
             _ => 1,
+        }
+    }
+
+    /// The data-parallel replicas of a composed layout (`parallel.data` under `train.strategy = "3d"`; else 1).
+    pub fn data_degree(&self) -> usize {
+        match (&self.parallel, self.train.strategy) {
+            (Some(p), Strategy::ThreeD) => p.degrees().0.max(1),
+            _ => 1,
+        }
+    }
+
+    /// The ZeRO stage inside each data-parallel group of a composed layout (`parallel.zero`; else 0).
+    pub fn zero_stage(&self) -> u8 {
+        match (&self.parallel, self.train.strategy) {
+            (Some(p), Strategy::ThreeD) => p.zero_stage(),
+            _ => 0,
         }
     }
 
@@ -1453,6 +1584,33 @@ impl JobSpec {
             return Err(SpecError::at("", "the world size must be at least 1"));
         }
         let t = &self.train;
+        if let (Some(p), Strategy::ThreeD) = (&self.parallel, t.strategy) {
+            let (data, tensor, pipeline) = p.degrees();
+            let ranks = data.saturating_mul(tensor).saturating_mul(pipeline);
+            if ranks == 0 {
+                // A degree of 0: refused with its key by the layout's own check.
+                return Ok(());
+            }
+            if ranks != world_size {
+                return Err(SpecError::at(
+                    "parallel.data",
+                    format!(
+                        "{data} × tensor {tensor} × pipeline {pipeline} = {ranks} ranks, but the job runs {world_size}"
+                    ),
+                ));
+            }
+            if t.micro_batch() < data {
+                return Err(SpecError::at(
+                    "train.global_batch",
+                    format!(
+                        "{} samples per micro-batch cannot be shared among parallel.data = {data} replicas: each \
+                         needs at least one",
+                        t.micro_batch()
+                    ),
+                ));
+            }
+            return Ok(());
+        }
         let stages = self.pipeline_stages();
         if stages > 1 {
             if !world_size.is_multiple_of(stages) {
@@ -1931,7 +2089,7 @@ lr = 0.01
             ),
             (
                 gpt("pipeline_stages = 2\nmicro_batches = 4\ntensor = 2", ""),
-                "parallel.tensor: composing pipeline and tensor parallelism is not available yet",
+                "parallel.tensor: composing pipeline and tensor parallelism is train.strategy = \"3d\"",
             ),
             (gpt("pipeline_stages = 2\nmicro_batches = 4\nstages = 2", ""), "parallel.stages: unknown field `stages`"),
             (
@@ -1960,7 +2118,7 @@ lr = 0.01
             ),
             (
                 mlp("", "[parallel]\npipeline_stages = 2\nmicro_batches = 4"),
-                "parallel: applies to train.strategy = \"pipeline\" or \"tensor\" only, not \"ddp\"",
+                "parallel: applies to train.strategy = \"pipeline\", \"tensor\" or \"3d\" only, not \"ddp\"",
             ),
         ];
         check_all(&cases);
@@ -2013,6 +2171,68 @@ lr = 0.01
         check_all(&cases);
         let j = parse_job(&gpt("heads = 4", "tensor = 2"), "x").expect("valid");
         assert_eq!((j.tensor_degree(), j.pipeline_stages(), j.model_parallel()), (2, 1, 2));
+        assert_eq!(parse_job(&j.to_toml().expect("toml"), "x").expect("again"), j);
+    }
+
+    #[test]
+    fn composed_layouts_that_do_not_fit_are_refused_by_key_path() {
+        let job = |kind: &str, parallel: &str, tail: &str| {
+            let (dataset, model) = if kind == "gpt" { ("cicero", "layers = 4") } else { ("digits", "") };
+            format!(
+                "name = \"t\"\n[train]\ndataset = \"{dataset}\"\nstrategy = \"3d\"\nglobal_batch = 8\nsteps = 2\n\
+                 lr = 0.01\n[train.model]\nkind = \"{kind}\"\n{model}\n[parallel]\n{parallel}\n{tail}"
+            )
+        };
+        let gpt = |parallel: &str, workers: usize| job("gpt", parallel, &format!("[workers]\ncount = {workers}"));
+        let cases: Vec<(String, &str)> = vec![
+            (gpt("data = 2\npipeline_stages = 2\nmicro_batches = 2", 4), ""),
+            (gpt("data = 2\npipeline = 2\nmicro_batches = 2\nzero = 1", 4), ""),
+            (gpt("data = 2\ntensor = 2\nzero = 1", 4), ""),
+            (gpt("tensor = 2\npipeline_stages = 2\nmicro_batches = 2\nschedule = \"gpipe\"", 4), ""),
+            (gpt("data = 2\ntensor = 2\npipeline_stages = 2\nmicro_batches = 2", 8), ""),
+            (gpt("data = 4", 4), ""),
+            (
+                gpt("data = 2\ntensor = 2\npipeline_stages = 2\nmicro_batches = 2", 4),
+                "parallel.data: 2 × tensor 2 × pipeline 2 = 8 ranks, but the job runs 4",
+            ),
+            (gpt("data = 2\ntensor = 2", 2), "parallel.data: 2 × tensor 2 × pipeline 1 = 4 ranks, but the job runs 2"),
+            (gpt("data = 2\ntensor = 3", 6), "parallel.tensor: 3 does not divide the GPT's 4 heads"),
+            (
+                gpt("data = 1\npipeline_stages = 3\nmicro_batches = 2", 3),
+                "parallel.pipeline_stages: 3 stages do not divide the GPT's 4 layers",
+            ),
+            (
+                gpt("data = 2\npipeline_stages = 2\nmicro_batches = 3", 4),
+                "parallel.micro_batches: 3 does not divide train.global_batch 8",
+            ),
+            (gpt("data = 2\npipeline_stages = 2", 4), "parallel.micro_batches: required with a pipeline"),
+            (gpt("data = 2\nmicro_batches = 2", 2), "parallel.micro_batches: applies to a pipeline only"),
+            (
+                gpt("data = 2\npipeline_stages = 2\npipeline = 4\nmicro_batches = 2", 4),
+                "parallel.pipeline: 4 disagrees with parallel.pipeline_stages = 2",
+            ),
+            (gpt("data = 2\nzero = 2", 2), "parallel.zero: ZeRO-2 inside a composed layout is not available yet"),
+            (gpt("data = 2\nzero = 7", 2), "parallel.zero: 7: a ZeRO stage is 0, 1, 2 or 3"),
+            (gpt("data = 0", 1), "parallel.data: must be > 0"),
+            (gpt("data = 16", 16), "train.global_batch: 8 samples per micro-batch cannot be shared among"),
+            (job("mlp", "tensor = 2", ""), "parallel.tensor: model \"mlp\" has no tensor-parallel layout"),
+            (job("mlp", "data = 2\npipeline_stages = 2\nmicro_batches = 2", "[workers]\ncount = 4"), ""),
+            (
+                "name = \"t\"\n[train]\ndataset = \"cicero\"\nstrategy = \"3d\"\nglobal_batch = 8\nsteps = 2\n\
+                 lr = 0.01\nmodel = \"gpt\"\n"
+                    .into(),
+                "parallel: train.strategy = \"3d\" needs a [parallel] table",
+            ),
+        ];
+        check_all(&cases);
+        let j = parse_job(&gpt("data = 2\ntensor = 2\npipeline_stages = 2\nmicro_batches = 4\nzero = 1", 8), "x")
+            .expect("valid");
+        assert_eq!(
+            (j.data_degree(), j.tensor_degree(), j.pipeline_stages(), j.pipeline_micro_batches(), j.zero_stage()),
+            (2, 2, 2, 4, 1)
+        );
+        assert_eq!(j.model_parallel(), 4);
+        assert_eq!(j.train.strategy.as_str(), "3d");
         assert_eq!(parse_job(&j.to_toml().expect("toml"), "x").expect("again"), j);
     }
 
@@ -2087,7 +2307,7 @@ lr = 0.01
             (mlp("strategy = \"ddp\"", ""), ""),
             (
                 mlp("strategy = \"fsdp\"", ""),
-                "train.strategy: \"fsdp\" is not available yet; available: ddp, zero1, zero2, zero3, pipeline, tensor, auto",
+                "train.strategy: \"fsdp\" is not available yet; available: ddp, zero1, zero2, zero3, pipeline, tensor, 3d, auto",
             ),
             (mlp("strategy = \"zero3\"", ""), ""),
             (mlp("strategy = \"pipeline\"", ""), "parallel: train.strategy = \"pipeline\" needs a [parallel] table"),

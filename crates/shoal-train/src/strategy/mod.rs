@@ -32,9 +32,16 @@
 //!   clips at the global norm and updates each rank's parts. Checkpoints hold whole tensors, gathered from the
 //!   parts.
 //!
+//! - [`composed`]: composed layouts (`train.strategy = "3d"`): data × tensor × pipeline ranks in Megatron-LM's
+//!   order (tensor index fastest), each rank's tensor, data and pipeline groups split from the world once
+//!   (`Communicator::split`); the tensor-parallel model inside the stages of a [`pipeline`], the stages' gradients
+//!   summed over each data group (or reduce-scattered onto ZeRO-1 shards, [`shards`]) before the update, the norm
+//!   for clipping over the world. Checkpoints hold whole tensors: tensor parts gathered, then stages summed.
+//!
 //! The worker builds the strategy `train.strategy` names; a name with no strategy yet is refused when the spec is
 //! validated (`shoal_spec::Strategy`), never silently replaced.
 
+pub mod composed;
 pub mod ddp;
 pub mod pipeline;
 pub mod schedule;

@@ -159,6 +159,22 @@ impl Pipeline {
         (self.stage, self.layers.clone())
     }
 
+    /// The indices of this stage's parameters among the model's (after `init`).
+    pub(crate) fn members(&self) -> Range<usize> {
+        self.members.clone()
+    }
+
+    /// The step's gradients of the stage's parameters, summed over its micro-batches (one buffer per parameter, in
+    /// order): for a strategy that combines them itself before its own update, leaving them zero for the next step.
+    pub(crate) fn grads_mut(&mut self) -> &mut Vec<Vec<f32>> {
+        &mut self.acc
+    }
+
+    /// This rank's idle time over its time running the last schedule, and that schedule's micro-batches.
+    pub(crate) fn idle(&self) -> (f64, usize) {
+        (if self.span_s > 0.0 { self.idle_s / self.span_s } else { 0.0 }, self.ran)
+    }
+
     fn last(&self) -> bool {
         self.stage + 1 == self.cfg.stages
     }
@@ -282,8 +298,11 @@ impl Strategy for Pipeline {
         }
         broadcast_from_rank0(self.comm.as_ref(), params)?;
         let ranges = params.layers().ranges(params.vars().len())?;
-        let costs: Vec<usize> =
-            ranges.iter().map(|(_, m)| m.clone().map(|i| params.vars()[i].1.elem_count()).sum()).collect();
+        // Whole shapes: every rank of a tensor-parallel group cuts the model alike.
+        let costs: Vec<usize> = ranges
+            .iter()
+            .map(|(_, m)| m.clone().map(|i| params.full_dims(i).iter().product::<usize>()).sum())
+            .collect();
         let cuts = balance(&costs, self.cfg.stages).ok_or_else(|| {
             Error::InvalidArgument(format!(
                 "{} pipeline stages for a model of {} layers: at most one stage per layer",

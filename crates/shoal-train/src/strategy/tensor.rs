@@ -50,11 +50,11 @@ impl std::fmt::Debug for TensorParallel {
     }
 }
 
-/// Adds a hand-written backward pass's gradients into the step's sums.
-struct Adder<'a> {
-    acc: &'a mut [Vec<f32>],
-    next: Option<usize>,
-    scalars: Option<Vec<f32>>,
+/// Adds a hand-written backward pass's gradients into the step's sums (`acc`: one buffer per parameter).
+pub(crate) struct Adder<'a> {
+    pub(crate) acc: &'a mut [Vec<f32>],
+    pub(crate) next: Option<usize>,
+    pub(crate) scalars: Option<Vec<f32>>,
 }
 
 impl GradSink for Adder<'_> {
@@ -88,36 +88,103 @@ impl TensorParallel {
         (0..params.vars().len()).filter(|&i| params.split(i).is_none()).collect()
     }
 
-    /// Whole named tensors from `items` (name, how it is cut, this rank's values): the split ones' parts
-    /// all-gathered (one collective for all of them) and put in place, the others as they are.
+    /// Whole named tensors from `items` (name, how it is cut, this rank's values): see [`gather_parts`].
     fn gather(&self, items: Vec<(String, Option<Split>, Tensor)>) -> Result<Vec<(String, Tensor)>> {
-        let mut local = Vec::new();
-        let mut at = Vec::with_capacity(items.len());
-        for (_, split, t) in &items {
-            if split.is_some() {
-                let v = t.flatten_all()?.to_vec1::<f32>()?;
-                at.push(Some((local.len(), v.len())));
-                local.extend(v);
-            } else {
-                at.push(None);
-            }
-        }
-        let n = local.len();
-        let mut all = vec![0f32; n * self.parts];
-        self.comm_or_err()?.all_gather(&local, &mut all)?;
-        items
+        let (names, parts): (Vec<_>, Vec<_>) = items
             .into_iter()
-            .zip(at)
-            .map(|((name, split, t), at)| match (split, at) {
-                (Some(split), Some((o, l))) => {
-                    let shards: Vec<&[f32]> = (0..self.parts).map(|r| &all[r * n + o..r * n + o + l]).collect();
-                    let whole = split.place(&shards)?;
-                    Ok((name, Tensor::from_vec(whole, split.full.as_slice(), &candle_core::Device::Cpu)?))
-                }
-                _ => Ok((name, t.copy()?)),
+            .map(|(name, split, t)| {
+                let dims = split.as_ref().map_or_else(|| t.dims().to_vec(), |s| s.full.clone());
+                Ok(((name, dims), (split, t.flatten_all()?.to_vec1::<f32>()?)))
             })
+            .collect::<Result<Vec<_>>>()?
+            .into_iter()
+            .unzip();
+        let wholes = gather_parts(self.comm_or_err()?, parts)?;
+        names
+            .into_iter()
+            .zip(wholes)
+            .map(|((name, dims), v)| Ok((name, Tensor::from_vec(v, dims, &candle_core::Device::Cpu)?)))
             .collect()
     }
+}
+
+/// Whole values from `items` (how each is cut, this rank's values) on every rank of the tensor-parallel group
+/// `comm`: the split ones' parts all-gathered (one collective for all of them) and put in place, the others as they
+/// are.
+pub(crate) fn gather_parts(comm: &Communicator, items: Vec<(Option<Split>, Vec<f32>)>) -> Result<Vec<Vec<f32>>> {
+    let parts = comm.size();
+    let mut local = Vec::new();
+    let mut at = Vec::with_capacity(items.len());
+    for (split, v) in &items {
+        if split.is_some() {
+            at.push(Some((local.len(), v.len())));
+            local.extend_from_slice(v);
+        } else {
+            at.push(None);
+        }
+    }
+    let n = local.len();
+    let mut all = vec![0f32; n * parts];
+    comm.all_gather(&local, &mut all)?;
+    items
+        .into_iter()
+        .zip(at)
+        .map(|((split, v), at)| match (split, at) {
+            (Some(split), Some((o, l))) => {
+                let shards: Vec<&[f32]> = (0..parts).map(|r| &all[r * n + o..r * n + o + l]).collect();
+                split.place(&shards)
+            }
+            _ => Ok(v),
+        })
+        .collect()
+}
+
+/// Connects the model's tensor-parallel group to `comm` (its size and rank must be the ones the model was built
+/// for) and makes every replicated parameter rank 0's (a broadcast); the split ones are each rank's part of the same
+/// seeded (or checkpointed) whole.
+pub(crate) fn connect_group(comm: &Communicator, params: &Params) -> Result<()> {
+    if comm.size() < 2 {
+        return Err(Error::InvalidArgument(format!("tensor parallelism needs at least 2 ranks, not {}", comm.size())));
+    }
+    let shard = params.shard().ok_or_else(|| {
+        Error::InvalidArgument(
+            "the model was not built for tensor parallelism (Params::tensor_parallel with a group of more than one \
+             rank)"
+                .into(),
+        )
+    })?;
+    if (0..params.vars().len()).all(|i| params.split(i).is_none()) {
+        return Err(Error::InvalidArgument("the model splits none of its parameters across the group".into()));
+    }
+    shard.connect(comm.clone())?;
+    let replicated = TensorParallel::replicated(params);
+    let mut flat = Vec::new();
+    for &i in &replicated {
+        with_slice(params.vars()[i].1.as_tensor(), |s| flat.extend_from_slice(s))?;
+    }
+    comm.broadcast(&mut flat, 0)?;
+    let mut off = 0;
+    for &i in &replicated {
+        let var = &params.vars()[i].1;
+        let n = var.elem_count();
+        var.set(&Tensor::from_slice(&flat[off..off + n], var.shape(), &candle_core::Device::Cpu)?)?;
+        off += n;
+    }
+    Ok(())
+}
+
+/// Makes rank 0's gradients of the replicated parameters (`acc[k]` for each `k` of `replicated`) every rank's of
+/// the tensor-parallel group `comm` (one broadcast): they are the same already, and this keeps them so bit for bit.
+pub(crate) fn broadcast_grads(comm: &Communicator, acc: &mut [Vec<f32>], replicated: &[usize]) -> Result<()> {
+    let mut flat: Vec<f32> = replicated.iter().flat_map(|&i| acc[i].iter().copied()).collect();
+    comm.broadcast(&mut flat, 0)?;
+    let mut off = 0;
+    for &i in replicated {
+        let n = acc[i].len();
+        acc[i].copy_from_slice(&flat[off..off + n]);
+        off += n;
+    }
+    Ok(())
 }
 
 impl Strategy for TensorParallel {
@@ -130,37 +197,7 @@ impl Strategy for TensorParallel {
     }
 
     fn init(&mut self, params: &Params) -> Result<()> {
-        let comm = self.comm_or_err()?.clone();
-        if self.parts < 2 {
-            return Err(Error::InvalidArgument(format!(
-                "tensor parallelism needs at least 2 ranks, not {}",
-                self.parts
-            )));
-        }
-        let shard = params.shard().ok_or_else(|| {
-            Error::InvalidArgument(
-                "the model was not built for tensor parallelism (Params::tensor_parallel with a group of more than \
-                 one rank)"
-                    .into(),
-            )
-        })?;
-        if (0..params.vars().len()).all(|i| params.split(i).is_none()) {
-            return Err(Error::InvalidArgument("the model splits none of its parameters across the group".into()));
-        }
-        shard.connect(comm.clone())?;
-        let replicated = Self::replicated(params);
-        let mut flat = Vec::new();
-        for &i in &replicated {
-            with_slice(params.vars()[i].1.as_tensor(), |s| flat.extend_from_slice(s))?;
-        }
-        comm.broadcast(&mut flat, 0)?;
-        let mut off = 0;
-        for &i in &replicated {
-            let var = &params.vars()[i].1;
-            let n = var.elem_count();
-            var.set(&Tensor::from_slice(&flat[off..off + n], var.shape(), &candle_core::Device::Cpu)?)?;
-            off += n;
-        }
+        connect_group(self.comm_or_err()?, params)?;
         self.acc = params.vars().iter().map(|(_, v)| vec![0f32; v.elem_count()]).collect();
         Ok(())
     }
@@ -205,14 +242,7 @@ impl Strategy for TensorParallel {
         let comm = self.comm_or_err()?.clone();
         let t0 = Instant::now();
         let replicated = Self::replicated(params);
-        let mut flat: Vec<f32> = replicated.iter().flat_map(|&i| self.acc[i].iter().copied()).collect();
-        comm.broadcast(&mut flat, 0)?;
-        let mut off = 0;
-        for &i in &replicated {
-            let n = self.acc[i].len();
-            self.acc[i].copy_from_slice(&flat[off..off + n]);
-            off += n;
-        }
+        broadcast_grads(&comm, &mut self.acc, &replicated)?;
         let split_sq: f64 =
             (0..self.acc.len()).filter(|&i| params.split(i).is_some()).map(|i| sum_sq(&self.acc[i])).sum();
         let replicated_sq: f64 = replicated.iter().map(|&i| sum_sq(&self.acc[i])).sum();

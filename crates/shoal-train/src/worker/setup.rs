@@ -113,8 +113,9 @@ pub(super) fn setup(spec: &JobSpec, output: &Path) -> Result<(Setup, Params)> {
     let eval: Arc<dyn Dataset> = Arc::from(shoal_data::builtin(&t.dataset, &data_opts)?);
 
     let mut rng = SeededRng::new(t.seed);
-    // Under tensor parallelism each rank builds only its part of the model.
-    let shard = (spec.tensor_degree() > 1).then(|| crate::tensor_parallel::Shard::new(rank, spec.tensor_degree()));
+    // Under tensor parallelism each rank builds only its part of the model (the tensor index varies fastest).
+    let tensor = spec.tensor_degree();
+    let shard = (tensor > 1).then(|| crate::tensor_parallel::Shard::new(rank % tensor, tensor));
     let (params, model) = build_model_sharded(spec, &mut rng, shard)?;
     let parameters = params.full_count();
     let ckpt_dir = CheckpointDir::new(checkpoint_root(spec, output)?);
@@ -219,18 +220,21 @@ pub(super) fn training(spec: &JobSpec, setup: &Setup, params: Params) -> Result<
             Box::new(crate::strategy::pipeline::Pipeline::new(Some(comm.clone()), pipeline_config(spec)?))
         }
         Strategy::Tensor => Box::new(crate::strategy::tensor::TensorParallel::new(Some(comm.clone()))),
+        Strategy::ThreeD => {
+            Box::new(crate::strategy::composed::Composed::new(Some(comm.clone()), layout_config(spec)?))
+        }
         Strategy::Auto => return Err(Error::Spec("train.strategy: \"auto\" was not resolved".into())),
     };
     let trainer = Trainer::with_strategy(params, strategy, cfg)?;
 
     let micro = t.micro_batch();
     // The stages of a pipeline, or a tensor-parallel group, share every batch: the data is split over the
-    // data-parallel ranks only.
-    let stages = spec.model_parallel();
+    // data-parallel replicas only (a rank's replica: its index past the tensor index, which varies fastest).
+    let replicas = world / spec.model_parallel();
     let sampler = DistributedSampler::new(
         SamplerConfig { seed: t.seed, ..SamplerConfig::new(setup.train.len(), micro) },
-        world / stages,
-        rank / stages,
+        replicas,
+        (rank / spec.tensor_degree()) % replicas,
     )?;
     Ok(Training { sampler, micro, overlap, ran, chose, trainer })
 }
@@ -241,6 +245,19 @@ fn pipeline_config(spec: &JobSpec) -> Result<crate::strategy::pipeline::Pipeline
         spec.parallel.as_ref().ok_or_else(|| Error::Spec("train.strategy = \"pipeline\" needs [parallel]".into()))?;
     let (stages, micro_batches) = p.stages_and_micro_batches();
     Ok(crate::strategy::pipeline::PipelineConfig { stages, micro_batches, schedule: p.schedule })
+}
+
+/// A composed job's `[parallel]` layout.
+fn layout_config(spec: &JobSpec) -> Result<crate::strategy::composed::LayoutConfig> {
+    let p = spec.parallel.as_ref().ok_or_else(|| Error::Spec("train.strategy = \"3d\" needs [parallel]".into()))?;
+    Ok(crate::strategy::composed::LayoutConfig {
+        data: spec.data_degree(),
+        tensor: spec.tensor_degree(),
+        pipeline: spec.pipeline_stages(),
+        micro_batches: spec.pipeline_micro_batches(),
+        schedule: p.schedule,
+        zero: spec.zero_stage(),
+    })
 }
 
 /// The model of a job and the parameters behind it.

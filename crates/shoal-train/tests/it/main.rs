@@ -1,5 +1,6 @@
-//! Integration tests of shoal-train: DDP, ZeRO, pipeline and tensor-parallel equivalence with a single process; the spec's parameter counts.
+//! Integration tests of shoal-train: DDP, ZeRO, pipeline, tensor-parallel and composed-layout equivalence with a single process; the spec's parameter counts.
 
+mod composed;
 mod equivalence;
 mod param_counts;
 mod pipeline;

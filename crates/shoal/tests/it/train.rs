@@ -518,6 +518,57 @@ fn pipeline_trains_a_gpt_in_two_stages_as_ddp_does_and_reports_its_bubble() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// A composed layout through the whole worker: the GPT on 4 processes as 2 data-parallel replicas of a 2-stage
+/// pipeline with ZeRO-1 over each data group, beside DDP on 4 processes: the loss falls and is DDP's (final and
+/// evaluation losses within 1e-4), each rank holds at most 55% of the parameters and half its stage's AdamW moments,
+/// and the step-5 checkpoint resumes under ZeRO-3 on 3 workers, ending where the composed run did.
+#[test]
+fn data_times_pipeline_trains_a_gpt_on_four_processes_as_ddp_does() {
+    let dir = tmpdir("composed-gpt");
+    let run = |name: &str, n: &str, strategy: &str, parallel: &str, resume: Option<&Path>| {
+        let job = dir.join(format!("{name}.toml"));
+        let resume = resume.map_or(String::new(), |p| format!("resume_from = \"{}\"\n", p.display()));
+        let text = format!(
+            "name = \"g\"\n[train]\ndataset = \"cicero\"\nglobal_batch = 12\nsteps = 10\nseed = 2\n\
+             optimizer = \"adamw\"\nlr = 3e-3\nschedule = \"constant\"\neval_every = 5\neval_batches = 3\n\
+             strategy = \"{strategy}\"\nclip_grad_norm = 1.0\n[train.model]\nkind = \"gpt\"\nlayers = 4\nheads = 2\n\
+             width = 32\ncontext = 16\n[checkpoint]\nevery = 5\n{resume}{parallel}"
+        );
+        std::fs::write(&job, text).expect("write job");
+        let out = dir.join(name);
+        (run_json(&["run", "-n", n, "--json", "--output", &out.display().to_string(), job.to_str().unwrap_or("")]), out)
+    };
+    let (d, _) = run("ddp", "4", "ddp", "", None);
+    let layout = "[parallel]\ndata = 2\npipeline_stages = 2\nmicro_batches = 3\nzero = 1\n";
+    let (c, out) = run("composed", "4", "3d", layout, None);
+    assert_eq!(c["strategy"], "3d", "{c}");
+    for key in ["final_loss", "eval_loss"] {
+        let (a, b) = (d[key].as_f64().unwrap_or(f64::NAN), c[key].as_f64().unwrap_or(f64::NAN));
+        assert!((a - b).abs() <= 1e-4 * a.abs(), "{key}: ddp {a}, data 2 × pipeline 2 {b}");
+    }
+    let curve = losses(&out.join("metrics.jsonl"));
+    assert_eq!(curve.len(), 10);
+    assert!(curve[9].1 < curve[0].1 - 0.3, "the loss falls: {curve:?}");
+    let params = c["parameters"].as_u64().expect("parameters");
+    let memory = c["memory_bytes"].as_array().cloned().unwrap_or_default();
+    assert_eq!(memory.len(), 4);
+    let field = |m: &serde_json::Value, k: &str| m[k].as_u64().unwrap_or(0);
+    for m in &memory {
+        let held = field(m, "params");
+        assert!(held > 0 && held * 100 <= 4 * params * 55, "a stage holds at most 55%: {held} of {params}");
+        // AdamW's two moments of the stage's parameters, halved over the data group (a shard, padded).
+        let opt = field(m, "optimizer");
+        assert!(opt >= held && opt <= held + 64, "ZeRO-1 over 2 replicas: {opt} bytes of moments for {held}");
+        assert!(field(m, "grads") >= held, "the stage's gradients: {m}");
+    }
+    let ckpt = out.join("checkpoints").join("step-000005");
+    assert!(ckpt.is_dir(), "{}", ckpt.display());
+    let (r, _) = run("resumed", "3", "zero3", "", Some(&ckpt));
+    let (a, b) = (c["final_loss"].as_f64().unwrap_or(f64::NAN), r["final_loss"].as_f64().unwrap_or(f64::NAN));
+    assert!((a - b).abs() <= 1e-4 * a.abs(), "final loss: data 2 × pipeline 2 {a}, resumed under zero3 on 3 {b}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 /// Tensor parallelism through the whole worker: the GPT split over 2 processes (2 of its 4 heads, half the MLP units
 /// and half the vocabulary each), with an evaluation every 5 steps and a checkpoint: the loss falls and is one
 /// process's, each rank holds at most 55% of the parameters, and the checkpoint resumes under DDP on 1 worker.
