@@ -113,7 +113,6 @@ impl Control {
         let _ = self.sched().release_tasks(&job.id, &positions);
         // The ranks are numbered afresh: what the straggler watch kept of the old group's rows no longer applies.
         self.stragglers.lock().unwrap_or_else(|p| p.into_inner()).remove(&job.id);
-        self.ingested.lock().unwrap_or_else(|p| p.into_inner()).retain(|k, _| k.0 != job.id);
         let message = format!(
             "{why}; elastic: the {} survivors (task {}) go on in place as group {generation} of {} workers, no \
              process restarted; they take rank 0's state at their next step boundary",
@@ -150,7 +149,6 @@ impl Control {
         let world = members.len();
         let (generation, rendezvous) = self.next_group(job, members.clone(), numbers.clone())?;
         self.stragglers.lock().unwrap_or_else(|p| p.into_inner()).remove(&job.id);
-        self.ingested.lock().unwrap_or_else(|p| p.into_inner()).retain(|k, _| k.0 != job.id);
         let mut rows = Vec::with_capacity(added.len());
         for (k, (number, a)) in numbers.iter().zip(added).enumerate() {
             let intent = intent_row(&job.id, job.attempt, *number, a, self.exec.host());

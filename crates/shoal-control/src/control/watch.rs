@@ -74,13 +74,15 @@ impl Control {
             Some(e) if !told => Some(format!("rank {} of attempt {} reports: {e}", hb.rank, hb.attempt)),
             _ => None,
         };
+        // A rank that left a failed collective to regroup: the loop looks at once for the member it lost.
+        let regrouping = hb.phase == "regroup" && ranks.get(&hb.rank).is_none_or(|b| b.phase != "regroup");
         let newer =
             ranks.get(&hb.rank).is_none_or(|b| (hb.attempt, hb.time_ms, hb.beat) >= (b.attempt, b.time_ms, b.beat));
         if newer {
             ranks.insert(hb.rank, hb);
         }
         drop(heard);
-        if news.is_some() {
+        if news.is_some() || regrouping {
             self.wake.notify_one();
         }
         news

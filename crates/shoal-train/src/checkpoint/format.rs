@@ -249,6 +249,24 @@ pub(super) fn read_safetensors_header(path: &Path) -> Result<Vec<HeaderEntry>> {
     Ok(out)
 }
 
+/// Copies tensors out for a checkpoint, into `spare` buffers of earlier checkpoints when there are any.
+pub fn tensors_of(
+    named: impl IntoIterator<Item = (String, candle_core::Tensor)>,
+    spare: &mut impl Iterator<Item = Vec<f32>>,
+) -> crate::error::Result<Vec<TensorData>> {
+    named
+        .into_iter()
+        .map(|(n, t)| {
+            let buf = spare.next().unwrap_or_default();
+            let dims = t.dims().to_vec();
+            match crate::kernels::with_slice(&t, |v| TensorData::copy_from(n.clone(), dims.clone(), v, buf)) {
+                Ok(td) => Ok(td),
+                Err(_) => Ok(TensorData::new(n, dims, t.flatten_all()?.to_vec1::<f32>()?)),
+            }
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use std::fs;

@@ -58,7 +58,7 @@ pub use consolidate::{ConsolidateOptions, Consolidated, OPTIMIZER_PREFIX, Writte
 pub use dir::{CheckpointDir, Loaded, SaveStats};
 pub use direct::{measure_disk_write, measure_disk_write_direct};
 pub use error::{CheckpointError, Result};
-pub use format::TensorData;
+pub use format::{TensorData, tensors_of};
 pub use inspect::{Inspection, Part, PartTotals, Shard, StepStatus, TensorLayout, Totals, inspect};
 pub(crate) use layout::parse_step_name;
 pub use layout::{CHECKPOINTS_SUBDIR, MANIFEST_FILE, MODEL_FILE, OPTIMIZER_FILE};

@@ -9,7 +9,6 @@ use std::io::Write;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use candle_core::Tensor;
 use shoal_data::{Loader, LoaderConfig};
 
 use super::eval::{EvalLog, evaluate};
@@ -17,7 +16,7 @@ use super::heartbeat::Phase;
 use super::setup::{Setup, Training};
 use super::wire::{StepMetrics, metrics_file};
 use crate::batch::{Flat, to_flat, to_tensors};
-use crate::checkpoint::{AsyncSaver, CheckpointError, MEMORY_KEEP, ManifestMeta, TensorData};
+use crate::checkpoint::{AsyncSaver, CheckpointError, MEMORY_KEEP, ManifestMeta, TensorData, tensors_of};
 use crate::error::{Error, Result};
 use crate::optim::learning_rate;
 use crate::spec::{JobSpec, ModelKind, Schedule};
@@ -394,8 +393,8 @@ impl StepLoop {
             if let (true, Some((model_h, opt_h))) = (writing || copying, state) {
                 // The step loop pays only for cheap handles here (or, when the strategy shards them, for gathering
                 // whole tensors): the copy into plain buffers runs on a thread while the next step computes, and is
-                // joined before the next optimizer update changes the parameters (optimizer state tensors are
-                // replaced, never mutated).
+                // joined before the next optimizer update changes the parameters and the optimizer state (both
+                // in place).
                 let s0 = Instant::now();
                 let meta = ManifestMeta {
                     epoch: sampler_state.epoch,
@@ -502,24 +501,6 @@ impl StepLoop {
     }
 }
 
-/// Copies tensors out for a checkpoint, into `spare` buffers of earlier checkpoints when there are any.
-fn tensors_of(
-    named: impl IntoIterator<Item = (String, Tensor)>,
-    spare: &mut impl Iterator<Item = Vec<f32>>,
-) -> Result<Vec<TensorData>> {
-    named
-        .into_iter()
-        .map(|(n, t)| {
-            let buf = spare.next().unwrap_or_default();
-            let dims = t.dims().to_vec();
-            match crate::kernels::with_slice(&t, |v| TensorData::copy_from(n.clone(), dims.clone(), v, buf)) {
-                Ok(td) => Ok(td),
-                Err(_) => Ok(TensorData::new(n, dims, t.flatten_all()?.to_vec1::<f32>()?)),
-            }
-        })
-        .collect()
-}
-
 /// A checkpoint being copied out of the model on a background thread.
 type Snapshot = std::thread::JoinHandle<Result<Copied>>;
 
@@ -589,6 +570,11 @@ fn submit_memory_copy(snapshot: &mut Option<MemorySnapshot>, saver: Option<&mut 
 
 /// Keeps the lines of a JSON-lines file whose `step` is at most `max_step`.
 fn truncate_jsonl(path: &std::path::Path, max_step: u64) -> Result<()> {
+    // Most often nothing is to go (a group regrouping in place at the step its files end at): the last line says
+    // so without reading a long run's whole file.
+    if last_step(path).is_some_and(|s| s <= max_step) {
+        return Ok(());
+    }
     let kept: String = std::fs::read_to_string(path)
         .unwrap_or_default()
         .lines()
@@ -601,4 +587,47 @@ fn truncate_jsonl(path: &std::path::Path, max_step: u64) -> Result<()> {
         .map(|l| format!("{l}\n"))
         .collect();
     std::fs::write(path, kept).map_err(|e| Error::io(format!("rewriting {}", path.display()), e))
+}
+
+/// The `step` of a JSON-lines file's last whole line, read from its end (`None`: no file, or no such line there).
+fn last_step(path: &std::path::Path) -> Option<u64> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut f = File::open(path).ok()?;
+    let len = f.metadata().ok()?.len();
+    let from = len.saturating_sub(64 * 1024);
+    f.seek(SeekFrom::Start(from)).ok()?;
+    let mut tail = Vec::new();
+    f.read_to_end(&mut tail).ok()?;
+    // Only a file that ends with a whole line: a torn last line is for the full rewrite to drop.
+    if tail.last() != Some(&b'\n') {
+        return None;
+    }
+    let line = tail[..tail.len() - 1].rsplit(|&b| b == b'\n').next()?;
+    serde_json::from_slice::<serde_json::Value>(line).ok()?.get("step")?.as_u64()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_metrics_file_keeps_its_steps_up_to_the_one_a_run_goes_on_from() {
+        let dir = std::env::temp_dir().join(format!("shoal-truncate-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let path = dir.join("metrics.jsonl");
+        let lines: String = (1..=5).map(|s| format!("{{\"step\":{s},\"loss\":0.5}}\n")).collect();
+        std::fs::write(&path, &lines).expect("write");
+        assert_eq!(last_step(&path), Some(5));
+        truncate_jsonl(&path, 5).expect("nothing to drop");
+        assert_eq!(std::fs::read_to_string(&path).expect("read"), lines);
+        truncate_jsonl(&path, 3).expect("drop 4 and 5");
+        let kept: String = (1..=3).map(|s| format!("{{\"step\":{s},\"loss\":0.5}}\n")).collect();
+        assert_eq!(std::fs::read_to_string(&path).expect("read"), kept);
+        // A torn last line (a writer killed mid-line) goes whatever its step.
+        std::fs::write(&path, format!("{kept}{{\"step\":4,\"lo")).expect("write");
+        assert_eq!(last_step(&path), None);
+        truncate_jsonl(&path, 9).expect("drop the torn line");
+        assert_eq!(std::fs::read_to_string(&path).expect("read"), kept);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

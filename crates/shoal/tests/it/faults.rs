@@ -691,6 +691,13 @@ fn elastic_kill_9_shrinks_in_place_and_grows_back_with_no_process_restarted() {
         regrouped_at - t0,
         stepped - t0
     );
+    // The same job with no failure ends where this one did: its final evaluation within 2%.
+    let calm = p.submit("calm", &elastic_job("calm", steps, "min = 2\nmax = 3", 0));
+    let c = p.wait_state(&calm, "succeeded");
+    let (lost, kept) = (v["summary"]["final_loss"].as_f64(), c["summary"]["final_loss"].as_f64());
+    let (Some(lost), Some(kept)) = (lost, kept) else { panic!("final losses: {lost:?} {kept:?}") };
+    eprintln!("final evaluation loss {lost:.5} with a worker lost and regrouped in place, {kept:.5} with none");
+    assert!((lost - kept).abs() <= 0.02 * kept, "{lost} against {kept} with no failure");
 }
 
 #[test]
