@@ -38,7 +38,7 @@ use super::pipeline::{Pipeline, PipelineConfig};
 use super::schedule::theoretical_bubble;
 use super::shards::Shards;
 use super::tensor::{Adder, broadcast_grads, connect_group, gather_parts};
-use super::{Bubble, GradSink, StepTimes, Strategy, TensorGrads, broadcast_from_rank0, copy_f32};
+use super::{Bubble, GradSink, StepTimes, Strategy, TensorGrads, broadcast_from_rank0};
 use crate::error::{Error, Result};
 use crate::kernels::with_slice;
 use crate::optim::{OptimConfig, Optimizer, sum_sq, update};
@@ -364,15 +364,7 @@ impl Strategy for Composed {
                 "a pipeline stage runs the step's micro-batches itself (Trainer::run_micro_batches)".into(),
             ));
         }
-        for (i, g) in grads.iter().enumerate() {
-            let Some(g) = g else { continue };
-            let acc = self.acc.get_mut(i).ok_or_else(|| {
-                Error::InvalidArgument(format!("a gradient for parameter {i} of {}", params.vars().len()))
-            })?;
-            let mut buf = vec![0f32; acc.len()];
-            copy_f32(&mut buf, g)?;
-            acc.iter_mut().zip(&buf).for_each(|(a, g)| *a += g);
-        }
+        super::add_tensors(&mut self.acc, params, &grads)?;
         if last {
             self.scalars = scalars;
         }
@@ -585,12 +577,7 @@ impl Strategy for Composed {
             out.extend(self.whole(params, local, &format!(".{m}"))?);
         }
         // In the optimizer's order: each parameter's moments together.
-        let order: HashMap<&str, usize> = params.vars().iter().enumerate().map(|(i, (n, _))| (n.as_str(), i)).collect();
-        let key = |n: &str| {
-            let (p, m) = n.rsplit_once('.').unwrap_or((n, ""));
-            (order.get(p).copied().unwrap_or(usize::MAX), m.to_string())
-        };
-        out.sort_by_key(|(n, _)| key(n));
+        super::in_optimizer_order(params, &mut out);
         Ok(out)
     }
 

@@ -273,6 +273,31 @@ pub(crate) fn check_order(index: usize, count: usize, next: Option<usize>) -> Re
     Ok(())
 }
 
+/// Sorts named optimizer state (`{parameter}.{moment}`) into the optimizer's own order: each parameter's moments
+/// together, the parameters in their order.
+pub(crate) fn in_optimizer_order(params: &Params, state: &mut [(String, Tensor)]) {
+    let order: std::collections::HashMap<&str, usize> =
+        params.vars().iter().enumerate().map(|(i, (n, _))| (n.as_str(), i)).collect();
+    state.sort_by_key(|(n, _)| {
+        let (p, m) = n.rsplit_once('.').unwrap_or((n, ""));
+        (order.get(p).copied().unwrap_or(usize::MAX), m.to_string())
+    });
+}
+
+/// Adds autograd's gradients into per-parameter accumulators (a micro-batch's share of the step's).
+pub(crate) fn add_tensors(acc: &mut [Vec<f32>], params: &Params, grads: &TensorGrads) -> Result<()> {
+    for (i, g) in grads.iter().enumerate() {
+        let Some(g) = g else { continue };
+        let acc = acc.get_mut(i).ok_or_else(|| {
+            Error::InvalidArgument(format!("a gradient for parameter {i} of {}", params.vars().len()))
+        })?;
+        let mut buf = vec![0f32; acc.len()];
+        copy_f32(&mut buf, g)?;
+        acc.iter_mut().zip(&buf).for_each(|(a, g)| *a += g);
+    }
+    Ok(())
+}
+
 /// Copies a tensor's values into `out`, which must be exactly as long.
 pub(crate) fn copy_f32(out: &mut [f32], t: &Tensor) -> Result<()> {
     let t = t.contiguous()?;

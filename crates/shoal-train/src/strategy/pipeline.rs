@@ -543,13 +543,7 @@ impl Strategy for Pipeline {
                 .collect::<Result<Vec<_>>>()?;
             out.extend(self.gather(params, &own, &suffix)?);
         }
-        // In the optimizer's order: each parameter's moments together.
-        let order: HashMap<&str, usize> = params.vars().iter().enumerate().map(|(i, (n, _))| (n.as_str(), i)).collect();
-        let key = |n: &str| {
-            let (p, m) = n.rsplit_once('.').unwrap_or((n, ""));
-            (order.get(p).copied().unwrap_or(usize::MAX), m.to_string())
-        };
-        out.sort_by_key(|(n, _)| key(n));
+        super::in_optimizer_order(params, &mut out);
         Ok(out)
     }
 

@@ -28,7 +28,7 @@ use std::time::Instant;
 use candle_core::Tensor;
 use shoal_comm::{Communicator, ReduceOp};
 
-use super::{GradSink, StepTimes, Strategy, TensorGrads, check_order, copy_f32};
+use super::{GradSink, StepTimes, Strategy, TensorGrads, check_order};
 use crate::error::{Error, Result};
 use crate::kernels::with_slice;
 use crate::optim::{Optimizer, sum_sq};
@@ -219,15 +219,7 @@ impl Strategy for TensorParallel {
     }
 
     fn backward_tensors(&mut self, params: &Params, last: bool, scalars: Vec<f32>, grads: TensorGrads) -> Result<()> {
-        for (i, g) in grads.iter().enumerate() {
-            let Some(g) = g else { continue };
-            let acc = self.acc.get_mut(i).ok_or_else(|| {
-                Error::InvalidArgument(format!("a gradient for parameter {i} of {}", params.vars().len()))
-            })?;
-            let mut buf = vec![0f32; acc.len()];
-            copy_f32(&mut buf, g)?;
-            acc.iter_mut().zip(&buf).for_each(|(a, g)| *a += g);
-        }
+        super::add_tensors(&mut self.acc, params, &grads)?;
         if last {
             self.scalars = scalars;
         }
