@@ -385,14 +385,7 @@ impl Strategy for Composed {
         if let Some(p) = &mut self.pipe {
             return p.run_micro_batches(params, count, forward, loss);
         }
-        for i in 0..count {
-            let y = forward(i)?;
-            let l = loss(i, &y)?;
-            let grads = l.backward()?;
-            let per_param = params.vars().iter().map(|(_, v)| grads.get(v.as_tensor()).cloned()).collect();
-            self.backward_tensors(params, i + 1 == count, Vec::new(), per_param)?;
-        }
-        Ok(())
+        super::each_micro_batch(self, params, count, forward, loss)
     }
 
     fn forward_stage(&self, params: &Params, forward: &mut dyn FnMut() -> Result<Tensor>) -> Result<Option<Tensor>> {

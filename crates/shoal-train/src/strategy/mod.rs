@@ -150,14 +150,7 @@ pub trait Strategy: Send {
         forward: &mut dyn FnMut(usize) -> Result<Tensor>,
         loss: &mut dyn FnMut(usize, &Tensor) -> Result<Tensor>,
     ) -> Result<()> {
-        for i in 0..count {
-            let y = forward(i)?;
-            let l = loss(i, &y)?;
-            let grads = l.backward()?;
-            let per_param = params.vars().iter().map(|(_, v)| grads.get(v.as_tensor()).cloned()).collect();
-            self.backward_tensors(params, i + 1 == count, Vec::new(), per_param)?;
-        }
-        Ok(())
+        each_micro_batch(self, params, count, forward, loss)
     }
 
     /// One forward pass without backward (evaluation), every rank calling it for the same batch: the model's
@@ -269,6 +262,25 @@ pub(crate) fn check_order(index: usize, count: usize, next: Option<usize>) -> Re
         return Err(Error::InvalidArgument(format!(
             "gradient of parameter {index} given out of order (parameters must come in reverse order, each once)"
         )));
+    }
+    Ok(())
+}
+
+/// [`Strategy::run_micro_batches`] for ranks that hold every layer: each micro-batch's forward, loss and
+/// [`Strategy::backward_tensors`] in turn.
+pub(crate) fn each_micro_batch<S: Strategy + ?Sized>(
+    s: &mut S,
+    params: &Params,
+    count: usize,
+    forward: &mut dyn FnMut(usize) -> Result<Tensor>,
+    loss: &mut dyn FnMut(usize, &Tensor) -> Result<Tensor>,
+) -> Result<()> {
+    for i in 0..count {
+        let y = forward(i)?;
+        let l = loss(i, &y)?;
+        let grads = l.backward()?;
+        let per_param = params.vars().iter().map(|(_, v)| grads.get(v.as_tensor()).cloned()).collect();
+        s.backward_tensors(params, i + 1 == count, Vec::new(), per_param)?;
     }
     Ok(())
 }

@@ -72,6 +72,8 @@ const HURRY: Duration = Duration::from_millis(50);
 /// The running heartbeat; it stops when dropped.
 pub(super) struct Beat {
     reporter: Arc<Reporter>,
+    /// The heartbeat thread (woken to ask the server at once).
+    thread: std::thread::Thread,
 }
 
 /// The file rank `rank`'s heartbeat is written to in `output`.
@@ -251,19 +253,13 @@ impl Beat {
                     warned = true;
                     tracing::warn!(rank, error = %e, "a heartbeat did not reach the server; written to its file");
                 }
-                // Slept in slices, so that a rank starting to wait for its new group asks at once.
-                let mut slept = Duration::ZERO;
-                while slept < INTERVAL && !r.shared.stop.load(Ordering::Relaxed) {
-                    if r.shared.hurry.load(Ordering::Relaxed) && slept >= HURRY {
-                        break;
-                    }
-                    std::thread::sleep(HURRY.min(INTERVAL - slept));
-                    slept += HURRY;
-                }
+                // A rank starting to wait for its new group unparks this thread, which then asks every HURRY.
+                let pause = if r.shared.hurry.load(Ordering::Relaxed) { HURRY } else { INTERVAL };
+                std::thread::park_timeout(pause);
             }
         });
         match started {
-            Ok(_) => Some(Beat { reporter }),
+            Ok(h) => Some(Beat { reporter, thread: h.thread().clone() }),
             Err(e) => {
                 tracing::warn!(rank, error = %e, "the heartbeat thread could not start; no heartbeats");
                 None
@@ -313,6 +309,7 @@ impl Beat {
     pub(super) fn wait_regroup(&self, limit: Duration) -> Option<Regroup> {
         let s = &self.reporter.shared;
         s.hurry.store(true, Ordering::Relaxed);
+        self.thread.unpark();
         let deadline = std::time::Instant::now() + limit;
         let found = loop {
             if let Some(r) = s.regroup.lock().ok().and_then(|mut r| r.take()) {
@@ -339,6 +336,7 @@ impl Beat {
 impl Drop for Beat {
     fn drop(&mut self) {
         self.reporter.shared.stop.store(true, Ordering::Relaxed);
+        self.thread.unpark();
     }
 }
 
