@@ -489,6 +489,17 @@ impl Strategy {
         }
     }
 
+    /// Whether every rank runs the whole model on its own part of the batch (DDP and the ZeRO stages), so any world
+    /// size runs it.
+    pub fn is_data_parallel(self) -> bool {
+        matches!(self, Strategy::Ddp | Strategy::Zero1 | Strategy::Zero2 | Strategy::Zero3)
+    }
+
+    /// Whether the strategy shards state over ranks (the ZeRO stages): a rank lost takes its shard with it.
+    pub fn shards_state(self) -> bool {
+        matches!(self, Strategy::Zero1 | Strategy::Zero2 | Strategy::Zero3)
+    }
+
     fn from_name(name: &str) -> Option<Self> {
         match name {
             "ddp" => Some(Strategy::Ddp),
@@ -1249,6 +1260,16 @@ impl JobSpec {
     /// It validates exactly when `self` does and describes the same job.
     pub fn resolved(&self) -> JobSpec {
         JobSpec { train: self.train.resolved(), ..self.clone() }
+    }
+
+    /// Whether an elastic job of this spec changes size in place — its survivors keep their processes and only
+    /// build their communicator again — rather than restarting its gang: data-parallel strategies (DDP and every ZeRO
+    /// stage: their state is whole or re-sharded at any world size) with no `[[phases]]`. The control plane and
+    /// the workers decide from this one rule.
+    pub fn regroups_in_place(&self) -> bool {
+        self.fault_tolerance.policy == FaultPolicy::Elastic
+            && self.train.strategy.is_data_parallel()
+            && self.phases.is_empty()
     }
 
     /// The spec as TOML, in the form [`parse_job`] reads back.

@@ -196,6 +196,12 @@ impl Layers {
         self.lock().store = Some(store);
     }
 
+    /// Removes the installed store, if any (its strategy is gone): the parameters' tensors must be given whole
+    /// values again before the model computes with them ([`crate::params::Params::unshard`]).
+    pub fn uninstall(&self) {
+        self.lock().store = None;
+    }
+
     /// Whether a store gathers the layers (their parameters are not always there).
     pub fn is_sharded(&self) -> bool {
         self.lock().store.is_some()

@@ -179,6 +179,32 @@ impl Params {
         Ok(out)
     }
 
+    /// Takes the parameters back from a strategy that shards them (ZeRO-3's layer store, which leaves them holding
+    /// nothing between uses): the store is removed and every tensor holds whole values again — `whole`'s, by
+    /// parameter name, where given, else zeros until they are set. Without a store installed it changes nothing but
+    /// the tensors `whole` names.
+    pub fn unshard(&self, whole: &std::collections::HashMap<String, Tensor>) -> Result<()> {
+        let sharded = self.layers.is_sharded();
+        self.layers.uninstall();
+        for (name, var) in &self.vars {
+            match whole.get(name) {
+                Some(t) if t.elem_count() == var.elem_count() => {
+                    crate::kernels::replace_storage(var.as_tensor(), t.flatten_all()?.to_vec1::<f32>()?)?
+                }
+                Some(t) => {
+                    return Err(Error::InvalidArgument(format!(
+                        "parameter {name}: {} values for shape {:?}",
+                        t.elem_count(),
+                        var.dims()
+                    )));
+                }
+                None if sharded => crate::kernels::replace_storage(var.as_tensor(), vec![0.0; var.elem_count()])?,
+                None => {}
+            }
+        }
+        Ok(())
+    }
+
     /// Sets every parameter from one flat buffer (the inverse of [`Self::flatten`]).
     pub fn load_flat(&self, flat: &[f32]) -> Result<()> {
         let mut off = 0;

@@ -13,7 +13,7 @@
 use shoal_comm::store::StoreServer;
 use shoal_exec::{Join, TaskLaunch};
 use shoal_sched::TaskPlacement;
-use shoal_spec::{FaultPolicy, JobSpec, Strategy};
+use shoal_spec::JobSpec;
 use shoal_wire::{Heartbeat, JobState, Regroup};
 
 use super::state::{Control, Group};
@@ -24,10 +24,7 @@ use crate::error::{ControlError, Result};
 impl Control {
     /// Whether `spec`'s job regroups in place when it loses a member or grows.
     pub(super) fn regroups_in_place(&self, spec: &JobSpec) -> bool {
-        spec.fault_tolerance.policy == FaultPolicy::Elastic
-            && spec.train.strategy == Strategy::Ddp
-            && spec.phases.is_empty()
-            && self.config.server.is_some()
+        spec.regroups_in_place() && self.config.server.is_some()
     }
 
     /// The members of `job`'s current attempt when it regrouped in place (`None`: every task of the attempt).

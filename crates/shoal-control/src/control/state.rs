@@ -269,8 +269,9 @@ pub(crate) struct Watch {
     /// When that step counter last moved, or when every rank was first seen training; `None` while not every
     /// rank trains (starting, resuming, finishing), when no hang is judged.
     pub(super) step_moved: Option<Instant>,
-    /// Whether the `resumed` event of the attempt was recorded.
-    pub(super) resume_told: bool,
+    /// Where the attempt said it took its state from, as last recorded in a `resumed` event (a group that regroups
+    /// in place and rolls back to a copy says so again).
+    pub(super) resume_told: Option<String>,
     /// Whether the attempt's `strategy` event (what `train.strategy = "auto"` chose) was recorded.
     pub(super) strategy_told: bool,
 }
@@ -283,7 +284,7 @@ impl Watch {
             step: 0,
             first_step: None,
             step_moved: None,
-            resume_told: false,
+            resume_told: None,
             strategy_told: false,
         }
     }

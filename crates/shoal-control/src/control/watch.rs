@@ -118,13 +118,17 @@ impl Control {
         }
     }
 
-    /// Where attempt `attempt` of job `id` took its state from, as rank 0's heartbeat says, the first time it says
-    /// so (then `None`): for the attempt's `resumed` event.
+    /// Where attempt `attempt` of job `id` took its state from, as its lowest rank's heartbeat says, each time that
+    /// changes (else `None`): for the attempt's `resumed` events.
     pub(super) fn resume_news(&self, id: &str, attempt: i64) -> Option<String> {
         let mut watched = self.watched.lock().unwrap_or_else(|p| p.into_inner());
-        let w = watched.get_mut(id).filter(|w| w.attempt == attempt && !w.resume_told)?;
-        let from = w.ranks.get(&0)?.hb.resumed.clone()?;
-        w.resume_told = true;
+        let w = watched.get_mut(id).filter(|w| w.attempt == attempt)?;
+        let lowest = w.ranks.keys().min()?;
+        let from = w.ranks.get(lowest)?.hb.resumed.clone()?;
+        if w.resume_told.as_ref() == Some(&from) {
+            return None;
+        }
+        w.resume_told = Some(from.clone());
         Some(format!("attempt {attempt} resumed from its {from}"))
     }
 

@@ -91,12 +91,9 @@ fn train(
         b.resumed(format!("{source} at step {}", l.manifest.step));
     }
     let (mut training, start_step, last_loss) = if joined {
-        // A newcomer: the group's rank 0 gives the state, as to a member that regrouped.
-        let (at, opt_t, named) = regroup::sync(&setup.comm, None, 0)?;
-        let mut training = setup::training(spec, setup, params)?;
-        training.sampler.restore(at.sampler)?;
-        training.trainer.load_optimizer_state(opt_t, &named)?;
-        (training, at.step, at.loss)
+        // A newcomer: it takes the group's state as a member that regrouped does.
+        let met = regroup::rejoin(spec, setup, None, params)?;
+        (met.training, met.boundary.step, met.boundary.loss)
     } else {
         let mut training = setup::training(spec, setup, params)?;
         let start_step = match &resumed {
@@ -146,10 +143,11 @@ fn train(
         }
         let at = steps.boundary.clone();
         drop(steps);
-        let opt_t = training.trainer.optimizer().t;
+        let mine = regroup::given(spec, &training, at.clone(), failed.is_some());
+        let params = training.trainer.params().clone();
         // A group that does not form (a member lost while it meets) gives way to the next one the server names.
         let mut failed = failed.map(crate::error::Error::from);
-        let (next, (at, opt_t, named)) = loop {
+        let (next, met) = loop {
             let Some(next) = b.wait_regroup(limit) else {
                 return Err(failed.unwrap_or_else(|| {
                     crate::error::Error::InvalidArgument(format!(
@@ -159,9 +157,9 @@ fn train(
                 }));
             };
             let met = regroup::enter(spec, setup, &next)
-                .and_then(|()| regroup::sync(&setup.comm, Some((&at, &training)), opt_t));
+                .and_then(|()| regroup::rejoin(spec, setup, Some(&mine), params.clone()));
             match met {
-                Ok(state) => break (next, state),
+                Ok(met) => break (next, met),
                 Err(e @ crate::error::Error::Comm(_)) => {
                     tracing::warn!(generation = next.generation, error = %e, "the group did not form; waiting for the next");
                     failed = Some(e);
@@ -170,16 +168,23 @@ fn train(
             }
         };
         b.regrouped(next.generation, setup.comm.clone());
-        let params = training.trainer.params().clone();
-        drop(training);
-        training = setup::training(spec, setup, params)?;
-        training.sampler.restore(at.sampler)?;
-        training.trainer.load_optimizer_state(opt_t, &named)?;
+        if let Some(from) = &met.rolled_back {
+            b.resumed(format!("{from}, as group {} regrouped", next.generation));
+        }
+        training = met.training;
+        let at = met.boundary;
         if setup.rank == 0 {
-            eprintln!(
-                "regrouped in place: group {} of {} workers goes on from step {}",
-                next.generation, setup.world, at.step
-            );
+            match met.rolled_back {
+                None => eprintln!(
+                    "regrouped in place: group {} of {} workers goes on from step {}",
+                    next.generation, setup.world, at.step
+                ),
+                Some(from) => eprintln!(
+                    "regrouped in place: group {} of {} workers goes on from its {from} (a shard of the state was \
+                     lost with a member)",
+                    next.generation, setup.world
+                ),
+            }
         }
         steps = train_loop::StepLoop::open(spec, setup, &training, at.step, at.loss, &opts.output)?;
     }

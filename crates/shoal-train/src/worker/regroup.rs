@@ -1,15 +1,14 @@
 //! Regrouping in place, the worker's side of an elastic job that goes on without a lost member or with newcomers
-//! (`fault_tolerance.policy = "elastic"`, data parallelism, a server that hears the heartbeats): the process, its
+//! (`fault_tolerance.policy = "elastic"`, DDP or a ZeRO stage, a server that hears the heartbeats): the process, its
 //! model and its optimizer stay; the communicator is built again at the new size.
 //!
 //! - A rank whose collective failed (a peer gone) waits for its heartbeat's answer to name its new group
 //!   ([`shoal_wire::Regroup`]); a rank told of a new group while training votes in the step's scalars, so every
 //!   member leaves at the same step boundary.
 //! - [`enter`] builds the new group's communicator at the store the server hosts for it.
-//! - [`sync`] makes every member's state the group rank 0's — a survivor, whose state is whole and consistent (a
-//!   data-parallel rank applies an update only after every gradient arrived, so it stands at a step boundary): the
-//!   steps done, the sampler's position and the optimizer state by broadcast here, the parameters by the
-//!   strategy's own start (a broadcast from rank 0). A newcomer takes the same path from nothing.
+//! - [`rejoin`] gives every member one state: the group rank 0's when every member brought its whole state (a
+//!   newcomer takes the same path from nothing), else — a strategy that shards the state lost a shard with a member
+//!   — the newest in-memory copy or checkpoint, re-sharded for the new size, with the processes kept.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -17,21 +16,18 @@ use std::time::Duration;
 
 use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
-use shoal_comm::{Communicator, Store, TcpStore};
+use shoal_comm::{Communicator, ReduceOp, Store, TcpStore};
 use shoal_data::SamplerState;
 use shoal_wire::Regroup;
 
 use super::setup::{Setup, Training};
 use crate::error::{Error, Result};
-use crate::spec::{FaultPolicy, JobSpec, Strategy};
+use crate::params::Params;
+use crate::spec::JobSpec;
 
 /// Whether this rank regroups in place when its group changes (the server decides the same from the spec).
 pub(super) fn in_place(spec: &JobSpec, setup: &Setup) -> bool {
-    spec.fault_tolerance.policy == FaultPolicy::Elastic
-        && spec.train.strategy == Strategy::Ddp
-        && spec.phases.is_empty()
-        && setup.link.is_some()
-        && setup.attempt.is_some()
+    spec.regroups_in_place() && setup.link.is_some() && setup.attempt.is_some()
 }
 
 /// How long a rank whose collective failed waits to hear of its new group before it fails: the server's time to
@@ -61,22 +57,118 @@ pub(super) fn enter(spec: &JobSpec, setup: &mut Setup, r: &Regroup) -> Result<()
     setup.regrouped(comm, spec)
 }
 
-/// Makes this rank's state the group rank 0's: `mine` is where this rank stands (`None`: a newcomer, nothing yet).
-/// Returns where the group goes on from. Every member calls it, right after [`enter`] and before the trainer over
-/// the new communicator is built (its start broadcasts the parameters).
-pub(super) fn sync(
+/// What a member brings to its new group: where it stands, and its state when that is whole and consistent.
+pub(super) struct Given {
+    pub(super) boundary: Boundary,
+    pub(super) optimizer_t: u64,
+    /// `None`: part of the state left with a lost peer (a strategy that shards it, whose collective failed).
+    pub(super) state: Option<Whole>,
+}
+
+/// A member's whole state as named tensors: the parameters (only for a strategy that shards them, whose new start
+/// needs them whole on the new rank 0; DDP's are there already) and the optimizer's.
+pub(super) struct Whole {
+    model: Vec<(String, Tensor)>,
+    optimizer: Vec<(String, Tensor)>,
+}
+
+/// What this member gives its next group, taken as it leaves the old one at `boundary`. Data parallel: its own
+/// state, the same on every rank. A strategy that shards the state: the whole state gathered over the old group
+/// while it is still whole — a regrouping every member agreed on (`failed` false); after a failed collective
+/// nothing: the group rolls back to its newest copy (see [`rejoin`]).
+pub(super) fn given(spec: &JobSpec, tr: &Training, boundary: Boundary, failed: bool) -> Given {
+    let optimizer_t = tr.trainer.optimizer().t;
+    let sharded = spec.train.strategy.shards_state();
+    let state = match (sharded, failed) {
+        (true, true) => None,
+        (false, _) => tr.trainer.optimizer_state().ok().map(|optimizer| Whole { model: Vec::new(), optimizer }),
+        (true, false) => {
+            // Collectives over the old group: a peer lost now leaves this rank with a part only.
+            let whole = tr.trainer.model_state().and_then(|m| Ok((m, tr.trainer.optimizer_state()?)));
+            match whole {
+                Ok((model, optimizer)) => Some(Whole { model, optimizer }),
+                Err(e) => {
+                    tracing::warn!(error = %e, "the state could not be gathered before regrouping; the group rolls back");
+                    None
+                }
+            }
+        }
+    };
+    Given { boundary, optimizer_t, state }
+}
+
+/// Where a rank goes on from after meeting its new group.
+pub(super) struct Rejoined {
+    pub(super) training: Training,
+    pub(super) boundary: Boundary,
+    /// What the group rolled back to, when it had to: `memory copy at step N` or `storage checkpoint at step N`.
+    pub(super) rolled_back: Option<String>,
+}
+
+/// Meets the new group (every member calls it right after [`enter`], a newcomer with `mine` `None`) and builds this
+/// rank's trainer over it, from one state every member agrees on:
+/// - when every member brought its whole state, the group rank 0's — a survivor, whose state is whole and
+///   consistent (a data-parallel rank applies an update only after every gradient arrived, so it stands at a step
+///   boundary): the steps done, the sampler's position and the optimizer state by broadcast here, the parameters by
+///   the strategy's own start (a broadcast from rank 0);
+/// - when some member lost part of it (a sharded strategy's peer gone), the newest checkpoint the group can read —
+///   the in-memory copy every rank's host holds, else storage — re-sharded for the new size as any resume is: the
+///   processes stay, the steps since that copy are trained again.
+pub(super) fn rejoin(spec: &JobSpec, setup: &mut Setup, mine: Option<&Given>, params: Params) -> Result<Rejoined> {
+    let whole = mine.is_none_or(|g| g.state.is_some());
+    let mut agreed = [if whole { 1f32 } else { 0.0 }];
+    setup.comm.all_reduce(&mut agreed, ReduceOp::Min)?;
+    let none = HashMap::new();
+    if agreed[0] >= 1.0 {
+        let root = setup.comm.rank() == 0;
+        let own = match mine {
+            Some(Given { boundary, optimizer_t, state: Some(w) }) => Some((boundary, *optimizer_t, &w.optimizer[..])),
+            _ => None,
+        };
+        let (boundary, optimizer_t, named) = sync(&setup.comm, own)?;
+        // The new rank 0's parameters seed the strategy's start; the others' tensors only need to be whole.
+        let model: HashMap<String, Tensor> = match mine.and_then(|g| g.state.as_ref()) {
+            Some(w) if root => w.model.iter().cloned().collect(),
+            _ => HashMap::new(),
+        };
+        params.unshard(&model)?;
+        let mut training = super::setup::training(spec, setup, params)?;
+        training.sampler.restore(boundary.sampler)?;
+        training.trainer.load_optimizer_state(optimizer_t, &named)?;
+        return Ok(Rejoined { training, boundary, rolled_back: None });
+    }
+    params.unshard(&none)?;
+    let Some(copy) = super::resume::load(spec, true, setup, &params)? else {
+        return Err(Error::Checkpoint(format!(
+            "the group lost part of its {} state with a member and has no checkpoint or in-memory copy to roll back to \
+             (set checkpoint.memory_every)",
+            spec.train.strategy
+        )));
+    };
+    let mut training = super::setup::training(spec, setup, params)?;
+    let step = super::resume::restore(&copy, &mut training)?;
+    let loss = copy.manifest.extra.get("loss").and_then(serde_json::Value::as_f64).unwrap_or(f64::NAN);
+    let boundary = Boundary { step, sampler: training.sampler.state(), loss };
+    let source = match &setup.memory {
+        Some(m) if copy.dir.starts_with(m.job_root()) => "memory copy",
+        _ => "storage checkpoint",
+    };
+    Ok(Rejoined { training, boundary, rolled_back: Some(format!("{source} at step {}", copy.manifest.step)) })
+}
+
+/// Makes this rank's state the group rank 0's: `mine` is where this rank stands and its optimizer state (`None`:
+/// a newcomer, nothing yet). Returns where the group goes on from.
+fn sync(
     comm: &Communicator,
-    mine: Option<(&Boundary, &Training)>,
-    optimizer_t: u64,
+    mine: Option<(&Boundary, u64, &Named)>,
 ) -> Result<(Boundary, u64, HashMap<String, Tensor>)> {
     let root = comm.rank() == 0;
     // What rank 0 sends: the boundary, the optimizer's step count and the names and shapes of its state.
     let (header, values) = match (root, mine) {
-        (true, Some((b, tr))) => {
-            let state = tr.trainer.optimizer_state()?;
+        (true, Some((b, optimizer_t, state))) => {
             let shapes: Vec<(String, Vec<usize>)> = state.iter().map(|(n, t)| (n.clone(), t.dims().to_vec())).collect();
             let mut values = Vec::with_capacity(shapes.iter().map(|(_, s)| s.iter().product::<usize>()).sum());
-            for (_, t) in &state {
+            for (_, t) in state {
                 values.extend(t.flatten_all()?.to_vec1::<f32>()?);
             }
             let header = Header { boundary: b.clone(), optimizer_t, shapes };
@@ -124,6 +216,9 @@ pub(super) fn sync(
     }
     Ok((header.boundary, header.optimizer_t, named))
 }
+
+/// Named tensors, as a strategy gives its state.
+type Named = [(String, Tensor)];
 
 #[derive(Serialize, Deserialize)]
 struct Header {

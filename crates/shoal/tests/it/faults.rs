@@ -702,6 +702,64 @@ fn elastic_kill_9_shrinks_in_place_and_grows_back_with_no_process_restarted() {
 
 #[test]
 #[cfg_attr(not(feature = "failpoints"), ignore = "slows the job's data: needs `--features shoal/failpoints`")]
+fn elastic_zero3_grows_re_sharded_and_after_a_kill_9_rolls_back_in_place_to_its_memory_copy() {
+    let p = Platform::with_server("faults-inplace-zero", &["--cpus", "3"], &[]);
+    let steps = 1500;
+    let spec = |name: &str| {
+        elastic_job(name, steps, "min = 2\nmax = 3", 0)
+            .replace("[train]\n", "[train]\nstrategy = \"zero3\"\n")
+            .replace("keep = 2\n", "keep = 2\nmemory_every = 20\n")
+    };
+    // A filler holds one of the three CPUs, so the job starts with two workers; when it goes, the job grows in
+    // place: the whole state gathered over the two, re-sharded over three.
+    let filler = p.submit("filler", &elastic_job("filler", 1_000_000, "count = 1", 0));
+    p.wait_state(&filler, "running");
+    let id = p.submit("sharded", &spec("sharded"));
+    let v = training(&p, &id, 1, 50);
+    assert_eq!(workers_of(&v), 2, "{v}");
+    let r = p.request("POST", &format!("/api/v1/jobs/{filler}/cancel"), Some(p.token()), None);
+    assert_eq!(r.status, 202, "{}", text(&r.body));
+    let v = p.wait_state_where(&id, "grown to three workers", |v| workers_of(v) == 3);
+    let before = v["last_metrics"]["step"].as_u64().unwrap_or(0);
+    let v = training(&p, &id, 1, before as i64 + 50);
+    let (pid0, pid2) = (worker_pid(&v, 0), worker_pid(&v, 2));
+    kill(worker_pid(&v, 1), libc::SIGKILL);
+
+    // Rank 1's shards are gone with it: the survivors keep their processes and roll back to the newest in-memory
+    // copy, re-sharded over two; then a newcomer joins and the state is gathered and re-sharded over three.
+    let grown = p.wait_state_where(&id, "regrouped in place three times", |v| {
+        events(v).iter().filter(|e| e.1 == "regrouped").count() >= 3 && workers_of(v) == 3
+    });
+    assert_eq!(grown["attempt"].as_i64(), Some(1), "{grown}");
+    assert_eq!((worker_pid(&grown, 0), worker_pid(&grown, 2)), (pid0, pid2), "the survivors kept their processes");
+    let v = p.wait_state(&id, "succeeded");
+    let ev = events(&v);
+    let said: Vec<&String> = ev.iter().filter(|e| e.1 == "regrouped" || e.1 == "resumed").map(|e| &e.2).collect();
+    assert!(said[0].contains("grows in place from 2 to 3 workers"), "{said:?}");
+    assert!(said.iter().any(|e| e.contains("the 2 survivors (task 0, 2) go on in place as group 2")), "{said:?}");
+    assert!(
+        said.iter().any(|e| e.contains("resumed from its memory copy at step") && e.contains("regrouped")),
+        "the roll-back to the in-memory copy is told: {said:?}"
+    );
+    assert!(said.iter().skip(1).any(|e| e.contains("grows in place from 2 to 3 workers")), "{said:?}");
+    assert_eq!((v["attempt"].as_i64(), v["restarts"].as_i64()), (Some(1), Some(0)), "{ev:?}");
+    assert_eq!(v["summary"]["strategy"], "zero3", "{}", v["summary"]);
+    // The steps after the copy were trained again, and logged once: every step once, in order.
+    let got: Vec<u64> = steps_and_samples(&p, &id).iter().map(|r| r.0).collect();
+    assert_eq!(got, (1..=steps as u64).collect::<Vec<_>>(), "steps logged");
+    // The same job with no failure ends where this one did: its final evaluation within 2%.
+    let calm = p.submit("calm", &spec("calm"));
+    let c = p.wait_state(&calm, "succeeded");
+    let (lost, kept) = (v["summary"]["final_loss"].as_f64(), c["summary"]["final_loss"].as_f64());
+    let (Some(lost), Some(kept)) = (lost, kept) else { panic!("final losses: {lost:?} {kept:?}") };
+    eprintln!(
+        "zero3: final evaluation loss {lost:.5} with a worker lost and rolled back in place, {kept:.5} with none"
+    );
+    assert!((lost - kept).abs() <= 0.02 * kept, "{lost} against {kept} with no failure");
+}
+
+#[test]
+#[cfg_attr(not(feature = "failpoints"), ignore = "slows the job's data: needs `--features shoal/failpoints`")]
 fn a_persistent_straggler_is_replaced_in_place_and_a_newcomer_takes_its_place() {
     let p = Platform::with_server("faults-straggler", &["--cpus", "2"], &[]);
     // No slowed data here: a rank stopped while it waits for its data would be judged slow at loading it.
