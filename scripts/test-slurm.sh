@@ -255,7 +255,7 @@ start() {
   out=$(timeout 60 srun -N2 -n2 --ntasks-per-node=1 hostname 2>&1) || die "srun -N2 hostname failed: $out"
   [ "$(echo "$out" | sort | tr '\n' ' ')" = "$(printf '%s ' "${NODES[@]}")" ] \
     || die "srun -N2 hostname answered: $out"
-  echo "OK SLURM_CONF=$CONF nodes=$(
+  echo "OK SLURM_CONF=$CONF HEAD=$NET.254 nodes=$(
     IFS=,
     echo "${NODES[*]}"
   ) cpus=$CPUS $how $(elapsed "$t0") (logs in $DIR/log)"

@@ -39,6 +39,17 @@ pub struct TaskLaunch {
     pub join: Option<Join>,
 }
 
+impl TaskLaunch {
+    /// The seat the task takes: its rank, the world size and the rendezvous store of the group it meets first — a
+    /// running group it joins in place ([`TaskLaunch::join`]), else its attempt's first group.
+    pub fn seat(&self) -> (usize, usize, &str) {
+        match &self.join {
+            Some(j) => (j.rank, j.world_size, j.rendezvous.as_str()),
+            None => (self.rank, self.world_size, self.rendezvous.as_str()),
+        }
+    }
+}
+
 /// Where a task that joins a running group sits in it: the group's generation, its rank and size there, and the
 /// rendezvous store the group meets at (hosted by the control plane, not by a rank).
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -304,18 +304,27 @@ impl KubeExecutor {
         let name = Self::pod_name(&l.job_id, l.attempt, l.rank as i64);
         let service = Self::attempt_name(&l.job_id, l.attempt);
         let fqdn = format!("{}.{service}.{}.svc", Self::pod_name(&l.job_id, l.attempt, 0), self.namespace);
+        // A newcomer to a running group takes its seat there and meets at the control plane's store.
+        let (rank, world_size, rendezvous) = l.seat();
+        let (master_addr, master_port) = match &l.join {
+            Some(_) => {
+                let (h, p) = rendezvous.rsplit_once(':').unwrap_or((rendezvous, ""));
+                (h.to_owned(), p.parse().unwrap_or(0))
+            }
+            None => (fqdn, RENDEZVOUS_PORT),
+        };
         let contract = TaskEnv {
             job_id: l.job_id.clone(),
-            rank: l.rank,
-            world_size: l.world_size,
+            rank,
+            world_size,
             // One rank per Pod.
             local_rank: 0,
             local_world_size: 1,
-            rendezvous: l.rendezvous.clone(),
-            host_store: true,
+            rendezvous: rendezvous.to_owned(),
+            host_store: l.join.is_none(),
             secret: l.secret.clone(),
-            master_addr: fqdn,
-            master_port: RENDEZVOUS_PORT,
+            master_addr,
+            master_port,
             attempt: Some(l.attempt),
             exit_file: None,
             server_data: Some(self.data_dir.display().to_string()),
@@ -324,7 +333,7 @@ impl KubeExecutor {
             threads: Some(l.cpus_milli.div_ceil(1000).max(1) as usize),
             // The device plugin says which GPUs a Pod that asked for some sees; one that asked none sees none.
             gpus: if l.gpus.is_empty() { Some(String::new()) } else { None },
-            join: None,
+            join: l.join.as_ref().map(|j| (j.generation, l.rank)),
         };
         let gpus_milli: u64 = l.gpus.iter().map(|(_, share)| u64::from(*share)).sum();
         let res = resources(l.cpus_milli, l.memory_bytes, gpus_milli)
@@ -380,7 +389,8 @@ impl KubeExecutor {
     }
 
     /// Creates the attempt's Service, Secret and Pods, in that order; the Pods that were created, or the rank
-    /// that could not be and why.
+    /// that could not be and why. Newcomers to a running group ([`TaskLaunch::join`]) get their Pods only, owned by
+    /// the attempt's Service that is there already.
     fn create(&self, launches: &[TaskLaunch]) -> std::result::Result<Vec<Task>, GangError> {
         let fail = |started: Vec<Task>, rank: usize, error: ExecError| GangError { started, rank, error };
         let Some(first) = launches.first() else { return Ok(Vec::new()) };
@@ -397,29 +407,39 @@ impl KubeExecutor {
         let service: Service = serde_json::from_value(headless_service(meta.clone(), Value::Object(selector)))
             .map_err(|e| fail(Vec::new(), 0, ExecError::BadTask(format!("job {job}: the Service: {e}"))))?;
         let services = self.services();
-        let created = self
-            .call("creating the Service", async move {
+        let joining = first.join.is_some();
+        let created = match joining {
+            true => {
+                let name = name.clone();
+                self.call("reading the attempt's Service", async move {
+                    services.get(&name).await.map_err(|e| api_error("reading the attempt's Service", e))
+                })
+            }
+            false => self.call("creating the Service", async move {
                 services.create(&PostParams::default(), &service).await.map_err(|e| api_error("creating a Service", e))
-            })
-            .map_err(|e| fail(Vec::new(), 0, e))?;
+            }),
+        }
+        .map_err(|e| fail(Vec::new(), 0, e))?;
         let uid = created.metadata.uid.unwrap_or_default();
         let owner = json!({
             "apiVersion": "v1", "kind": "Service", "name": name, "uid": uid,
             "controller": true, "blockOwnerDeletion": true,
         });
-        let mut secret_meta = meta;
-        secret_meta["ownerReferences"] = json!([owner.clone()]);
-        let sec: Secret = serde_json::from_value(secret(secret_meta, &first.secret))
-            .map_err(|e| fail(Vec::new(), 0, ExecError::BadTask(format!("job {job}: the Secret: {e}"))))?;
-        let secrets: Api<Secret> = Api::namespaced(self.client.clone(), &self.namespace);
-        self.call("creating the Secret", async move {
-            secrets
-                .create(&PostParams::default(), &sec)
-                .await
-                .map(|_| ())
-                .map_err(|e| api_error("creating a Secret", e))
-        })
-        .map_err(|e| fail(Vec::new(), 0, e))?;
+        if !joining {
+            let mut secret_meta = meta;
+            secret_meta["ownerReferences"] = json!([owner.clone()]);
+            let sec: Secret = serde_json::from_value(secret(secret_meta, &first.secret))
+                .map_err(|e| fail(Vec::new(), 0, ExecError::BadTask(format!("job {job}: the Secret: {e}"))))?;
+            let secrets: Api<Secret> = Api::namespaced(self.client.clone(), &self.namespace);
+            self.call("creating the Secret", async move {
+                secrets
+                    .create(&PostParams::default(), &sec)
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| api_error("creating a Secret", e))
+            })
+            .map_err(|e| fail(Vec::new(), 0, e))?;
+        }
         let mut started = Vec::with_capacity(launches.len());
         for l in launches {
             let pod = match self.pod(l, &owner).and_then(|v| {
@@ -785,6 +805,11 @@ impl Executor for KubeExecutor {
 
     fn start_gang(&self, launches: &[TaskLaunch]) -> std::result::Result<Vec<Task>, GangError> {
         self.create(launches)
+    }
+
+    /// A newcomer is one more Pod of the attempt.
+    fn joins_in_place(&self) -> bool {
+        true
     }
 
     fn describe(&self, task: &Task) -> String {

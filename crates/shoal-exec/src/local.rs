@@ -192,18 +192,15 @@ impl LocalExecutor {
             return Err(ExecError::BadTask(format!("job {} rank {}: empty command", l.job_id, l.rank)));
         };
         // A task joining a running group takes its seat there; the others start the attempt's first group.
-        let (rank, world, rendezvous) = match &l.join {
-            Some(j) => (j.rank, j.world_size, &j.rendezvous),
-            None => (l.rank, l.world_size, &l.rendezvous),
-        };
-        let (host, port) = rendezvous.rsplit_once(':').unwrap_or((rendezvous.as_str(), ""));
+        let (rank, world, rendezvous) = l.seat();
+        let (host, port) = rendezvous.rsplit_once(':').unwrap_or((rendezvous, ""));
         let contract = TaskEnv {
             job_id: l.job_id.clone(),
             rank,
             world_size: world,
             local_rank: rank,
             local_world_size: world,
-            rendezvous: rendezvous.clone(),
+            rendezvous: rendezvous.to_owned(),
             // No store runs beside the tasks: rank 0 hosts it, at the address the executor picked (a group joined in
             // place meets at the control plane's).
             host_store: l.join.is_none(),

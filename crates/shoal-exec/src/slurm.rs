@@ -84,6 +84,8 @@ pub struct SlurmExecutor {
     jobs: Mutex<HashMap<String, (Instant, Option<JobInfo>)>>,
     /// Slurm job id → the last stop asked and when.
     stops: Mutex<HashMap<String, (Instant, Stop)>>,
+    /// Shoal job → the nodes its tasks were started on (where its in-memory checkpoints may lie).
+    ran_on: Mutex<HashMap<String, std::collections::BTreeSet<String>>>,
 }
 
 /// What `scontrol show job` says of a job (of its components, for a heterogeneous one, the one that tells most).
@@ -363,6 +365,15 @@ impl Ask {
     }
 }
 
+/// The name of a batch script and its outputs in the attempt's directory: `batch` for a gang, `batch-rank-R` for a
+/// newcomer that joins a running group with an allocation of its own.
+fn batch_stem(first: &TaskLaunch) -> String {
+    match first.join {
+        Some(_) => format!("batch-rank-{}", first.rank),
+        None => "batch".into(),
+    }
+}
+
 /// The `sbatch` options of a gang (after the common ones): one component for an even layout, one per node
 /// otherwise (a heterogeneous job), and the component each rank's step runs in.
 fn allocation_args(nodes: &[(String, Vec<usize>)], ask: Ask) -> (Vec<Vec<String>>, Vec<Option<usize>>) {
@@ -431,6 +442,7 @@ impl SlurmExecutor {
             addrs: Mutex::new(HashMap::new()),
             jobs: Mutex::new(HashMap::new()),
             stops: Mutex::new(HashMap::new()),
+            ran_on: Mutex::new(HashMap::new()),
         })
     }
 
@@ -491,18 +503,21 @@ impl SlurmExecutor {
         std::fs::read_to_string(path).ok()?.trim().parse().ok()
     }
 
-    /// The last line of the batch script's error output (srun's own messages), if any.
-    fn batch_err(&self, job: &str, attempt: i64) -> String {
-        let text = std::fs::read_to_string(self.attempt_dir(job, attempt).join("batch.err")).unwrap_or_default();
+    /// The last line of the batch script's error output (srun's own messages) of rank `rank`'s allocation — its
+    /// own when it joined a running group, else its gang's — if any.
+    fn batch_err(&self, job: &str, attempt: i64, rank: i64) -> String {
+        let dir = self.attempt_dir(job, attempt);
+        let text = std::fs::read_to_string(dir.join(format!("batch-rank-{rank}.err")))
+            .or_else(|_| std::fs::read_to_string(dir.join("batch.err")))
+            .unwrap_or_default();
         text.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("").trim().chars().take(300).collect()
     }
 
     /// The batch script of a gang: one background step per rank with its environment, then `wait`.
-    fn script(&self, launches: &[TaskLaunch], groups: &[Option<usize>], rendezvous: &str) -> Result<String> {
+    fn script(&self, launches: &[TaskLaunch], groups: &[Option<usize>]) -> Result<String> {
         let first = &launches[0];
         let dir = self.attempt_dir(&first.job_id, first.attempt);
         let nodes = layout(launches);
-        let (host, port) = rendezvous.rsplit_once(':').unwrap_or((rendezvous, ""));
         let mut s = format!(
             "#!/bin/sh\n# Shoal job {}, attempt {}: one Slurm step per rank (written by Shoal's Slurm executor).\n",
             first.job_id, first.attempt
@@ -518,15 +533,19 @@ impl SlurmExecutor {
                 .and_then(|(_, ranks)| Some((ranks.iter().position(|&r| r == i)?, ranks.len())))
                 .unwrap_or((0, 1));
             let exit = self.exit_path(&l.job_id, l.attempt, l.rank as i64);
+            // A newcomer to a running group (its own allocation) takes its seat there and meets at the control
+            // plane's store.
+            let (rank, world_size, rendezvous) = l.seat();
+            let (host, port) = rendezvous.rsplit_once(':').unwrap_or((rendezvous, ""));
             let contract = TaskEnv {
                 job_id: l.job_id.clone(),
-                rank: l.rank,
-                world_size: l.world_size,
+                rank,
+                world_size,
                 local_rank,
                 local_world_size: local_world,
-                rendezvous: l.rendezvous.clone(),
+                rendezvous: rendezvous.to_owned(),
                 // No store runs beside the tasks: rank 0 hosts it, on its node.
-                host_store: true,
+                host_store: l.join.is_none(),
                 secret: l.secret.clone(),
                 master_addr: host.to_owned(),
                 master_port: port.parse().unwrap_or(0),
@@ -538,7 +557,7 @@ impl SlurmExecutor {
                 threads: Some(ask.cpus as usize),
                 // Slurm says which GPUs a step with `--gres` sees; a task that asked none sees none.
                 gpus: if ask.gpus > 0 { None } else { Some(String::new()) },
-                join: None,
+                join: l.join.as_ref().map(|j| (j.generation, l.rank)),
             };
             s.push_str("(\n");
             for (k, v) in task_env(&contract, &l.env) {
@@ -599,8 +618,9 @@ impl SlurmExecutor {
         let nodes = layout(launches);
         let ask = Ask::of(first);
         let (components, groups) = allocation_args(&nodes, ask);
-        let script = self.script(launches, &groups, &first.rendezvous)?;
-        let path = dir.join("batch.sh");
+        let script = self.script(launches, &groups)?;
+        let stem = batch_stem(first);
+        let path = dir.join(format!("{stem}.sh"));
         std::fs::write(&path, &script).map_err(|e| ExecError::io(format!("writing {}", path.display()), e))?;
         std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o600))
             .map_err(|e| ExecError::io(format!("chmod 0600 {}", path.display()), e))?;
@@ -610,8 +630,8 @@ impl SlurmExecutor {
             "--parsable".into(),
             format!("--job-name={name}"),
             format!("--chdir={}", dir.display()),
-            format!("--output={}", dir.join("batch.out").display()),
-            format!("--error={}", dir.join("batch.err").display()),
+            format!("--output={}", dir.join(format!("{stem}.out")).display()),
+            format!("--error={}", dir.join(format!("{stem}.err")).display()),
             "--no-requeue".into(),
         ];
         if let Some(u) = &self.user {
@@ -643,6 +663,12 @@ impl SlurmExecutor {
             ms = t0.elapsed().as_millis() as u64,
             "submitted the gang to Slurm"
         );
+        self.ran_on
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(first.job_id.clone())
+            .or_default()
+            .extend(nodes.iter().map(|(n, _)| n.clone()));
         let started = now_ms();
         Ok(launches
             .iter()
@@ -722,9 +748,10 @@ impl Executor for SlurmExecutor {
         give_to(path, self.user.as_ref())
     }
 
-    /// A gang of one; larger gangs start together ([`Executor::start_gang`]).
+    /// A gang of one, or a newcomer to a running group (an allocation of its own); larger gangs start together
+    /// ([`Executor::start_gang`]).
     fn start(&self, launch: &TaskLaunch) -> Result<Task> {
-        if launch.world_size != 1 {
+        if launch.world_size != 1 && launch.join.is_none() {
             return Err(ExecError::BadTask(format!(
                 "job {}: the Slurm executor starts a gang's {} ranks together, not one by one",
                 launch.job_id, launch.world_size
@@ -738,6 +765,11 @@ impl Executor for SlurmExecutor {
     /// One `sbatch` for the whole gang: all its ranks start, or none.
     fn start_gang(&self, launches: &[TaskLaunch]) -> std::result::Result<Vec<Task>, GangError> {
         self.submit(launches).map_err(|error| GangError { started: Vec::new(), rank: 0, error })
+    }
+
+    /// A newcomer gets an allocation of its own, its step started like a gang's.
+    fn joins_in_place(&self) -> bool {
+        true
     }
 
     fn describe(&self, task: &Task) -> String {
@@ -756,7 +788,8 @@ impl Executor for SlurmExecutor {
                 &self.attempt_dir(&task.job_id, task.attempt).join(format!("rank-{}.srun", task.rank)),
             ),
         };
-        let err = if files.exit.is_none() { self.batch_err(&task.job_id, task.attempt) } else { String::new() };
+        let err =
+            if files.exit.is_none() { self.batch_err(&task.job_id, task.attempt, task.rank) } else { String::new() };
         Ok(judge(id, task.rank, info.as_ref(), files, &err))
     }
 
@@ -846,6 +879,50 @@ impl Executor for SlurmExecutor {
 
     fn log_path(&self, job: &str, attempt: i64, rank: i64) -> PathBuf {
         self.attempt_dir(job, attempt).join(format!("rank-{rank}.log"))
+    }
+
+    /// Removes the job's in-memory checkpoints on the nodes it ran on (every node, when this server did not start
+    /// it): a small Slurm job per node (1 CPU, 16 MiB, one minute), since only Slurm reaches the nodes. Submitted,
+    /// not awaited: a busy node takes it when it can. A failure is logged; the copies then stay until the node
+    /// restarts.
+    fn job_ended(&self, job: &str) {
+        let Some(dir) = shoal_spec::memory_checkpoint_dir(job) else { return };
+        let nodes: Vec<String> = match self.ran_on.lock().unwrap_or_else(|p| p.into_inner()).remove(job) {
+            Some(n) => n.into_iter().collect(),
+            None => self.addrs.lock().unwrap_or_else(|p| p.into_inner()).keys().cloned().collect(),
+        };
+        for node in nodes {
+            let mut args = vec![
+                "--parsable".into(),
+                format!("--job-name={NAME_PREFIX}clean"),
+                "--chdir=/".into(),
+                "--output=/dev/null".into(),
+                "--no-requeue".into(),
+                format!("--nodelist={node}"),
+                "--nodes=1".into(),
+                "--ntasks=1".into(),
+                "--cpus-per-task=1".into(),
+                "--mem=16M".into(),
+                "--time=1".into(),
+            ];
+            if let Some(u) = &self.user {
+                args.push(format!("--uid={}", u.uid));
+                args.push(format!("--gid={}", u.gid));
+            }
+            args.push(format!("--wrap=/bin/rm -rf {}", sh_quote(&dir.display().to_string())));
+            match run(&self.bins.sbatch, &args, &format!("cleaning job {job}'s in-memory checkpoints on {node}")) {
+                Ok(out) if out.status.success() => {
+                    tracing::info!(job, node, dir = %dir.display(), "asked Slurm to remove the job's in-memory checkpoints")
+                }
+                Ok(out) => tracing::warn!(
+                    job,
+                    node,
+                    "sbatch refused the clean-up of in-memory checkpoints: {}",
+                    stderr_line(&out)
+                ),
+                Err(e) => tracing::warn!(job, node, "the clean-up of in-memory checkpoints: {e}"),
+            }
+        }
     }
 }
 
@@ -990,9 +1067,10 @@ mod tests {
             addrs: Mutex::new(HashMap::new()),
             jobs: Mutex::new(HashMap::new()),
             stops: Mutex::new(HashMap::new()),
+            ran_on: Mutex::new(HashMap::new()),
         };
         let ls = [launch(0, 2, "n1"), launch(1, 2, "n2")];
-        let s = exec.script(&ls, &[None, None], "10.214.0.1:23456").expect("a script");
+        let s = exec.script(&ls, &[None, None]).expect("a script");
         assert!(s.starts_with("#!/bin/sh\n"), "{s}");
         assert!(s.contains("export SHOAL_JOB_SECRET='s3cr'\\''et'\n"), "{s}");
         assert!(s.contains("export SHOAL_RENDEZVOUS_HOST='1'\n"), "{s}");
@@ -1002,6 +1080,6 @@ mod tests {
         assert_eq!(s.matches(") &\n").count(), 2, "{s}");
         assert!(s.ends_with("wait\n"), "{s}");
         let bad = TaskLaunch { env: vec![("A;B".into(), "x".into())], ..launch(0, 1, "n1") };
-        assert!(exec.script(&[bad], &[None], "h:1").is_err());
+        assert!(exec.script(&[bad], &[None]).is_err());
     }
 }

@@ -248,24 +248,39 @@ pub(crate) fn place_avoiding(
     spread: bool,
     avoid: &[usize],
 ) -> Option<Vec<TaskAlloc>> {
-    if !avoid.is_empty() && avoid.len() < a.len() {
-        let none = |n: &NodeFree| NodeFree { cpu: 0, mem: 0, gpus: vec![GpuFree { share: 0, mem: 0 }; n.gpus.len()] };
-        let n = a.len();
-        let mut kept: Vec<(usize, NodeFree)> = Vec::with_capacity(avoid.len());
-        for &i in avoid.iter().filter(|&&i| i < n) {
+    if !avoid.is_empty()
+        && avoid.len() < a.len()
+        && let Some(placed) = place_excluding(a, b.as_deref_mut(), r, k, spread, avoid)
+    {
+        return Some(placed);
+    }
+    place(a, b, r, k, spread)
+}
+
+/// Like [`place`], on every node but those at `exclude` (none of them is used, whatever is left).
+pub(crate) fn place_excluding(
+    a: &mut [NodeFree],
+    b: Option<&mut [NodeFree]>,
+    r: &Resources,
+    k: u32,
+    spread: bool,
+    exclude: &[usize],
+) -> Option<Vec<TaskAlloc>> {
+    let none = |n: &NodeFree| NodeFree { cpu: 0, mem: 0, gpus: vec![GpuFree { share: 0, mem: 0 }; n.gpus.len()] };
+    let n = a.len();
+    let mut kept: Vec<(usize, NodeFree)> = Vec::with_capacity(exclude.len());
+    for &i in exclude.iter().filter(|&&i| i < n) {
+        if kept.iter().all(|(j, _)| *j != i) {
             let empty = none(&a[i]);
             kept.push((i, std::mem::replace(&mut a[i], empty)));
         }
-        let placed = place(a, b.as_deref_mut(), r, k, spread);
-        for (i, n) in kept {
-            // What the placement took from other nodes stays taken; the avoided nodes come back whole.
-            a[i] = n;
-        }
-        if placed.is_some() {
-            return placed;
-        }
     }
-    place(a, b, r, k, spread)
+    let placed = place(a, b, r, k, spread);
+    for (i, n) in kept {
+        // What the placement took from other nodes stays taken; the excluded nodes come back whole.
+        a[i] = n;
+    }
+    placed
 }
 
 /// Whether a gang of `k` tasks fits (no change); agrees with [`place`], but

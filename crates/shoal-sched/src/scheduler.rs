@@ -818,15 +818,12 @@ impl Scheduler {
     }
 
     /// Grows running elastic jobs into free capacity (called only when no job
-    /// waits for capacity).
+    /// waits for capacity); a job spread one task per node grows onto nodes it has no task on.
     fn grow(&mut self, out: &mut Vec<Decision>) {
         let mut elastic: Vec<(i32, u64, JobId)> = self
             .jobs
             .iter()
-            .filter(|(_, j)| {
-                !j.req.spread
-                    && matches!(&j.state, State::Running { tasks, .. } if (tasks.len() as u32) < j.req.tasks_max)
-            })
+            .filter(|(_, j)| matches!(&j.state, State::Running { tasks, .. } if (tasks.len() as u32) < j.req.tasks_max))
             .map(|(id, j)| (j.req.priority, j.req.submitted_at_ms, id.clone()))
             .collect();
         elastic.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
@@ -839,7 +836,16 @@ impl Scheduler {
                     break;
                 }
                 let avoid = self.avoided(&req);
-                let Some(mut t) = place::place_avoiding(&mut self.free, None, &req.per_task, 1, false, &avoid) else {
+                let placed = if req.spread {
+                    // Strictly elsewhere than its tasks; away from the avoided nodes where it fits.
+                    let taken: Vec<usize> = tasks.iter().chain(&added).map(|t| t.node).collect();
+                    let both: Vec<usize> = taken.iter().chain(&avoid).copied().collect();
+                    place::place_excluding(&mut self.free, None, &req.per_task, 1, false, &both)
+                        .or_else(|| place::place_excluding(&mut self.free, None, &req.per_task, 1, false, &taken))
+                } else {
+                    place::place_avoiding(&mut self.free, None, &req.per_task, 1, false, &avoid)
+                };
+                let Some(mut t) = placed else {
                     break;
                 };
                 self.charge(&req, 1);

@@ -147,6 +147,7 @@ impl Control {
         let (generation, rendezvous) = self.next_group(job, members.clone(), numbers.clone())?;
         self.stragglers.lock().unwrap_or_else(|p| p.into_inner()).remove(&job.id);
         let mut rows = Vec::with_capacity(added.len());
+        let mut where_ = Vec::with_capacity(added.len());
         for (k, (number, a)) in numbers.iter().zip(added).enumerate() {
             let intent = intent_row(&job.id, job.attempt, *number, a, self.exec.host());
             self.db.upsert_task(&intent).await?;
@@ -154,16 +155,18 @@ impl Control {
             launch.join =
                 Some(Join { generation, rank: before.len() + k, world_size: world, rendezvous: rendezvous.clone() });
             let task = self.exec.start(&launch)?;
+            where_.push(format!("task {number} {}", self.exec.describe(&task)));
             let row = started_row(task, &a.node);
             self.db.upsert_task(&row).await?;
             rows.push(row);
         }
         let message = format!(
             "grows in place from {} to {world} workers into free capacity ([workers] max = {}): task {} joins group \
-             {generation}; the members keep their processes and the newcomers take rank 0's state",
+             {generation}; the members keep their processes and the newcomers take rank 0's state ({})",
             before.len(),
             spec.workers.range().1,
-            numbers.iter().map(i64::to_string).collect::<Vec<_>>().join(", ")
+            numbers.iter().map(i64::to_string).collect::<Vec<_>>().join(", "),
+            where_.join("; ")
         );
         self.db
             .transition(

@@ -73,7 +73,26 @@ fn a_large_max_grows_only_as_far_as_capacity() {
         "
         @0 place e n1:0
         @0 place f n1:1@500
-        @0 grow f n1:1@500 n2:0@500 n2:0@500 n2:1@500 n2:1@500
+        @0 grow e n2:0
+        @0 grow f n1:1@500 n2:1@500 n2:1@500
+        ",
+    );
+}
+
+#[test]
+fn a_spread_job_grows_one_task_per_node_onto_nodes_it_has_none_on() {
+    // e holds n1 and, spread, may grow only onto n2 and n3: one task each, though n1 has room for more.
+    check(
+        "
+        node n1 gpus=4
+        node n2 gpus=1
+        node n3 gpus=1
+        job e tasks=1..8 gpus=1 spread
+        sched 0
+        ",
+        "
+        @0 place e n1:0
+        @0 grow e n2:0 n3:0
         ",
     );
 }

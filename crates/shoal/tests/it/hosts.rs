@@ -72,6 +72,20 @@ impl Hosts {
         format!("shoal-sw-{}", self.tag)
     }
 
+    /// Links this machine's own network namespace to the switch, at `10.213.N.254` (what the hosts reach a
+    /// server on this machine at), and gives that address. The link goes with the switch.
+    pub fn link_this_machine(&self) -> String {
+        let sw = self.switch();
+        let (a, b) = (format!("m-{}", self.tag), format!("sm-{}", self.tag));
+        let addr = format!("10.213.{}.254", self.net);
+        ip(&["link", "add", &a, "type", "veth", "peer", "name", &b, "netns", &sw]);
+        ip(&["addr", "add", &format!("{addr}/24"), "dev", &a]);
+        ip(&["link", "set", &a, "up"]);
+        ip(&["-n", &sw, "link", "set", &b, "master", "br0"]);
+        ip(&["-n", &sw, "link", "set", &b, "up"]);
+        addr
+    }
+
     /// Host `i`'s network namespace (`ip netns exec` mounts the files of `/etc/netns/<it>/` over `/etc`).
     pub fn ns(&self, i: usize) -> String {
         format!("shoal-h{i}-{}", self.tag)

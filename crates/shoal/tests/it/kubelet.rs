@@ -64,6 +64,8 @@ pub struct Kubelet {
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     thread: Option<std::thread::JoinHandle<()>>,
     pub started: Arc<Mutex<Vec<Started>>>,
+    /// This machine's address on the Pods' network (where they reach a server running here).
+    pub head: String,
 }
 
 impl Kubelet {
@@ -82,17 +84,17 @@ impl Kubelet {
                         return;
                     }
                 };
-                let _ = ready_tx.send(Ok(()));
+                let _ = ready_tx.send(Ok(k.hosts.link_this_machine()));
                 k.run(stop_rx).await;
                 k.shutdown();
             });
         });
-        match ready_rx.recv_timeout(Duration::from_secs(60)) {
-            Ok(Ok(())) => {}
+        let head = match ready_rx.recv_timeout(Duration::from_secs(60)) {
+            Ok(Ok(head)) => head,
             Ok(Err(e)) => panic!("the stand-in kubelet could not start: {e}"),
             Err(_) => panic!("the stand-in kubelet did not start within 60 s"),
-        }
-        Kubelet { stop: Some(stop), thread: Some(thread), started }
+        };
+        Kubelet { stop: Some(stop), thread: Some(thread), started, head }
     }
 
     pub fn started(&self) -> Vec<Started> {

@@ -174,7 +174,21 @@ impl KubePlatform {
             logs,
         });
         let kc = c.kubeconfig.display().to_string();
-        let args = ["--executor", "kubernetes", "--kubeconfig", &kc, "--namespace", &ns, "--image", image];
+        // The Pods reach the server (their heartbeats, a regrouping group's store) at this machine's address on
+        // their network.
+        let advertise = format!("http://{}:{{port}}", kubelet.head);
+        let args = [
+            "--executor",
+            "kubernetes",
+            "--kubeconfig",
+            &kc,
+            "--namespace",
+            &ns,
+            "--image",
+            image,
+            "--advertise-url",
+            &advertise,
+        ];
         let p = Platform::with_server(tag, &args, &[("SHOAL_LOG", "shoal_control=info,shoal_exec=info,warn")]);
         assert_eq!(p.data(), data, "the claim stands for the platform's data directory");
         KubePlatform { p, c, ns, kubelet: Some(kubelet), _one: one }
@@ -575,4 +589,62 @@ fn kubernetes_an_image_that_cannot_be_pulled_is_said_and_cancel_still_cleans_up(
     assert!(out.status.success(), "shoal cancel: {}", text(&out.stderr));
     p.wait_state(&id, "cancelled");
     k.wait_for("the Pods and Service to be deleted", |k| k.pods().is_empty() && k.services().is_empty());
+}
+
+#[test]
+#[cfg_attr(not(feature = "failpoints"), ignore = "slows the job's data: needs `--features shoal/failpoints`")]
+fn kubernetes_elastic_job_regroups_in_place_and_a_newcomer_joins_as_one_more_pod() {
+    let k = KubePlatform::new("k8s-elastic");
+    let p = &k.p;
+    let steps = 8000;
+    let spec = job("stretchy", steps, "1GiB", 0)
+        .replace("count = 2\n", "min = 1\nmax = 2\n")
+        .replace("max_restarts = 0\n", "policy = \"elastic\"\nmax_restarts = 0\n")
+        .replace("[train]\n", "[env]\nSHOAL_FAULT_DATA_DELAY = \"5ms\"\n[train]\n");
+    let id = p.submit("stretchy", &spec);
+    p.wait_state_where(&id, "training past step 100", |v| v["last_metrics"]["step"].as_u64().is_some_and(|s| s > 100));
+    let started = k.kubelet().started();
+    let container = |rank: usize| {
+        started
+            .iter()
+            .find(|s| s.name.ends_with(&format!("-{rank}")))
+            .unwrap_or_else(|| panic!("no Pod of rank {rank}: {started:?}"))
+            .pid
+    };
+    // The training process: the child of the Pod's wrapper.
+    let children = |pid: u32| -> Vec<i32> {
+        std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+            .unwrap_or_default()
+            .split_whitespace()
+            .filter_map(|c| c.parse().ok())
+            .collect()
+    };
+    let (first, victim) = (children(container(0)), children(container(1)));
+    assert!(!first.is_empty() && !victim.is_empty(), "training processes: {first:?} {victim:?}");
+    for pid in &victim {
+        // SAFETY: kill(2) on rank 1's training process, which the stand-in kubelet started for this test.
+        assert_eq!(unsafe { libc::kill(*pid, libc::SIGKILL) }, 0, "kill rank 1's training process {pid}");
+    }
+
+    let grown = p.wait_state_where(&id, "regrouped in place twice", |v| {
+        events(v).iter().filter(|e| e.1 == "regrouped").count() >= 2
+            && v["workers"].as_array().is_some_and(|w| w.len() == 2)
+    });
+    let said: Vec<String> = events(&grown).into_iter().filter(|e| e.1 == "regrouped").map(|e| e.2).collect();
+    assert!(said[0].contains("rank 1 exited with status 137") && said[0].contains("survivors (task 0)"), "{said:?}");
+    assert!(said[1].contains("grows in place from 1 to 2 workers") && said[1].contains("task 2 joins"), "{said:?}");
+    assert_eq!(grown["attempt"].as_i64(), Some(1), "{grown}");
+    assert_eq!(children(container(0)), first, "the survivor kept its training process");
+    // The newcomer is one more Pod of the attempt, owned by its Service.
+    let newcomer = format!("shoal-{id}-1-2");
+    k.wait_for("the newcomer's Pod", |k| k.pods().iter().any(|x| x["metadata"]["name"] == newcomer.as_str()));
+    let pod = k.pods().into_iter().find(|x| x["metadata"]["name"] == newcomer.as_str()).expect("the newcomer's Pod");
+    assert_eq!(pod["metadata"]["ownerReferences"][0]["kind"], "Service", "{pod}");
+    let env = env_of(&pod);
+    assert_eq!(env.get("SHOAL_GENERATION").map(|e| e["value"].clone()), Some(json!("2")), "{pod}");
+
+    let v = p.wait_state(&id, "succeeded");
+    assert_eq!((v["attempt"].as_i64(), v["restarts"].as_i64()), (Some(1), Some(0)), "{}", v["events"]);
+    assert_eq!(v["summary"]["steps"], steps, "{}", v["summary"]);
+    assert_eq!(v["summary"]["world_size"], 2, "{}", v["summary"]);
 }

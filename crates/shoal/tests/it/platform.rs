@@ -270,10 +270,17 @@ impl Platform {
             let out = std::fs::File::create(&log).expect("server log");
             let err = out.try_clone().expect("server log");
             let addr = format!("127.0.0.1:{port}");
+            // An argument naming `{port}` (an --advertise-url for hosts in network namespaces) gets the port, and
+            // the server listens on every address, so those hosts reach it.
+            let args: Vec<String> = self.server_args.iter().map(|a| a.replace("{port}", &port.to_string())).collect();
+            let listen = match self.server_args.iter().any(|a| a.contains("{port}")) {
+                true => format!("0.0.0.0:{port}"),
+                false => addr.clone(),
+            };
             let mut child = shoal()
-                .args(["server", "--listen", &addr, "--data-dir"])
+                .args(["server", "--listen", &listen, "--data-dir"])
                 .arg(&self.data)
-                .args(&self.server_args)
+                .args(&args)
                 .env("SHOAL_LOG", "shoal_control=info,warn")
                 .env("HOME", &self.root)
                 .env_remove("SHOAL_DATA_DIR")

@@ -9,6 +9,8 @@
 //! - A server killed with `kill -9` adopts its running Slurm job when it starts again.
 //! - A rank killed on its node fails the job with its exit status; a job over its Slurm time limit fails with
 //!   Slurm's reason (TIMEOUT).
+//! - An elastic job that loses a rank goes on in place with the survivor, and a newcomer joins its group in a Slurm
+//!   allocation of its own, with no process of the survivor restarted.
 //!
 //! The set-up needs root (network namespaces, daemons) and, on a fresh machine, Debian's mirror: without them these
 //! tests fail, saying so; they never skip. They run one at a time (they share the cluster's CPUs).
@@ -27,13 +29,13 @@ use crate::platform::{Platform, alive, attempt_procs, events, kinds, text};
 const SETUP: Duration = Duration::from_secs(900);
 
 /// One Slurm test at a time; the cluster is set up once per test process (its script is idempotent anyway).
-fn cluster() -> (MutexGuard<'static, ()>, String) {
+fn cluster() -> (MutexGuard<'static, ()>, String, String) {
     static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
-    static CONF: OnceLock<Result<String, String>> = OnceLock::new();
+    static CONF: OnceLock<Result<(String, String), String>> = OnceLock::new();
     let guard = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
     let conf = CONF.get_or_init(start_cluster).clone();
     match conf {
-        Ok(c) => (guard, c),
+        Ok((c, head)) => (guard, c, head),
         Err(e) => panic!("{e}"),
     }
 }
@@ -42,17 +44,18 @@ fn script() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/test-slurm.sh")
 }
 
-/// Runs `scripts/test-slurm.sh start`; the path of the cluster's slurm.conf.
-fn start_cluster() -> Result<String, String> {
+/// Runs `scripts/test-slurm.sh start`; the path of the cluster's slurm.conf and the head's address on the nodes'
+/// network (this machine's, where the server runs).
+fn start_cluster() -> Result<(String, String), String> {
     let t0 = Instant::now();
     let out = crate::platform::run_setup(&script(), SETUP, "the Slurm test cluster")?;
     let stdout = text(&out.stdout);
     let ok = stdout.lines().find(|l| l.starts_with("OK "));
-    let conf = ok.and_then(|l| l.split_whitespace().find_map(|w| w.strip_prefix("SLURM_CONF=")));
-    match (out.status.success(), conf) {
-        (true, Some(c)) => {
+    let word = |key: &str| ok.and_then(|l| l.split_whitespace().find_map(|w| w.strip_prefix(key)));
+    match (out.status.success(), word("SLURM_CONF="), word("HEAD=")) {
+        (true, Some(c), Some(head)) => {
             eprintln!("slurm cluster: {} (set-up took {:.1} s here)", ok.unwrap_or(""), t0.elapsed().as_secs_f64());
-            Ok(c.to_owned())
+            Ok((c.to_owned(), head.to_owned()))
         }
         _ => Err(format!(
             "the Slurm test cluster could not be set up ({}): these tests need root, ip netns and Slurm (installed \
@@ -88,10 +91,12 @@ struct SlurmPlatform {
 
 impl SlurmPlatform {
     fn new(tag: &str, env: &[(&str, &str)]) -> SlurmPlatform {
-        let (one, conf) = cluster();
+        let (one, conf, head) = cluster();
         let mut all = vec![("SLURM_CONF", conf.as_str()), ("SHOAL_LOG", "shoal_control=info,shoal_exec=info,warn")];
         all.extend_from_slice(env);
-        let p = Platform::with_server(tag, &["--executor", "slurm"], &all);
+        // The nodes reach the server (their heartbeats, a regrouping group's store) at the head's address.
+        let advertise = format!("http://{head}:{{port}}");
+        let p = Platform::with_server(tag, &["--executor", "slurm", "--advertise-url", &advertise], &all);
         SlurmPlatform { p, conf, _one: one }
     }
 
@@ -331,8 +336,11 @@ fn slurm_runs_a_two_worker_ddp_job_across_both_nodes() {
 fn slurm_cancel_ends_the_slurm_job_and_every_process() {
     let s = SlurmPlatform::new("slurm-cancel", &[]);
     let p = &s.p;
-    let id = p.submit("endless", &job("endless", 10_000_000, 3));
+    let id = p.submit("endless", &format!("{}\n[checkpoint]\nmemory_every = 20\n", job("endless", 10_000_000, 3)));
     let pids = s.wait_ranks(&id, 2);
+    // Its in-memory copies, on the nodes (whose /dev/shm is this machine's: the nodes are network namespaces).
+    let shm = std::path::PathBuf::from(format!("/dev/shm/shoal-{id}"));
+    p.wait("an in-memory copy on the nodes", || shm.exists().then_some(()));
     let v = p.wait_state(&id, "running");
     let slurm_id = s.slurm_id(&v);
     assert_eq!(slurm_job(&s.conf, &slurm_id, "JobState").as_deref(), Some("RUNNING"));
@@ -351,6 +359,8 @@ fn slurm_cancel_ends_the_slurm_job_and_every_process() {
     assert_eq!(v["restarts"], 0, "a cancellation is no restart: {v}");
     let k = kinds(&v);
     assert!(k.contains(&"cancelled".to_owned()), "events: {k:?}");
+    // The job is over: a Slurm job on each node it ran on removes its in-memory copies.
+    p.wait(&format!("{} removed", shm.display()), || (!shm.exists()).then_some(()));
 }
 
 #[test]
@@ -422,4 +432,47 @@ fn slurm_reports_its_time_limit_as_the_reason() {
     let failed = events(&v).into_iter().find(|(_, k, _)| k == "failed").map(|(_, _, m)| m).unwrap_or_default();
     assert!(failed.contains("TIMEOUT"), "the failed event names Slurm's reason: {failed}");
     s.assert_slurm_job_over(&slurm_id);
+}
+
+#[test]
+#[cfg_attr(not(feature = "failpoints"), ignore = "slows the job's data: needs `--features shoal/failpoints`")]
+fn slurm_elastic_job_regroups_in_place_and_a_newcomer_joins_in_an_allocation_of_its_own() {
+    let s = SlurmPlatform::new("slurm-elastic", &[]);
+    let p = &s.p;
+    let steps = 8000;
+    let spec = job("stretchy", steps, 0)
+        .replace("count = 2\n", "min = 1\nmax = 2\n")
+        .replace("max_restarts = 0\n", "policy = \"elastic\"\nmax_restarts = 0\n")
+        .replace("[train]\n", "[env]\nSHOAL_FAULT_DATA_DELAY = \"5ms\"\n[train]\n");
+    let id = p.submit("stretchy", &spec);
+    let pids = s.wait_ranks(&id, 2);
+    let gang = s.slurm_id(&p.wait_state(&id, "running"));
+    p.wait_state_where(&id, "training past step 100", |v| v["last_metrics"]["step"].as_u64().is_some_and(|s| s > 100));
+    // SAFETY: kill(2) on rank 1's training process, which this test's server started through Slurm.
+    assert_eq!(unsafe { libc::kill(pids[1] as i32, libc::SIGKILL) }, 0, "kill rank 1 (pid {})", pids[1]);
+
+    let grown = p.wait_state_where(&id, "regrouped in place twice", |v| {
+        events(v).iter().filter(|e| e.1 == "regrouped").count() >= 2
+            && v["workers"].as_array().is_some_and(|w| w.len() == 2)
+    });
+    let said: Vec<String> = events(&grown).into_iter().filter(|e| e.1 == "regrouped").map(|e| e.2).collect();
+    assert!(said[0].contains("rank 1 exited with status 137") && said[0].contains("survivors (task 0)"), "{said:?}");
+    assert!(said[1].contains("grows in place from 1 to 2 workers") && said[1].contains("task 2 joins"), "{said:?}");
+    assert_eq!(grown["attempt"].as_i64(), Some(1), "{grown}");
+    assert!(alive(pids[0]), "the survivor (pid {}) kept its process", pids[0]);
+    // The newcomer runs in a Slurm job of its own, named as the attempt's.
+    let newcomer: String = said[1]
+        .split("Slurm job ")
+        .nth(1)
+        .map(|r| r.chars().take_while(char::is_ascii_digit).collect())
+        .unwrap_or_else(|| panic!("no Slurm job of the newcomer's own: {said:?}"));
+    assert_ne!(newcomer, gang, "{said:?}");
+    assert_eq!(slurm_job(&s.conf, &newcomer, "JobName").as_deref(), Some(format!("shoal-{id}-1").as_str()));
+
+    let v = s.wait_final(&id, "succeeded", Duration::from_secs(600));
+    assert_eq!((v["attempt"].as_i64(), v["restarts"].as_i64()), (Some(1), Some(0)), "{}", v["events"]);
+    assert_eq!(v["summary"]["steps"], steps, "{}", v["summary"]);
+    assert_eq!(v["summary"]["world_size"], 2, "{}", v["summary"]);
+    s.assert_slurm_job_over(&gang);
+    s.assert_slurm_job_over(&newcomer);
 }
