@@ -40,7 +40,15 @@ enum How {
 }
 
 fn layout(data: usize, tensor: usize, pipeline: usize, zero: u8) -> How {
-    How::Layout(LayoutConfig { data, tensor, pipeline, micro_batches: 2, schedule: PipelineSchedule::OneFOneB, zero })
+    How::Layout(LayoutConfig {
+        data,
+        tensor,
+        pipeline,
+        micro_batches: 2,
+        schedule: PipelineSchedule::OneFOneB,
+        virtual_stages: 1,
+        zero,
+    })
 }
 
 fn dataset() -> Arc<dyn Dataset> {
