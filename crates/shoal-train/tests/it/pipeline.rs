@@ -19,11 +19,13 @@ use super::equivalence::{
 };
 use super::zero3::without_key_biases;
 
-/// A model to train: the MLP of the DDP tests (64 → 32 → 16 → 10), or a GPT of 4 layers of width 64.
+/// A model to train: the MLP of the DDP tests (64 → 32 → 16 → 10), a GPT of 4 layers of width 64, or one of width
+/// 256 (where computing outweighs sending, to measure bubbles).
 #[derive(Clone, Copy, Debug)]
 enum Net {
     Mlp,
     Gpt,
+    WideGpt,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -45,13 +47,14 @@ struct PipeRun {
 }
 
 /// What a rank leaves: its state as a checkpoint holds it, the loss of each step, its parameter bytes, the model's,
-/// and the last step's bubble.
+/// and each step's bubble.
 struct Out {
     saved: Saved,
     losses: Vec<f32>,
     param_bytes: usize,
     model_bytes: usize,
     bubble: Option<Bubble>,
+    bubbles: Vec<Bubble>,
 }
 
 fn build(net: Net, params: &mut Params, rng: &mut SeededRng) -> Box<dyn Model> {
@@ -59,6 +62,9 @@ fn build(net: Net, params: &mut Params, rng: &mut SeededRng) -> Box<dyn Model> {
         Net::Mlp => Box::new(Mlp::new(params, rng, 64, &[32, 16], 10).expect("mlp")),
         Net::Gpt => Box::new(
             Gpt::new(params, rng, GptConfig { vocab: 256, context: 16, layers: 4, heads: 2, width: 64 }).expect("gpt"),
+        ),
+        Net::WideGpt => Box::new(
+            Gpt::new(params, rng, GptConfig { vocab: 256, context: 16, layers: 4, heads: 4, width: 256 }).expect("gpt"),
         ),
     }
 }
@@ -70,7 +76,7 @@ fn values(named: Vec<(String, candle_core::Tensor)>) -> Vec<(String, Vec<f32>)> 
 fn rank_run(run: &PipeRun, comm: Option<Communicator>, rank: usize, from: Option<&Saved>) -> Out {
     let which = match run.net {
         Net::Mlp => Which::Mlp,
-        Net::Gpt => Which::Gpt,
+        Net::Gpt | Net::WideGpt => Which::Gpt,
     };
     let data = dataset(which);
     let mut params = Params::default();
@@ -118,7 +124,7 @@ fn rank_run(run: &PipeRun, comm: Option<Communicator>, rank: usize, from: Option
         }
     }
     let micro = if run.stages == 0 { run.reference_micro } else { run.micro };
-    let (mut losses, mut bubble) = (Vec::new(), None);
+    let (mut losses, mut bubble, mut bubbles) = (Vec::new(), None, Vec::new());
     for _ in 0..run.steps {
         let samples: Vec<_> = (0..run.draws)
             .flat_map(|_| sampler.next_batch_cycling().indices)
@@ -148,6 +154,7 @@ fn rank_run(run: &PipeRun, comm: Option<Communicator>, rank: usize, from: Option
         // The pipeline sums the last stage's loss over the stages; one process keeps its own.
         losses.push(if run.stages == 0 { local_loss } else { times.scalars[0] });
         bubble = times.bubble;
+        bubbles.extend(times.bubble);
     }
     let params = values(trainer.model_state().expect("model state"));
     let optimizer = values(trainer.optimizer_state().expect("optimizer state"));
@@ -157,6 +164,7 @@ fn rank_run(run: &PipeRun, comm: Option<Communicator>, rank: usize, from: Option
         param_bytes: trainer.param_bytes(),
         model_bytes,
         bubble,
+        bubbles,
     }
 }
 
@@ -407,4 +415,51 @@ fn a_pipeline_refuses_layouts_it_cannot_run() {
     let pcfg = PipelineConfig { stages: 2, micro_batches: 2, schedule: PipelineSchedule::Gpipe, virtual_stages: 1 };
     let e = Trainer::with_strategy(params, Box::new(Pipeline::new(None, pcfg)), TrainerConfig::default()).err();
     assert!(e.is_some_and(|e| e.to_string().contains("runs on as many ranks, not 1")));
+}
+
+/// The bubble measured (time in `send`/`recv` over the schedule's time, the mean of the ranks') under 1F1B and under
+/// the interleaved schedule (2 chunks a rank) on the same job: the GPT of width 256 on 2 ranks, 32 sequences a step
+/// in 4 and in 8 micro-batches; 3 runs of 6 steps each, the two schedules in turn, and the median of their steps but
+/// the first of each run, printed with the theory's figures. A measurement, not a check:
+/// `cargo test -p shoal-train --test it measured_bubbles -- --ignored --nocapture`.
+#[test]
+#[ignore = "a measurement: run it on its own with --ignored --nocapture"]
+fn measured_bubbles_of_1f1b_and_interleaved() {
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    for micro in [4, 8] {
+        let run = |schedule: PipelineSchedule, into: &mut Vec<f64>| {
+            let chunks = if schedule == PipelineSchedule::Interleaved { 2 } else { 1 };
+            let run = PipeRun {
+                net: Net::WideGpt,
+                stages: 2,
+                micro,
+                schedule,
+                chunks,
+                steps: 6,
+                global_batch: 32,
+                draws: 1,
+                reference_micro: 1,
+            };
+            let outs = run_all(run, None);
+            let b = &outs[0].bubbles;
+            assert_eq!(b.len(), 6);
+            into.extend(b[1..].iter().map(|b| b.mean));
+            b[0].theory
+        };
+        let (mut flat, mut inter) = (Vec::new(), Vec::new());
+        let (mut flat_theory, mut inter_theory) = (0.0, 0.0);
+        for _ in 0..3 {
+            flat_theory = run(PipelineSchedule::OneFOneB, &mut flat);
+            inter_theory = run(PipelineSchedule::Interleaved, &mut inter);
+        }
+        let (flat, inter) = (median(flat), median(inter));
+        println!(
+            "2 stages, {micro} micro-batches: 1f1b bubble {flat:.4} (theory {flat_theory:.4}), interleaved (2 chunks) \
+             {inter:.4} (theory {inter_theory:.4}), interleaved / 1f1b {:.3}",
+            inter / flat
+        );
+    }
 }
