@@ -256,6 +256,17 @@ fn tensor_times_pipeline_matches_one_process() {
     assert_matches_one_process(&[(layout(1, 2, 2, 0), 4)]);
 }
 
+/// The pipeline under the interleaved schedule (2 chunks of layers a rank) inside composed layouts: data 2 ×
+/// pipeline 2 with ZeRO-1, and tensor 2 × pipeline 2.
+#[test]
+fn interleaved_pipelines_inside_layouts_match_one_process() {
+    let interleaved = |how: How| match how {
+        How::Layout(l) => How::Layout(LayoutConfig { schedule: PipelineSchedule::Interleaved, virtual_stages: 2, ..l }),
+        other => other,
+    };
+    assert_matches_one_process(&[(interleaved(layout(2, 1, 2, 1)), 4), (interleaved(layout(1, 2, 2, 0)), 4)]);
+}
+
 #[test]
 fn data_times_tensor_times_pipeline_matches_one_process_at_8_ranks() {
     assert_matches_one_process(&[(layout(2, 2, 2, 0), 8), (layout(2, 2, 2, 1), 8)]);
