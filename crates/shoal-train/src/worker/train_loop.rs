@@ -612,6 +612,23 @@ fn last_step(path: &std::path::Path) -> Option<u64> {
     serde_json::from_slice::<serde_json::Value>(line).ok()?.get("step")?.as_u64()
 }
 
+/// How the ranks that saved a checkpoint split the model (recorded in its manifest for `shoal checkpoint inspect`; the
+/// tensors themselves are whole whatever the layout): the pipeline's stages, micro-batches, schedule and model
+/// chunks per rank, the tensor-parallel and data-parallel degrees; `None` when every rank holds the whole model.
+fn model_layout(spec: &JobSpec) -> Option<serde_json::Value> {
+    let (stages, tensor, data) = (spec.pipeline_stages(), spec.tensor_degree(), spec.data_degree());
+    if stages <= 1 && tensor <= 1 && data <= 1 {
+        return None;
+    }
+    let mut l = serde_json::json!({ "data": data, "tensor": tensor, "pipeline_stages": stages });
+    if let (Some(p), true) = (&spec.parallel, stages > 1) {
+        l["micro_batches"] = spec.pipeline_micro_batches().into();
+        l["schedule"] = p.schedule.as_str().into();
+        l["virtual_stages"] = p.virtual_stages().into();
+    }
+    Some(l)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -636,21 +653,4 @@ mod tests {
         assert_eq!(std::fs::read_to_string(&path).expect("read"), kept);
         let _ = std::fs::remove_dir_all(&dir);
     }
-}
-
-/// How the ranks that saved a checkpoint split the model (recorded in its manifest for `shoal checkpoint inspect`; the
-/// tensors themselves are whole whatever the layout): the pipeline's stages, micro-batches, schedule and model
-/// chunks per rank, the tensor-parallel and data-parallel degrees; `None` when every rank holds the whole model.
-fn model_layout(spec: &JobSpec) -> Option<serde_json::Value> {
-    let (stages, tensor, data) = (spec.pipeline_stages(), spec.tensor_degree(), spec.data_degree());
-    if stages <= 1 && tensor <= 1 && data <= 1 {
-        return None;
-    }
-    let mut l = serde_json::json!({ "data": data, "tensor": tensor, "pipeline_stages": stages });
-    if let (Some(p), true) = (&spec.parallel, stages > 1) {
-        l["micro_batches"] = spec.pipeline_micro_batches().into();
-        l["schedule"] = p.schedule.as_str().into();
-        l["virtual_stages"] = p.virtual_stages().into();
-    }
-    Some(l)
 }
