@@ -34,7 +34,9 @@
 //! [parallel]                     # with strategy = "pipeline", "tensor" or "3d" only
 //! pipeline_stages = 2            # pipeline: stages of consecutive layers, one rank each (world size = stages)
 //! micro_batches = 4              # pipeline: the global batch split into this many micro-batches
-//! schedule = "1f1b"              # pipeline: 1f1b (default) | gpipe
+//! schedule = "1f1b"              # pipeline: 1f1b (default) | gpipe | interleaved
+//! # virtual_stages = 2           # interleaved: model chunks per rank (≥ 2, default 2; micro_batches a multiple of
+//! #                              # pipeline_stages, the layers cut into pipeline_stages × virtual_stages chunks)
 //! # tensor = 2                   # tensor (instead of the three above): ranks that split every layer (world size)
 //! # strategy = "3d" composes them: data × tensor × pipeline_stages = world size (each 1 by default)
 //! # data = 2                     # 3d: data-parallel replicas, each a whole model split by tensor and pipeline
@@ -86,7 +88,7 @@
 //! | `checkpoint.keep` | 3 |
 //! | `checkpoint.memory_every` | 0 (no in-memory copies) |
 //! | `parallel.schedule` | `1f1b` |
-//! | `parallel.virtual_stages` | 1 |
+//! | `parallel.virtual_stages` | 2 under `schedule = "interleaved"`, else 1 |
 //!
 //! # Model architectures (what [`ModelSpec::param_count`] counts)
 //!
@@ -238,9 +240,12 @@ pub struct ParallelSpec {
     /// The order in which a stage runs its micro-batches' forward and backward passes.
     #[serde(default)]
     pub schedule: PipelineSchedule,
-    /// Model chunks per rank (interleaved schedules only; default 1).
-    #[serde(default = "one")]
-    pub virtual_stages: usize,
+    /// Model chunks per rank under `schedule = "interleaved"` (at least 2; default 2): rank `r` of `P` holds chunks
+    /// `r, r + P, …` of the model's `P · virtual_stages` chunks of consecutive layers. Any other schedule has one
+    /// (1, or left out).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(minimum = 1))]
+    pub virtual_stages: Option<usize>,
     /// Data-parallel degree (`strategy = "3d"` only; default 1): replicas of the model, each split by `tensor` and
     /// `pipeline_stages`, each taking its share of every global batch.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -272,7 +277,9 @@ pub enum PipelineSchedule {
     #[default]
     #[serde(rename = "1f1b")]
     OneFOneB,
-    /// Virtual stages per rank (not available yet: refused at validation).
+    /// Megatron-LM's interleaved 1F1B: each rank holds `virtual_stages` non-contiguous chunks of layers, and the
+    /// micro-batches (a multiple of the stages) go round the ranks once per chunk; the bubble shrinks to
+    /// `(P-1)/(V·M + P-1)` for `V` times the messages.
     #[serde(rename = "interleaved")]
     Interleaved,
 }
@@ -288,6 +295,49 @@ impl PipelineSchedule {
 }
 
 impl ParallelSpec {
+    /// Model chunks per pipeline rank: `virtual_stages` (default 2) under the interleaved schedule, else 1.
+    pub fn virtual_stages(&self) -> usize {
+        match self.schedule {
+            PipelineSchedule::Interleaved => self.virtual_stages.unwrap_or(2),
+            _ => 1,
+        }
+    }
+
+    /// Checks `schedule` and `virtual_stages` of a pipeline of `stages` stages and `micro` micro-batches: the
+    /// interleaved schedule has at least 2 chunks per rank and a multiple of the stages as micro-batches (as
+    /// Megatron-LM requires); any other has one chunk per rank.
+    fn validate_chunks(&self, stages: usize, micro: usize) -> Result<()> {
+        if let Some(v) = self.virtual_stages {
+            positive("parallel.virtual_stages", v)?;
+        }
+        if self.schedule != PipelineSchedule::Interleaved {
+            return match self.virtual_stages {
+                Some(v) if v != 1 => Err(SpecError::at(
+                    "parallel.virtual_stages",
+                    format!("{v} virtual stages: only schedule = \"interleaved\" has more than 1"),
+                )),
+                _ => Ok(()),
+            };
+        }
+        let v = self.virtual_stages();
+        if v < 2 {
+            return Err(SpecError::at(
+                "parallel.virtual_stages",
+                format!("{v}: the interleaved schedule holds at least 2 model chunks per rank"),
+            ));
+        }
+        if !micro.is_multiple_of(stages.max(1)) {
+            return Err(SpecError::at(
+                "parallel.micro_batches",
+                format!(
+                    "{micro} micro-batches: the interleaved schedule takes them in groups of parallel.pipeline_stages \
+                     = {stages} (a multiple of it)"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// The pipeline's stages and micro-batches (0 where not set: refused by validation under a pipeline).
     pub fn stages_and_micro_batches(&self) -> (usize, usize) {
         (self.pipeline_stages.unwrap_or(0), self.micro_batches.unwrap_or(0))
@@ -329,16 +379,12 @@ impl ParallelSpec {
                 return Err(SpecError::at("parallel.micro_batches", "required with a pipeline of 2 stages or more"));
             };
             positive("parallel.micro_batches", micro)?;
-            if self.schedule == PipelineSchedule::Interleaved {
-                return Err(SpecError::at(
-                    "parallel.schedule",
-                    "\"interleaved\" is not available yet; available: gpipe, 1f1b",
-                ));
-            }
+            self.validate_chunks(pipeline, micro)?;
         } else {
             let pipeline_only = [
                 ("micro_batches", self.micro_batches.is_some()),
                 ("schedule", self.schedule != PipelineSchedule::default()),
+                ("virtual_stages", self.virtual_stages.is_some_and(|v| v != 1)),
             ];
             if let Some((key, _)) = pipeline_only.iter().find(|(_, set)| *set) {
                 return Err(SpecError::at(
@@ -346,12 +392,6 @@ impl ParallelSpec {
                     "applies to a pipeline only (parallel.pipeline_stages ≥ 2)",
                 ));
             }
-        }
-        if self.virtual_stages != 1 {
-            return Err(SpecError::at(
-                "parallel.virtual_stages",
-                format!("{} virtual stages: only an interleaved schedule has more than 1", self.virtual_stages),
-            ));
         }
         match self.zero {
             None | Some(0 | 1) => Ok(()),
@@ -369,7 +409,7 @@ impl ParallelSpec {
             ("pipeline_stages", self.pipeline_stages.is_some()),
             ("micro_batches", self.micro_batches.is_some()),
             ("schedule", self.schedule != PipelineSchedule::default()),
-            ("virtual_stages", self.virtual_stages != 1),
+            ("virtual_stages", self.virtual_stages.is_some_and(|v| v != 1)),
         ];
         if let Some((key, _)) = pipeline.iter().find(|(_, set)| *set) {
             return Err(SpecError::at(
@@ -405,19 +445,7 @@ impl ParallelSpec {
             return Err(SpecError::at("parallel.pipeline_stages", format!("{stages} stages: at least 2")));
         }
         positive("parallel.micro_batches", micro)?;
-        positive("parallel.virtual_stages", self.virtual_stages)?;
-        if self.schedule == PipelineSchedule::Interleaved {
-            return Err(SpecError::at(
-                "parallel.schedule",
-                "\"interleaved\" is not available yet; available: gpipe, 1f1b",
-            ));
-        }
-        if self.virtual_stages != 1 {
-            return Err(SpecError::at(
-                "parallel.virtual_stages",
-                format!("{} virtual stages: only an interleaved schedule has more than 1", self.virtual_stages),
-            ));
-        }
+        self.validate_chunks(stages, micro)?;
         let refused = [
             ("data", self.data, "composing pipeline stages with data parallelism is train.strategy = \"3d\""),
             ("tensor", self.tensor, "composing pipeline and tensor parallelism is train.strategy = \"3d\""),
@@ -1467,7 +1495,7 @@ impl JobSpec {
             self.check_tensor_degree(tensor)?;
         }
         if pipeline > 1 {
-            self.check_pipeline(pipeline, p.micro_batches.unwrap_or(1))?;
+            self.check_pipeline(pipeline, p.micro_batches.unwrap_or(1), p.virtual_stages())?;
         }
         Ok(())
     }
@@ -1504,18 +1532,28 @@ impl JobSpec {
     fn validate_pipeline(&self, p: &ParallelSpec) -> Result<()> {
         p.validate()?;
         let (stages, micro) = p.stages_and_micro_batches();
-        self.check_pipeline(stages, micro)
+        self.check_pipeline(stages, micro, p.virtual_stages())
     }
 
-    /// A pipeline's stages and micro-batches against the model and the batch.
-    fn check_pipeline(&self, stages: usize, micro: usize) -> Result<()> {
+    /// A pipeline's stages, micro-batches and model chunks per rank against the model and the batch.
+    fn check_pipeline(&self, stages: usize, micro: usize, chunks: usize) -> Result<()> {
         let t = &self.train;
         let m = &t.model;
+        let pieces = stages.saturating_mul(chunks);
         match m.kind {
             ModelKind::Gpt if !m.layers().is_multiple_of(stages) => {
                 return Err(SpecError::at(
                     "parallel.pipeline_stages",
                     format!("{stages} stages do not divide the GPT's {} layers", m.layers()),
+                ));
+            }
+            ModelKind::Gpt if !m.layers().is_multiple_of(pieces) => {
+                return Err(SpecError::at(
+                    "parallel.virtual_stages",
+                    format!(
+                        "{stages} stages × {chunks} virtual stages = {pieces} chunks do not divide the GPT's {} layers",
+                        m.layers()
+                    ),
                 ));
             }
             ModelKind::Gpt => {}
@@ -1529,6 +1567,15 @@ impl JobSpec {
                     return Err(SpecError::at(
                         "parallel.pipeline_stages",
                         format!("{stages} stages for the {what}'s {layers} layers: at most {layers}"),
+                    ));
+                }
+                if pieces > layers {
+                    return Err(SpecError::at(
+                        "parallel.virtual_stages",
+                        format!(
+                            "{stages} stages × {chunks} virtual stages = {pieces} chunks for the {what}'s {layers} \
+                             layers: at most {layers}"
+                        ),
                     ));
                 }
             }
@@ -2092,13 +2139,32 @@ lr = 0.01
                 "parallel.micro_batches: 3 does not divide train.global_batch 8",
             ),
             (gpt("pipeline_stages = 2\nmicro_batches = 0", ""), "parallel.micro_batches: must be > 0"),
-            (
-                gpt("pipeline_stages = 2\nmicro_batches = 4\nschedule = \"interleaved\"\nvirtual_stages = 2", ""),
-                "parallel.schedule: \"interleaved\" is not available yet",
-            ),
+            (gpt("pipeline_stages = 2\nmicro_batches = 4\nschedule = \"interleaved\"\nvirtual_stages = 2", ""), ""),
+            (gpt("pipeline_stages = 2\nmicro_batches = 8\nschedule = \"interleaved\"", ""), ""),
             (
                 gpt("pipeline_stages = 2\nmicro_batches = 4\nvirtual_stages = 2", ""),
-                "parallel.virtual_stages: 2 virtual stages",
+                "parallel.virtual_stages: 2 virtual stages: only schedule = \"interleaved\" has more than 1",
+            ),
+            (
+                gpt("pipeline_stages = 2\nmicro_batches = 4\nschedule = \"interleaved\"\nvirtual_stages = 1", ""),
+                "parallel.virtual_stages: 1: the interleaved schedule holds at least 2 model chunks per rank",
+            ),
+            (
+                gpt("pipeline_stages = 2\nmicro_batches = 4\nschedule = \"interleaved\"\nvirtual_stages = 0", ""),
+                "parallel.virtual_stages: must be > 0",
+            ),
+            (
+                gpt("pipeline_stages = 4\nmicro_batches = 2\nschedule = \"interleaved\"", ""),
+                "parallel.micro_batches: 2 micro-batches: the interleaved schedule takes them in groups of \
+                 parallel.pipeline_stages = 4",
+            ),
+            (
+                gpt("pipeline_stages = 2\nmicro_batches = 4\nschedule = \"interleaved\"\nvirtual_stages = 3", ""),
+                "parallel.virtual_stages: 2 stages × 3 virtual stages = 6 chunks do not divide the GPT's 4 layers",
+            ),
+            (
+                mlp_pipe("pipeline_stages = 2\nmicro_batches = 4\nschedule = \"interleaved\""),
+                "parallel.virtual_stages: 2 stages × 2 virtual stages = 4 chunks for the MLP's 3 layers: at most 3",
             ),
             (
                 gpt("pipeline_stages = 2\nmicro_batches = 4\nschedule = \"zigzag\"", ""),
@@ -2145,8 +2211,13 @@ lr = 0.01
         check_all(&cases);
         let j = parse_job(&gpt("pipeline_stages = 2\nmicro_batches = 4", ""), "x").expect("valid");
         let p = j.parallel.clone().expect("[parallel]");
-        assert_eq!((p.schedule, p.virtual_stages, j.pipeline_stages()), (PipelineSchedule::OneFOneB, 1, 2));
+        assert_eq!((p.schedule, p.virtual_stages(), j.pipeline_stages()), (PipelineSchedule::OneFOneB, 1, 2));
         // Written back and read again, the same job.
+        assert_eq!(parse_job(&j.to_toml().expect("toml"), "x").expect("again"), j);
+        let j = parse_job(&gpt("pipeline_stages = 2\nmicro_batches = 4\nschedule = \"interleaved\"", ""), "x")
+            .expect("valid");
+        let p = j.parallel.clone().expect("[parallel]");
+        assert_eq!((p.schedule, p.virtual_stages, p.virtual_stages()), (PipelineSchedule::Interleaved, None, 2));
         assert_eq!(parse_job(&j.to_toml().expect("toml"), "x").expect("again"), j);
     }
 
@@ -2211,6 +2282,19 @@ lr = 0.01
             (gpt("data = 2\ntensor = 2\nzero = 1", 4), ""),
             (gpt("tensor = 2\npipeline_stages = 2\nmicro_batches = 2\nschedule = \"gpipe\"", 4), ""),
             (gpt("data = 2\ntensor = 2\npipeline_stages = 2\nmicro_batches = 2", 8), ""),
+            (gpt("data = 2\npipeline_stages = 2\nmicro_batches = 2\nschedule = \"interleaved\"", 4), ""),
+            (
+                gpt("data = 2\npipeline_stages = 2\nmicro_batches = 1\nschedule = \"interleaved\"", 4),
+                "parallel.micro_batches: 1 micro-batches: the interleaved schedule takes them in groups",
+            ),
+            (
+                gpt(
+                    "data = 2\npipeline_stages = 2\nmicro_batches = 2\nschedule = \"interleaved\"\nvirtual_stages = 4",
+                    4,
+                ),
+                "parallel.virtual_stages: 2 stages × 4 virtual stages = 8 chunks do not divide the GPT's 4 layers",
+            ),
+            (gpt("data = 2\nvirtual_stages = 2", 2), "parallel.virtual_stages: applies to a pipeline only"),
             (gpt("data = 4", 4), ""),
             (
                 gpt("data = 2\ntensor = 2\npipeline_stages = 2\nmicro_batches = 2", 4),

@@ -67,6 +67,9 @@ fn print_inspection(i: &Inspection) {
         Some(t) => println!("  optimizer t {t}"),
         None => println!("  optimizer t not recorded"),
     }
+    if let Some(l) = &i.model_layout {
+        println!("  model layout {}", describe_layout(l));
+    }
     for (name, f) in &i.files {
         println!("  file {name}: {} bytes, sha256 {}", f.bytes, f.sha256);
     }
@@ -111,6 +114,22 @@ fn print_inspection(i: &Inspection) {
             Some(e) => println!("  step {:>8}  invalid  {e}", s.step),
         }
     }
+}
+
+/// The model layout a trainer recorded, in words: `data 1 × tensor 1 × pipeline 2 (4 micro-batches, interleaved,
+/// 2 virtual stages: rank r holds chunks r, r + 2, …)`.
+fn describe_layout(l: &serde_json::Value) -> String {
+    let n = |k: &str| l[k].as_u64().unwrap_or(1);
+    let mut s = format!("data {} × tensor {} × pipeline {}", n("data"), n("tensor"), n("pipeline_stages"));
+    if let Some(schedule) = l["schedule"].as_str() {
+        let (stages, v) = (n("pipeline_stages"), n("virtual_stages"));
+        s.push_str(&format!(" ({} micro-batches, {schedule}", n("micro_batches")));
+        if v > 1 {
+            s.push_str(&format!(", {v} virtual stages: rank r holds chunks r, r + {stages}, … of {}", stages * v));
+        }
+        s.push(')');
+    }
+    s
 }
 
 fn consolidate(dir: &Path, out: &Path, optimizer: bool, json: bool) -> Result<bool> {

@@ -147,6 +147,10 @@ pub struct Inspection {
     pub sampler: serde_json::Value,
     /// The optimizer's step count `t`, when the trainer recorded it.
     pub optimizer_t: Option<u64>,
+    /// How the ranks that saved it split the model, when they did (`{data, tensor, pipeline_stages, micro_batches,
+    /// schedule, virtual_stages}`, as the trainer recorded it); the tensors are whole whatever it was.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub model_layout: Option<serde_json::Value>,
     /// When the manifest was written, milliseconds since the Unix epoch.
     pub created_unix_ms: u64,
     /// Its files with size and sha256.
@@ -268,6 +272,7 @@ fn describe(dir: PathBuf, manifest: Manifest, steps: Vec<StepStatus>) -> Result<
         epoch: manifest.epoch,
         world_size: manifest.world_size,
         optimizer_t: manifest.extra.get("optimizer_t").and_then(serde_json::Value::as_u64),
+        model_layout: manifest.extra.get("layout").filter(|l| l.is_object()).cloned(),
         strategy: manifest.strategy,
         sampler: manifest.sampler,
         created_unix_ms: manifest.created_unix_ms,

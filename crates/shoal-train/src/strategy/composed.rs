@@ -28,7 +28,6 @@
 //! a `1/data` shard of it under ZeRO-1 — which is what [`Strategy::param_bytes`] and the others report.
 
 use std::collections::HashMap;
-use std::ops::Range;
 use std::time::Instant;
 
 use candle_core::Tensor;
@@ -57,6 +56,8 @@ pub struct LayoutConfig {
     /// Micro-batches a step (the pipeline's; with one stage, the micro-batches the trainer is given).
     pub micro_batches: usize,
     pub schedule: PipelineSchedule,
+    /// Model chunks per pipeline rank under the interleaved schedule (1 under the others).
+    pub virtual_stages: usize,
     /// ZeRO stage inside each data group: 0 or 1.
     pub zero: u8,
 }
@@ -134,7 +135,7 @@ pub struct Composed {
     /// The schedule, when there are stages.
     pipe: Option<Pipeline>,
     /// This rank's parameters (its stage's): their indices among the model's, and they alone.
-    members: Range<usize>,
+    members: Vec<usize>,
     own: Params,
     /// Per own parameter: whether it is split across the tensor group (else whole on every tensor rank).
     split: Vec<bool>,
@@ -162,7 +163,7 @@ impl Composed {
             cfg,
             groups: None,
             pipe: None,
-            members: 0..0,
+            members: Vec::new(),
             own: Params::default(),
             split: Vec::new(),
             acc: Vec::new(),
@@ -205,7 +206,7 @@ impl Composed {
             let items = local
                 .into_iter()
                 .enumerate()
-                .map(|(k, v)| (params.split(self.members.start + k).filter(|_| self.split[k]).cloned(), v))
+                .map(|(k, v)| (params.split(self.members[k]).filter(|_| self.split[k]).cloned(), v))
                 .collect();
             gather_parts(&groups.tensor, items)?
         } else {
@@ -227,7 +228,7 @@ impl Composed {
         }
         let mut flat = vec![0f32; total];
         for (k, v) in wholes.iter().enumerate() {
-            let o = offsets[self.members.start + k];
+            let o = offsets[self.members[k]];
             flat.get_mut(o..o + v.len())
                 .ok_or_else(|| Error::InvalidArgument("a stage's state does not fit its parameters".into()))?
                 .copy_from_slice(v);
@@ -307,16 +308,21 @@ impl Strategy for Composed {
         if cfg.pipeline > 1 {
             let mut pipe = Pipeline::new(
                 Some(groups.pipeline.clone()),
-                PipelineConfig { stages: cfg.pipeline, micro_batches: cfg.micro_batches, schedule: cfg.schedule },
+                PipelineConfig {
+                    stages: cfg.pipeline,
+                    micro_batches: cfg.micro_batches,
+                    schedule: cfg.schedule,
+                    virtual_stages: cfg.virtual_stages,
+                },
             );
             pipe.init(params)?;
             self.members = pipe.members();
             self.pipe = Some(pipe);
         } else {
-            self.members = 0..params.vars().len();
+            self.members = (0..params.vars().len()).collect();
         }
-        self.own = Params::from_vars(params.vars()[self.members.clone()].to_vec());
-        self.split = self.members.clone().map(|i| cfg.tensor > 1 && params.split(i).is_some()).collect();
+        self.own = Params::from_vars(self.members.iter().map(|&i| params.vars()[i].clone()).collect());
+        self.split = self.members.iter().map(|&i| cfg.tensor > 1 && params.split(i).is_some()).collect();
         if self.pipe.is_none() {
             self.acc = self.own.vars().iter().map(|(_, v)| vec![0f32; v.elem_count()]).collect();
         }
@@ -516,7 +522,7 @@ impl Strategy for Composed {
         let bubble = self.pipe.as_ref().map(|_| Bubble {
             rank: idle,
             mean: summed[1] / world.size() as f64,
-            theory: theoretical_bubble(cfg.pipeline, ran),
+            theory: theoretical_bubble(cfg.pipeline, ran, self.pipe.as_ref().map_or(1, Pipeline::chunks)),
         });
         // Every rank of a tensor group has its replica's loss: counted once.
         let tensor = cfg.tensor as f64;
@@ -586,7 +592,7 @@ impl Strategy for Composed {
         let tensor_rank = self.groups_or_err()?.tensor.rank();
         let mut mine: HashMap<String, Vec<f32>> = HashMap::new();
         for (k, (name, var)) in self.own.vars().iter().enumerate() {
-            let i = self.members.start + k;
+            let i = self.members[k];
             for suffix in ["m", "v"] {
                 let key = format!("{name}.{suffix}");
                 let Some(whole) = named.get(&key) else { continue };

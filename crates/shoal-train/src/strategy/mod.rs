@@ -19,8 +19,8 @@
 //!   one stage's parameters, gradients and optimizer state. A stage runs only part of each forward, so a pipeline
 //!   does not fit "one backward per micro-batch, then step": the trainer hands it the whole step's micro-batches
 //!   ([`Strategy::run_micro_batches`], with [`Strategy::splits_model`] saying so), and it runs them in its
-//!   schedule's order ([`schedule`]: GPipe or 1F1B), activations and their gradients going between neighbouring
-//!   stages with the communicator's point-to-point calls; evaluation's forward passes go through it too
+//!   schedule's order ([`schedule`]: GPipe, 1F1B, or interleaved 1F1B with several chunks of layers a rank),
+//!   activations and their gradients going between neighbouring stages with the communicator's point-to-point calls; evaluation's forward passes go through it too
 //!   ([`Strategy::forward_stage`]). [`Strategy::step`] then clips at the global norm (an all-reduce of the stages'
 //!   squared norms) and updates each stage. Checkpoints hold whole tensors, gathered from the stages.
 //!

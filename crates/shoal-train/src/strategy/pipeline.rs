@@ -1,17 +1,19 @@
 //! Pipeline parallel: the model's layers cut into `stages` stages of consecutive layers, rank `s` holding only stage
-//! `s`'s parameters, gradients and optimizer state.
+//! `s`'s parameters, gradients and optimizer state; under the interleaved schedule, into `stages × V` chunks of
+//! consecutive layers, rank `r` holding chunks `r, r + stages, r + 2·stages, …` (Megatron-LM's virtual stages).
 //!
 //! - [`Strategy::init`]: rank 0's parameters broadcast (every rank starts from the same model), the layers split
-//!   into stages of as even a parameter count as consecutive layers allow ([`balance`]), every other stage's
-//!   parameters freed on this rank, and the model cut at this rank's stage (`crate::layers`: its forward runs only
-//!   the stage's layers, the first of them on the activation the previous stage sent).
+//!   into stages (chunks) of as even a parameter count as consecutive layers allow ([`balance`]), every other
+//!   rank's parameters freed on this rank. Before each forward the model is cut at the chunk it runs
+//!   (`crate::layers`: its forward runs only the chunk's layers, the first of them on the activation the previous
+//!   rank sent).
 //! - [`Strategy::run_micro_batches`]: the step's micro-batches in the order of the schedule
-//!   (`super::schedule`: GPipe or 1F1B). A forward's output goes to the next stage with the communicator's `send`
-//!   (a small header with its shape, then the values); the stage's input is a leaf variable, so its backward — the
-//!   loss's on the last stage, `sum(y · dy)` on the others, `dy` the gradient the next stage sent back — gives the
-//!   input's gradient to send to the previous stage and the stage's parameters' gradients, summed over the
-//!   micro-batches. The time spent in those sends and receives is this rank's idle time: over the schedule's time it
-//!   is the measured bubble.
+//!   (`super::schedule`: GPipe, 1F1B or interleaved 1F1B). A forward's output goes to the next rank with the
+//!   communicator's `send` (a small header with its shape, then the values); the chunk's input is a leaf variable,
+//!   so its backward — the loss's on the last chunk of the model, `sum(y · dy)` on the others, `dy` the gradient the
+//!   next rank sent back — gives the input's gradient to send to the previous rank and the chunk's parameters'
+//!   gradients, summed over the micro-batches. The time spent in those sends and receives is this rank's idle time:
+//!   over the schedule's time it is the measured bubble.
 //! - [`Strategy::step`]: one all-reduce over the stages of the squared gradient norms (the global norm, for
 //!   clipping), the bubbles and the step's scalars; then each stage's optimizer on its own parameters.
 //! - Checkpoints hold whole tensors by their full names, as DDP's: every rank's stage put into a buffer of the whole
@@ -25,7 +27,7 @@ use std::time::Instant;
 use candle_core::{Tensor, Var};
 use shoal_comm::{Communicator, ReduceOp};
 
-use super::schedule::{Op, ops, theoretical_bubble};
+use super::schedule::{Op, Shape, ops, theoretical_bubble};
 use super::{Bubble, GradSink, StepTimes, Strategy, TensorGrads, broadcast_from_rank0};
 use crate::error::{Error, Result};
 use crate::kernels::{replace_storage, with_slice};
@@ -39,16 +41,29 @@ pub struct PipelineConfig {
     pub stages: usize,
     pub micro_batches: usize,
     pub schedule: PipelineSchedule,
+    /// Model chunks per rank under the interleaved schedule (`parallel.virtual_stages`; 1 under the others,
+    /// whatever is set here).
+    pub virtual_stages: usize,
+}
+
+impl PipelineConfig {
+    /// Model chunks per rank: `virtual_stages` under the interleaved schedule, else 1.
+    pub fn chunks(&self) -> usize {
+        match self.schedule {
+            PipelineSchedule::Interleaved => self.virtual_stages,
+            _ => 1,
+        }
+    }
 }
 
 /// Up to 7 dimensions in an activation's header (the header's first value is the count).
 const HEADER: usize = 8;
 
-/// What one stage keeps of a micro-batch between its forward and its backward.
+/// What one chunk keeps of a micro-batch between its forward and its backward.
 struct Held {
-    /// The stage's input as a leaf variable (none on the first stage).
+    /// The chunk's input as a leaf variable (none on the model's first chunk).
     input: Option<Var>,
-    /// The stage's output with its graph (the weighted loss on the last stage).
+    /// The chunk's output with its graph (the weighted loss on the model's last chunk).
     output: Tensor,
 }
 
@@ -57,9 +72,10 @@ pub struct Pipeline {
     comm: Option<Communicator>,
     cfg: PipelineConfig,
     stage: usize,
-    /// This stage's layers and parameters (indices into the model's).
-    layers: Range<usize>,
-    members: Range<usize>,
+    /// This rank's chunks' layers (one chunk but under the interleaved schedule), and their parameters (indices
+    /// into the model's, ascending).
+    chunks: Vec<Range<usize>>,
+    members: Vec<usize>,
     /// The stage's parameters alone, for its optimizer.
     own: Params,
     /// The stage's optimizer (made at the first step or restore, with the trainer's configuration).
@@ -79,7 +95,7 @@ impl std::fmt::Debug for Pipeline {
         f.debug_struct("Pipeline")
             .field("cfg", &self.cfg)
             .field("stage", &self.stage)
-            .field("layers", &self.layers)
+            .field("chunks", &self.chunks)
             .finish_non_exhaustive()
     }
 }
@@ -142,8 +158,8 @@ impl Pipeline {
             comm,
             cfg,
             stage,
-            layers: 0..0,
-            members: 0..0,
+            chunks: Vec::new(),
+            members: Vec::new(),
             own: Params::default(),
             opt: None,
             acc: Vec::new(),
@@ -154,14 +170,24 @@ impl Pipeline {
         }
     }
 
-    /// This rank's stage and its layers (after `init`).
-    pub fn stage(&self) -> (usize, Range<usize>) {
-        (self.stage, self.layers.clone())
+    /// This rank's stage and the layers of each of its chunks (after `init`).
+    pub fn stage(&self) -> (usize, Vec<Range<usize>>) {
+        (self.stage, self.chunks.clone())
     }
 
-    /// The indices of this stage's parameters among the model's (after `init`).
-    pub(crate) fn members(&self) -> Range<usize> {
+    /// The indices of this rank's parameters among the model's, ascending (after `init`).
+    pub(crate) fn members(&self) -> Vec<usize> {
         self.members.clone()
+    }
+
+    /// Model chunks per rank.
+    pub(crate) fn chunks(&self) -> usize {
+        self.cfg.chunks()
+    }
+
+    /// The shape of a step of `micro` micro-batches.
+    fn shape(&self, micro: usize) -> Shape {
+        Shape { stages: self.cfg.stages, chunks: self.cfg.chunks(), micro }
     }
 
     /// The step's gradients of the stage's parameters, summed over its micro-batches (one buffer per parameter, in
@@ -175,15 +201,36 @@ impl Pipeline {
         (if self.span_s > 0.0 { self.idle_s / self.span_s } else { 0.0 }, self.ran)
     }
 
-    fn last(&self) -> bool {
-        self.stage + 1 == self.cfg.stages
+    /// Whether this rank's chunk `chunk` ends the model (computes the loss).
+    fn last(&self, chunk: usize) -> bool {
+        self.shape(0).is_last(self.stage, chunk)
+    }
+
+    /// Cuts the model at this rank's chunk `chunk` for the next forward, on `input` (the activation the previous
+    /// rank sent; none for the model's first chunk).
+    fn enter(&self, params: &Params, chunk: usize, input: Option<&Var>) -> Result<()> {
+        let layers = self.chunks.get(chunk).ok_or_else(|| {
+            Error::InvalidArgument(format!("pipeline schedule: rank {} holds no chunk {chunk}", self.stage))
+        })?;
+        params.layers().cut(Some(layers.clone()));
+        match input {
+            Some(v) => params.layers().feed(v.as_tensor().clone()),
+            None if !self.shape(0).is_first(self.stage, chunk) => {
+                return Err(Error::InvalidArgument(format!(
+                    "pipeline schedule: no activation for chunk {chunk} of rank {}",
+                    self.stage
+                )));
+            }
+            None => {}
+        }
+        Ok(())
     }
 
     fn comm_or_err(&self) -> Result<&Communicator> {
         self.comm.as_ref().ok_or_else(|| Error::InvalidArgument("a pipeline needs a communicator".into()))
     }
 
-    /// Sends `t` (its shape first) to the next stage; returns the seconds it took.
+    /// Sends `t` (its shape first) to the next rank; returns the seconds it took.
     fn send_act(&self, t: &Tensor) -> Result<f64> {
         let dims = t.dims();
         if dims.len() >= HEADER {
@@ -197,31 +244,33 @@ impl Pipeline {
         let values = t.flatten_all()?.to_vec1::<f32>()?;
         let c = self.comm_or_err()?;
         let t0 = Instant::now();
-        c.send(&header, self.stage + 1)?;
-        c.send(&values, self.stage + 1)?;
+        let next = self.shape(0).next(self.stage);
+        c.send(&header, next)?;
+        c.send(&values, next)?;
         Ok(t0.elapsed().as_secs_f64())
     }
 
-    /// Receives an activation from the previous stage as a leaf variable; with the seconds it took.
+    /// Receives an activation from the previous rank as a leaf variable; with the seconds it took.
     fn recv_act(&self) -> Result<(Var, f64)> {
         let c = self.comm_or_err()?;
         let t0 = Instant::now();
         let mut header = [0i64; HEADER];
-        c.recv(&mut header, self.stage - 1)?;
+        let prev = self.shape(0).prev(self.stage);
+        c.recv(&mut header, prev)?;
         let rank = usize::try_from(header[0]).unwrap_or(HEADER).min(HEADER);
         let dims: Vec<usize> = header.get(1..1 + rank).unwrap_or(&[]).iter().map(|d| (*d).max(0) as usize).collect();
         if rank == 0 || rank >= HEADER {
             return Err(Error::InvalidArgument(format!("stage {}: a malformed activation header", self.stage)));
         }
         let mut values = vec![0f32; dims.iter().product()];
-        c.recv(&mut values, self.stage - 1)?;
+        c.recv(&mut values, prev)?;
         let idle = t0.elapsed().as_secs_f64();
         Ok((Var::from_tensor(&Tensor::from_vec(values, dims, &candle_core::Device::Cpu)?)?, idle))
     }
 
     /// Adds this micro-batch's gradients of the stage's parameters into the step's sums.
     fn accumulate(&mut self, params: &Params, grads: &candle_core::backprop::GradStore) -> Result<()> {
-        for (k, i) in self.members.clone().enumerate() {
+        for (k, &i) in self.members.iter().enumerate() {
             let (name, var) = &params.vars()[i];
             let Some(g) = grads.get(var.as_tensor()) else { continue };
             let g = g.contiguous()?;
@@ -252,7 +301,7 @@ impl Pipeline {
     fn gather(&self, params: &Params, own: &[Vec<f32>], suffix: &str) -> Result<Vec<(String, Tensor)>> {
         let (offsets, total) = super::flat_offsets(params);
         let mut flat = vec![0f32; total];
-        for (k, i) in self.members.clone().enumerate() {
+        for (k, &i) in self.members.iter().enumerate() {
             let values = own.get(k).ok_or_else(|| Error::InvalidArgument("a stage's state is incomplete".into()))?;
             flat[offsets[i]..offsets[i] + values.len()].copy_from_slice(values);
         }
@@ -293,8 +342,9 @@ impl Strategy for Pipeline {
         if self.cfg.micro_batches == 0 {
             return Err(Error::InvalidArgument("a pipeline needs at least one micro-batch".into()));
         }
-        if self.cfg.schedule == PipelineSchedule::Interleaved {
-            return Err(Error::InvalidArgument("the interleaved pipeline schedule is not available yet".into()));
+        let v = self.cfg.chunks();
+        if v == 0 {
+            return Err(Error::InvalidArgument("an interleaved pipeline needs at least one chunk per rank".into()));
         }
         broadcast_from_rank0(self.comm.as_ref(), params)?;
         let ranges = params.layers().ranges(params.vars().len())?;
@@ -303,26 +353,33 @@ impl Strategy for Pipeline {
             .iter()
             .map(|(_, m)| m.clone().map(|i| params.full_dims(i).iter().product::<usize>()).sum())
             .collect();
-        let cuts = balance(&costs, self.cfg.stages).ok_or_else(|| {
-            Error::InvalidArgument(format!(
-                "{} pipeline stages for a model of {} layers: at most one stage per layer",
-                self.cfg.stages,
-                ranges.len()
-            ))
+        let cuts = balance(&costs, self.cfg.stages * v).ok_or_else(|| {
+            Error::InvalidArgument(match v {
+                1 => format!(
+                    "{} pipeline stages for a model of {} layers: at most one stage per layer",
+                    self.cfg.stages,
+                    ranges.len()
+                ),
+                _ => format!(
+                    "{} pipeline stages × {v} virtual stages for a model of {} layers: at most one chunk per layer",
+                    self.cfg.stages,
+                    ranges.len()
+                ),
+            })
         })?;
-        self.layers = cuts[self.stage].clone();
-        self.members = ranges[self.layers.start].1.start..ranges[self.layers.end - 1].1.end;
-        // Only this stage's parameters stay: the others' tensors keep their shapes and hold nothing.
+        self.chunks = (0..v).map(|c| cuts[c * self.cfg.stages + self.stage].clone()).collect();
+        self.members = self.chunks.iter().flat_map(|l| ranges[l.start].1.start..ranges[l.end - 1].1.end).collect();
+        // Only this rank's parameters stay: the others' tensors keep their shapes and hold nothing.
         for (i, (name, var)) in params.vars().iter().enumerate() {
-            if !self.members.contains(&i) {
+            if self.members.binary_search(&i).is_err() {
                 replace_storage(var.as_tensor(), Vec::new()).map_err(|e| {
                     Error::InvalidArgument(format!("parameter {name} cannot be left to its stage: {e}"))
                 })?;
             }
         }
-        self.own = Params::from_vars(params.vars()[self.members.clone()].to_vec());
+        self.own = Params::from_vars(self.members.iter().map(|&i| params.vars()[i].clone()).collect());
         self.acc = self.own.vars().iter().map(|(_, v)| vec![0f32; v.elem_count()]).collect();
-        params.layers().cut(Some(self.layers.clone()));
+        params.layers().cut(Some(self.chunks[0].clone()));
         Ok(())
     }
 
@@ -369,57 +426,55 @@ impl Strategy for Pipeline {
             )));
         }
         self.ran = count;
+        let list = ops(self.cfg.schedule, self.shape(count), self.stage).map_err(Error::InvalidArgument)?;
         let started = Instant::now();
         let mut idle = 0f64;
-        let mut inputs: HashMap<usize, Var> = HashMap::new();
-        let mut held: HashMap<usize, Held> = HashMap::new();
-        let mut outgoing: HashMap<usize, Tensor> = HashMap::new();
-        let mut grads_in: HashMap<usize, Tensor> = HashMap::new();
-        let mut grads_out: HashMap<usize, Vec<f32>> = HashMap::new();
-        let missing =
-            |what: &str, i: usize| Error::InvalidArgument(format!("pipeline schedule: no {what} for micro-batch {i}"));
-        let layers = params.layers().clone();
-        for op in ops(self.cfg.schedule, self.cfg.stages, self.stage, count) {
+        // Keyed by micro-batch and chunk.
+        let mut inputs: HashMap<(usize, usize), Var> = HashMap::new();
+        let mut held: HashMap<(usize, usize), Held> = HashMap::new();
+        let mut outgoing: HashMap<(usize, usize), Tensor> = HashMap::new();
+        let mut grads_in: HashMap<(usize, usize), Tensor> = HashMap::new();
+        let mut grads_out: HashMap<(usize, usize), Vec<f32>> = HashMap::new();
+        let missing = |what: &str, i: usize, c: usize| {
+            Error::InvalidArgument(format!("pipeline schedule: no {what} for micro-batch {i} (chunk {c})"))
+        };
+        for op in list {
             match op {
-                Op::RecvAct(i) => {
+                Op::RecvAct(i, c) => {
                     let (v, s) = self.recv_act()?;
                     idle += s;
-                    inputs.insert(i, v);
+                    inputs.insert((i, c), v);
                 }
-                Op::Forward(i) => {
-                    let input = inputs.remove(&i);
-                    if let Some(v) = &input {
-                        layers.feed(v.as_tensor().clone());
-                    } else if self.stage > 0 {
-                        return Err(missing("activation", i));
-                    }
+                Op::Forward(i, c) => {
+                    let input = inputs.remove(&(i, c));
+                    self.enter(params, c, input.as_ref())?;
                     let y = forward(i)?;
-                    let output = if self.last() {
+                    let output = if self.last(c) {
                         loss(i, &y)?
                     } else {
-                        outgoing.insert(i, y.detach());
+                        outgoing.insert((i, c), y.detach());
                         y
                     };
-                    held.insert(i, Held { input, output });
+                    held.insert((i, c), Held { input, output });
                 }
-                Op::SendAct(i) => {
-                    let y = outgoing.remove(&i).ok_or_else(|| missing("output", i))?;
+                Op::SendAct(i, c) => {
+                    let y = outgoing.remove(&(i, c)).ok_or_else(|| missing("output", i, c))?;
                     idle += self.send_act(&y)?;
                 }
-                Op::RecvGrad(i) => {
-                    let shape = held.get(&i).ok_or_else(|| missing("forward", i))?.output.shape().clone();
+                Op::RecvGrad(i, c) => {
+                    let shape = held.get(&(i, c)).ok_or_else(|| missing("forward", i, c))?.output.shape().clone();
                     let mut values = vec![0f32; shape.elem_count()];
                     let t0 = Instant::now();
-                    self.comm_or_err()?.recv(&mut values, self.stage + 1)?;
+                    self.comm_or_err()?.recv(&mut values, self.shape(0).next(self.stage))?;
                     idle += t0.elapsed().as_secs_f64();
-                    grads_in.insert(i, Tensor::from_vec(values, shape, &candle_core::Device::Cpu)?);
+                    grads_in.insert((i, c), Tensor::from_vec(values, shape, &candle_core::Device::Cpu)?);
                 }
-                Op::Backward(i) => {
-                    let h = held.remove(&i).ok_or_else(|| missing("forward", i))?;
-                    let root = if self.last() {
+                Op::Backward(i, c) => {
+                    let h = held.remove(&(i, c)).ok_or_else(|| missing("forward", i, c))?;
+                    let root = if self.last(c) {
                         h.output
                     } else {
-                        let dy = grads_in.remove(&i).ok_or_else(|| missing("gradient", i))?;
+                        let dy = grads_in.remove(&(i, c)).ok_or_else(|| missing("gradient", i, c))?;
                         (&h.output * dy)?.sum_all()?
                     };
                     let grads = root.backward()?;
@@ -429,13 +484,13 @@ impl Strategy for Pipeline {
                             Some(g) => values_of(g)?,
                             None => vec![0f32; x.elem_count()],
                         };
-                        grads_out.insert(i, dx);
+                        grads_out.insert((i, c), dx);
                     }
                 }
-                Op::SendGrad(i) => {
-                    let dx = grads_out.remove(&i).ok_or_else(|| missing("input gradient", i))?;
+                Op::SendGrad(i, c) => {
+                    let dx = grads_out.remove(&(i, c)).ok_or_else(|| missing("input gradient", i, c))?;
                     let t0 = Instant::now();
-                    self.comm_or_err()?.send(&dx, self.stage - 1)?;
+                    self.comm_or_err()?.send(&dx, self.shape(0).prev(self.stage))?;
                     idle += t0.elapsed().as_secs_f64();
                 }
             }
@@ -446,15 +501,20 @@ impl Strategy for Pipeline {
     }
 
     fn forward_stage(&self, params: &Params, forward: &mut dyn FnMut() -> Result<Tensor>) -> Result<Option<Tensor>> {
-        if self.stage > 0 {
-            let (v, _) = self.recv_act()?;
-            params.layers().feed(v.as_tensor().clone());
+        // Round the ranks once per chunk: receive (but on the model's first chunk), compute, send on (but from its
+        // last, whose output is the model's).
+        for c in 0..self.chunks.len() {
+            let input = match self.shape(0).is_first(self.stage, c) {
+                true => None,
+                false => Some(self.recv_act()?.0),
+            };
+            self.enter(params, c, input.as_ref())?;
+            let y = forward()?;
+            if self.last(c) {
+                return Ok(Some(y));
+            }
+            self.send_act(&y)?;
         }
-        let y = forward()?;
-        if self.last() {
-            return Ok(Some(y));
-        }
-        self.send_act(&y)?;
         Ok(None)
     }
 
@@ -492,7 +552,7 @@ impl Strategy for Pipeline {
         let bubble = Bubble {
             rank: mine,
             mean: summed[1] / self.cfg.stages as f64,
-            theory: theoretical_bubble(self.cfg.stages, self.ran),
+            theory: theoretical_bubble(self.cfg.stages, self.ran, self.cfg.chunks()),
         };
         Ok(StepTimes {
             comm_s,

@@ -244,7 +244,12 @@ fn pipeline_config(spec: &JobSpec) -> Result<crate::strategy::pipeline::Pipeline
     let p =
         spec.parallel.as_ref().ok_or_else(|| Error::Spec("train.strategy = \"pipeline\" needs [parallel]".into()))?;
     let (stages, micro_batches) = p.stages_and_micro_batches();
-    Ok(crate::strategy::pipeline::PipelineConfig { stages, micro_batches, schedule: p.schedule })
+    Ok(crate::strategy::pipeline::PipelineConfig {
+        stages,
+        micro_batches,
+        schedule: p.schedule,
+        virtual_stages: p.virtual_stages(),
+    })
 }
 
 /// A composed job's `[parallel]` layout.
@@ -256,6 +261,7 @@ fn layout_config(spec: &JobSpec) -> Result<crate::strategy::composed::LayoutConf
         pipeline: spec.pipeline_stages(),
         micro_batches: spec.pipeline_micro_batches(),
         schedule: p.schedule,
+        virtual_stages: p.virtual_stages(),
         zero: spec.zero_stage(),
     })
 }

@@ -221,6 +221,7 @@ impl StepLoop {
         let phase_end = spec.phase_end(start_step);
         // A pipeline's micro-batches a step (each stage holds the whole global batch).
         let pipeline_micro = spec.pipeline_micro_batches();
+        let layout = model_layout(spec);
         let (mut bubble_t, mut bubble_theory) = (Vec::new(), None);
         for step in start_step..t.steps {
             let step_started = Instant::now();
@@ -402,7 +403,12 @@ impl StepLoop {
                     rng: serde_json::json!({ "init_seed": t.seed, "sampler_seed": t.seed }),
                     world_size: world,
                     strategy: ran.as_str().into(),
-                    extra: serde_json::json!({ "optimizer_t": trainer.optimizer().t, "loss": last_loss }),
+                    extra: match &layout {
+                        Some(l) => {
+                            serde_json::json!({ "optimizer_t": trainer.optimizer().t, "loss": last_loss, "layout": l })
+                        }
+                        None => serde_json::json!({ "optimizer_t": trainer.optimizer().t, "loss": last_loss }),
+                    },
                 };
                 let at = (step + 1) as u64;
                 if copying {
@@ -604,6 +610,23 @@ fn last_step(path: &std::path::Path) -> Option<u64> {
     }
     let line = tail[..tail.len() - 1].rsplit(|&b| b == b'\n').next()?;
     serde_json::from_slice::<serde_json::Value>(line).ok()?.get("step")?.as_u64()
+}
+
+/// How the ranks that saved a checkpoint split the model (recorded in its manifest for `shoal checkpoint inspect`; the
+/// tensors themselves are whole whatever the layout): the pipeline's stages, micro-batches, schedule and model
+/// chunks per rank, the tensor-parallel and data-parallel degrees; `None` when every rank holds the whole model.
+fn model_layout(spec: &JobSpec) -> Option<serde_json::Value> {
+    let (stages, tensor, data) = (spec.pipeline_stages(), spec.tensor_degree(), spec.data_degree());
+    if stages <= 1 && tensor <= 1 && data <= 1 {
+        return None;
+    }
+    let mut l = serde_json::json!({ "data": data, "tensor": tensor, "pipeline_stages": stages });
+    if let (Some(p), true) = (&spec.parallel, stages > 1) {
+        l["micro_batches"] = spec.pipeline_micro_batches().into();
+        l["schedule"] = p.schedule.as_str().into();
+        l["virtual_stages"] = p.virtual_stages().into();
+    }
+    Some(l)
 }
 
 #[cfg(test)]

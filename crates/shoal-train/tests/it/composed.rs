@@ -40,7 +40,15 @@ enum How {
 }
 
 fn layout(data: usize, tensor: usize, pipeline: usize, zero: u8) -> How {
-    How::Layout(LayoutConfig { data, tensor, pipeline, micro_batches: 2, schedule: PipelineSchedule::OneFOneB, zero })
+    How::Layout(LayoutConfig {
+        data,
+        tensor,
+        pipeline,
+        micro_batches: 2,
+        schedule: PipelineSchedule::OneFOneB,
+        virtual_stages: 1,
+        zero,
+    })
 }
 
 fn dataset() -> Arc<dyn Dataset> {
@@ -246,6 +254,17 @@ fn data_times_tensor_matches_one_process_with_and_without_zero1() {
 #[test]
 fn tensor_times_pipeline_matches_one_process() {
     assert_matches_one_process(&[(layout(1, 2, 2, 0), 4)]);
+}
+
+/// The pipeline under the interleaved schedule (2 chunks of layers a rank) inside composed layouts: data 2 ×
+/// pipeline 2 with ZeRO-1, and tensor 2 × pipeline 2.
+#[test]
+fn interleaved_pipelines_inside_layouts_match_one_process() {
+    let interleaved = |how: How| match how {
+        How::Layout(l) => How::Layout(LayoutConfig { schedule: PipelineSchedule::Interleaved, virtual_stages: 2, ..l }),
+        other => other,
+    };
+    assert_matches_one_process(&[(interleaved(layout(2, 1, 2, 1)), 4), (interleaved(layout(1, 2, 2, 0)), 4)]);
 }
 
 #[test]

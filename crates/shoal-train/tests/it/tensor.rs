@@ -82,7 +82,12 @@ fn train_rank(net: Net, how: How, steps: usize, comm: Option<Communicator>, worl
         How::Zero(s) => Box::new(Zero::new(comm, s, cfg.bucket_bytes)),
         How::Pipeline => Box::new(Pipeline::new(
             comm,
-            PipelineConfig { stages: world, micro_batches: 2, schedule: shoal_train::spec::PipelineSchedule::OneFOneB },
+            PipelineConfig {
+                stages: world,
+                micro_batches: 2,
+                schedule: shoal_train::spec::PipelineSchedule::OneFOneB,
+                virtual_stages: 1,
+            },
         )),
         How::Tensor => Box::new(TensorParallel::new(comm)),
     };

@@ -465,12 +465,15 @@ fn zero3_trains_a_gpt_as_ddp_does_holding_a_share_of_its_parameters() {
 
 /// Pipeline parallel through the whole worker: the GPT in 2 stages of 4 micro-batches under 1F1B, on 2 processes,
 /// with an evaluation every 5 steps through the stages: the loss falls and is DDP's, each rank holds at most 55% of
-/// the parameters, and every metrics line and the summary carry the measured bubble beside the theory's 1/5.
+/// the parameters, and every metrics line and the summary carry the measured bubble beside the theory's 1/5. Under
+/// the interleaved schedule (2 chunks of layers a rank) the losses are DDP's too, the theory's bubble 1/9, and
+/// `shoal checkpoint inspect` names the layout its checkpoint was saved from.
 #[test]
 fn pipeline_trains_a_gpt_in_two_stages_as_ddp_does_and_reports_its_bubble() {
     let dir = tmpdir("pipeline-gpt");
-    let run = |strategy: &str, parallel: &str| {
-        let job = dir.join(format!("{strategy}.toml"));
+    let run = |name: &str, parallel: &str| {
+        let strategy = if parallel.is_empty() { "ddp" } else { "pipeline" };
+        let job = dir.join(format!("{name}.toml"));
         let text = format!(
             "name = \"g\"\n[train]\ndataset = \"cicero\"\nglobal_batch = 12\nsteps = 10\nseed = 2\n\
              optimizer = \"adamw\"\nlr = 3e-3\neval_every = 5\neval_batches = 3\nstrategy = \"{strategy}\"\n\
@@ -478,7 +481,7 @@ fn pipeline_trains_a_gpt_in_two_stages_as_ddp_does_and_reports_its_bubble() {
              [checkpoint]\nevery = 5\n{parallel}"
         );
         std::fs::write(&job, text).expect("write job");
-        let out = dir.join(strategy);
+        let out = dir.join(name);
         (
             run_json(&["run", "-n", "2", "--json", "--output", &out.display().to_string(), job.to_str().unwrap_or("")]),
             out,
@@ -515,6 +518,25 @@ fn pipeline_trains_a_gpt_in_two_stages_as_ddp_does_and_reports_its_bubble() {
     assert_eq!(held.len(), 2);
     assert!(held.iter().all(|b| b * 100 <= 4 * params * 55), "each stage holds at most 55%: {held:?} of {params}");
     assert_eq!(held.iter().sum::<u64>(), 4 * params);
+
+    let parallel = "[parallel]\npipeline_stages = 2\nmicro_batches = 4\nschedule = \"interleaved\"\n";
+    let (i, out) = run("interleaved", parallel);
+    for key in ["final_loss", "eval_loss"] {
+        let (a, b) = (d[key].as_f64().unwrap_or(f64::NAN), i[key].as_f64().unwrap_or(f64::NAN));
+        assert!((a - b).abs() <= 1e-4 * a.abs(), "{key}: ddp {a}, interleaved pipeline {b}");
+    }
+    assert!((i["bubble_theory"].as_f64().unwrap_or(0.0) - 1.0 / 9.0).abs() < 1e-12, "{i}");
+    assert!(i["bubble_fraction"].as_f64().is_some_and(|b| (0.0..1.0).contains(&b)), "{i}");
+    let ckpt = out.join("checkpoints").join("step-000010");
+    let inspected = run_json(&["checkpoint", "inspect", "--json", &ckpt.display().to_string()]);
+    let layout = &inspected["model_layout"];
+    assert_eq!((layout["schedule"].as_str(), layout["virtual_stages"].as_u64()), (Some("interleaved"), Some(2)));
+    let text = shoal().args(["checkpoint", "inspect"]).arg(&ckpt).output().expect("inspect");
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(
+        text.contains("model layout data 1 × tensor 1 × pipeline 2 (4 micro-batches, interleaved, 2 virtual stages"),
+        "{text}"
+    );
     let _ = std::fs::remove_dir_all(dir);
 }
 
