@@ -1431,6 +1431,14 @@ impl JobSpec {
         }
     }
 
+    /// The checks of a layout alone, at `world_size` ranks: `[parallel]` against `train.strategy`, the model and
+    /// the batch, and the world size against them — what a planned layout must pass before it replaces a spec's
+    /// strategy (`shoal_train::plan`).
+    pub fn validate_layout(&self, world_size: usize) -> Result<()> {
+        self.validate_parallel()?;
+        self.validate_world(world_size)
+    }
+
     /// A tensor-parallel layout against the model: the degree divides the heads (and the GPT's vocabulary).
     fn validate_tensor(&self, p: &ParallelSpec) -> Result<()> {
         p.validate_tensor()?;

@@ -25,10 +25,12 @@ use super::setup::{Setup, Training};
 use crate::error::{Error, Result};
 use crate::spec::{FaultPolicy, JobSpec, Strategy};
 
-/// Whether this rank regroups in place when its group changes (the server decides the same from the spec).
+/// Whether this rank regroups in place when its group changes (the server decides the same from the spec as
+/// submitted: a strategy `"auto"` chose, DDP included, is not regrouped in place).
 pub(super) fn in_place(spec: &JobSpec, setup: &Setup) -> bool {
     spec.fault_tolerance.policy == FaultPolicy::Elastic
         && spec.train.strategy == Strategy::Ddp
+        && setup.chose.is_none()
         && spec.phases.is_empty()
         && setup.link.is_some()
         && setup.attempt.is_some()
