@@ -3,14 +3,16 @@
 # `shoal plan --json` lists the layouts with their estimated memory per device and step time; every runnable one is
 # then run for STEPS steps (`shoal run -n N --json --output DIR`), and the table compares the estimates with what
 # `DIR/summary.json` measured:
-#   - step time: the median step (`step_time.step_s`), and `elapsed_s / steps` beside it (which includes start-up
-#     and the final evaluation);
+#   - step time: the median step (`step_time.step_s`), the least of REPEAT runs taken in turn (on a host shared
+#     with other work, the run least disturbed), and `elapsed_s / steps` beside it (which includes start-up and the
+#     final evaluation);
 #   - memory: the most any rank held, `params + grads + optimizer + activations_peak` of `memory_bytes`.
 # It ends saying whether the planner's first choice (the fastest runnable layout that fits, as "auto" picks) is
 # the fastest measured, or within 10% of it.
 #
 # Usage: scripts/check-planner.sh [SPEC] [N ...]   (default: examples/gpt_cicero.toml on 2 and 4 workers)
-# Environment: SHOAL (default target/debug/shoal), STEPS (default 40), OUT (default a temporary directory),
+# Environment: SHOAL (default target/debug/shoal), STEPS (default 40), REPEAT (default 2: runs of each layout, in
+#              turn), OUT (default a temporary directory),
 #              PLAN_ARGS (extra `shoal plan` flags, e.g. "--flops 2e9 --bandwidth 5e9").
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,6 +22,7 @@ WORLDS=("$@")
 [ ${#WORLDS[@]} -gt 0 ] || WORLDS=(2 4)
 SHOAL=${SHOAL:-target/debug/shoal}
 STEPS=${STEPS:-40}
+REPEAT=${REPEAT:-2}
 OUT=${OUT:-$(mktemp -d -t check-planner.XXXXXX)}
 [ -x "$SHOAL" ] || { echo "no $SHOAL: build it first (cargo build -p shoal)" >&2; exit 2; }
 mkdir -p "$OUT"
@@ -75,24 +78,31 @@ for i, l in enumerate(plan["layouts"]):
     open(path, "w").write("\n".join(lines) + "\n")
     print(i, path)
 PY
-    while read -r i job; do
-        dir="$OUT/n$n/run-$i"
-        rm -rf "$dir"
-        if ! "$SHOAL" run -n "$n" --json --output "$dir" "$job" >"$dir.json" 2>"$dir.log"; then
-            echo "layout $i on $n workers failed: see $dir.log" >&2
-            status=1
-        fi
-    done <"$OUT/layouts-$n.txt"
+    for r in $(seq "$REPEAT"); do
+        while read -r i job; do
+            dir="$OUT/n$n/run-$i-$r"
+            rm -rf "$dir"
+            if ! "$SHOAL" run -n "$n" --json --output "$dir" "$job" >"$dir.json" 2>"$dir.log"; then
+                echo "layout $i on $n workers failed: see $dir.log" >&2
+                status=1
+            fi
+        done <"$OUT/layouts-$n.txt"
+    done
     python3 - "$plan" "$OUT/n$n" <<'PY' || status=1
 import json, os, sys
 plan = json.load(open(sys.argv[1]))
 out = sys.argv[2]
 rows = []
 for i, l in enumerate(plan["layouts"]):
-    path = os.path.join(out, f"run-{i}", "summary.json")
-    if not l["runnable"] or not os.path.exists(path):
+    runs = []
+    for d in sorted(os.listdir(out)):
+        path = os.path.join(out, d, "summary.json")
+        if l["runnable"] and d.startswith(f"run-{i}-") and os.path.exists(path):
+            runs.append(json.load(open(path)))
+    if not runs:
         continue
-    s = json.load(open(path))
+    s = min(runs, key=lambda s: s["step_time"]["step_s"])
+    s["spread"] = max(r["step_time"]["step_s"] for r in runs) / s["step_time"]["step_s"]
     mem = max(m["params"] + m["grads"] + m["optimizer"] + m["activations_peak"] for m in s["memory_bytes"])
     rows.append((i, l, s, mem))
 if not rows:
@@ -100,7 +110,7 @@ if not rows:
 gib = 1 << 20
 print(f"\n{plan['model']} of {plan['parameters']} parameters on {plan['devices']} workers "
       f"({plan['flops_per_s'] / 1e9:.2f} GFLOP/s, {plan['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s a device)")
-print(f"{'#':>3} {'layout':<44} {'est s':>8} {'step s':>8} {'ratio':>6} {'elap/st':>8} "
+print(f"{'#':>3} {'layout':<44} {'est s':>8} {'step s':>8} {'ratio':>6} {'spread':>6} {'elap/st':>8} "
       f"{'est MiB':>8} {'meas MiB':>8} {'ratio':>6}")
 for i, l, s, mem in rows:
     shape = f"{l['strategy']} {l['data']}x{l['tensor']}x{l['pipeline']}"
@@ -110,7 +120,7 @@ for i, l, s, mem in rows:
     per = s["elapsed_s"] / max(s["steps"], 1)
     est_mem = l["memory_per_device_bytes"]
     print(f"{i + 1:>3} {shape:<44} {l['step_time_s']:>8.4f} {step:>8.4f} {l['step_time_s'] / step:>6.2f} "
-          f"{per:>8.4f} {est_mem / gib:>8.2f} {mem / gib:>8.2f} {est_mem / mem:>6.3f}")
+          f"{s['spread']:>6.2f} {per:>8.4f} {est_mem / gib:>8.2f} {mem / gib:>8.2f} {est_mem / mem:>6.3f}")
 first = next((r for r in rows if r[1]["fits"]), rows[0])
 fastest = min(rows, key=lambda r: r[2]["step_time"]["step_s"])
 a, b = first[2]["step_time"]["step_s"], fastest[2]["step_time"]["step_s"]
