@@ -4,15 +4,23 @@
 //! and step time with a cost model, and ranks the ones that fit, fastest first. No IO: the caller measures or reads
 //! the cluster's rates.
 //!
-//! The cost model, per device:
-//! - **memory**: parameters (4 bytes each) of its pipeline stage, split by the tensor degree, and under ZeRO-3 split
-//!   by the data degree too, plus the largest pair of consecutive layers in flight (one in use, the next gathered); gradients (split by the data degree from ZeRO-2);
-//!   optimizer state (AdamW's two moments, SGD's momentum; split from ZeRO-1); activations of the micro-batches a
-//!   stage holds at once (1F1B: up to the pipeline degree), split by the tensor degree.
-//! - **time**: training FLOPs (6 per parameter per token, plus attention's) over the compute rate, stretched by the
-//!   pipeline bubble `(p − 1) / (m + p − 1)`; the data-parallel gradient exchange (a ring all-reduce: `2 (d − 1) / d`
-//!   of the gradient bytes; ZeRO-3 gathers parameters again for backward: 1.5×), the tensor-parallel all-reduces of
-//!   activations (four per layer per micro-batch) and the pipeline's sends, over the link bandwidth.
+//! The cost model, per pipeline stage (the stages the pipeline strategy cuts; a layout reports the most any stage
+//! holds and the slowest stage's time):
+//! - **memory**: parameters (4 bytes each) of the stage, split by the tensor degree, and under ZeRO-3 split by the
+//!   data degree too, plus the largest pair of consecutive layers in flight (one in use, the next gathered);
+//!   gradients (split by the data degree from ZeRO-2); optimizer state (AdamW's two moments, SGD's momentum; split
+//!   from ZeRO-1); activations of the micro-batches the stage holds at once (1F1B: stage `s` of `p` up to `p − s`),
+//!   split by the tensor degree but for the part every tensor rank keeps whole.
+//! - **time**: training FLOPs (6 per parameter per token, plus attention's) over the compute rate, plus a fixed cost
+//!   per layer and micro-batch, stretched by the pipeline bubble `(p − 1) / (m + p − 1)`; the data-parallel gradient
+//!   exchange (a ring all-reduce: `2 (d − 1) / d` of the gradient bytes; ZeRO-3 gathers parameters again for
+//!   backward: 1.5×, in three collectives per layer and micro-batch), the tensor-parallel all-reduces of activations
+//!   (four per block per micro-batch, and the embedding's and the loss's) and the pipeline's sends, over the link
+//!   bandwidth, with a fixed cost per message and per tensor-parallel all-reduce.
+//!
+//! A layout is runnable when this build has a strategy for it — `ddp`/`zero1`/`zero2`/`zero3`, `tensor`,
+//! `pipeline` or `3d` — and its `[parallel]` table passes the spec's checks; it carries both, and
+//! [`Layout::apply`] sets them into a spec. [`choose`] and [`resolve`] are `train.strategy = "auto"`.
 
 use crate::spec::{JobSpec, ModelKind, OptimizerKind, ParallelSpec, PipelineSchedule, Strategy};
 
