@@ -10,7 +10,7 @@
 //!
 //! [train]
 //! dataset = "digits"             # a built-in dataset: digits, cicero, synthetic
-//! strategy = "ddp"               # ddp (default) | zero1 | zero2 | zero3 | pipeline | tensor | auto
+//! strategy = "ddp"               # ddp (default) | zero1 | zero2 | zero3 | pipeline | tensor | 3d | auto
 //! global_batch = 64              # samples per optimizer step over all ranks and accumulation steps
 //! steps = 600                    # optimizer steps
 //! seed = 0
@@ -493,8 +493,10 @@ pub enum Strategy {
     #[serde(rename = "3d")]
     ThreeD,
     /// The planner's choice for the job's model at the world size it starts with and `resources.memory` per worker
-    /// (`shoal_train::plan::choose`): DDP when it fits, else the lightest ZeRO stage that does; what ran, and why,
-    /// is recorded.
+    /// (`shoal_train::plan::choose`): among the layouts this build runs — data parallel with ZeRO 0–3, tensor,
+    /// pipeline and composed ones, each with its `[parallel]` table — the fastest by the cost model that fits, else
+    /// the one that holds the least; the workers run it as if the spec had named it, and what ran, and why, is
+    /// recorded. A spec with `"auto"` has no `[parallel]` table of its own.
     Auto,
 }
 
@@ -1478,6 +1480,14 @@ impl JobSpec {
                 format!("applies to train.strategy = \"pipeline\", \"tensor\" or \"3d\" only, not \"{other}\""),
             )),
         }
+    }
+
+    /// The checks of a layout alone, at `world_size` ranks: `[parallel]` against `train.strategy`, the model and
+    /// the batch, and the world size against them — what a planned layout must pass before it replaces a spec's
+    /// strategy (`shoal_train::plan`).
+    pub fn validate_layout(&self, world_size: usize) -> Result<()> {
+        self.validate_parallel()?;
+        self.validate_world(world_size)
     }
 
     /// A tensor-parallel layout against the model: the degree divides the heads (and the GPT's vocabulary).

@@ -4,7 +4,9 @@
 use std::path::PathBuf;
 
 use anyhow::{Result, anyhow};
-use shoal_train::plan::{BatchCost, ClusterCost, Layout, ModelCost, measure_host, plan};
+use shoal_train::plan::{
+    BatchCost, ClusterCost, Layout, ModelCost, TRAINING_EFFICIENCY, measure_host, parallel_keys, plan,
+};
 
 /// `shoal plan`.
 #[derive(Debug, clap::Args)]
@@ -17,7 +19,8 @@ pub struct PlanArgs {
     /// Memory of each device, e.g. 80GiB; default: this machine's memory shared by the devices.
     #[arg(long, value_name = "BYTES")]
     pub memory_per_device: Option<String>,
-    /// Sustained FLOP/s of one device, e.g. 4e11; default: measured here (one core).
+    /// Sustained training FLOP/s of one device, e.g. 4e11; default: measured here (one core's matrix-product rate
+    /// times the share a training step sustains of it).
     #[arg(long)]
     pub flops: Option<f64>,
     /// Bytes/s a device moves to a peer, e.g. 2.5e10; default: measured here (a memory copy).
@@ -48,6 +51,16 @@ pub struct PlanArgs {
 
 fn gib(b: u64) -> String {
     format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
+}
+
+/// How a layout runs: its `train.strategy` and `[parallel]` keys, and whether it fits.
+fn runs_as(l: &Layout) -> String {
+    let how = match (l.strategy, &l.parallel) {
+        (None, _) => return "not runnable in this build".to_owned(),
+        (Some(s), None) => format!("strategy = \"{s}\""),
+        (Some(s), Some(p)) => format!("strategy = \"{s}\", [parallel] {}", parallel_keys(p)),
+    };
+    if l.fits { how } else { format!("{how} (does not fit)") }
 }
 
 pub fn run(a: &PlanArgs) -> Result<bool> {
@@ -90,13 +103,14 @@ pub fn run(a: &PlanArgs) -> Result<bool> {
             // Products of the GPT's width; an MLP's are measured at 64.
             let width = if m.kind == shoal_train::spec::ModelKind::Gpt { a.width.unwrap_or(m.width()) } else { 64 };
             let (mf, mb) = measure_host(width);
-            (f.unwrap_or(mf), b.unwrap_or(mb))
+            // What a training step sustains of the products' rate here.
+            (f.unwrap_or(mf * TRAINING_EFFICIENCY), b.unwrap_or(mb))
         }
     };
     if !(flops > 0.0 && bandwidth > 0.0) {
         return Err(anyhow!("--flops and --bandwidth must be positive"));
     }
-    let cluster = ClusterCost { devices, memory_per_device, flops_per_s: flops, bandwidth };
+    let cluster = ClusterCost::new(devices, memory_per_device, flops, bandwidth);
     let mut batch = BatchCost::of(&spec);
     if let Some(g) = a.global_batch {
         if g == 0 {
@@ -140,11 +154,7 @@ pub fn run(a: &PlanArgs) -> Result<bool> {
             l.compute_s,
             l.comm_s,
             100.0 * l.bubble,
-            match (l.fits, l.strategy) {
-                (false, _) => "does not fit".to_owned(),
-                (true, Some(s)) => format!("strategy = \"{s}\""),
-                (true, None) => "not runnable yet (tensor/pipeline)".to_owned(),
-            }
+            runs_as(l)
         );
     }
     if !layouts.iter().any(|l| l.fits) {

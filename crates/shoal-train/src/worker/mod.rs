@@ -52,6 +52,8 @@ pub struct WorkerOptions {
 pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
     let started = Instant::now();
     let (mut setup, params) = setup::setup(spec, &opts.output)?;
+    // From here on, the job as it runs (`train.strategy = "auto"` resolved).
+    let spec = &setup.spec.clone();
     // On the platform, the control plane hears from this rank until it exits, and at once why it fails.
     let beat = setup
         .attempt

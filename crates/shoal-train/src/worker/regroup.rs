@@ -25,9 +25,10 @@ use crate::error::{Error, Result};
 use crate::params::Params;
 use crate::spec::JobSpec;
 
-/// Whether this rank regroups in place when its group changes (the server decides the same from the spec).
+/// Whether this rank regroups in place when its group changes (the server decides the same from the spec as
+/// submitted: a strategy `"auto"` chose, DDP included, is not regrouped in place).
 pub(super) fn in_place(spec: &JobSpec, setup: &Setup) -> bool {
-    spec.regroups_in_place() && setup.link.is_some() && setup.attempt.is_some()
+    spec.regroups_in_place() && setup.chose.is_none() && setup.link.is_some() && setup.attempt.is_some()
 }
 
 /// How long a rank whose collective failed waits to hear of its new group before it fails: the server's time to

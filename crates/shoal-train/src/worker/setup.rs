@@ -19,6 +19,11 @@ use crate::trainer::{Trainer, TrainerConfig, overlap_pays};
 
 /// What set-up builds for the phases after it.
 pub(super) struct Setup {
+    /// The job as this attempt runs it: the spec itself, or under `train.strategy = "auto"` the planner's layout
+    /// applied to it (its strategy and `[parallel]` table).
+    pub(super) spec: JobSpec,
+    /// Why `train.strategy = "auto"` chose that layout (absent when the spec named its strategy).
+    pub(super) chose: Option<String>,
     /// This rank (in its group).
     pub(super) rank: usize,
     /// This task's own number among its attempt's tasks (its rank, unless it joined a regrouped group): what its
@@ -59,16 +64,18 @@ pub(super) struct Training {
     pub(super) micro: usize,
     /// Whether gradient all-reduces overlap backward (`train.overlap`, resolved).
     pub(super) overlap: bool,
-    /// The strategy `train.strategy` names: what the manifest and the summary record.
+    /// The strategy that runs (`train.strategy`, or the one `"auto"` chose): what the manifest and the summary
+    /// record.
     pub(super) ran: Strategy,
     /// Why `train.strategy = "auto"` chose `ran` (absent when the spec named it).
     pub(super) chose: Option<String>,
     pub(super) trainer: Trainer,
 }
 
-/// Connects this rank to the others and builds the datasets and the model; the model's parameters come beside,
-/// for a checkpoint to be loaded into before the trainer takes them.
-pub(super) fn setup(spec: &JobSpec, output: &Path) -> Result<(Setup, Params)> {
+/// Connects this rank to the others, resolves `train.strategy = "auto"` at their number (`crate::plan::resolve`:
+/// the same layout on every rank), and builds the datasets and the model; the model's parameters come beside, for
+/// a checkpoint to be loaded into before the trainer takes them.
+pub(super) fn setup(asked: &JobSpec, output: &Path) -> Result<(Setup, Params)> {
     let env = shoal_comm::env::EnvContract::from_env()?;
     let attempt = env.attempt;
     let job_id = env.job_id.clone();
@@ -92,6 +99,11 @@ pub(super) fn setup(spec: &JobSpec, output: &Path) -> Result<(Setup, Params)> {
     }
     let comm = env.connect()?;
     let (world, rank) = (comm.size(), comm.rank());
+    let (planned, chose) = crate::plan::resolve(asked, world).map_err(Error::Spec)?;
+    if let (0, Some(why)) = (rank, &chose) {
+        eprintln!("train.strategy = \"auto\" chose {why}");
+    }
+    let spec = &planned;
     let host_leader = host_leader(&comm);
     let host = comm.hosts().get(rank).cloned().unwrap_or_default();
     let memory = match (spec.checkpoint.memory_every, job_id.as_deref().and_then(crate::spec::memory_checkpoint_dir)) {
@@ -122,6 +134,8 @@ pub(super) fn setup(spec: &JobSpec, output: &Path) -> Result<(Setup, Params)> {
     let remote = if rank == 0 { checkpoint_remote(spec)? } else { None };
     Ok((
         Setup {
+            spec: planned.clone(),
+            chose,
             rank,
             task_rank,
             joined,
@@ -198,18 +212,9 @@ pub(super) fn training(spec: &JobSpec, setup: &Setup, params: Params) -> Result<
         overlap,
         ..TrainerConfig::default()
     };
-    // The strategy `train.strategy` names (the spec refuses names that have none yet): what the manifest and the
-    // summary record.
-    let (ran, chose) = match t.strategy {
-        Strategy::Auto => {
-            let (s, why) = crate::plan::choose(spec, world, spec.resources.memory).map_err(Error::Spec)?;
-            if rank == 0 {
-                eprintln!("train.strategy = \"auto\" chose {why}");
-            }
-            (s, Some(why))
-        }
-        s => (s, None),
-    };
+    // The strategy `train.strategy` names (the spec refuses names that have none yet; `"auto"` was resolved into
+    // the spec at set-up): what the manifest and the summary record.
+    let (ran, chose) = (t.strategy, setup.chose.clone());
     let strategy: Box<dyn crate::strategy::Strategy> = match ran {
         Strategy::Ddp => Box::new(crate::strategy::ddp::Ddp::new(Some(comm.clone()), cfg.ddp())),
         Strategy::Zero1 => Box::new(crate::strategy::zero::Zero1::new(Some(comm.clone()))),

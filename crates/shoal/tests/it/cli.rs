@@ -267,6 +267,12 @@ fn plan_ranks_layouts_of_a_jobs_model_and_of_a_7b_gpt() {
         layouts.iter().filter(|l| l["fits"] == true).filter_map(|l| l["step_time_s"].as_f64()).collect();
     assert!(times.windows(2).all(|w| w[0] <= w[1]), "fastest first: {times:?}");
     assert_eq!(v["parameters"], 137_216, "{v}");
+    // Runnable layouts carry the strategy and the [parallel] table that run them: the data-parallel ones none.
+    let runs = |s: &str| layouts.iter().filter(|l| l["runnable"] == true && l["strategy"] == s).collect::<Vec<_>>();
+    assert!(runs("ddp").iter().all(|l| l["parallel"].is_null()), "{v}");
+    assert!(runs("tensor").iter().any(|l| l["parallel"]["tensor"] == 4), "{v}");
+    assert!(runs("3d").iter().any(|l| l["parallel"]["data"] == 2 && l["parallel"]["pipeline_stages"] == 2), "{v}");
+    assert!(layouts.iter().filter(|l| l["runnable"] == false).all(|l| l["strategy"].is_null()), "{v}");
     let big = run(&[
         gpt,
         "--devices",

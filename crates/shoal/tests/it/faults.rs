@@ -609,10 +609,24 @@ fn strategy_auto_runs_the_planners_choice_and_says_why_in_the_events() {
     let ev = events(&v);
     let chose = ev.iter().find(|e| e.1 == "strategy").unwrap_or_else(|| panic!("no strategy event: {ev:?}"));
     assert!(
-        chose.2.contains("attempt 1: train.strategy = \"auto\" chose ddp: the whole model fits each of the 2 workers"),
+        chose.2.contains(
+            "attempt 1: train.strategy = \"auto\" chose ddp (data 2 × tensor 1 × pipeline 1): the whole model fits \
+             each of the 2 workers"
+        ),
         "{chose:?}"
     );
     assert_eq!(v["summary"]["strategy"], "ddp", "{}", v["summary"]);
+    // A GPT whose activations fit no data-parallel worker in 230 MiB: the planner splits it into a pipeline, the
+    // workers run one, and the event says so.
+    let gpt = "name = \"auto-gpt\"\n[workers]\ncount = 2\n[resources]\ncpus = 1\nmemory = \"230MiB\"\n[train]\n\
+               dataset = \"cicero\"\nglobal_batch = 16\nsteps = 3\nlr = 3e-3\nstrategy = \"auto\"\n[train.model]\n\
+               kind = \"gpt\"\nlayers = 2\nheads = 4\nwidth = 64\ncontext = 256\n";
+    let id = p.submit("auto-gpt", gpt);
+    let v = p.wait_state(&id, "succeeded");
+    let ev = events(&v);
+    let chose = ev.iter().find(|e| e.1 == "strategy").unwrap_or_else(|| panic!("no strategy event: {ev:?}"));
+    assert!(chose.2.contains("chose pipeline (data 1 × tensor 1 × pipeline 2;") && chose.2.contains("ddp would need"));
+    assert_eq!(v["summary"]["strategy"], "pipeline", "{}", v["summary"]);
 }
 
 /// Rank 0's metrics file: each row's step, global samples and time (ms since the epoch), in the order written.

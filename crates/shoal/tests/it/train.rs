@@ -285,6 +285,48 @@ fn the_summary_and_the_checkpoints_record_the_strategy_that_ran() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// `train.strategy = "auto"` on a GPT whose activations do not fit a data-parallel worker in `resources.memory`:
+/// the planner's choice is a pipeline, and the run is one — its stages' bubble measured, the summary's strategy
+/// "pipeline", and rank 0 says why it was chosen.
+#[test]
+fn auto_runs_a_pipeline_when_memory_forces_the_model_to_be_split() {
+    let dir = tmpdir("auto-split");
+    let job = dir.join("job.toml");
+    std::fs::write(
+        &job,
+        "name = \"auto\"\n[resources]\nmemory = \"230MiB\"\n[train]\ndataset = \"cicero\"\nglobal_batch = 16\n\
+         steps = 3\nlr = 3e-3\nstrategy = \"auto\"\n[train.model]\nkind = \"gpt\"\nlayers = 2\nheads = 4\nwidth = 64\n\
+         context = 256\n",
+    )
+    .expect("write job");
+    let out = dir.join("out");
+    let run = shoal()
+        .args(["run", "-n", "2", "--json", "--output", &out.display().to_string(), &job.display().to_string()])
+        .output()
+        .expect("run shoal");
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(run.status.success(), "{stderr}");
+    let s: serde_json::Value = serde_json::from_slice(&run.stdout).expect("summary JSON");
+    assert_eq!(s["strategy"], "pipeline", "{s}");
+    assert!(s["bubble_fraction"].is_number(), "a pipeline measures its bubble: {s}");
+    assert!(
+        stderr.contains(
+            "train.strategy = \"auto\" chose pipeline (data 1 × tensor 1 × pipeline 2; [parallel] \
+                         pipeline_stages = 2"
+        ) && stderr.contains("ddp would need")
+            && stderr.contains("over resources.memory"),
+        "{stderr}"
+    );
+    let memory = s["memory_bytes"].as_array().cloned().unwrap_or_default();
+    assert_eq!(memory.len(), 2, "{s}");
+    for m in &memory {
+        let held: u64 =
+            ["params", "grads", "optimizer", "activations_peak"].iter().map(|k| m[k].as_u64().unwrap_or(0)).sum();
+        assert!(held < 230 << 20, "a stage holds what the planner said fits: {m}");
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 #[test]
 fn resuming_a_complete_run_says_so_and_keeps_its_summary() {
     let dir = tmpdir("complete");
