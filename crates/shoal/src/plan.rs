@@ -89,7 +89,8 @@ pub fn run(a: &PlanArgs) -> Result<bool> {
     } else {
         ModelCost::of(&spec).map_err(|e| anyhow!("{}: {e}", a.job.display()))?
     };
-    let devices = a.devices.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let devices = a.devices.unwrap_or(cores);
     if devices == 0 {
         return Err(anyhow!("--devices: at least 1"));
     }
@@ -103,8 +104,10 @@ pub fn run(a: &PlanArgs) -> Result<bool> {
             // Products of the GPT's width; an MLP's are measured at 64.
             let width = if m.kind == shoal_train::spec::ModelKind::Gpt { a.width.unwrap_or(m.width()) } else { 64 };
             let (mf, mb) = measure_host(width);
-            // What a training step sustains of the products' rate here.
-            (f.unwrap_or(mf * TRAINING_EFFICIENCY), b.unwrap_or(mb))
+            // What a training step sustains of the products' rate here; more devices than this machine has cores
+            // (workers of one job here) share them.
+            let share = (cores as f64 / devices as f64).min(1.0);
+            (f.unwrap_or(mf * TRAINING_EFFICIENCY * share), b.unwrap_or(mb))
         }
     };
     if !(flops > 0.0 && bandwidth > 0.0) {
@@ -140,7 +143,11 @@ pub fn run(a: &PlanArgs) -> Result<bool> {
         gib(memory_per_device),
         flops / 1e12,
         bandwidth / 1e9,
-        if a.flops.is_none() || a.bandwidth.is_none() { ", measured here" } else { "" }
+        match (a.flops.is_none() || a.bandwidth.is_none(), devices > cores) {
+            (true, true) => format!(", measured here, {devices} devices sharing {cores} cores"),
+            (true, false) => ", measured here".to_owned(),
+            (false, _) => String::new(),
+        }
     );
     println!("  #      d×t×p  zero    memory/dev        step     compute        comm  bubble  runs as");
     for (i, l) in shown.iter().enumerate() {
