@@ -697,6 +697,32 @@ impl Communicator {
         })
     }
 
+    /// Sends segment `j` of `input` (`size` equal segments, rank order) to rank `j` and puts what rank `i` sent to
+    /// this rank in segment `i` of `output` (as long as `input`): a personalised exchange, `size - 1` rounds of
+    /// one send and one receive each, in which every rank sends to the rank `d` after it and hears from the rank
+    /// `d` before it.
+    pub fn all_to_all_bytes(&self, input: &[u8], output: &mut [u8]) -> Result<()> {
+        let (ticket, seq) = (self.ticket(), self.next_coll_seq());
+        self.run(ticket, "all_to_all", seq, |ctx| {
+            let (n, r) = (self.size(), self.rank());
+            if !input.len().is_multiple_of(n) || output.len() != input.len() {
+                return Err(Error::InvalidArgument(format!(
+                    "all_to_all: input of {} bytes is not {n} equal segments, or output ({} bytes) differs",
+                    input.len(),
+                    output.len()
+                )));
+            }
+            let m = input.len() / n;
+            output[r * m..(r + 1) * m].copy_from_slice(&input[r * m..(r + 1) * m]);
+            for d in 1..n {
+                let (to, from) = ((r + d) % n, (r + n - d) % n);
+                let mut sink = copy_sink(&mut output[from * m..(from + 1) * m]);
+                self.xchg(ctx, Some((to, &input[to * m..(to + 1) * m])), Some((from, m, &mut sink)))?;
+            }
+            Ok(())
+        })
+    }
+
     /// Reduces `input` across ranks and leaves rank r's segment of the result in
     /// `output`; segments follow [`crate::chunk::partition`] of `input.len()`, so
     /// any length works (`output.len()` must equal `segment(len, size, rank).len()`).

@@ -42,6 +42,7 @@ pub mod arrival;
 pub mod auth;
 pub mod chunk;
 pub mod comm;
+pub mod compress;
 pub mod dtype;
 pub mod env;
 pub mod error;
@@ -53,6 +54,7 @@ pub mod transport;
 
 pub use arrival::ArrivalStats;
 pub use comm::{Activity, Algo, CommConfig, Communicator, Pending, TransportChoice};
+pub use compress::{Codec, CompressConfig, Compressor, Matrix};
 pub use dtype::{DType, Element, ReduceOp};
 pub use error::{Error, Participation, Result};
 pub use store::{MemStore, Store, StoreServer, TcpStore};

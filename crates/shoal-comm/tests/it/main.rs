@@ -2,5 +2,6 @@
 //! transport, the fault tests (wrong secret, garbage on the wire, dead peers), and the arrival skew.
 
 mod arrival;
+mod compress;
 mod conformance;
 mod faults;
