@@ -114,11 +114,13 @@ pub mod data;
 
 use data::{Kind, Options, Split};
 
+mod compression;
 mod platform;
 #[cfg(feature = "openapi")]
 mod schema;
 mod stats;
 
+pub use compression::{CodecName, CompressionSpec};
 pub use platform::{
     FaultPolicy, FaultToleranceSpec, MAX_BYTES, MAX_DURATION, MAX_MILLI, MAX_WORKERS, PhaseSpec, ResourcesSpec,
     Seconds, WorkersSpec, parse_bytes, parse_milli,
@@ -220,6 +222,9 @@ pub struct JobSpec {
     /// `[parallel]`: how the model is cut across the ranks (`train.strategy = "pipeline"`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub parallel: Option<ParallelSpec>,
+    /// `[compression]`: what the ranks send in place of their gradients (none by default).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compression: Option<CompressionSpec>,
 }
 
 /// `[parallel]`: the layout of a pipeline-parallel or tensor-parallel job.
@@ -1378,7 +1383,8 @@ impl JobSpec {
     }
 
     /// Every problem [`JobSpec::validate`] finds, one per independent part of the spec (name, queue, `[env]`,
-    /// `[workers]`, `[resources]`, `[fault_tolerance]`, `[train]` numbers, the world size, model and data, `[checkpoint]`), in that
+    /// `[workers]`, `[resources]`, `[fault_tolerance]`, `[train]` numbers, the world size, model and data, `[checkpoint]`,
+    /// `[parallel]`, `[compression]`), in that
     /// order; empty when the spec is valid. The first one is what `validate` returns.
     pub fn problems(&self) -> Vec<SpecError> {
         self.problems_with_memory(available_memory())
@@ -1408,6 +1414,7 @@ impl JobSpec {
             self.train.validate_model_and_data(available),
             self.checkpoint.validate(),
             if numbers.is_ok() { self.validate_parallel() } else { Ok(()) },
+            platform(self.compression.map_or(Ok(()), |c| c.validate(self.train.strategy))),
         ]
         .into_iter()
         .filter_map(Result::err)
@@ -2114,6 +2121,37 @@ lr = 0.01
                 }
             }
         }
+    }
+
+    #[test]
+    fn compression_is_checked_against_its_codec_and_the_strategy() {
+        let job = |strategy: &str, table: &str| format!("{MLP}strategy = \"{strategy}\"\n[compression]\n{table}\n");
+        let cases = [
+            ("ddp", "codec = \"topk\"\nratio = 0.01", ""),
+            ("ddp", "codec = \"powersgd\"\nrank = 2\nwarmup_steps = 5", ""),
+            ("ddp", "codec = \"int8\"\nstochastic = true\nerror_feedback = false", ""),
+            ("zero2", "codec = \"sign\"", ""),
+            ("zero1", "codec = \"topk\"", ""),
+            ("ddp", "codec = \"gzip\"", "compression.codec"),
+            ("ddp", "codec = \"topk\"\nratio = 0", "compression.ratio: must be in (0, 1]"),
+            ("ddp", "codec = \"topk\"\nratio = 1.5", "compression.ratio"),
+            ("ddp", "codec = \"int8\"\nratio = 0.1", "compression.ratio: applies to codec = \"topk\""),
+            ("ddp", "codec = \"topk\"\nrank = 4", "compression.rank: applies to codec = \"powersgd\""),
+            ("ddp", "codec = \"powersgd\"\nrank = 0", "compression.rank: must be at least 1"),
+            ("ddp", "codec = \"sign\"\nstochastic = true", "compression.stochastic"),
+            ("zero3", "codec = \"powersgd\"", "compression.codec: \"powersgd\" needs every gradient matrix"),
+            ("ddp", "codec = \"topk\"\nlevel = 3", "level"),
+        ];
+        for (strategy, table, want) in cases {
+            check(&job(strategy, table), want).unwrap_or_else(|e| panic!("{strategy} / {table}: {e}"));
+        }
+        let pipeline = "name = \"t\"\n[train]\ndataset = \"cicero\"\nstrategy = \"pipeline\"\nglobal_batch = 8\nsteps = 2\n\
+                        lr = 0.01\n[train.model]\nkind = \"gpt\"\nlayers = 4\n[parallel]\npipeline_stages = 2\n\
+                        micro_batches = 4\n[compression]\ncodec = \"fp16\"\n";
+        check(pipeline, "compression.codec: compresses the gradients of a data-parallel strategy")
+            .unwrap_or_else(|e| panic!("{e}"));
+        let j = parse_job(&job("ddp", "codec = \"randk\"\nratio = 0.05"), "x").expect("valid");
+        assert_eq!(parse_job(&j.to_toml().expect("toml"), "x").expect("again"), j);
     }
 
     fn check_all(cases: &[(String, &str)]) {

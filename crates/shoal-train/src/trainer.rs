@@ -159,6 +159,17 @@ impl Trainer {
         self.strategy.load_optimizer_state(&self.params, &mut self.opt, t, named)
     }
 
+    /// The compression hook's state (every rank's error feedback), saved beside the optimizer state: a collective,
+    /// every rank calls it at the same step; empty without `[compression]`.
+    pub fn compression_state(&self) -> Result<Vec<(String, Tensor)>> {
+        self.strategy.compression_state()
+    }
+
+    /// Restores what [`Self::compression_state`] saved, at any world size.
+    pub fn load_compression_state(&mut self, named: &std::collections::HashMap<String, Tensor>) -> Result<()> {
+        self.strategy.load_compression_state(named)
+    }
+
     /// The strategy that runs (what the manifest and `summary.json` record).
     pub fn strategy_name(&self) -> &'static str {
         self.strategy.name()

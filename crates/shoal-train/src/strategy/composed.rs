@@ -452,7 +452,7 @@ impl Strategy for Composed {
                 }
                 z.grad.clear();
                 z.grad.resize(z.shards.shard, 0.0);
-                z.shards.reduce_bucket(0, &self.flat, &mut z.mine, &mut z.grad)?;
+                z.shards.reduce_bucket(0, &self.flat, &mut z.mine, &mut z.grad, None)?;
                 // The shard covers the flat range from `lo`; each parameter's values in it counted once.
                 let lo = z.shards.rank() * z.shards.slice_len(0);
                 let hi = lo + z.shards.shard;

@@ -16,7 +16,7 @@
 use std::time::Instant;
 
 use candle_core::Tensor;
-use shoal_comm::{Communicator, Pending, ReduceOp};
+use shoal_comm::{Communicator, CompressConfig, Compressor, Pending, ReduceOp};
 
 use super::{GradSink, StepTimes, Strategy, TensorGrads, broadcast_from_rank0, check_order, flat_offsets, put_tensors};
 use crate::error::{Error, Result};
@@ -58,6 +58,8 @@ pub struct Ddp {
     direct: Option<(Vec<Tensor>, Vec<f32>)>,
     /// Bucket buffers of the last step, reused by the next (no allocation, no page faults).
     spare: Vec<Vec<f32>>,
+    /// `[compression]`: each bucket summed through it, on the calling thread in `step`.
+    compress: Option<Compressor>,
 }
 
 impl std::fmt::Debug for Ddp {
@@ -68,7 +70,26 @@ impl std::fmt::Debug for Ddp {
 
 impl Ddp {
     pub fn new(comm: Option<Communicator>, cfg: DdpConfig) -> Ddp {
-        Ddp { comm, cfg, offsets: Vec::new(), acc: None, buckets: Vec::new(), direct: None, spare: Vec::new() }
+        Ddp {
+            comm,
+            cfg,
+            offsets: Vec::new(),
+            acc: None,
+            buckets: Vec::new(),
+            direct: None,
+            spare: Vec::new(),
+            compress: None,
+        }
+    }
+
+    /// The same, with every gradient bucket sent compressed as `cfg` says (`shoal_comm::compress`). The buckets
+    /// are then reduced on the calling thread in `step` (a compressor keeps state per bucket, and encoding is
+    /// computation that a communicator thread would take from the backward pass), and bucket `k` holds the same
+    /// parameters every step, which its error feedback relies on.
+    pub fn with_compression(mut self, cfg: CompressConfig) -> Ddp {
+        self.cfg.overlap = false;
+        self.compress = Some(Compressor::new(cfg));
+        self
     }
 
     fn world(&self) -> usize {
@@ -273,6 +294,20 @@ impl Strategy for Ddp {
         self.backward(params, last, scalars, &mut |sink| put_tensors(sink, &grads))
     }
 
+    fn compression_state(&self) -> Result<Vec<(String, Tensor)>> {
+        match &self.compress {
+            Some(z) => super::compress::gather(self.comm.as_ref(), z),
+            None => Ok(Vec::new()),
+        }
+    }
+
+    fn load_compression_state(&mut self, named: &std::collections::HashMap<String, Tensor>) -> Result<()> {
+        match &mut self.compress {
+            Some(z) => super::compress::load(self.comm.as_ref(), z, named),
+            None => Ok(()),
+        }
+    }
+
     fn step(&mut self, params: &Params, opt: &mut Optimizer, lr: f64, clip: Option<f64>) -> Result<StepTimes> {
         let t0 = Instant::now();
         if let Some((mut grads, scalars)) = self.direct.take() {
@@ -291,13 +326,31 @@ impl Strategy for Ddp {
         }
         let vars = params.vars();
         let mut datas: Vec<(Vec<usize>, Vec<f32>)> = Vec::with_capacity(self.buckets.len());
-        for (members, b) in self.buckets.drain(..) {
+        if let Some(z) = &mut self.compress {
+            z.set_step(opt.t);
+        }
+        for (k, (members, b)) in self.buckets.drain(..).enumerate() {
             let data = match b {
                 Bucket::Pending(p) => p.wait()?,
                 Bucket::Ready(d) => d,
                 Bucket::Deferred(mut d) => {
-                    if let Some(c) = &self.comm {
-                        c.all_reduce(&mut d, ReduceOp::Sum)?;
+                    match (&self.comm, &mut self.compress) {
+                        (Some(c), Some(z)) => {
+                            // The gradients compressed; the step's scalars after them (the last bucket's) exact.
+                            let grads: usize = members.iter().map(|i| vars[*i].1.elem_count()).sum();
+                            let at = grads.min(d.len());
+                            let (g, scalars) = d.split_at_mut(at);
+                            let matrices = match z.config().codec.wants_matrices() {
+                                true => super::compress::matrices(params, members.iter().copied()),
+                                false => Vec::new(),
+                            };
+                            z.all_reduce(c, k, g, &matrices)?;
+                            if !scalars.is_empty() {
+                                c.all_reduce(scalars, ReduceOp::Sum)?;
+                            }
+                        }
+                        (Some(c), None) => c.all_reduce(&mut d, ReduceOp::Sum)?,
+                        (None, _) => {}
                     }
                     d
                 }

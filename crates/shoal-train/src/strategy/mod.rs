@@ -38,10 +38,15 @@
 //!   summed over each data group (or reduce-scattered onto ZeRO-1 shards, [`shards`]) before the update, the norm
 //!   for clipping over the world. Checkpoints hold whole tensors: tensor parts gathered, then stages summed.
 //!
+//! - [`compress`]: the compression hook (`[compression]`): DDP sums each bucket, and ZeRO reduce-scatters it,
+//!   through a `shoal_comm::Compressor` instead of a plain collective; the compressor's error feedback is saved
+//!   with the optimizer state.
+//!
 //! The worker builds the strategy `train.strategy` names; a name with no strategy yet is refused when the spec is
 //! validated (`shoal_spec::Strategy`), never silently replaced.
 
 pub mod composed;
+pub mod compress;
 pub mod ddp;
 pub mod pipeline;
 pub mod schedule;
@@ -211,6 +216,18 @@ pub trait Strategy: Send {
         named: &std::collections::HashMap<String, Tensor>,
     ) -> Result<()> {
         opt.load_state(params, t, named)
+    }
+
+    /// The state of gradient compression (every rank's error feedback, named `compression.rank{R}.…`), for a
+    /// checkpoint beside the optimizer state: a collective, every rank calls it at the same step. Empty for a
+    /// strategy that does not compress.
+    fn compression_state(&self) -> Result<Vec<(String, Tensor)>> {
+        Ok(Vec::new())
+    }
+
+    /// Restores what [`Strategy::compression_state`] saved (at any world size, [`compress`]).
+    fn load_compression_state(&mut self, _named: &std::collections::HashMap<String, Tensor>) -> Result<()> {
+        Ok(())
     }
 }
 

@@ -9,7 +9,7 @@
 
 use std::ops::Range;
 
-use shoal_comm::{Communicator, Pending, ReduceOp};
+use shoal_comm::{Communicator, Compressor, Pending, ReduceOp};
 
 use crate::error::{Error, Result};
 use crate::kernels::{with_slice, with_slice_mut};
@@ -129,15 +129,24 @@ impl Shards {
     }
 
     /// Reduce-scatters bucket `b`'s gradients (`data`, its flat values padded with zeros to a slice per rank) and
-    /// adds this rank's slice into `out` (a shard); `mine` is scratch.
-    pub(crate) fn reduce_bucket(&self, b: usize, data: &[f32], mine: &mut Vec<f32>, out: &mut [f32]) -> Result<()> {
+    /// adds this rank's slice into `out` (a shard); `mine` is scratch. With a compressor (`[compression]`), each
+    /// slice travels compressed to its rank.
+    pub(crate) fn reduce_bucket(
+        &self,
+        b: usize,
+        data: &[f32],
+        mine: &mut Vec<f32>,
+        out: &mut [f32],
+        compress: Option<&mut Compressor>,
+    ) -> Result<()> {
         let s = self.slice_len(b);
         let padded = &data[..s * self.world()];
         mine.clear();
         mine.resize(s, 0.0);
-        match self.others() {
-            Some(c) => c.reduce_scatter(padded, mine, ReduceOp::Sum)?,
-            None => mine.copy_from_slice(&padded[..s]),
+        match (self.others(), compress) {
+            (Some(c), Some(z)) => z.reduce_scatter(c, b, &mut padded.to_vec(), mine)?,
+            (Some(c), None) => c.reduce_scatter(padded, mine, ReduceOp::Sum)?,
+            (None, _) => mine.copy_from_slice(&padded[..s]),
         }
         let o = self.shard_offsets[b];
         for (a, x) in out[o..o + s].iter_mut().zip(mine.iter()) {

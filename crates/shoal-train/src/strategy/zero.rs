@@ -29,7 +29,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::Tensor;
-use shoal_comm::{Communicator, ReduceOp};
+use shoal_comm::{Communicator, CompressConfig, Compressor, ReduceOp};
 
 use super::shards::Shards;
 use super::zero3::LayerShards;
@@ -66,6 +66,8 @@ pub struct Zero {
     tmp: Vec<f32>,
     /// This rank's reduced slice of a bucket (reused).
     mine: Vec<f32>,
+    /// `[compression]`: each bucket's reduce-scatter through it.
+    compress: Option<Compressor>,
 }
 
 /// ZeRO stage 1 over `comm`.
@@ -121,12 +123,20 @@ impl Zero {
             started: false,
             tmp: Vec::new(),
             mine: Vec::new(),
+            compress: None,
         }
     }
 
     /// Reduce-scatters bucket `b`'s gradients (`data`, its flat values) and adds this rank's slice into `out`.
     fn reduce_bucket(&mut self, b: usize, data: &[f32], out: &mut [f32]) -> Result<()> {
-        self.shards.reduce_bucket(b, data, &mut self.mine, out)
+        self.shards.reduce_bucket(b, data, &mut self.mine, out, self.compress.as_mut())
+    }
+
+    /// The same, with each bucket's slices sent compressed as `cfg` says (`shoal_comm::compress`): any codec but
+    /// PowerSGD, which needs whole matrices.
+    pub fn with_compression(mut self, cfg: CompressConfig) -> Zero {
+        self.compress = Some(Compressor::new(cfg));
+        self
     }
 
     /// Whole named tensors, one per parameter, from a whole flat vector (`suffix`: appended to the names).
@@ -311,6 +321,10 @@ impl Strategy for Zero {
         }
         // The shard's parameters (zeros in the padding), updated in place with the shard's moments.
         opt.t += 1;
+        if let Some(z) = &mut self.compress {
+            // Stages 2 and 3 reduce the next step's buckets during its backward: it counts from here.
+            z.set_step(opt.t);
+        }
         let (cfg, t, first) = (opt.config(), opt.t, !self.started);
         let (m, v) = (&mut self.m, &mut self.v);
         let mut apply = |p: &mut [f32]| -> Result<()> {
@@ -395,6 +409,20 @@ impl Strategy for Zero {
         Ok(out)
     }
 
+    fn compression_state(&self) -> Result<Vec<(String, Tensor)>> {
+        match &self.compress {
+            Some(z) => super::compress::gather(self.comm.as_ref(), z),
+            None => Ok(Vec::new()),
+        }
+    }
+
+    fn load_compression_state(&mut self, named: &HashMap<String, Tensor>) -> Result<()> {
+        match &mut self.compress {
+            Some(z) => super::compress::load(self.comm.as_ref(), z, named),
+            None => Ok(()),
+        }
+    }
+
     /// Keeps this rank's shard of whole moments (saved by any strategy at any world size).
     fn load_optimizer_state(
         &mut self,
@@ -404,6 +432,9 @@ impl Strategy for Zero {
         named: &HashMap<String, Tensor>,
     ) -> Result<()> {
         opt.t = t;
+        if let Some(z) = &mut self.compress {
+            z.set_step(t);
+        }
         let mut any = false;
         for suffix in ["m", "v"] {
             let mut full = vec![0f32; self.shards.total];

@@ -91,6 +91,7 @@ pub(super) fn finish(
         memory_stall_s,
         bubble_t,
         bubble_theory,
+        bytes_t,
         stopped_at: _,
         regroup: _,
     } = trained;
@@ -135,6 +136,11 @@ pub(super) fn finish(
         baseline_loss,
         samples_per_s: samples_seen as f64 / train_s.max(1e-9),
         comm_bytes: comm.bytes_sent(),
+        comm_bytes_per_step: match bytes_t.len() {
+            0 => 0.0,
+            n => bytes_t.iter().sum::<u64>() as f64 / n as f64,
+        },
+        compression: spec.compression.filter(|c| c.is_on()),
         overlap,
         // Zeros when no step ran (a complete run evaluated again).
         step_time: StepTime {

@@ -177,7 +177,9 @@ pub(super) fn restore(l: &Loaded, tr: &mut Training) -> Result<usize> {
         .map(|td| Ok((td.name.clone(), Tensor::from_slice(&td.data, td.shape.as_slice(), &candle_core::Device::Cpu)?)))
         .collect::<Result<_>>()?;
     let opt_t = l.manifest.extra.get("optimizer_t").and_then(|v| v.as_u64()).unwrap_or(l.manifest.step);
+    let (named, compression) = crate::strategy::compress::split(named);
     tr.trainer.load_optimizer_state(opt_t, &named)?;
+    tr.trainer.load_compression_state(&compression)?;
     Ok(l.manifest.step as usize)
 }
 

@@ -205,6 +205,9 @@ pub(super) fn training(spec: &JobSpec, setup: &Setup, params: Params) -> Result<
             if overlap { "overlaps backward" } else { "runs after backward (no core free for a communicator thread)" }
         );
     }
+    // `[compression]`: DDP then reduces its buckets after backward, through the compressor.
+    let compression = spec.compression.filter(|c| c.is_on()).map(|c| compress_config(&c, t.seed));
+    let overlap = overlap && !(compression.is_some() && t.strategy == Strategy::Ddp);
     let cfg = TrainerConfig {
         optimizer,
         bucket_bytes: t.bucket_bytes(),
@@ -216,11 +219,25 @@ pub(super) fn training(spec: &JobSpec, setup: &Setup, params: Params) -> Result<
     // the spec at set-up): what the manifest and the summary record.
     let (ran, chose) = (t.strategy, setup.chose.clone());
     let strategy: Box<dyn crate::strategy::Strategy> = match ran {
-        Strategy::Ddp => Box::new(crate::strategy::ddp::Ddp::new(Some(comm.clone()), cfg.ddp())),
-        Strategy::Zero1 => Box::new(crate::strategy::zero::Zero1::new(Some(comm.clone()))),
-        Strategy::Zero2 => Box::new(crate::strategy::zero::Zero::new(Some(comm.clone()), 2, cfg.bucket_bytes)),
-        // The next layer's gather overlaps the current layer's computation where a core is free for it.
-        Strategy::Zero3 => Box::new(crate::strategy::zero::Zero3::new(Some(comm.clone()), overlap)),
+        Strategy::Ddp => {
+            let ddp = crate::strategy::ddp::Ddp::new(Some(comm.clone()), cfg.ddp());
+            Box::new(match compression {
+                Some(c) => ddp.with_compression(c),
+                None => ddp,
+            })
+        }
+        Strategy::Zero1 | Strategy::Zero2 | Strategy::Zero3 => {
+            let zero = match ran {
+                Strategy::Zero1 => crate::strategy::zero::Zero1::new(Some(comm.clone())),
+                Strategy::Zero2 => crate::strategy::zero::Zero::new(Some(comm.clone()), 2, cfg.bucket_bytes),
+                // The next layer's gather overlaps the current layer's computation where a core is free for it.
+                _ => crate::strategy::zero::Zero3::new(Some(comm.clone()), overlap),
+            };
+            Box::new(match compression {
+                Some(c) => zero.with_compression(c),
+                None => zero,
+            })
+        }
         Strategy::Pipeline => {
             Box::new(crate::strategy::pipeline::Pipeline::new(Some(comm.clone()), pipeline_config(spec)?))
         }
@@ -242,6 +259,23 @@ pub(super) fn training(spec: &JobSpec, setup: &Setup, params: Params) -> Result<
         (rank / spec.tensor_degree()) % replicas,
     )?;
     Ok(Training { sampler, micro, overlap, ran, chose, trainer })
+}
+
+/// `[compression]` as the compressor takes it (seeded by the job's seed, so every rank draws alike).
+fn compress_config(c: &shoal_spec::CompressionSpec, seed: u64) -> shoal_comm::CompressConfig {
+    use shoal_comm::Codec;
+    use shoal_spec::CodecName;
+    let codec = match c.codec {
+        CodecName::None => Codec::None,
+        CodecName::Fp16 => Codec::Fp16,
+        CodecName::Bf16 => Codec::Bf16,
+        CodecName::Int8 => Codec::Int8 { stochastic: c.stochastic },
+        CodecName::Topk => Codec::TopK { ratio: c.ratio() },
+        CodecName::Randk => Codec::RandK { ratio: c.ratio() },
+        CodecName::Sign => Codec::Sign,
+        CodecName::Powersgd => Codec::PowerSgd { rank: c.rank() },
+    };
+    shoal_comm::CompressConfig { codec, error_feedback: c.error_feedback, warmup_steps: c.warmup_steps, seed }
 }
 
 /// A pipeline job's `[parallel]` layout.

@@ -73,6 +73,8 @@ pub(super) struct Trained {
     /// Under a pipeline: each step's bubble (averaged over the stages), and the theory's.
     pub(super) bubble_t: Vec<f64>,
     pub(super) bubble_theory: Option<f64>,
+    /// Bytes this rank sent in each step's collectives.
+    pub(super) bytes_t: Vec<u64>,
 }
 
 impl Trained {
@@ -97,6 +99,7 @@ impl Trained {
         };
         self.memory_copies += later.memory_copies;
         self.memory_stall_s += later.memory_stall_s;
+        self.bytes_t.extend(later.bytes_t);
     }
 }
 
@@ -223,8 +226,10 @@ impl StepLoop {
         let pipeline_micro = spec.pipeline_micro_batches();
         let layout = model_layout(spec);
         let (mut bubble_t, mut bubble_theory) = (Vec::new(), None);
+        let mut bytes_t: Vec<u64> = Vec::new();
         for step in start_step..t.steps {
             let step_started = Instant::now();
+            let bytes_before = trainer.comm().map_or(0, |c| c.bytes_sent());
             let vote = graceful.vote();
             let moving = f32::from(u8::from(regroups && beat.is_some_and(|b| b.regroup_pending())));
             let held = crate::memory::PeakOver::start();
@@ -328,6 +333,7 @@ impl StepLoop {
             comm_t.push(comm_s);
             opt_t.push(times.optimizer_s);
             step_t.push(step_started.elapsed().as_secs_f64());
+            bytes_t.push(trainer.comm().map_or(0, |c| c.bytes_sent()).saturating_sub(bytes_before));
             if let Some(b) = times.bubble {
                 bubble_t.push(b.mean);
                 bubble_theory = Some(b.theory);
@@ -349,6 +355,7 @@ impl StepLoop {
                     step_s: step_started.elapsed().as_secs_f64(),
                     rank,
                     comm_bytes: trainer.comm().map_or(0, |c| c.bytes_sent()),
+                    step_comm_bytes: bytes_t.last().copied().unwrap_or(0),
                     unix_ms: std::time::SystemTime::now()
                         .duration_since(std::time::UNIX_EPOCH)
                         .map_or(0, |d| d.as_millis() as u64),
@@ -383,7 +390,11 @@ impl StepLoop {
             // rank 0's saver and by the memory saver of each host's first rank.
             let g0 = Instant::now();
             let state = match checkpoint_now || memory_now {
-                true => Some((trainer.model_state()?, trainer.optimizer_state()?)),
+                true => {
+                    let mut optimizer = trainer.optimizer_state()?;
+                    optimizer.extend(trainer.compression_state()?);
+                    Some((trainer.model_state()?, optimizer))
+                }
                 false => None,
             };
             if memory_now && !checkpoint_now {
@@ -503,6 +514,7 @@ impl StepLoop {
             memory_stall_s,
             bubble_t,
             bubble_theory,
+            bytes_t,
         })
     }
 }

@@ -41,7 +41,15 @@ pub struct Summary {
     /// fitted on the training tokens — the baseline a language model must beat.
     pub baseline_loss: Option<f64>,
     pub samples_per_s: f64,
+    /// Bytes rank 0 sent in collectives over the run (training, checkpoints and evaluation): what really went out,
+    /// payload, indices and scales.
     pub comm_bytes: u64,
+    /// Bytes rank 0 sent per training step, on average (this attempt's steps).
+    #[serde(default)]
+    pub comm_bytes_per_step: f64,
+    /// `[compression]`, when the gradients were sent compressed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compression: Option<shoal_spec::CompressionSpec>,
     /// Whether gradient all-reduces overlapped backward (`train.overlap`, resolved).
     #[serde(default)]
     pub overlap: bool,
@@ -107,6 +115,9 @@ pub struct StepMetrics {
     /// Bytes this rank has sent in collectives so far (cumulative).
     #[serde(default)]
     pub comm_bytes: u64,
+    /// Bytes this rank sent in this step's collectives (payload, indices and scales of what `[compression]` sends).
+    #[serde(default)]
+    pub step_comm_bytes: u64,
     /// When the step ended: milliseconds since the Unix epoch on this rank's host (0: not recorded), so that a
     /// reader judges a window of time rather than a count of steps.
     #[serde(default)]

@@ -174,7 +174,7 @@ fn train_rank(how: How, global: usize, steps: usize, comm: Option<Communicator>,
     let params = values(trainer.model_state().expect("model state"));
     let optimizer = values(trainer.optimizer_state().expect("optimizer state"));
     Out {
-        saved: Saved { params, optimizer, t: trainer.optimizer().t, steps: done + steps },
+        saved: Saved { params, optimizer, t: trainer.optimizer().t, steps: done + steps, compression: Vec::new() },
         losses,
         param_bytes,
         optimizer_bytes,

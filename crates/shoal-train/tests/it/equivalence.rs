@@ -27,6 +27,8 @@ pub(crate) struct Run {
     pub(crate) overlap: bool,
     /// ZeRO stage 1, 2 or 3 instead of DDP (0: DDP); stage 3 prefetches the next layer with `overlap`.
     pub(crate) zero: u8,
+    /// Gradients sent compressed.
+    pub(crate) compress: Option<shoal_comm::CompressConfig>,
 }
 
 /// What a run leaves, as a checkpoint holds it: every parameter and the optimizer state as whole named tensors, the
@@ -37,6 +39,8 @@ pub(crate) struct Saved {
     pub(crate) optimizer: Vec<(String, Vec<f32>)>,
     pub(crate) t: u64,
     pub(crate) steps: usize,
+    /// The compressor's state (every rank's error feedback), as a checkpoint holds it.
+    pub(crate) compression: Vec<(String, Vec<f32>)>,
 }
 
 fn values(named: Vec<(String, candle_core::Tensor)>) -> Vec<(String, Vec<f32>)> {
@@ -96,17 +100,21 @@ pub(crate) fn train_rank_from(
         overlap: run.overlap,
         ..TrainerConfig::default()
     };
-    let mut trainer = match run.zero {
-        0 => Trainer::new(params, comm, cfg).expect("trainer"),
-        3 => {
-            let strategy = Box::new(shoal_train::strategy::zero::Zero3::new(comm, run.overlap));
-            Trainer::with_strategy(params, strategy, cfg).expect("trainer")
-        }
-        stage => {
-            let strategy = Box::new(shoal_train::strategy::zero::Zero::new(comm, stage, cfg.bucket_bytes));
-            Trainer::with_strategy(params, strategy, cfg).expect("trainer")
+    let strategy: Box<dyn shoal_train::strategy::Strategy> = match (run.zero, run.compress) {
+        (0, None) => Box::new(shoal_train::strategy::ddp::Ddp::new(comm, cfg.ddp())),
+        (0, Some(c)) => Box::new(shoal_train::strategy::ddp::Ddp::new(comm, cfg.ddp()).with_compression(c)),
+        (stage, c) => {
+            let zero = match stage {
+                3 => shoal_train::strategy::zero::Zero3::new(comm, run.overlap),
+                _ => shoal_train::strategy::zero::Zero::new(comm, stage, cfg.bucket_bytes),
+            };
+            Box::new(match c {
+                Some(c) => zero.with_compression(c),
+                None => zero,
+            })
         }
     };
+    let mut trainer = Trainer::with_strategy(params, strategy, cfg).expect("trainer");
     let micro = run.global_batch / run.grad_accum;
     let mut sampler = DistributedSampler::new(SamplerConfig::new(data.len(), micro), world, rank).expect("sampler");
     let done = from.map_or(0, |f| f.steps);
@@ -123,6 +131,14 @@ pub(crate) fn train_rank_from(
             })
             .collect();
         trainer.load_optimizer_state(from.t, &named).expect("optimizer state");
+        let compression = from
+            .compression
+            .iter()
+            .map(|(n, v)| {
+                (n.clone(), candle_core::Tensor::from_slice(v, v.len(), &candle_core::Device::Cpu).expect("t"))
+            })
+            .collect();
+        trainer.load_compression_state(&compression).expect("compression state");
         for _ in 0..done * run.grad_accum {
             sampler.next_batch_cycling();
         }
@@ -164,7 +180,8 @@ pub(crate) fn train_rank_from(
     // rank).
     let params = values(trainer.model_state().expect("model state"));
     let optimizer = values(trainer.optimizer_state().expect("optimizer state"));
-    (Saved { params, optimizer, t: trainer.optimizer().t, steps: done + run.steps }, losses)
+    let compression = values(trainer.compression_state().expect("compression state"));
+    (Saved { params, optimizer, t: trainer.optimizer().t, steps: done + run.steps, compression }, losses)
 }
 
 fn train_world(run: Run, world: usize) -> Vec<(String, Vec<f32>)> {
@@ -173,8 +190,13 @@ fn train_world(run: Run, world: usize) -> Vec<(String, Vec<f32>)> {
 
 /// [`train_rank_from`] on `world` ranks (threads of this process); what rank 0 leaves, checked equal on every rank.
 pub(crate) fn train_world_from(run: Run, world: usize, from: Option<Saved>) -> Saved {
+    train_world_with_losses(run, world, from).0
+}
+
+/// [`train_world_from`], with rank 0's losses (its share of each step's).
+pub(crate) fn train_world_with_losses(run: Run, world: usize, from: Option<Saved>) -> (Saved, Vec<f32>) {
     if world == 1 {
-        return train_rank_from(&run, None, 1, 0, from.as_ref()).0;
+        return train_rank_from(&run, None, 1, 0, from.as_ref());
     }
     let cfg =
         CommConfig { transport: TransportChoice::InProc, timeout: Duration::from_secs(120), ..CommConfig::default() };
@@ -185,15 +207,16 @@ pub(crate) fn train_world_from(run: Run, world: usize, from: Option<Saved>) -> S
         .enumerate()
         .map(|(r, c)| {
             let (run, from) = (run.clone(), from.clone());
-            std::thread::spawn(move || train_rank_from(&run, Some(c), world, r, from.as_ref().as_ref()).0)
+            std::thread::spawn(move || train_rank_from(&run, Some(c), world, r, from.as_ref().as_ref()))
         })
         .collect();
-    let outs: Vec<_> = hs.into_iter().map(|h| h.join().expect("rank")).collect();
+    let (outs, losses): (Vec<_>, Vec<_>) = hs.into_iter().map(|h| h.join().expect("rank")).unzip();
     for o in &outs[1..] {
         assert_eq!(o.params, outs[0].params, "the ranks must hold identical parameters");
         assert_eq!(o.optimizer, outs[0].optimizer, "the ranks must save identical optimizer state");
+        assert_eq!(o.compression, outs[0].compression, "the ranks must save identical compression state");
     }
-    outs.into_iter().next().expect("rank 0")
+    (outs.into_iter().next().expect("rank 0"), losses.into_iter().next().expect("rank 0"))
 }
 
 pub(crate) fn assert_close(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)], what: &str) {
@@ -218,7 +241,7 @@ pub(crate) const SGD: OptimConfig = OptimConfig::Sgd { momentum: 0.9, weight_dec
 /// The MLP with SGD (48 samples a step), or with AdamW and 2 micro-batches a step (60 samples).
 pub(crate) fn mlp(hand: bool, overlap: bool, adamw_accum: bool) -> Run {
     let (global_batch, grad_accum, optimizer) = if adamw_accum { (60, 2, ADAMW) } else { (48, 1, SGD) };
-    Run { which: Which::Mlp, steps: 50, global_batch, grad_accum, optimizer, hand, overlap, zero: 0 }
+    Run { which: Which::Mlp, steps: 50, global_batch, grad_accum, optimizer, hand, overlap, zero: 0, compress: None }
 }
 
 /// Every way of computing and reducing gradients: autograd or the hand-written
@@ -272,6 +295,7 @@ fn gpt_ddp_matches_one_worker_at_2_and_4_workers() {
         hand: false,
         overlap: true,
         zero: 0,
+        compress: None,
     };
     let one = train_world(run(), 1);
     for n in [2, 4] {
@@ -290,6 +314,7 @@ fn loss_falls_on_real_data() {
         hand: false,
         overlap: true,
         zero: 0,
+        compress: None,
     };
     let (_, losses) = train_rank(&run, None, 1, 0);
     let first: f32 = losses[..5].iter().sum::<f32>() / 5.0;

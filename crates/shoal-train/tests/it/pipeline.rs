@@ -159,7 +159,7 @@ fn rank_run(run: &PipeRun, comm: Option<Communicator>, rank: usize, from: Option
     let params = values(trainer.model_state().expect("model state"));
     let optimizer = values(trainer.optimizer_state().expect("optimizer state"));
     Out {
-        saved: Saved { params, optimizer, t: trainer.optimizer().t, steps: done + run.steps },
+        saved: Saved { params, optimizer, t: trainer.optimizer().t, steps: done + run.steps, compression: Vec::new() },
         losses,
         param_bytes: trainer.param_bytes(),
         model_bytes,

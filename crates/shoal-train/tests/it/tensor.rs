@@ -166,7 +166,7 @@ fn train_rank(net: Net, how: How, steps: usize, comm: Option<Communicator>, worl
     let params = values(trainer.model_state().expect("model state"));
     let optimizer = values(trainer.optimizer_state().expect("optimizer state"));
     Out {
-        saved: Saved { params, optimizer, t: trainer.optimizer().t, steps: done + steps },
+        saved: Saved { params, optimizer, t: trainer.optimizer().t, steps: done + steps, compression: Vec::new() },
         losses,
         param_bytes,
         whole_bytes,

@@ -44,6 +44,7 @@ fn gpt(zero: u8, steps: usize, grad_accum: usize, prefetch: bool) -> Run {
         hand: false,
         overlap: prefetch,
         zero,
+        compress: None,
     }
 }
 
