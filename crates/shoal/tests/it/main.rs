@@ -4,6 +4,7 @@
 mod bench;
 mod checkpoint;
 mod cli;
+mod compression;
 mod dashboard;
 mod deploy;
 mod diagnose;
