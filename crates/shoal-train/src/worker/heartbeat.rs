@@ -282,18 +282,21 @@ impl Beat {
         self.reporter.shared.step.store(step, Ordering::Relaxed);
     }
 
-    /// Where the state came from: said in every later heartbeat.
+    /// Where the state came from: said at once (a short run may end before the next beat), and in every later
+    /// heartbeat.
     pub(super) fn resumed(&self, from: String) {
         if let Ok(mut r) = self.reporter.shared.resumed.lock() {
             *r = Some(from);
         }
+        self.thread.unpark();
     }
 
-    /// What `train.strategy = "auto"` chose, and why: said in every later heartbeat.
+    /// What `train.strategy = "auto"` chose, and why: said at once, and in every later heartbeat.
     pub(super) fn chose(&self, why: String) {
         if let Ok(mut c) = self.reporter.shared.chose.lock() {
             *c = Some(why);
         }
+        self.thread.unpark();
     }
 
     pub(super) fn phase(&self, phase: Phase) {
