@@ -4,7 +4,9 @@
 //! For every codec (none, fp16, bf16, int8, top-k and random-k at 1%, sign, PowerSGD at rank 4 with the buffer as
 //! one square-ish `rows × cols` matrix) it reports:
 //! 1. encode and decode speed on one core, in GB/s of `f32` input (the buffer's bytes over the median seconds),
-//!    measured by this process once the ranks are done, so nothing else of the benchmark runs beside it. Encode is
+//!    measured by this process once the ranks are done, so nothing else of the benchmark runs beside it, in the
+//!    measuring thread's CPU time (`CLOCK_THREAD_CPUTIME_ID`), so that other processes sharing the machine do not
+//!    count against a codec. Encode is
 //!    the codec's `encode_*` (top-k: the selection and the code; random-k: the draw of the indices and the gather
 //!    of their values); decode adds the code into an `f32` buffer (random-k: scatters the values). PowerSGD's
 //!    encode is one step's local math on the matrix (`P = M Q`, `P` orthonormalised, `Q = Mᵀ P`) and its decode
@@ -110,7 +112,18 @@ fn normals(count: usize, seed: &[u64]) -> Vec<f32> {
     (0..count).map(|_| g.normal()).collect()
 }
 
-/// Median seconds of encoding and of decoding `input` with `c` (`None` for no codec), after `warm` untimed rounds.
+/// This thread's CPU time in seconds (NaN if the clock cannot be read): what a codec costs on one core, whatever
+/// else the machine runs meanwhile. On a shared machine wall-clock time also counts the other processes' turns on
+/// the core, and its median can swing twofold from run to run.
+fn thread_cpu_s() -> f64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime only writes the timespec it is given.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    if rc == 0 { ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9 } else { f64::NAN }
+}
+
+/// Median CPU seconds of encoding and of decoding `input` with `c` on this thread (`None` for no codec), after
+/// `warm` untimed rounds.
 fn codec_speed(c: Codec, input: &[f32], warm: usize, iters: usize) -> Option<(f64, f64)> {
     if c == Codec::None {
         return None;
@@ -130,7 +143,7 @@ fn codec_speed(c: Codec, input: &[f32], warm: usize, iters: usize) -> Option<(f6
     let (mut p, mut q) = (vec![0f32; m.rows * r], vec![0f32; m.cols * r]);
     let (mut encode, mut decode) = (Vec::new(), Vec::new());
     for it in 0..warm + iters {
-        let t0 = Instant::now();
+        let t0 = thread_cpu_s();
         match c {
             Codec::None => {}
             Codec::Fp16 => codec::encode_f16(input, &mut enc),
@@ -156,7 +169,7 @@ fn codec_speed(c: Codec, input: &[f32], warm: usize, iters: usize) -> Option<(f6
             }
         }
         black_box((&enc, &vals, &q));
-        let t1 = Instant::now();
+        let t1 = thread_cpu_s();
         match c {
             Codec::None => {}
             Codec::Fp16 => codec::decode_f16_add(&enc, &mut out),
@@ -171,10 +184,10 @@ fn codec_speed(c: Codec, input: &[f32], warm: usize, iters: usize) -> Option<(f6
             Codec::PowerSgd { .. } => powersgd::add_p_qt(&mut out[..m.rows * m.cols], m.rows, m.cols, &p, &q, r, 1.0),
         }
         black_box(&out);
-        let t2 = Instant::now();
+        let t2 = thread_cpu_s();
         if it >= warm {
-            encode.push((t1 - t0).as_secs_f64());
-            decode.push((t2 - t1).as_secs_f64());
+            encode.push(t1 - t0);
+            decode.push(t2 - t1);
         }
     }
     Some((shoal_spec::median(encode)?, shoal_spec::median(decode)?))
@@ -245,7 +258,7 @@ pub fn run(args: &BenchArgs) -> Result<bool> {
     if !args.json {
         println!(
             "# shoal bench compress: {} ranks{}, transport {transport}, algo {}; f32 values, normally distributed; \
-             codec speed on one core",
+             codec speed on one core (CPU time)",
             ranks.world(),
             if ranks.hosts == 1 { String::new() } else { format!(" on {} hosts", ranks.hosts) },
             args.algo,
