@@ -3,8 +3,8 @@
 //! `f32` buffer, so a receiver sums several ranks' contributions without a temporary. Layouts are little-endian and
 //! fixed by the input length alone, so every rank knows every other rank's encoded size.
 
-use half::f16;
 use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
+use half::{bf16, f16};
 
 /// Values that share one scale in `int8` and `sign` (a scale costs 4 bytes: 0.8% of an int8 chunk, 6% of a
 /// 1-bit one).
@@ -111,29 +111,15 @@ pub fn decode_f16_add(src: &[u8], out: &mut [f32]) {
     decode_u16_add(src, out, |c, v| c.reinterpret_cast::<f16>().convert_to_f32_slice(v));
 }
 
-/// The bfloat16 code of `v`, as [`bf16::from_f32`] gives it (round to nearest even; a NaN stays a quiet NaN), but
-/// without branches, so a loop of it vectorises.
-#[inline]
-fn bf16_bits(v: f32) -> u16 {
-    let x = v.to_bits();
-    let nan = x & 0x7FFF_FFFF > 0x7F80_0000;
-    // Adding 0x7FFF, and one more when the kept part is odd, carries into it exactly when the cut part is above
-    // half, or half and the kept part odd.
-    let rounded = (x.wrapping_add(0x7FFF + ((x >> 16) & 1)) >> 16) as u16;
-    if nan { (x >> 16) as u16 | 0x0040 } else { rounded }
-}
-
 /// `src` as bfloat16 (f32's range, 8 bits of mantissa; round to nearest even).
 pub fn encode_bf16(src: &[f32], out: &mut Vec<u8>) {
-    encode_u16(src, out, |s, c| {
-        for (c, v) in c.iter_mut().zip(s) {
-            *c = bf16_bits(*v);
-        }
-    });
+    // Value by value: measured, this loop is as fast as block-wise ones.
+    out.clear();
+    out.reserve(src.len() * 2);
+    out.extend(src.iter().flat_map(|v| bf16::from_f32(*v).to_le_bytes()));
 }
 
 pub fn decode_bf16_add(src: &[u8], out: &mut [f32]) {
-    // A shift a value: this loop vectorises as it is.
     for (o, b) in out.iter_mut().zip(src.chunks_exact(2)) {
         *o += f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16);
     }
@@ -178,8 +164,8 @@ pub fn encode_int8(src: &[f32], out: &mut Vec<u8>, mut rng: Option<&mut SplitMix
 }
 
 /// The largest magnitude among `c`, NaN left out (0 when there is none), as a fold of `f32::max` gives it. Eight
-/// running maxima, each `if a > m { a } else { m }` (a NaN compares false, so it is passed over): one `maxps` a
-/// lane, where the fold is a call a value.
+/// running maxima, each `if a > m { a } else { m }` (a NaN compares false, so it is passed over): one `maxps` for
+/// four lanes, where the fold of `f32::max` goes a value at a time.
 fn max_abs(c: &[f32]) -> f32 {
     let more = |m: f32, a: f32| if a > m { a } else { m };
     let mut acc = [0f32; 8];
@@ -384,7 +370,6 @@ pub fn decode_sparse_add(src: &[u8], out: &mut [f32]) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use half::bf16;
 
     fn data(n: usize, seed: u64) -> Vec<f32> {
         let mut g = SplitMix::new(seed);
