@@ -6,11 +6,10 @@
 //! 1. encode and decode speed on one core, in GB/s of `f32` input (the buffer's bytes over the median seconds),
 //!    measured by this process once the ranks are done, so nothing else of the benchmark runs beside it, in the
 //!    measuring thread's CPU time (`CLOCK_THREAD_CPUTIME_ID`), so that other processes sharing the machine do not
-//!    count against a codec. Encode is
-//!    the codec's `encode_*` (top-k: the selection and the code; random-k: the draw of the indices and the gather
-//!    of their values); decode adds the code into an `f32` buffer (random-k: scatters the values). PowerSGD's
-//!    encode is one step's local math on the matrix (`P = M Q`, `P` orthonormalised, `Q = Mᵀ P`) and its decode
-//!    `P Qᵀ`. `enc+dec` is the bytes over the sum of the two medians.
+//!    count against a codec. Encode is the codec's `encode_*` (top-k: the selection and the code; random-k: the
+//!    draw of the indices and the gather of their values); decode adds the code into an `f32` buffer (random-k:
+//!    scatters the values). PowerSGD's encode is one step's local math on the matrix (`P = M Q`, `P`
+//!    orthonormalised, `Q = Mᵀ P`) and its decode `P Qᵀ`. `enc+dec` is the bytes over the sum of the two medians.
 //! 2. the bytes rank 0 really sent for one reduction ([`Communicator::bytes_sent`] around one
 //!    [`Compressor::all_reduce`]) against a plain `f32` all-reduce of the same buffer, and their ratio.
 //! 3. the time of the whole [`Compressor::all_reduce`] (error feedback, encode, exchange, decode) against the plain
@@ -23,6 +22,9 @@
 //! codec with the wire figures; the parent adds the codec speeds and prints the table, or with `--json` one object
 //! a codec a size: `codec bytes ranks transport encode_gbps decode_gbps codec_gbps sent_bytes plain_bytes
 //! reduction time_s plain_time_s speedup` (the three speeds `null` for `none`).
+//!
+//! `shoal bench compress` (release build) gives the README's figures on loopback; `COMPRESS=1
+//! scripts/bench-hosts.sh` runs it across two network namespaces joined by a shaped link.
 //!
 //! [`Communicator::bytes_sent`]: shoal_comm::Communicator::bytes_sent
 
