@@ -7,6 +7,10 @@
 #   scripts/bench-hosts.sh [SHOAL_BINARY] [RATE_MBIT] [SIZES]
 #   defaults: target/release/shoal, 1000 (1 Gbit/s), 16MiB,64MiB
 #
+# With COMPRESS=1 it runs `shoal bench compress` instead, one rank a host (PER_HOST to change it), ITERS timed
+# iterations (default 5) after one warm-up, and prints node 0's table: each gradient codec's all-reduce over the
+# shaped link against a plain one.
+#
 # Needs root, iproute2 and util-linux (`unshare`). Everything it makes is removed when it ends.
 set -euo pipefail
 
@@ -64,6 +68,26 @@ bench() {
     cat "$out.0"
     rm -f "$out".*
 }
+
+if [ -n "${COMPRESS:-}" ]; then
+    out=$(mktemp)
+    for i in 1 0; do
+        ip netns exec "shoal-bh$i-$TAG" unshare --uts -- sh -c 'hostname "$0" && exec "$@"' "bench-host$i" \
+            "$SHOAL" bench compress --nnodes 2 --node-rank "$i" --rdzv "$NET.1:$PORT" \
+            --ranks "${PER_HOST:-1}" --sizes "$SIZES" --iters "${ITERS:-5}" --warmup 1 --timeout 120s \
+            >"$out.$i" 2>"$out.$i.err" &
+    done
+    wait
+    if ! grep -q speedup "$out.0"; then
+        echo "the compression benchmark failed:" >&2
+        cat "$out.0.err" "$out.1.err" >&2
+        exit 1
+    fi
+    echo "# link shaped to $RATE_MBIT Mbit/s each way"
+    cat "$out.0"
+    rm -f "$out" "$out".*
+    exit 0
+fi
 
 HIER=$(bench hier)
 RING=$(bench ring)

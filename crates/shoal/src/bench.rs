@@ -27,7 +27,7 @@ pub enum BenchOp {
     Reducescatter,
 }
 
-/// What `shoal bench` measures: a collective, or checkpoint saving.
+/// What `shoal bench` measures: a collective, checkpoint saving, or gradient compression.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum BenchWhat {
     Allreduce,
@@ -36,17 +36,20 @@ pub enum BenchWhat {
     Reducescatter,
     /// Checkpoint save speed against the disk's (see `bench_ckpt`).
     Checkpoint,
+    /// Gradient codecs: their speed on one core, the bytes they send and the all-reduce time (see
+    /// `bench_compress`).
+    Compress,
 }
 
 impl BenchWhat {
-    /// The collective, or `None` for the checkpoint benchmark.
+    /// The collective, or `None` for the checkpoint and compression benchmarks.
     pub fn collective(self) -> Option<BenchOp> {
         match self {
             BenchWhat::Allreduce => Some(BenchOp::Allreduce),
             BenchWhat::Broadcast => Some(BenchOp::Broadcast),
             BenchWhat::Allgather => Some(BenchOp::Allgather),
             BenchWhat::Reducescatter => Some(BenchOp::Reducescatter),
-            BenchWhat::Checkpoint => None,
+            BenchWhat::Checkpoint | BenchWhat::Compress => None,
         }
     }
 }
@@ -78,15 +81,16 @@ pub struct BenchArgs {
     /// Number of ranks (separate processes).
     #[arg(long, default_value_t = 2)]
     pub ranks: usize,
-    /// tcp, shm or auto.
-    #[arg(long, default_value = "auto")]
-    pub transport: String,
+    /// tcp, shm or auto (default: auto; for `compress`, tcp).
+    #[arg(long)]
+    pub transport: Option<String>,
     /// ring, tree, rhd (recursive halving-doubling), hier or auto.
     #[arg(long, default_value = "auto")]
     pub algo: String,
-    /// Comma-separated sizes in bytes, with units B, KiB, MiB, GiB (or KB, MB, GB: powers of 10).
-    #[arg(long, default_value = "4KiB,64KiB,1MiB,16MiB,64MiB")]
-    pub sizes: String,
+    /// Comma-separated sizes in bytes, with units B, KiB, MiB, GiB (or KB, MB, GB: powers of 10) (default:
+    /// 4KiB,64KiB,1MiB,16MiB,64MiB; for `compress`, 64MiB).
+    #[arg(long)]
+    pub sizes: Option<String>,
     /// Element type: f32, f64, f16, bf16, i32, i64.
     #[arg(long, default_value = "f32")]
     pub dtype: String,
@@ -120,6 +124,16 @@ pub struct BenchArgs {
     /// Over several hosts: `--nnodes N --node-rank R --rdzv HOST:PORT`, --ranks per host (node 0 prints the table).
     #[command(flatten)]
     pub nodes: crate::nodes::NodeArgs,
+}
+
+/// The sizes the collectives are measured at unless `--sizes` says otherwise.
+pub const DEFAULT_SIZES: &str = "4KiB,64KiB,1MiB,16MiB,64MiB";
+
+impl BenchArgs {
+    /// The sizes of `--sizes` (the collectives' default when not given).
+    pub fn sizes(&self) -> Result<Vec<usize>> {
+        parse_sizes(self.sizes.as_deref().unwrap_or(DEFAULT_SIZES))
+    }
 }
 
 /// One result row.
@@ -168,7 +182,8 @@ pub fn parse_size(p: &str) -> Result<usize> {
     usize::try_from(bytes).with_context(|| format!("--sizes: {p:?} does not fit in memory"))
 }
 
-fn default_iters(bytes: usize) -> (usize, usize) {
+/// Warm-up and timed iterations at a size, as the peers' scripts choose them.
+pub fn default_iters(bytes: usize) -> (usize, usize) {
     match bytes {
         b if b <= 64 << 10 => (20, 300),
         b if b <= 1 << 20 => (10, 100),
@@ -178,48 +193,115 @@ fn default_iters(bytes: usize) -> (usize, usize) {
     }
 }
 
-/// The parent: launches the ranks, prints the table; exit status non-zero on
-/// any failure or wrong value.
-pub fn run_bench(what: BenchWhat, args: &BenchArgs) -> Result<bool> {
-    let Some(op) = what.collective() else { bail!("{what:?} is not a collective") };
-    if args.ranks == 0 {
-        bail!("--ranks must be at least 1");
-    }
-    parse_sizes(&args.sizes)?;
-    args.dtype.parse::<DType>()?;
-    args.op.parse::<ReduceOp>()?;
-    args.algo.parse::<Algo>()?;
-    let transport: shoal_comm::TransportChoice = args.transport.parse()?;
+/// The transport of `--transport` (`default` when not given), refused when the ranks could not use it.
+pub fn transport_arg(args: &BenchArgs, default: &str) -> Result<String> {
+    let name = args.transport.clone().unwrap_or_else(|| default.to_string());
+    let transport: shoal_comm::TransportChoice = name.parse().map_err(|e| anyhow::anyhow!("--transport: {e}"))?;
     if transport == shoal_comm::TransportChoice::InProc {
         bail!(
             "--transport inproc needs ranks in one process; shoal bench runs separate processes (use tcp, shm or auto)"
         );
     }
-    let timeout = shoal_comm::env::parse_duration(&args.timeout)?;
-    let nodes = args.nodes.nodes()?;
-    let exe = std::env::current_exe().context("locating the shoal executable")?;
-    let spec = LaunchSpec {
-        program: exe,
-        args: vec!["bench-rank".into(), serde_json::to_string(&(op, args))?],
-        ranks: args.ranks,
-        // The same on every host.
-        job_id: nodes.as_ref().map_or_else(|| format!("bench-{}", std::process::id()), |n| n.job_id("bench")),
-        env: vec![
-            (var::TRANSPORT.into(), args.transport.clone()),
-            (var::ALGO.into(), args.algo.clone()),
-            (var::TIMEOUT.into(), args.timeout.clone()),
-        ],
-        grace: timeout + Duration::from_secs(5),
-        nodes: nodes.clone(),
-    };
-    let hosts = nodes.as_ref().map_or(1, |n| n.count);
+    Ok(name)
+}
+
+/// Rank processes of a benchmark: this executable run as `shoal RANK_ARGS…`, `--ranks` of them on this host (and
+/// as many on each of `--nnodes` hosts), with the benchmark's transport, algorithm and timeout in their
+/// environment.
+pub struct Ranks {
+    spec: LaunchSpec,
+    /// How many hosts the ranks span.
+    pub hosts: usize,
+}
+
+impl Ranks {
+    pub fn new(args: &BenchArgs, transport: &str, rank_args: Vec<String>) -> Result<Ranks> {
+        if args.ranks == 0 {
+            bail!("--ranks must be at least 1");
+        }
+        args.algo.parse::<Algo>().map_err(|e| anyhow::anyhow!("--algo: {e}"))?;
+        let timeout = shoal_comm::env::parse_duration(&args.timeout).map_err(|e| anyhow::anyhow!("--timeout: {e}"))?;
+        let nodes = args.nodes.nodes()?;
+        let exe = std::env::current_exe().context("locating the shoal executable")?;
+        let hosts = nodes.as_ref().map_or(1, |n| n.count);
+        let spec = LaunchSpec {
+            program: exe,
+            args: rank_args,
+            ranks: args.ranks,
+            // The same on every host.
+            job_id: nodes.as_ref().map_or_else(|| format!("bench-{}", std::process::id()), |n| n.job_id("bench")),
+            env: vec![
+                (var::TRANSPORT.into(), transport.to_string()),
+                (var::ALGO.into(), args.algo.clone()),
+                (var::TIMEOUT.into(), args.timeout.clone()),
+            ],
+            grace: timeout + Duration::from_secs(5),
+            nodes,
+        };
+        Ok(Ranks { spec, hosts })
+    }
+
+    /// Ranks in all.
+    pub fn world(&self) -> usize {
+        self.spec.ranks * self.hosts
+    }
+
+    /// Runs the ranks to the end. `on_row` gets every line rank 0 prints on stdout and says whether it was a
+    /// result; every other line goes to stderr, labelled with its rank. Returns the (global) rank of this host's
+    /// first rank (0 on the host that prints results), or `None` once it has said on stderr how the run failed.
+    pub fn run(&self, mut on_row: impl FnMut(&str) -> bool) -> Result<Option<usize>> {
+        let outcome = launch(&self.spec, |line| {
+            if !(!line.stderr && line.rank == 0 && on_row(&line.text)) {
+                eprintln!("[rank {}] {}", line.rank, line.text);
+            }
+        })?;
+        if outcome.interrupted {
+            eprintln!("shoal bench: interrupted");
+            return Ok(None);
+        }
+        if let Some(why) = &outcome.peer_failure {
+            eprintln!("shoal bench: {why}");
+            return Ok(None);
+        }
+        if let Some((rank, how)) = &outcome.first_failure {
+            let others: Vec<String> = outcome
+                .statuses
+                .iter()
+                .enumerate()
+                .map(|(r, s)| (r + outcome.first_rank, s))
+                .filter(|(r, _)| r != rank)
+                .map(|(r, s)| {
+                    format!("rank {r}: {}", s.map(|s| describe(&s)).unwrap_or_else(|| "still running".into()))
+                })
+                .collect();
+            eprintln!("shoal bench: rank {rank} failed first ({how}); {}", others.join(", "));
+            return Ok(None);
+        }
+        Ok(Some(outcome.first_rank))
+    }
+}
+
+/// The parent: launches the ranks, prints the table; exit status non-zero on
+/// any failure or wrong value.
+pub fn run_bench(what: BenchWhat, args: &BenchArgs) -> Result<bool> {
+    let Some(op) = what.collective() else { bail!("{what:?} is not a collective") };
+    let mut args = args.clone();
+    let args = &mut args;
+    // The ranks get the defaults filled in.
+    args.sizes.get_or_insert_with(|| DEFAULT_SIZES.into());
+    args.sizes()?;
+    args.dtype.parse::<DType>()?;
+    args.op.parse::<ReduceOp>()?;
+    let transport = transport_arg(args, "auto")?;
+    args.transport = Some(transport.clone());
+    let ranks = Ranks::new(args, &transport, vec!["bench-rank".into(), serde_json::to_string(&(op, &*args))?])?;
     if !args.json {
         println!(
             "# shoal bench {}: {} ranks{}, transport {}, algo {}, dtype {}, op {}",
             op.name(),
-            args.ranks * hosts,
-            if hosts == 1 { String::new() } else { format!(" on {hosts} hosts") },
-            args.transport,
+            ranks.world(),
+            if ranks.hosts == 1 { String::new() } else { format!(" on {} hosts", ranks.hosts) },
+            transport,
             args.algo,
             args.dtype,
             args.op
@@ -231,58 +313,34 @@ pub fn run_bench(what: BenchWhat, args: &BenchArgs) -> Result<bool> {
     }
     let mut wrong = 0u64;
     let mut rows = 0usize;
-    let outcome = launch(&spec, |line| {
-        if !line.stderr
-            && line.rank == 0
-            && let Ok(row) = serde_json::from_str::<Row>(&line.text)
-        {
-            wrong += row.wrong;
-            rows += 1;
-            if args.json {
-                println!("{}", line.text);
-            } else {
-                println!(
-                    "  {:>12} {:>12} {:>6} {:>6} {:>6} {:>12.1} {:>12.3} {:>12.3} {:>8}",
-                    row.bytes,
-                    row.count,
-                    row.dtype,
-                    row.redop,
-                    row.algo,
-                    row.time_s * 1e6,
-                    row.algbw_GBps,
-                    row.busbw_GBps,
-                    row.wrong
-                );
-            }
-            return;
+    let first_rank = ranks.run(|text| {
+        let Ok(row) = serde_json::from_str::<Row>(text) else { return false };
+        wrong += row.wrong;
+        rows += 1;
+        if args.json {
+            println!("{text}");
+        } else {
+            println!(
+                "  {:>12} {:>12} {:>6} {:>6} {:>6} {:>12.1} {:>12.3} {:>12.3} {:>8}",
+                row.bytes,
+                row.count,
+                row.dtype,
+                row.redop,
+                row.algo,
+                row.time_s * 1e6,
+                row.algbw_GBps,
+                row.busbw_GBps,
+                row.wrong
+            );
         }
-        eprintln!("[rank {}] {}", line.rank, line.text);
+        true
     })?;
-    if outcome.interrupted {
-        eprintln!("shoal bench: interrupted");
-        return Ok(false);
-    }
-    if let Some(why) = &outcome.peer_failure {
-        eprintln!("shoal bench: {why}");
-        return Ok(false);
-    }
-    if let Some((rank, how)) = &outcome.first_failure {
-        let others: Vec<String> = outcome
-            .statuses
-            .iter()
-            .enumerate()
-            .map(|(r, s)| (r + outcome.first_rank, s))
-            .filter(|(r, _)| r != rank)
-            .map(|(r, s)| format!("rank {r}: {}", s.map(|s| describe(&s)).unwrap_or_else(|| "still running".into())))
-            .collect();
-        eprintln!("shoal bench: rank {rank} failed first ({how}); {}", others.join(", "));
-        return Ok(false);
-    }
+    let Some(first_rank) = first_rank else { return Ok(false) };
     if wrong > 0 {
         eprintln!("shoal bench: {wrong} wrong values");
         return Ok(false);
     }
-    if !args.json && outcome.first_rank == 0 {
+    if !args.json && first_rank == 0 {
         println!("# {rows} sizes, 0 wrong values{}", if args.check { " (every element checked)" } else { "" });
     }
     Ok(true)
@@ -337,7 +395,7 @@ pub fn run_rank(spec: &str) -> Result<()> {
     let rop: ReduceOp = args.op.parse()?;
     let algo: Algo = args.algo.parse()?;
     let es = dtype.size();
-    for bytes in parse_sizes(&args.sizes)? {
+    for bytes in args.sizes()? {
         let count = bytes / es;
         let bytes = count * es;
         let (dw, di) = default_iters(bytes);
@@ -408,7 +466,7 @@ pub fn run_rank(spec: &str) -> Result<()> {
             let row = Row {
                 op: op.name().into(),
                 ranks: n,
-                transport: args.transport.clone(),
+                transport: args.transport.clone().unwrap_or_else(|| "auto".into()),
                 algo: algo_used,
                 dtype: dtype.name().into(),
                 redop: rop.name().into(),

@@ -2,6 +2,7 @@
 
 mod bench;
 mod bench_ckpt;
+mod bench_compress;
 mod checkpoint;
 mod faults;
 mod k8s;
@@ -28,7 +29,8 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Cmd {
     /// Measure a collective across N local rank processes (nccl-tests style
-    /// table), or `checkpoint`: checkpoint save speed against the disk's.
+    /// table), `checkpoint`: checkpoint save speed against the disk's, or
+    /// `compress`: each gradient codec's speed, bytes sent and all-reduce time.
     Bench {
         #[arg(value_enum, id = "what")]
         op: bench::BenchWhat,
@@ -189,6 +191,9 @@ enum Cmd {
     /// One rank of `shoal bench` (started by it).
     #[command(hide = true, name = "bench-rank")]
     BenchRank { spec: String },
+    /// One rank of `shoal bench compress` (started by it).
+    #[command(hide = true, name = "bench-compress-rank")]
+    BenchCompressRank { spec: String },
 }
 
 fn init_tracing() {
@@ -207,7 +212,10 @@ fn init_tracing() {
 /// panics). The launcher, the server and the ranks keep ignoring it: a closed pipe must not stop supervision,
 /// serving or training (their own output tolerates it).
 fn quiet_on_closed_stdout(cmd: &Cmd) -> bool {
-    !matches!(cmd, Cmd::Run(_) | Cmd::Server(_) | Cmd::Worker { .. } | Cmd::BenchRank { .. })
+    !matches!(
+        cmd,
+        Cmd::Run(_) | Cmd::Server(_) | Cmd::Worker { .. } | Cmd::BenchRank { .. } | Cmd::BenchCompressRank { .. }
+    )
 }
 
 fn main() -> std::process::ExitCode {
@@ -219,9 +227,11 @@ fn main() -> std::process::ExitCode {
     }
     let result: Result<bool> = match cli.command {
         Cmd::Run(args) => return run::main(&args),
+        Cmd::Bench { op: bench::BenchWhat::Compress, args } => bench_compress::run(&args),
         Cmd::Bench { op, args } if op.collective().is_none() => bench_ckpt::run(&args),
         Cmd::Bench { op, args } => bench::run_bench(op, &args),
         Cmd::BenchRank { spec } => bench::run_rank(&spec).map(|()| true),
+        Cmd::BenchCompressRank { spec } => bench_compress::run_rank(&spec).map(|()| true),
         Cmd::Worker { output, resume, job } => worker(&job, output, resume),
         Cmd::Demo { keep, steps, json } => platform::demo(keep, steps.map(|n| n as usize), json),
         Cmd::Server(args) => platform::server(&args),

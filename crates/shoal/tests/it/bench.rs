@@ -119,11 +119,64 @@ fn bad_flags_are_named() {
         (vec!["bench", "allreduce", "--dtype", "u8"], "u8"),
         (vec!["bench", "allreduce", "--transport", "carrier-pigeon"], "carrier-pigeon"),
         (vec!["bench", "allreduce", "--timeout", "soon"], "soon"),
+        (vec!["bench", "compress", "--sizes", "2B"], "--sizes"),
+        (vec!["bench", "compress", "--dtype", "f64"], "--dtype"),
+        (vec!["bench", "compress", "--op", "max"], "--op"),
+        (vec!["bench", "compress", "--ranks", "1"], "--ranks"),
+        (vec!["bench", "compress", "--transport", "carrier-pigeon"], "--transport"),
+        (vec!["bench", "compress", "--timeout", "soon"], "--timeout"),
     ] {
         let out = shoal().args(&args).output().expect("run");
         assert!(!out.status.success());
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.contains(needle), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn compress_reports_every_codec_and_each_sends_less_than_a_plain_all_reduce() {
+    let rows = run_json(&["bench", "compress", "--sizes", "256KiB", "--ranks", "2", "--iters", "3", "--warmup", "1"]);
+    let codecs = ["none", "fp16", "bf16", "int8", "topk", "randk", "sign", "powersgd"];
+    assert_eq!(rows.len(), codecs.len(), "one row per codec: {rows:?}");
+    for codec in codecs {
+        let row = rows.iter().find(|r| r["codec"] == codec).unwrap_or_else(|| panic!("no row for {codec}: {rows:?}"));
+        for k in [
+            "codec",
+            "bytes",
+            "ranks",
+            "encode_gbps",
+            "decode_gbps",
+            "codec_gbps",
+            "sent_bytes",
+            "plain_bytes",
+            "reduction",
+            "time_s",
+            "plain_time_s",
+            "speedup",
+        ] {
+            assert!(row.get(k).is_some(), "key {k} missing in {row}");
+        }
+        assert_eq!(row["bytes"], 256 * 1024, "{row}");
+        assert_eq!(row["ranks"], 2, "{row}");
+        let sent = row["sent_bytes"].as_u64().expect("sent_bytes is a count");
+        let plain = row["plain_bytes"].as_u64().expect("plain_bytes is a count");
+        let reduction = row["reduction"].as_f64().expect("reduction is a number");
+        assert!(plain >= 256 * 1024, "a plain all-reduce of 256 KiB over 2 ranks sends all of it: {row}");
+        assert!(row["time_s"].as_f64().is_some_and(|t| t > 0.0), "{row}");
+        assert!(row["plain_time_s"].as_f64().is_some_and(|t| t > 0.0), "{row}");
+        if codec == "none" {
+            assert_eq!(sent, plain, "{row}");
+            assert!(row["codec_gbps"].is_null(), "no codec, no speed: {row}");
+        } else {
+            assert!(sent < plain, "{codec} must send less than a plain all-reduce: {row}");
+            assert!(row["codec_gbps"].as_f64().is_some_and(|g| g > 0.0), "{row}");
+        }
+        let least = match codec {
+            "int8" => 3.9,
+            "topk" => 20.0,
+            _ => 0.0,
+        };
+        assert!(reduction >= least, "{codec}: {reduction}× fewer bytes, expected at least {least}×: {row}");
     }
 }
 
