@@ -75,10 +75,9 @@ impl Codec {
         }
     }
 
-    /// Whether the codec uses the parts of a buffer ([`Compressor::all_reduce`]'s `parts`): PowerSGD compresses
-    /// its matrices, top-k keeps its share of each part.
-    pub fn wants_parts(&self) -> bool {
-        matches!(self, Codec::PowerSgd { .. } | Codec::TopK { .. })
+    /// Whether the codec needs to know which parts of a buffer are matrices.
+    pub fn wants_matrices(&self) -> bool {
+        matches!(self, Codec::PowerSgd { .. })
     }
 
     /// Whether [`Compressor::reduce_scatter`] can use it (PowerSGD needs every matrix whole on every rank).
@@ -192,12 +191,15 @@ impl Compressor {
     }
 
     /// Sums `data` over `comm`'s ranks in place, compressed (see the module documentation); `bucket` names the
-    /// buffer from step to step (its error feedback), `parts` says where its parameters are, each as a matrix (a
-    /// vector as `1 × n`): PowerSGD compresses the matrices worth it, top-k keeps `ratio` of each part (the
-    /// largest of a layer whose gradients are small count as much as another's), values outside every part
-    /// counted as one more part. Every rank must call it with the same bucket, length and parts.
-    pub fn all_reduce(&mut self, comm: &Communicator, bucket: usize, data: &mut [f32], parts: &[Matrix]) -> Result<()> {
-        let matrices = parts;
+    /// buffer from step to step (its error feedback), `matrices` says where its matrices are (PowerSGD). Every rank
+    /// must call it with the same bucket, length and matrices.
+    pub fn all_reduce(
+        &mut self,
+        comm: &Communicator,
+        bucket: usize,
+        data: &mut [f32],
+        matrices: &[Matrix],
+    ) -> Result<()> {
         let n = comm.size();
         if n <= 1 || data.is_empty() {
             return Ok(());
@@ -227,7 +229,8 @@ impl Compressor {
                 }
             }
             Codec::TopK { ratio } => {
-                top_k_by_part(data, matrices, ratio, &mut self.idx);
+                let k = codec::sparse_k(data.len(), ratio);
+                codec::top_k(data, k, &mut self.idx);
                 sparse_sum(comm, data, &self.idx, st, ef, &mut self.enc, false)
             }
             Codec::RandK { ratio } => {
@@ -471,39 +474,6 @@ fn sparse_sum(
         comm.all_reduce(data, ReduceOp::Sum)?;
     }
     Ok(())
-}
-
-/// Top-k's indices: `ratio` of the values of largest magnitude in each of `parts` (in increasing order), and of
-/// the values outside them; over the whole buffer when no parts are given.
-fn top_k_by_part(data: &[f32], parts: &[Matrix], ratio: f64, idx: &mut Vec<u32>) {
-    let mut ranges: Vec<std::ops::Range<usize>> = parts
-        .iter()
-        .map(|m| m.offset.min(data.len())..(m.offset + m.rows * m.cols).min(data.len()))
-        .filter(|r| !r.is_empty())
-        .collect();
-    ranges.sort_by_key(|r| r.start);
-    // The stretches between parts (and any overlap cut away), as parts of their own.
-    let mut all = Vec::with_capacity(ranges.len() * 2 + 1);
-    let mut at = 0;
-    for r in ranges {
-        let start = r.start.max(at);
-        if start > at {
-            all.push(at..start);
-        }
-        if r.end > start {
-            all.push(start..r.end);
-        }
-        at = at.max(r.end);
-    }
-    if at < data.len() {
-        all.push(at..data.len());
-    }
-    idx.clear();
-    let mut part = Vec::new();
-    for r in all {
-        codec::top_k(&data[r.clone()], codec::sparse_k(r.len(), ratio), &mut part);
-        idx.extend(part.iter().map(|i| i + r.start as u32));
-    }
 }
 
 /// Which matrices PowerSGD compresses, at which rank: those whose factors are at most half their size.

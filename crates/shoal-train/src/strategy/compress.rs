@@ -1,5 +1,4 @@
-//! The compression hook's side in the strategies: where a gradient bucket's parameters are (PowerSGD compresses its
-//! matrices, top-k keeps a share of each), and
+//! The compression hook's side in the strategies: which parts of a gradient bucket are matrices (PowerSGD's), and
 //! the compressor's state in a checkpoint. The codecs and their reductions are `shoal_comm::compress`; DDP calls
 //! [`Compressor::all_reduce`] on each bucket, ZeRO [`Compressor::reduce_scatter`].
 //!
@@ -20,16 +19,17 @@ use crate::params::Params;
 /// The prefix of every compression entry among a checkpoint's optimizer tensors.
 pub const PREFIX: &str = "compression.";
 
-/// The parts of a bucket holding parameters `members` one after the other (in that order): each parameter as a
-/// matrix, `dims[0] × the rest` (a vector `1 × n`).
-pub(crate) fn parts(params: &Params, members: impl IntoIterator<Item = usize>) -> Vec<Matrix> {
+/// The matrices of a bucket holding parameters `members` one after the other (in that order): every parameter of
+/// two or more dimensions, as `dims[0] × the rest`.
+pub(crate) fn matrices(params: &Params, members: impl IntoIterator<Item = usize>) -> Vec<Matrix> {
     let mut out = Vec::new();
     let mut offset = 0;
     for i in members {
         let var = &params.vars()[i].1;
         let dims = var.dims();
-        let rows = if dims.len() >= 2 { dims[0] } else { 1 };
-        out.push(Matrix { offset, rows, cols: var.elem_count() / rows.max(1) });
+        if dims.len() >= 2 {
+            out.push(Matrix { offset, rows: dims[0], cols: var.elem_count() / dims[0].max(1) });
+        }
         offset += var.elem_count();
     }
     out

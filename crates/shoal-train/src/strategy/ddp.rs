@@ -340,8 +340,8 @@ impl Strategy for Ddp {
                             let grads: usize = members.iter().map(|i| vars[*i].1.elem_count()).sum();
                             let at = grads.min(d.len());
                             let (g, scalars) = d.split_at_mut(at);
-                            let matrices = match z.config().codec.wants_parts() {
-                                true => super::compress::parts(params, members.iter().copied()),
+                            let matrices = match z.config().codec.wants_matrices() {
+                                true => super::compress::matrices(params, members.iter().copied()),
                                 false => Vec::new(),
                             };
                             z.all_reduce(c, k, g, &matrices)?;
