@@ -41,6 +41,7 @@
 //! # strategy = "3d" composes them: data × tensor × pipeline_stages = world size (each 1 by default)
 //! # data = 2                     # 3d: data-parallel replicas, each a whole model split by tensor and pipeline
 //! # zero = 1                     # 3d: 0 (default) | 1 — the optimizer state sharded over each data-parallel group
+//! # balance = "time"             # pipeline: stages cut by measured layer time (default) | "params" (parameter count)
 //! ```
 //!
 //! # Contract
@@ -89,6 +90,7 @@
 //! | `checkpoint.memory_every` | 0 (no in-memory copies) |
 //! | `parallel.schedule` | `1f1b` |
 //! | `parallel.virtual_stages` | 2 under `schedule = "interleaved"`, else 1 |
+//! | `parallel.balance` | `time` under `strategy = "pipeline"` (a composed layout cuts by `params`) |
 //!
 //! # Model architectures (what [`ModelSpec::param_count`] counts)
 //!
@@ -268,6 +270,33 @@ pub struct ParallelSpec {
     /// sharded over the group; 2 and 3 are not available in a composed layout yet.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub zero: Option<u64>,
+    /// How `strategy = "pipeline"` cuts the model into stages: `"time"` (default) by each layer's measured forward
+    /// and backward time, `"params"` by parameter count. A composed layout (`"3d"`) cuts by parameter count only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub balance: Option<StageBalance>,
+}
+
+/// `parallel.balance`.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub enum StageBalance {
+    /// Cut first by parameter count, then again after the first steps by the time each layer was measured to take
+    /// (forward and backward, the loss with the last layer), moving parameters and optimizer state between stages.
+    #[default]
+    #[serde(rename = "time")]
+    Time,
+    /// Cut by parameter count, once.
+    #[serde(rename = "params")]
+    Params,
+}
+
+impl StageBalance {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StageBalance::Time => "time",
+            StageBalance::Params => "params",
+        }
+    }
 }
 
 /// `parallel.schedule`.
@@ -398,6 +427,13 @@ impl ParallelSpec {
                 ));
             }
         }
+        if self.balance == Some(StageBalance::Time) {
+            return Err(SpecError::at(
+                "parallel.balance",
+                "\"time\" applies to train.strategy = \"pipeline\"; a composed layout cuts its stages by parameter count \
+                 (\"params\")",
+            ));
+        }
         match self.zero {
             None | Some(0 | 1) => Ok(()),
             Some(z @ (2 | 3)) => Err(SpecError::at(
@@ -422,6 +458,9 @@ impl ParallelSpec {
                 "applies to train.strategy = \"pipeline\" only (composing tensor and pipeline parallelism is not \
                  available yet)",
             ));
+        }
+        if self.balance.is_some() {
+            return Err(SpecError::at("parallel.balance", "applies to train.strategy = \"pipeline\" only"));
         }
         let refused = [
             ("pipeline", self.pipeline, "composing tensor and pipeline parallelism is train.strategy = \"3d\""),
@@ -2175,6 +2214,8 @@ lr = 0.01
         let mlp_pipe = |parallel: &str| mlp("strategy = \"pipeline\"", &format!("[parallel]\n{parallel}"));
         let cases: Vec<(String, &str)> = vec![
             (gpt("pipeline_stages = 2\nmicro_batches = 4", ""), ""),
+            (gpt("pipeline_stages = 2\nmicro_batches = 4\nbalance = \"params\"", ""), ""),
+            (gpt("pipeline_stages = 2\nmicro_batches = 4\nbalance = \"time\"", ""), ""),
             (gpt("pipeline_stages = 4\nmicro_batches = 8\nschedule = \"gpipe\"", ""), ""),
             (gpt("pipeline_stages = 2\nmicro_batches = 2\nschedule = \"1f1b\"\nvirtual_stages = 1", ""), ""),
             (
@@ -2366,6 +2407,11 @@ lr = 0.01
             ),
             (gpt("data = 2\nzero = 2", 2), "parallel.zero: ZeRO-2 inside a composed layout is not available yet"),
             (gpt("data = 2\nzero = 7", 2), "parallel.zero: 7: a ZeRO stage is 0, 1, 2 or 3"),
+            (gpt("data = 2\npipeline = 2\nmicro_batches = 2\nbalance = \"params\"", 4), ""),
+            (
+                gpt("data = 2\npipeline = 2\nmicro_batches = 2\nbalance = \"time\"", 4),
+                "parallel.balance: \"time\" applies to train.strategy = \"pipeline\"",
+            ),
             (gpt("data = 0", 1), "parallel.data: must be > 0"),
             (gpt("data = 16", 16), "train.global_batch: 8 samples per micro-batch cannot be shared among"),
             (job("mlp", "tensor = 2", ""), "parallel.tensor: model \"mlp\" has no tensor-parallel layout"),

@@ -81,6 +81,9 @@ struct Inner {
     /// The layers this rank computes, when it is one stage of a pipeline, and the activation its first layer takes
     /// in the next forward.
     cut: Option<(Range<usize>, Option<Tensor>)>,
+    /// Seconds each layer's computation took in the cut's forwards since timing was turned on
+    /// ([`Layers::time_layers`]).
+    timing: Option<Vec<f64>>,
 }
 
 /// A model's layers, shared by its `Params`, the model (which goes through it layer by layer) and the strategy
@@ -261,15 +264,24 @@ impl Layers {
             if !r.contains(&layer) {
                 return Ok(x.clone());
             }
-            if layer == r.start && layer > 0 {
+            let timed = self.lock().timing.is_some();
+            let started = timed.then(std::time::Instant::now);
+            let y = if layer == r.start && layer > 0 {
                 let input = self.lock().cut.as_mut().and_then(|(_, i)| i.take()).ok_or_else(|| {
                     candle_core::Error::Msg(format!(
                         "layer {layer} starts this pipeline stage, and no activation came for it"
                     ))
                 })?;
-                return f(&input);
+                f(&input)?
+            } else {
+                f(x)?
+            };
+            if let Some(t0) = started
+                && let Some(slot) = self.lock().timing.as_mut().and_then(|t| t.get_mut(layer))
+            {
+                *slot += t0.elapsed().as_secs_f64();
             }
-            return f(x);
+            return Ok(y);
         }
         let (store, count, training) = self.state();
         if store.is_none() {
@@ -296,6 +308,19 @@ impl Layers {
     /// documentation); `None` computes them all again.
     pub(crate) fn cut(&self, layers: Option<Range<usize>>) {
         self.lock().cut = layers.map(|r| (r, None));
+    }
+
+    /// Starts (`true`: from zero) or stops timing each layer's computation in the forwards of a cut model
+    /// ([`Self::layer_times`]).
+    pub(crate) fn time_layers(&self, on: bool) {
+        let mut g = self.lock();
+        g.timing = on.then(|| vec![0.0; g.starts.len()]);
+    }
+
+    /// Seconds each layer's computation took in this rank's forwards since [`Self::time_layers`] (zero for the
+    /// layers of other stages); none when not timing.
+    pub(crate) fn layer_times(&self) -> Option<Vec<f64>> {
+        self.lock().timing.clone()
     }
 
     /// The layers this rank computes, when the model is cut into pipeline stages.

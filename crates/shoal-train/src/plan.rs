@@ -366,6 +366,7 @@ fn parallel_of(strategy: Strategy, d: usize, t: usize, p: usize, zero: u8, m: us
         tensor: None,
         pipeline: None,
         zero: None,
+        balance: None,
     };
     let above_one = |n: usize| (n > 1).then_some(n as u64);
     match strategy {

@@ -313,6 +313,8 @@ impl Strategy for Composed {
                     micro_batches: cfg.micro_batches,
                     schedule: cfg.schedule,
                     virtual_stages: cfg.virtual_stages,
+                    // The composed step updates and re-shards the stage's parameters itself: cut once.
+                    balance: crate::spec::StageBalance::Params,
                 },
             );
             pipe.init(params)?;

@@ -33,7 +33,7 @@ use crate::error::{Error, Result};
 use crate::kernels::{replace_storage, with_slice};
 use crate::optim::{OptimConfig, Optimizer, sum_sq};
 use crate::params::Params;
-use crate::spec::PipelineSchedule;
+use crate::spec::{PipelineSchedule, StageBalance};
 
 /// How a [`Pipeline`] cuts and schedules.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -44,6 +44,8 @@ pub struct PipelineConfig {
     /// Model chunks per rank under the interleaved schedule (`parallel.virtual_stages`; 1 under the others,
     /// whatever is set here).
     pub virtual_stages: usize,
+    /// Whether the stages are cut again by measured time after the first steps ([`Pipeline`]).
+    pub balance: StageBalance,
 }
 
 impl PipelineConfig {
@@ -58,6 +60,11 @@ impl PipelineConfig {
 
 /// Up to 7 dimensions in an activation's header (the header's first value is the count).
 const HEADER: usize = 8;
+
+/// Under `balance = "time"`: the schedules timed (after the first, which pays for first-time allocations), after
+/// which the stages are cut again.
+const PROFILE_FROM: usize = 1;
+const PROFILE_RUNS: usize = 2;
 
 /// What one chunk keeps of a micro-batch between its forward and its backward.
 struct Held {
@@ -88,6 +95,12 @@ pub struct Pipeline {
     span_s: f64,
     /// Micro-batches of the last schedule.
     ran: usize,
+    /// Schedules run so far, and the seconds each layer of the model took on this rank in the timed ones (forward,
+    /// backward and, for the model's last layer, the loss; zero for other stages' layers).
+    runs: usize,
+    layer_s: Vec<f64>,
+    /// Whether the stages were cut by measured time already (or never will be).
+    balanced: bool,
 }
 
 impl std::fmt::Debug for Pipeline {
@@ -110,16 +123,25 @@ pub fn micro_batch_ranges(samples: usize, micro: usize) -> Vec<Range<usize>> {
 /// Cuts layers of `costs` into `stages` runs of consecutive layers with the smallest largest cost (ties: the
 /// earliest cut); each run's range of layers. `None` when there are fewer layers than stages.
 pub fn balance(costs: &[usize], stages: usize) -> Option<Vec<Range<usize>>> {
+    balance_within(costs, costs, usize::MAX, stages)
+}
+
+/// As [`balance`], with every run's total of `sizes` (one per layer, as `costs`) at most `cap`; `None` also when no
+/// cut keeps to it.
+pub fn balance_within(costs: &[usize], sizes: &[usize], cap: usize, stages: usize) -> Option<Vec<Range<usize>>> {
     let n = costs.len();
-    if stages == 0 || stages > n {
+    if stages == 0 || stages > n || sizes.len() != n {
         return None;
     }
-    let prefix: Vec<usize> = std::iter::once(0)
-        .chain(costs.iter().scan(0, |s, c| {
-            *s += c;
-            Some(*s)
-        }))
-        .collect();
+    let sums = |v: &[usize]| -> Vec<usize> {
+        std::iter::once(0)
+            .chain(v.iter().scan(0usize, |s, c| {
+                *s = s.saturating_add(*c);
+                Some(*s)
+            }))
+            .collect()
+    };
+    let (prefix, size) = (sums(costs), sums(sizes));
     let cost = |a: usize, b: usize| prefix[b] - prefix[a];
     // best[k][i]: the smallest largest cost of cutting the first i layers into k runs; from[k][i]: where the last
     // run starts.
@@ -129,7 +151,7 @@ pub fn balance(costs: &[usize], stages: usize) -> Option<Vec<Range<usize>>> {
     for k in 1..=stages {
         for i in k..=n {
             for j in (k - 1)..i {
-                if best[k - 1][j] == usize::MAX {
+                if best[k - 1][j] == usize::MAX || size[i] - size[j] > cap {
                     continue;
                 }
                 let c = best[k - 1][j].max(cost(j, i));
@@ -139,6 +161,9 @@ pub fn balance(costs: &[usize], stages: usize) -> Option<Vec<Range<usize>>> {
                 }
             }
         }
+    }
+    if best[stages][n] == usize::MAX {
+        return None;
     }
     let mut cuts = vec![0..0; stages];
     let mut end = n;
@@ -167,6 +192,9 @@ impl Pipeline {
             idle_s: 0.0,
             span_s: 0.0,
             ran: cfg.micro_batches,
+            runs: 0,
+            layer_s: Vec::new(),
+            balanced: cfg.balance == StageBalance::Params,
         }
     }
 
@@ -223,6 +251,89 @@ impl Pipeline {
             }
             None => {}
         }
+        Ok(())
+    }
+
+    /// Keeps this rank's chunks of `cuts` (the model's layers cut into `stages × V` runs; `ranges`: each layer's
+    /// parameters): their parameters stay, the others' tensors keep their shapes and hold nothing, and the model is
+    /// cut at the first chunk.
+    fn keep(&mut self, params: &Params, ranges: &[(String, Range<usize>)], cuts: &[Range<usize>]) -> Result<()> {
+        let v = self.cfg.chunks();
+        self.chunks = (0..v).map(|c| cuts[c * self.cfg.stages + self.stage].clone()).collect();
+        self.members = self.chunks.iter().flat_map(|l| ranges[l.start].1.start..ranges[l.end - 1].1.end).collect();
+        for (i, (name, var)) in params.vars().iter().enumerate() {
+            if self.members.binary_search(&i).is_err() {
+                replace_storage(var.as_tensor(), Vec::new()).map_err(|e| {
+                    Error::InvalidArgument(format!("parameter {name} cannot be left to its stage: {e}"))
+                })?;
+            }
+        }
+        self.own = Params::from_vars(self.members.iter().map(|&i| params.vars()[i].clone()).collect());
+        self.acc = self.own.vars().iter().map(|(_, v)| vec![0f32; v.elem_count()]).collect();
+        params.layers().cut(Some(self.chunks[0].clone()));
+        Ok(())
+    }
+
+    /// Whether this schedule is one of those timed for `balance = "time"`.
+    fn timing(&self) -> bool {
+        !self.balanced && (PROFILE_FROM..PROFILE_FROM + PROFILE_RUNS).contains(&self.runs)
+    }
+
+    /// Cuts the stages again by the layers' measured times (a collective over the pipeline, at a step's end, with
+    /// the stage's gradients zero): when the cut changes, every parameter and optimizer moment is made whole on
+    /// every rank (as for a checkpoint), then each rank keeps its new chunks and their moments. The training is the
+    /// same computation under any cut, so nothing but where it runs changes.
+    fn recut(&mut self, params: &Params, opt: &mut Optimizer) -> Result<()> {
+        self.balanced = true;
+        let mut seconds = std::mem::take(&mut self.layer_s);
+        let comm = self.comm_or_err()?.clone();
+        comm.all_reduce(&mut seconds, ReduceOp::Sum)?;
+        let ranges = params.layers().ranges(params.vars().len())?;
+        // Microseconds, at least one a layer: the same integers on every rank (the sums are).
+        let costs: Vec<usize> = seconds.iter().map(|s| (s * 1e6).round() as usize + 1).collect();
+        let parts = self.cfg.stages * self.cfg.chunks();
+        // Memory kept near the even cut: no chunk over 10% more parameters than the largest of the cut by count.
+        let sizes = layer_sizes(params, &ranges);
+        let even = balance(&sizes, parts)
+            .map(|c| c.iter().map(|r| sizes[r.clone()].iter().sum::<usize>()).max().unwrap_or(0))
+            .unwrap_or(usize::MAX);
+        let cap = even.saturating_add(even / 10);
+        let Some(cuts) = balance_within(&costs, &sizes, cap, parts) else { return Ok(()) };
+        let now: Vec<Range<usize>> =
+            (0..self.cfg.chunks()).map(|c| cuts[c * self.cfg.stages + self.stage].clone()).collect();
+        // Every rank decides alike: compare the whole cut, not only this rank's chunks.
+        let mut before = vec![0usize; parts];
+        for (c, r) in self.chunks.iter().enumerate() {
+            before[c * self.cfg.stages + self.stage] = r.end;
+        }
+        let mut ends: Vec<i64> = before.iter().map(|&e| e as i64).collect();
+        comm.all_reduce(&mut ends, ReduceOp::Sum)?;
+        let unchanged = ends.iter().zip(&cuts).all(|(e, r)| *e as usize == r.end);
+        let stage_ms = |r: &Range<usize>| costs[r.clone()].iter().sum::<usize>() as f64 / 1e3;
+        if unchanged {
+            tracing::info!(stage = self.stage, layers = ?now, "pipeline stages already balanced by measured time");
+            return Ok(());
+        }
+        let model = self.model_state(params)?;
+        let moments = self.optimizer_state(params, opt)?;
+        for ((name, var), (_, whole)) in params.vars().iter().zip(&model) {
+            replace_storage(var.as_tensor(), values_of(whole)?)
+                .map_err(|e| Error::InvalidArgument(format!("parameter {name} cannot be made whole again: {e}")))?;
+        }
+        let old = std::mem::take(&mut self.chunks);
+        self.keep(params, &ranges, &cuts)?;
+        let named: HashMap<String, Tensor> = moments.into_iter().collect();
+        let t = opt.t;
+        self.opt = None;
+        let own = self.own.clone();
+        self.optimizer(opt.config()).load_state(&own, t, &named)?;
+        tracing::info!(
+            stage = self.stage,
+            from = ?old,
+            to = ?self.chunks,
+            stage_ms = ?cuts.iter().map(stage_ms).collect::<Vec<_>>(),
+            "pipeline stages cut again by measured time"
+        );
         Ok(())
     }
 
@@ -318,6 +429,11 @@ impl Pipeline {
     }
 }
 
+/// Each layer's parameter count, by whole shapes (every rank of a tensor-parallel group cuts the model alike).
+fn layer_sizes(params: &Params, ranges: &[(String, Range<usize>)]) -> Vec<usize> {
+    ranges.iter().map(|(_, m)| m.clone().map(|i| params.full_dims(i).iter().product::<usize>()).sum()).collect()
+}
+
 fn values_of(t: &Tensor) -> Result<Vec<f32>> {
     Ok(t.flatten_all()?.to_vec1::<f32>()?)
 }
@@ -348,12 +464,7 @@ impl Strategy for Pipeline {
         }
         broadcast_from_rank0(self.comm.as_ref(), params)?;
         let ranges = params.layers().ranges(params.vars().len())?;
-        // Whole shapes: every rank of a tensor-parallel group cuts the model alike.
-        let costs: Vec<usize> = ranges
-            .iter()
-            .map(|(_, m)| m.clone().map(|i| params.full_dims(i).iter().product::<usize>()).sum())
-            .collect();
-        let cuts = balance(&costs, self.cfg.stages * v).ok_or_else(|| {
+        let cuts = balance(&layer_sizes(params, &ranges), self.cfg.stages * v).ok_or_else(|| {
             Error::InvalidArgument(match v {
                 1 => format!(
                     "{} pipeline stages for a model of {} layers: at most one stage per layer",
@@ -367,20 +478,8 @@ impl Strategy for Pipeline {
                 ),
             })
         })?;
-        self.chunks = (0..v).map(|c| cuts[c * self.cfg.stages + self.stage].clone()).collect();
-        self.members = self.chunks.iter().flat_map(|l| ranges[l.start].1.start..ranges[l.end - 1].1.end).collect();
-        // Only this rank's parameters stay: the others' tensors keep their shapes and hold nothing.
-        for (i, (name, var)) in params.vars().iter().enumerate() {
-            if self.members.binary_search(&i).is_err() {
-                replace_storage(var.as_tensor(), Vec::new()).map_err(|e| {
-                    Error::InvalidArgument(format!("parameter {name} cannot be left to its stage: {e}"))
-                })?;
-            }
-        }
-        self.own = Params::from_vars(self.members.iter().map(|&i| params.vars()[i].clone()).collect());
-        self.acc = self.own.vars().iter().map(|(_, v)| vec![0f32; v.elem_count()]).collect();
-        params.layers().cut(Some(self.chunks[0].clone()));
-        Ok(())
+        self.layer_s = vec![0.0; ranges.len()];
+        self.keep(params, &ranges, &cuts)
     }
 
     fn backward(
@@ -427,6 +526,13 @@ impl Strategy for Pipeline {
         }
         self.ran = count;
         let list = ops(self.cfg.schedule, self.shape(count), self.stage).map_err(Error::InvalidArgument)?;
+        let timing = self.timing();
+        if timing {
+            params.layers().time_layers(true);
+        }
+        // Per chunk: the loss's seconds and the backward's (timed schedules only).
+        let mut loss_s = vec![0f64; self.chunks.len()];
+        let mut backward_s = vec![0f64; self.chunks.len()];
         let started = Instant::now();
         let mut idle = 0f64;
         // Keyed by micro-batch and chunk.
@@ -450,7 +556,10 @@ impl Strategy for Pipeline {
                     self.enter(params, c, input.as_ref())?;
                     let y = forward(i)?;
                     let output = if self.last(c) {
-                        loss(i, &y)?
+                        let t0 = Instant::now();
+                        let l = loss(i, &y)?;
+                        loss_s[c] += t0.elapsed().as_secs_f64();
+                        l
                     } else {
                         outgoing.insert((i, c), y.detach());
                         y
@@ -477,8 +586,10 @@ impl Strategy for Pipeline {
                         let dy = grads_in.remove(&(i, c)).ok_or_else(|| missing("gradient", i, c))?;
                         (&h.output * dy)?.sum_all()?
                     };
+                    let t0 = Instant::now();
                     let grads = root.backward()?;
                     self.accumulate(params, &grads)?;
+                    backward_s[c] += t0.elapsed().as_secs_f64();
                     if let Some(x) = &h.input {
                         let dx = match grads.get(x.as_tensor()) {
                             Some(g) => values_of(g)?,
@@ -497,6 +608,23 @@ impl Strategy for Pipeline {
         }
         self.idle_s = idle;
         self.span_s = started.elapsed().as_secs_f64();
+        if timing && let Some(forward_s) = params.layers().layer_times() {
+            params.layers().time_layers(false);
+            // A chunk's backward shared among its layers as their forwards; the loss goes with the model's last layer.
+            for (c, layers) in self.chunks.iter().enumerate() {
+                let f: f64 = forward_s[layers.clone()].iter().sum();
+                for l in layers.clone() {
+                    let share = if f > 0.0 { forward_s[l] / f } else { 1.0 / layers.len() as f64 };
+                    if let Some(s) = self.layer_s.get_mut(l) {
+                        *s += forward_s[l] + share * backward_s[c];
+                    }
+                }
+                if let Some(s) = self.layer_s.get_mut(layers.end - 1) {
+                    *s += loss_s[c];
+                }
+            }
+        }
+        self.runs += 1;
         Ok(())
     }
 
@@ -522,7 +650,7 @@ impl Strategy for Pipeline {
         self.scalars = values;
     }
 
-    fn step(&mut self, _params: &Params, opt: &mut Optimizer, lr: f64, clip: Option<f64>) -> Result<StepTimes> {
+    fn step(&mut self, params: &Params, opt: &mut Optimizer, lr: f64, clip: Option<f64>) -> Result<StepTimes> {
         let t0 = Instant::now();
         let sq: f64 = self.acc.iter().map(|g| sum_sq(g)).sum();
         let mine = if self.span_s > 0.0 { self.idle_s / self.span_s } else { 0.0 };
@@ -549,6 +677,9 @@ impl Strategy for Pipeline {
         acc.iter_mut().for_each(|g| g.fill(0.0));
         self.acc = acc;
         stepped?;
+        if !self.balanced && self.runs >= PROFILE_FROM + PROFILE_RUNS {
+            self.recut(params, opt)?;
+        }
         let bubble = Bubble {
             rank: mine,
             mean: summed[1] / self.cfg.stages as f64,
@@ -618,5 +749,26 @@ impl Strategy for Pipeline {
         self.optimizer(opt.config()).load_state(&own, t, named)?;
         opt.t = t;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn balance_cuts_the_smallest_largest_run_and_keeps_to_a_size_cap() {
+        // Costs alone: the heavy last layer stands alone.
+        assert_eq!(balance(&[1, 10, 10, 100], 2), Some(vec![0..3, 3..4]));
+        assert_eq!(balance(&[5, 5, 5, 5], 2), Some(vec![0..2, 2..4]));
+        assert_eq!(balance(&[1, 2], 3), None);
+        // Sizes capped at 12: [0..3] would hold 3 + 3 + 8 = 14, so the cheapest largest cost within the cap is
+        // [0..2] (cost 11) against [2..4] (cost 110).
+        let (costs, sizes) = ([1, 10, 10, 100], [3, 3, 8, 4]);
+        assert_eq!(balance_within(&costs, &sizes, 12, 2), Some(vec![0..2, 2..4]));
+        assert_eq!(balance_within(&costs, &sizes, 14, 2), Some(vec![0..3, 3..4]));
+        // No cut within the cap.
+        assert_eq!(balance_within(&costs, &sizes, 5, 2), None);
+        assert_eq!(balance_within(&costs, &sizes[..3], 100, 2), None, "one size per layer");
     }
 }

@@ -288,6 +288,7 @@ fn pipeline_config(spec: &JobSpec) -> Result<crate::strategy::pipeline::Pipeline
         micro_batches,
         schedule: p.schedule,
         virtual_stages: p.virtual_stages(),
+        balance: p.balance.unwrap_or_default(),
     })
 }
 

@@ -9,7 +9,7 @@ use std::time::Duration;
 use shoal_comm::{CommConfig, Communicator, TransportChoice};
 use shoal_data::{DistributedSampler, SamplerConfig};
 use shoal_train::batch::to_tensors;
-use shoal_train::spec::PipelineSchedule;
+use shoal_train::spec::{PipelineSchedule, StageBalance};
 use shoal_train::strategy::Bubble;
 use shoal_train::strategy::pipeline::{Pipeline, PipelineConfig, micro_batch_ranges};
 use shoal_train::{Gpt, GptConfig, Mlp, Model, Params, SeededRng, Trainer, TrainerConfig};
@@ -26,6 +26,9 @@ enum Net {
     Mlp,
     Gpt,
     WideGpt,
+    /// A GPT of 2 blocks of width 32 with a vocabulary of 4096: the embedding and the head hold most parameters, but
+    /// only the head costs time.
+    BigVocabGpt,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -44,6 +47,8 @@ struct PipeRun {
     draws: usize,
     /// Micro-batches of one process (0 stages).
     reference_micro: usize,
+    /// How the stages are cut (by parameter count where a test checks each stage's share of them).
+    balance: StageBalance,
 }
 
 /// What a rank leaves: its state as a checkpoint holds it, the loss of each step, its parameter bytes, the model's,
@@ -66,6 +71,9 @@ fn build(net: Net, params: &mut Params, rng: &mut SeededRng) -> Box<dyn Model> {
         Net::WideGpt => Box::new(
             Gpt::new(params, rng, GptConfig { vocab: 256, context: 16, layers: 4, heads: 4, width: 256 }).expect("gpt"),
         ),
+        Net::BigVocabGpt => Box::new(
+            Gpt::new(params, rng, GptConfig { vocab: 4096, context: 16, layers: 2, heads: 2, width: 32 }).expect("gpt"),
+        ),
     }
 }
 
@@ -76,7 +84,7 @@ fn values(named: Vec<(String, candle_core::Tensor)>) -> Vec<(String, Vec<f32>)> 
 fn rank_run(run: &PipeRun, comm: Option<Communicator>, rank: usize, from: Option<&Saved>) -> Out {
     let which = match run.net {
         Net::Mlp => Which::Mlp,
-        Net::Gpt | Net::WideGpt => Which::Gpt,
+        Net::Gpt | Net::WideGpt | Net::BigVocabGpt => Which::Gpt,
     };
     let data = dataset(which);
     let mut params = Params::default();
@@ -99,6 +107,7 @@ fn rank_run(run: &PipeRun, comm: Option<Communicator>, rank: usize, from: Option
                 micro_batches: run.micro,
                 schedule: run.schedule,
                 virtual_stages: run.chunks,
+                balance: run.balance,
             };
             Trainer::with_strategy(params, Box::new(Pipeline::new(Some(c), pcfg)), cfg).expect("pipeline trainer")
         }
@@ -196,7 +205,18 @@ fn run_all(run: PipeRun, from: Option<Saved>) -> Vec<Out> {
 
 fn gpt(stages: usize, schedule: PipelineSchedule, steps: usize) -> PipeRun {
     let chunks = if schedule == PipelineSchedule::Interleaved { 2 } else { 1 };
-    PipeRun { net: Net::Gpt, stages, micro: 4, schedule, chunks, steps, global_batch: 8, draws: 1, reference_micro: 1 }
+    PipeRun {
+        net: Net::Gpt,
+        stages,
+        micro: 4,
+        schedule,
+        chunks,
+        steps,
+        global_batch: 8,
+        draws: 1,
+        reference_micro: 1,
+        balance: StageBalance::Params,
+    }
 }
 
 fn assert_losses_close(want: &[f32], got: &[f32], tol: f32, what: &str) {
@@ -227,6 +247,46 @@ fn gpt_in_two_stages_trains_as_one_process_under_gpipe_and_1f1b() {
         let b = outs[0].bubble.expect("a pipeline reports its bubble");
         assert!((b.theory - 0.2).abs() < 1e-12 && (0.0..1.0).contains(&b.mean), "{what}: {b:?}");
     }
+}
+
+/// Stages cut by measured time: a GPT whose embedding and head hold most of the parameters (a vocabulary of 4096
+/// at width 32) is first cut by parameter count, embedding and block 0 against block 1 and the head; after the timed
+/// steps, where the head (a 32 × 4096 product and the loss over 4096 classes) outweighs the rest by far, rank 1
+/// keeps the head alone, its parameters and AdamW moments moved between the ranks. Training goes on as one process
+/// does: 12 steps of 4 micro-batches under 1F1B, every parameter within 1e-4 (the key biases within 1e-2), the same
+/// loss at every step.
+#[test]
+fn stages_are_cut_again_by_measured_time_and_train_as_one_process() {
+    let run = |stages| PipeRun {
+        net: Net::BigVocabGpt,
+        stages,
+        micro: 4,
+        schedule: PipelineSchedule::OneFOneB,
+        chunks: 1,
+        steps: 12,
+        global_batch: 8,
+        draws: 1,
+        reference_micro: 1,
+        balance: StageBalance::Time,
+    };
+    let one = run_all(run(0), None).remove(0);
+    let outs = run_all(run(2), None);
+    let what = "gpt of vocabulary 4096, 2 stages cut by time";
+    let (a, b) = (without_key_biases(one.saved.params.clone()), without_key_biases(outs[0].saved.params.clone()));
+    assert_close_within(&a, &b, 1e-4, what);
+    assert_close_within(&one.saved.params, &outs[0].saved.params, 1e-2, what);
+    assert_close_within(&one.saved.optimizer, &outs[0].saved.optimizer, 1e-3, &format!("{what}: AdamW state"));
+    assert_losses_close(&one.losses, &outs[0].losses, 1e-5, what);
+    assert_eq!(outs[0].saved.t, 12);
+    let head: usize = one
+        .saved
+        .params
+        .iter()
+        .filter(|(n, _)| n.starts_with("gpt.ln_f") || n.starts_with("gpt.head"))
+        .map(|(_, v)| v.len() * 4)
+        .sum();
+    assert_eq!(outs[1].param_bytes, head, "rank 1 holds the head layer alone");
+    assert_eq!(outs[0].param_bytes + outs[1].param_bytes, outs[0].model_bytes);
 }
 
 /// The GPT (6 layers: embedding, 4 blocks, head) in 4 chunks of layers over 2 ranks, rank 0 holding chunks 0 and 2,
@@ -292,6 +352,7 @@ fn mlp_in_two_stages_trains_as_one_process() {
         global_batch: 60,
         draws: 2,
         reference_micro: 1,
+        balance: StageBalance::Params,
     };
     let one = run_all(run(0, PipelineSchedule::Gpipe), None).remove(0);
     for schedule in [PipelineSchedule::Gpipe, PipelineSchedule::OneFOneB] {
@@ -335,6 +396,7 @@ fn pipeline_and_ddp_checkpoints_resume_each_other_at_other_world_sizes() {
         global_batch: base.global_batch,
         draws: base.grad_accum,
         reference_micro: 1,
+        balance: StageBalance::Params,
     };
     let (straight, straight_losses) = train_rank_from(&ddp(40), None, 1, 0, None);
     let pipe20 = run_all(pipe(20), None).remove(0);
@@ -373,6 +435,7 @@ fn a_pipeline_refuses_layouts_it_cannot_run() {
                     micro_batches: 2,
                     schedule: PipelineSchedule::OneFOneB,
                     virtual_stages: 1,
+                    balance: StageBalance::Time,
                 };
                 Trainer::with_strategy(params, Box::new(Pipeline::new(Some(c), pcfg)), TrainerConfig::default())
                     .err()
@@ -398,6 +461,7 @@ fn a_pipeline_refuses_layouts_it_cannot_run() {
                     micro_batches: 2,
                     schedule: PipelineSchedule::Interleaved,
                     virtual_stages: 2,
+                    balance: StageBalance::Time,
                 };
                 Trainer::with_strategy(params, Box::new(Pipeline::new(Some(c), pcfg)), TrainerConfig::default())
                     .err()
@@ -412,7 +476,13 @@ fn a_pipeline_refuses_layouts_it_cannot_run() {
     // A pipeline of 2 stages on one process.
     let mut params = Params::default();
     let _model = build(Net::Mlp, &mut params, &mut SeededRng::new(0));
-    let pcfg = PipelineConfig { stages: 2, micro_batches: 2, schedule: PipelineSchedule::Gpipe, virtual_stages: 1 };
+    let pcfg = PipelineConfig {
+        stages: 2,
+        micro_batches: 2,
+        schedule: PipelineSchedule::Gpipe,
+        virtual_stages: 1,
+        balance: StageBalance::Time,
+    };
     let e = Trainer::with_strategy(params, Box::new(Pipeline::new(None, pcfg)), TrainerConfig::default()).err();
     assert!(e.is_some_and(|e| e.to_string().contains("runs on as many ranks, not 1")));
 }
@@ -442,6 +512,7 @@ fn measured_bubbles_of_1f1b_and_interleaved() {
                 global_batch: 32,
                 draws: 1,
                 reference_micro: 1,
+                balance: StageBalance::Params,
             };
             let outs = run_all(run, None);
             let b = &outs[0].bubbles;

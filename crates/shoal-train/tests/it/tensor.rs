@@ -87,6 +87,7 @@ fn train_rank(net: Net, how: How, steps: usize, comm: Option<Communicator>, worl
                 micro_batches: 2,
                 schedule: shoal_train::spec::PipelineSchedule::OneFOneB,
                 virtual_stages: 1,
+                balance: shoal_train::spec::StageBalance::Params,
             },
         )),
         How::Tensor => Box::new(TensorParallel::new(comm)),
