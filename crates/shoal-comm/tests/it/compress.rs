@@ -2,10 +2,10 @@
 //! error feedback loses nothing over many steps, the bytes really sent shrink as each codec promises, PowerSGD is
 //! exact on low-rank input, and the state survives a round trip.
 
-use std::time::Duration;
-
 use shoal_comm::compress::codec::{self, SplitMix};
-use shoal_comm::{Codec, CommConfig, Communicator, CompressConfig, Compressor, Matrix, ReduceOp, TransportChoice};
+use shoal_comm::{Codec, CompressConfig, Compressor, Matrix, ReduceOp, TransportChoice};
+
+use super::conformance::world;
 
 const CODECS: [Codec; 8] = [
     Codec::Fp16,
@@ -17,25 +17,6 @@ const CODECS: [Codec; 8] = [
     Codec::Sign,
     Codec::PowerSgd { rank: 4 },
 ];
-
-fn world<R: Send + 'static>(n: usize, f: impl Fn(Communicator) -> R + Send + Sync + 'static) -> Vec<R> {
-    let cfg = CommConfig {
-        transport: TransportChoice::Tcp,
-        timeout: Duration::from_secs(60),
-        secret: b"compress".to_vec(),
-        ..CommConfig::default()
-    };
-    let comms = Communicator::local_world(n, cfg).expect("world");
-    let f = std::sync::Arc::new(f);
-    let hs: Vec<_> = comms
-        .into_iter()
-        .map(|c| {
-            let f = f.clone();
-            std::thread::spawn(move || f(c))
-        })
-        .collect();
-    hs.into_iter().map(|h| h.join().expect("rank thread panicked")).collect()
-}
 
 /// A 96 × 64 matrix and a bias of 64 (the shape of a layer's gradients), per rank and step.
 const ROWS: usize = 96;
@@ -56,7 +37,7 @@ fn compressor(c: Codec, ef: bool) -> Compressor {
 fn every_rank_ends_each_step_with_the_same_bits_under_every_codec() {
     for n in [2, 3, 4] {
         for c in CODECS {
-            let outs = world(n, move |comm| {
+            let outs = world(n, TransportChoice::Tcp, move |comm| {
                 let mut z = compressor(c, true);
                 let mut steps = Vec::new();
                 for step in 0..3 {
@@ -83,7 +64,7 @@ fn error_feedback_conserves_the_sum_over_steps() {
     for n in [2, 3] {
         for c in CODECS {
             let steps = 12u64;
-            let outs = world(n, move |comm| {
+            let outs = world(n, TransportChoice::Tcp, move |comm| {
                 let mut z = compressor(c, true);
                 let mut total = vec![0f64; LEN];
                 for step in 0..steps {
@@ -157,7 +138,7 @@ fn sent_plus_residual_is_exactly_the_input_for_sparse_codes_and_casts() {
 
 #[test]
 fn power_sgd_reduces_a_sum_of_rank_r_exactly() {
-    let outs = world(2, |comm| {
+    let outs = world(2, TransportChoice::Tcp, |comm| {
         // Every rank's input is a multiple of the same rank-3 matrix: so is the sum.
         let (r, mut g) = (3, SplitMix::new(11));
         let a: Vec<f32> = (0..ROWS * r).map(|_| g.normal()).collect();
@@ -179,7 +160,7 @@ fn power_sgd_reduces_a_sum_of_rank_r_exactly() {
 /// Bytes rank 0 really sent for one reduction of a 1 Mi-value buffer (a 1024 × 1024 matrix) against a plain f32
 /// all-reduce of it.
 fn bytes(n: usize, c: Codec) -> (u64, u64) {
-    let outs = world(n, move |comm| {
+    let outs = world(n, TransportChoice::Tcp, move |comm| {
         let len = 1 << 20;
         let mut g = SplitMix::new(comm.rank() as u64);
         let v: Vec<f32> = (0..len).map(|_| g.normal()).collect();
@@ -225,7 +206,7 @@ fn a_compressed_reduce_scatter_sums_each_slice_onto_its_rank() {
     for c in [Codec::Fp16, Codec::Int8 { stochastic: false }, Codec::Sign, Codec::TopK { ratio: 0.5 }] {
         let n = 3;
         let s = 1000;
-        let outs = world(n, move |comm| {
+        let outs = world(n, TransportChoice::Tcp, move |comm| {
             let mut z = compressor(c, true);
             let mut g = SplitMix::new(comm.rank() as u64 + 1);
             let v: Vec<f32> = (0..s * n).map(|_| g.normal()).collect();
@@ -243,7 +224,7 @@ fn a_compressed_reduce_scatter_sums_each_slice_onto_its_rank() {
             }
         }
     }
-    let err = world(2, |comm| {
+    let err = world(2, TransportChoice::Tcp, |comm| {
         let mut z = compressor(Codec::PowerSgd { rank: 2 }, true);
         z.reduce_scatter(&comm, 0, &mut [0.0; 4], &mut [0.0; 2]).expect_err("an error").to_string()
     });
@@ -252,7 +233,7 @@ fn a_compressed_reduce_scatter_sums_each_slice_onto_its_rank() {
 
 #[test]
 fn warm_up_steps_are_plain_and_the_state_round_trips() {
-    let outs = world(2, |comm| {
+    let outs = world(2, TransportChoice::Tcp, |comm| {
         let mut z = Compressor::new(CompressConfig {
             codec: Codec::TopK { ratio: 0.01 },
             error_feedback: true,

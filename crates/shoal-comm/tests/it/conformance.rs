@@ -23,7 +23,7 @@ fn cfg(t: TransportChoice) -> CommConfig {
 }
 
 /// Runs `f(comm)` on every rank of a world, each on its own thread.
-fn world<R: Send + 'static>(
+pub(crate) fn world<R: Send + 'static>(
     n: usize,
     t: TransportChoice,
     f: impl Fn(Communicator) -> R + Send + Sync + 'static,
