@@ -129,8 +129,26 @@ pub struct Compressor {
     cfg: CompressConfig,
     step: u64,
     buckets: BTreeMap<usize, BucketState>,
-    enc: Vec<u8>,
     idx: Vec<u32>,
+    scratch: Scratch,
+    /// A bucket summed whole for a sparse reduce-scatter.
+    whole: Vec<f32>,
+}
+
+/// Buffers the reductions reuse from call to call: once grown to a bucket's size, a step allocates nothing.
+#[derive(Debug, Default)]
+struct Scratch {
+    /// One code.
+    enc: Vec<u8>,
+    /// Codes to send and codes received.
+    send: Vec<u8>,
+    recv: Vec<u8>,
+    /// A bucket's values padded to whole segments (the two-stage codecs).
+    padded: Vec<f32>,
+    /// What one segment's code decodes to (error feedback).
+    sent: Vec<f32>,
+    /// The segment this rank sums.
+    mine: Vec<f32>,
 }
 
 /// A quantising codec: each value coded on its own (with per-chunk scales).
@@ -143,6 +161,17 @@ enum Quant {
 }
 
 impl Quant {
+    /// The quantiser of `codec`; none for the codecs that are not one.
+    fn of(codec: Codec) -> Option<Quant> {
+        match codec {
+            Codec::Fp16 => Some(Quant::F16),
+            Codec::Bf16 => Some(Quant::Bf16),
+            Codec::Int8 { stochastic } => Some(Quant::Int8(stochastic)),
+            Codec::Sign => Some(Quant::Sign),
+            Codec::None | Codec::TopK { .. } | Codec::RandK { .. } | Codec::PowerSgd { .. } => None,
+        }
+    }
+
     fn len(self, n: usize) -> usize {
         match self {
             Quant::F16 | Quant::Bf16 => codec::half_len(n),
@@ -172,7 +201,14 @@ impl Quant {
 
 impl Compressor {
     pub fn new(cfg: CompressConfig) -> Compressor {
-        Compressor { cfg, step: 0, buckets: BTreeMap::new(), enc: Vec::new(), idx: Vec::new() }
+        Compressor {
+            cfg,
+            step: 0,
+            buckets: BTreeMap::new(),
+            idx: Vec::new(),
+            scratch: Scratch::default(),
+            whole: Vec::new(),
+        }
     }
 
     pub fn config(&self) -> &CompressConfig {
@@ -213,46 +249,36 @@ impl Compressor {
             compensate(&mut st.residual, data);
         }
         let mut rng = SplitMix::mixed(&[seed, step, bucket as u64, comm.rank() as u64]);
+        let s = &mut self.scratch;
+        if let Some(q) = Quant::of(self.cfg.codec) {
+            return match n {
+                2 => gathered(comm, q, data, st, ef, s, &mut rng),
+                _ => two_stage(comm, q, data, st, ef, s, &mut rng),
+            };
+        }
         match self.cfg.codec {
-            Codec::None => comm.all_reduce(data, ReduceOp::Sum),
-            Codec::Fp16 | Codec::Bf16 | Codec::Int8 { .. } | Codec::Sign => {
-                let q = match self.cfg.codec {
-                    Codec::Fp16 => Quant::F16,
-                    Codec::Bf16 => Quant::Bf16,
-                    Codec::Int8 { stochastic } => Quant::Int8(stochastic),
-                    _ => Quant::Sign,
-                };
-                if n <= 2 {
-                    gathered(comm, q, data, st, ef, &mut self.enc, &mut rng)
-                } else {
-                    two_stage(comm, q, data, st, ef, &mut rng)
-                }
-            }
             Codec::TopK { ratio } => {
                 let k = codec::sparse_k(data.len(), ratio);
                 codec::top_k(data, k, &mut self.idx);
-                sparse_sum(comm, data, &self.idx, st, ef, &mut self.enc, false)
+                sparse_sum(comm, data, &self.idx, st, ef, s, false)
             }
             Codec::RandK { ratio } => {
                 let k = codec::sparse_k(data.len(), ratio);
                 // The same draw on every rank: seeded without the rank.
                 codec::random_k(data.len(), k, &mut SplitMix::mixed(&[seed, step, bucket as u64]), &mut self.idx);
-                sparse_sum(comm, data, &self.idx, st, ef, &mut self.enc, true)
+                sparse_sum(comm, data, &self.idx, st, ef, s, true)
             }
             Codec::PowerSgd { rank } => power_sgd(comm, data, matrices, rank, st, ef, seed, bucket),
+            Codec::None | Codec::Fp16 | Codec::Bf16 | Codec::Int8 { .. } | Codec::Sign => {
+                comm.all_reduce(data, ReduceOp::Sum)
+            }
         }
     }
 
     /// Reduce-scatter, compressed: `data` (a bucket padded to `size` equal slices) summed over the ranks, this
-    /// rank's slice written to `out` (`data` is left as scratch). For ZeRO, whose ranks each update only their
-    /// slice: each slice's code goes only to its rank. A sparse code is summed whole and sliced. PowerSGD is refused.
-    pub fn reduce_scatter(
-        &mut self,
-        comm: &Communicator,
-        bucket: usize,
-        data: &mut [f32],
-        out: &mut [f32],
-    ) -> Result<()> {
+    /// rank's slice written to `out`. For ZeRO, whose ranks each update only their slice: each slice's code goes
+    /// only to its rank (the first of the two stages). A sparse code is summed whole and sliced. PowerSGD is refused.
+    pub fn reduce_scatter(&mut self, comm: &Communicator, bucket: usize, data: &[f32], out: &mut [f32]) -> Result<()> {
         let (n, r) = (comm.size(), comm.rank());
         let s = out.len();
         if data.len() != s * n {
@@ -264,51 +290,38 @@ impl Compressor {
         if !self.active() || n <= 1 {
             return comm.reduce_scatter(data, out, ReduceOp::Sum);
         }
-        if matches!(self.cfg.codec, Codec::TopK { .. } | Codec::RandK { .. }) {
-            // A sparse code is summed whole; this rank keeps its slice.
-            self.all_reduce(comm, bucket, data, &[])?;
-            out.copy_from_slice(&data[r * s..(r + 1) * s]);
-            return Ok(());
-        }
-        let (ef, seed, step) = (self.cfg.error_feedback, self.cfg.seed, self.step);
-        let st = self.buckets.entry(bucket).or_default();
-        if ef {
-            compensate(&mut st.residual, data);
-        }
-        let mut rng = SplitMix::mixed(&[seed, step, bucket as u64, r as u64]);
         let q = match self.cfg.codec {
-            Codec::None => return comm.reduce_scatter(data, out, ReduceOp::Sum),
-            Codec::Fp16 => Quant::F16,
-            Codec::Bf16 => Quant::Bf16,
-            Codec::Int8 { stochastic } => Quant::Int8(stochastic),
-            Codec::Sign => Quant::Sign,
-            Codec::TopK { .. } | Codec::RandK { .. } | Codec::PowerSgd { .. } => {
+            Codec::TopK { .. } | Codec::RandK { .. } => {
+                // A sparse code is summed whole; this rank keeps its slice.
+                let mut whole = std::mem::take(&mut self.whole);
+                whole.clear();
+                whole.extend_from_slice(data);
+                let summed = self.all_reduce(comm, bucket, &mut whole, &[]);
+                out.copy_from_slice(&whole[r * s..(r + 1) * s]);
+                self.whole = whole;
+                return summed;
+            }
+            Codec::PowerSgd { .. } => {
                 return Err(Error::InvalidArgument(
                     "PowerSGD cannot compress a reduce-scatter: it needs every matrix whole on every rank".into(),
                 ));
             }
+            codec => match Quant::of(codec) {
+                Some(q) => q,
+                None => return comm.reduce_scatter(data, out, ReduceOp::Sum),
+            },
         };
-        let e = q.len(s);
-        let mut send = vec![0u8; e * n];
-        let mut sent = vec![0f32; s];
-        for (j, slot) in send.chunks_exact_mut(e).enumerate() {
-            let slice = &mut data[j * s..(j + 1) * s];
-            q.encode(slice, &mut self.enc, &mut rng);
-            slot.copy_from_slice(&self.enc);
-            if ef {
-                sent.fill(0.0);
-                q.decode_add(&self.enc, &mut sent);
-                for ((res, v), d) in st.residual[j * s..(j + 1) * s].iter_mut().zip(slice.iter()).zip(&sent) {
-                    *res = v - d;
-                }
-            }
+        let (ef, seed, step) = (self.cfg.error_feedback, self.cfg.seed, self.step);
+        let st = self.buckets.entry(bucket).or_default();
+        let sc = &mut self.scratch;
+        sc.padded.clear();
+        sc.padded.extend_from_slice(data);
+        if ef {
+            compensate(&mut st.residual, &mut sc.padded);
         }
-        let mut recv = vec![0u8; e * n];
-        comm.all_to_all_bytes(&send, &mut recv)?;
-        out.fill(0.0);
-        for code in recv.chunks_exact(e) {
-            q.decode_add(code, out);
-        }
+        let mut rng = SplitMix::mixed(&[seed, step, bucket as u64, r as u64]);
+        scatter(comm, q, s, ef.then_some(&mut st.residual[..]), sc, &mut rng)?;
+        out.copy_from_slice(&sc.mine);
         Ok(())
     }
 
@@ -367,18 +380,56 @@ fn gathered(
     data: &mut [f32],
     st: &mut BucketState,
     ef: bool,
-    enc: &mut Vec<u8>,
+    s: &mut Scratch,
     rng: &mut SplitMix,
 ) -> Result<()> {
-    q.encode(data, enc, rng);
+    q.encode(data, &mut s.enc, rng);
     if ef {
-        keep_residual(&mut st.residual, data, |sent| q.decode_add(enc, sent));
+        keep_residual(&mut st.residual, data, |sent| q.decode_add(&s.enc, sent));
     }
-    let mut all = vec![0u8; enc.len() * comm.size()];
-    comm.all_gather_bytes(enc, &mut all)?;
+    s.recv.clear();
+    s.recv.resize(s.enc.len() * comm.size(), 0);
+    comm.all_gather_bytes(&s.enc, &mut s.recv)?;
     data.fill(0.0);
-    for code in all.chunks_exact(enc.len()) {
+    for code in s.recv.chunks_exact(s.enc.len()) {
         q.decode_add(code, data);
+    }
+    Ok(())
+}
+
+/// The first stage of a quantised reduction: segment `j` of `s.padded` (`n` segments of `seg` values) coded and
+/// sent to rank `j`, and the codes this rank got summed into `s.mine`. With error feedback, `residual[i]` becomes
+/// `padded[i]` less what its code decodes to, for every `i` of `residual` (at most as long as `s.padded`).
+fn scatter(
+    comm: &Communicator,
+    q: Quant,
+    seg: usize,
+    mut residual: Option<&mut [f32]>,
+    s: &mut Scratch,
+    rng: &mut SplitMix,
+) -> Result<()> {
+    let (n, e) = (comm.size(), q.len(seg));
+    s.send.clear();
+    s.send.resize(e * n, 0);
+    for j in 0..n {
+        let part = &s.padded[j * seg..(j + 1) * seg];
+        q.encode(part, &mut s.enc, rng);
+        s.send[j * e..(j + 1) * e].copy_from_slice(&s.enc);
+        if let Some(res) = residual.as_deref_mut() {
+            let (lo, hi) = ((j * seg).min(res.len()), ((j + 1) * seg).min(res.len()));
+            s.sent.clear();
+            s.sent.resize(seg, 0.0);
+            q.decode_add(&s.enc, &mut s.sent);
+            res[lo..hi].iter_mut().zip(part).zip(&s.sent).for_each(|((r, v), d)| *r = v - d);
+        }
+    }
+    s.recv.clear();
+    s.recv.resize(e * n, 0);
+    comm.all_to_all_bytes(&s.send, &mut s.recv)?;
+    s.mine.clear();
+    s.mine.resize(seg, 0.0);
+    for code in s.recv.chunks_exact(e) {
+        q.decode_add(code, &mut s.mine);
     }
     Ok(())
 }
@@ -390,46 +441,31 @@ fn two_stage(
     data: &mut [f32],
     st: &mut BucketState,
     ef: bool,
+    s: &mut Scratch,
     rng: &mut SplitMix,
 ) -> Result<()> {
     let n = comm.size();
     let seg = data.len().div_ceil(n);
-    let e = q.len(seg);
-    let mut padded = vec![0f32; seg * n];
-    padded[..data.len()].copy_from_slice(data);
-    let mut enc = Vec::new();
-    let mut send = vec![0u8; e * n];
-    let mut sent = vec![0f32; seg * n];
-    for (j, slot) in send.chunks_exact_mut(e).enumerate() {
-        q.encode(&padded[j * seg..(j + 1) * seg], &mut enc, rng);
-        slot.copy_from_slice(&enc);
-        if ef {
-            q.decode_add(&enc, &mut sent[j * seg..(j + 1) * seg]);
-        }
-    }
+    s.padded.clear();
+    s.padded.resize(seg * n, 0.0);
+    s.padded[..data.len()].copy_from_slice(data);
+    scatter(comm, q, seg, ef.then_some(&mut st.residual[..]), s, rng)?;
     if ef {
-        st.residual.iter_mut().zip(data.iter()).zip(&sent).for_each(|((res, v), d)| *res = v - d);
+        compensate(&mut st.server, &mut s.mine);
     }
-    let mut recv = vec![0u8; e * n];
-    comm.all_to_all_bytes(&send, &mut recv)?;
-    let mut mine = vec![0f32; seg];
-    for code in recv.chunks_exact(e) {
-        q.decode_add(code, &mut mine);
-    }
+    q.encode(&s.mine, &mut s.enc, rng);
     if ef {
-        compensate(&mut st.server, &mut mine);
+        keep_residual(&mut st.server, &s.mine, |d| q.decode_add(&s.enc, d));
     }
-    q.encode(&mine, &mut enc, rng);
-    if ef {
-        keep_residual(&mut st.server, &mine, |d| q.decode_add(&enc, d));
+    let e = s.enc.len();
+    s.recv.clear();
+    s.recv.resize(e * n, 0);
+    comm.all_gather_bytes(&s.enc, &mut s.recv)?;
+    s.padded.fill(0.0);
+    for (j, code) in s.recv.chunks_exact(e).enumerate() {
+        q.decode_add(code, &mut s.padded[j * seg..(j + 1) * seg]);
     }
-    let mut all = vec![0u8; e * n];
-    comm.all_gather_bytes(&enc, &mut all)?;
-    padded.fill(0.0);
-    for (j, code) in all.chunks_exact(e).enumerate() {
-        q.decode_add(code, &mut padded[j * seg..(j + 1) * seg]);
-    }
-    data.copy_from_slice(&padded[..data.len()]);
+    data.copy_from_slice(&s.padded[..data.len()]);
     Ok(())
 }
 
@@ -441,7 +477,7 @@ fn sparse_sum(
     idx: &[u32],
     st: &mut BucketState,
     ef: bool,
-    enc: &mut Vec<u8>,
+    s: &mut Scratch,
     shared: bool,
 ) -> Result<()> {
     let (n, len) = (comm.size(), data.len());
@@ -460,11 +496,12 @@ fn sparse_sum(
         data.fill(0.0);
         idx.iter().zip(&vals).for_each(|(i, v)| data[*i as usize] = *v);
     } else if n * idx.len() < len {
-        codec::encode_sparse(data, idx, enc);
-        let mut all = vec![0u8; enc.len() * n];
-        comm.all_gather_bytes(enc, &mut all)?;
+        codec::encode_sparse(data, idx, &mut s.enc);
+        s.recv.clear();
+        s.recv.resize(s.enc.len() * n, 0);
+        comm.all_gather_bytes(&s.enc, &mut s.recv)?;
         data.fill(0.0);
-        for (r, code) in all.chunks_exact(enc.len()).enumerate() {
+        for (r, code) in s.recv.chunks_exact(s.enc.len()).enumerate() {
             codec::decode_sparse_add(code, data)
                 .map_err(|e| Error::InvalidArgument(format!("top-k code from rank {r}: {e}")))?;
         }

@@ -210,9 +210,8 @@ fn a_compressed_reduce_scatter_sums_each_slice_onto_its_rank() {
             let mut z = compressor(c, true);
             let mut g = SplitMix::new(comm.rank() as u64 + 1);
             let v: Vec<f32> = (0..s * n).map(|_| g.normal()).collect();
-            let mut data = v.clone();
             let mut out = vec![0f32; s];
-            z.reduce_scatter(&comm, 0, &mut data, &mut out).expect("ok");
+            z.reduce_scatter(&comm, 0, &v, &mut out).expect("ok");
             let residual = z.state().into_iter().find(|(k, _)| k == "residual.0").map(|(_, v)| v).expect("ok");
             (v, out, residual)
         });
@@ -226,7 +225,7 @@ fn a_compressed_reduce_scatter_sums_each_slice_onto_its_rank() {
     }
     let err = world(2, TransportChoice::Tcp, |comm| {
         let mut z = compressor(Codec::PowerSgd { rank: 2 }, true);
-        z.reduce_scatter(&comm, 0, &mut [0.0; 4], &mut [0.0; 2]).expect_err("an error").to_string()
+        z.reduce_scatter(&comm, 0, &[0.0; 4], &mut [0.0; 2]).expect_err("an error").to_string()
     });
     assert!(err[0].contains("PowerSGD"), "{}", err[0]);
 }

@@ -144,7 +144,7 @@ impl Shards {
         mine.clear();
         mine.resize(s, 0.0);
         match (self.others(), compress) {
-            (Some(c), Some(z)) => z.reduce_scatter(c, b, &mut padded.to_vec(), mine)?,
+            (Some(c), Some(z)) => z.reduce_scatter(c, b, padded, mine)?,
             (Some(c), None) => c.reduce_scatter(padded, mine, ReduceOp::Sum)?,
             (None, _) => mine.copy_from_slice(&padded[..s]),
         }
