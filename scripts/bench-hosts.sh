@@ -19,43 +19,23 @@ RATE_MBIT=${2:-1000}
 SIZES=${3:-16MiB,64MiB}
 TAG=$$
 NET=10.217.$((TAG % 200 + 20))
-SW=shoal-bsw-$TAG
 PORT=29433
 export SHOAL_JOB_SECRET=bench-hosts-secret-$TAG-0123456789
 
 [ -x "$SHOAL" ] || { echo "no shoal binary at $SHOAL (cargo build --release -p shoal)" >&2; exit 1; }
 [ "$(id -u)" = 0 ] || { echo "needs root (network namespaces)" >&2; exit 1; }
 
-cleanup() {
-    for i in 0 1; do ip netns del "shoal-bh$i-$TAG" 2>/dev/null || true; done
-    ip netns del "$SW" 2>/dev/null || true
-}
-trap cleanup EXIT
-
-ip netns add "$SW"
-ip -n "$SW" link add br0 type bridge
-ip -n "$SW" link set br0 up
-for i in 0 1; do
-    ns=shoal-bh$i-$TAG
-    ip netns add "$ns"
-    ip -n "$ns" link set lo up
-    ip link add "bh$i-$TAG" netns "$ns" type veth peer name "bs$i-$TAG" netns "$SW"
-    ip -n "$ns" link set "bh$i-$TAG" name eth0
-    ip -n "$ns" addr add "$NET.$((i + 1))/24" dev eth0
-    ip -n "$ns" link set eth0 up
-    ip -n "$SW" link set "bs$i-$TAG" master br0
-    ip -n "$SW" link set "bs$i-$TAG" up
-    ip netns exec "$ns" tc qdisc add dev eth0 root tbf rate "${RATE_MBIT}mbit" burst 256kb latency 100ms
-    ip netns exec "$SW" tc qdisc add dev "bs$i-$TAG" root tbf rate "${RATE_MBIT}mbit" burst 256kb latency 100ms
-done
+HOSTS=b$((TAG % 100000))
+. "$(dirname "$0")/hosts.sh"
+trap 'hosts_down "$HOSTS" 2' EXIT
+hosts_up "$HOSTS" "$NET" "$RATE_MBIT" 2
 
 # One run of the benchmark on both hosts; prints node 0's JSON lines.
 bench() {
     local algo=$1 out
     out=$(mktemp)
     for i in 1 0; do
-        ip netns exec "shoal-bh$i-$TAG" unshare --uts -- sh -c 'hostname "$0" && exec "$@"' "bench-host$i" \
-            "$SHOAL" bench allreduce --nnodes 2 --node-rank "$i" --rdzv "$NET.1:$PORT" \
+        on_host "$HOSTS" "$i" "bench-host$i" "$SHOAL" bench allreduce --nnodes 2 --node-rank "$i" --rdzv "$NET.1:$PORT" \
             --algo "$algo" --ranks "${PER_HOST:-2}" --sizes "$SIZES" --iters 10 --warmup 3 --timeout 120s --json \
             >"$out.$i" 2>"$out.$i.err" &
     done
@@ -72,8 +52,7 @@ bench() {
 if [ -n "${COMPRESS:-}" ]; then
     out=$(mktemp)
     for i in 1 0; do
-        ip netns exec "shoal-bh$i-$TAG" unshare --uts -- sh -c 'hostname "$0" && exec "$@"' "bench-host$i" \
-            "$SHOAL" bench compress --nnodes 2 --node-rank "$i" --rdzv "$NET.1:$PORT" \
+        on_host "$HOSTS" "$i" "bench-host$i" "$SHOAL" bench compress --nnodes 2 --node-rank "$i" --rdzv "$NET.1:$PORT" \
             --ranks "${PER_HOST:-1}" --sizes "$SIZES" --iters "${ITERS:-5}" --warmup 1 --timeout 120s \
             >"$out.$i" 2>"$out.$i.err" &
     done

@@ -30,7 +30,8 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 SPEC=$ROOT/examples/mlp_digits_compressed.toml
 TAG=$$
 NET=10.219.$((TAG % 200 + 20))
-SW=shoal-csw-$TAG
+HOSTS=c$((TAG % 100000))
+. "$(dirname "$0")/hosts.sh"
 PORT=29533
 COMMAND="$0 $*"
 [ "$MODE" = hosts ] && COMMAND="RATE_MBIT=$RATE_MBIT $COMMAND"
@@ -51,34 +52,14 @@ PIDS=()
 cleanup() {
     for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
     wait 2>/dev/null || true
-    if [ "$MODE" = hosts ]; then
-        for i in 0 1; do ip netns del "shoal-ch$i-$TAG" 2>/dev/null || true; done
-        ip netns del "$SW" 2>/dev/null || true
-    fi
+    [ "$MODE" != hosts ] || hosts_down "$HOSTS" 2
     rm -rf "$D"
 }
 trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
 
-if [ "$MODE" = hosts ]; then
-    ip netns add "$SW"
-    ip -n "$SW" link add br0 type bridge
-    ip -n "$SW" link set br0 up
-    for i in 0 1; do
-        ns=shoal-ch$i-$TAG
-        ip netns add "$ns"
-        ip -n "$ns" link set lo up
-        ip link add "ch$i-$TAG" netns "$ns" type veth peer name "cs$i-$TAG" netns "$SW"
-        ip -n "$ns" link set "ch$i-$TAG" name eth0
-        ip -n "$ns" addr add "$NET.$((i + 1))/24" dev eth0
-        ip -n "$ns" link set eth0 up
-        ip -n "$SW" link set "cs$i-$TAG" master br0
-        ip -n "$SW" link set "cs$i-$TAG" up
-        ip netns exec "$ns" tc qdisc add dev eth0 root tbf rate "${RATE_MBIT}mbit" burst 256kb latency 100ms
-        ip netns exec "$SW" tc qdisc add dev "cs$i-$TAG" root tbf rate "${RATE_MBIT}mbit" burst 256kb latency 100ms
-    done
-fi
+[ "$MODE" != hosts ] || hosts_up "$HOSTS" "$NET" "$RATE_MBIT" 2
 
 # The example with its [compression] table replaced (and its steps, when given): spec_for CODEC[:X] OUT.
 spec_for() {
@@ -117,8 +98,7 @@ train() {
         for n in 1 0; do
             local out=$dir/out
             [ "$n" = 1 ] && out=$dir/node1
-            ip netns exec "shoal-ch$n-$TAG" unshare --uts -- sh -c 'hostname "$0" && exec "$@"' "shoal-host$n" \
-                "$SHOAL" run --nnodes 2 --node-rank "$n" --rdzv "$NET.1:$port" -n 1 --output "$out" "$dir/job.toml" \
+            on_host "$HOSTS" "$n" "shoal-host$n" "$SHOAL" run --nnodes 2 --node-rank "$n" --rdzv "$NET.1:$port" -n 1 --output "$out" "$dir/job.toml" \
                 >"$dir/node$n.log" 2>&1 &
             PIDS+=($!)
         done
