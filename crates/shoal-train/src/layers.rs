@@ -259,12 +259,14 @@ impl Layers {
         x: &Tensor,
         f: impl FnOnce(&Tensor) -> candle_core::Result<Tensor>,
     ) -> candle_core::Result<Tensor> {
-        let cut = self.lock().cut.as_ref().map(|(r, _)| r.clone());
+        let (cut, timed) = {
+            let g = self.lock();
+            (g.cut.as_ref().map(|(r, _)| r.clone()), g.timing.is_some())
+        };
         if let Some(r) = cut {
             if !r.contains(&layer) {
                 return Ok(x.clone());
             }
-            let timed = self.lock().timing.is_some();
             let started = timed.then(std::time::Instant::now);
             let y = if layer == r.start && layer > 0 {
                 let input = self.lock().cut.as_mut().and_then(|(_, i)| i.take()).ok_or_else(|| {

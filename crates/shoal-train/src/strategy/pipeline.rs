@@ -79,8 +79,10 @@ pub struct Pipeline {
     comm: Option<Communicator>,
     cfg: PipelineConfig,
     stage: usize,
-    /// This rank's chunks' layers (one chunk but under the interleaved schedule), and their parameters (indices
-    /// into the model's, ascending).
+    /// The whole cut (every rank's chunks: chunk `c` of rank `r` is `cuts[c · stages + r]`, the same on every rank),
+    /// this rank's chunks' layers (one chunk but under the interleaved schedule), and their parameters (indices into
+    /// the model's, ascending).
+    cuts: Vec<Range<usize>>,
     chunks: Vec<Range<usize>>,
     members: Vec<usize>,
     /// The stage's parameters alone, for its optimizer.
@@ -183,6 +185,7 @@ impl Pipeline {
             comm,
             cfg,
             stage,
+            cuts: Vec::new(),
             chunks: Vec::new(),
             members: Vec::new(),
             own: Params::default(),
@@ -260,6 +263,7 @@ impl Pipeline {
     fn keep(&mut self, params: &Params, ranges: &[(String, Range<usize>)], cuts: &[Range<usize>]) -> Result<()> {
         let v = self.cfg.chunks();
         self.chunks = (0..v).map(|c| cuts[c * self.cfg.stages + self.stage].clone()).collect();
+        self.cuts = cuts.to_vec();
         self.members = self.chunks.iter().flat_map(|l| ranges[l.start].1.start..ranges[l.end - 1].1.end).collect();
         for (i, (name, var)) in params.vars().iter().enumerate() {
             if self.members.binary_search(&i).is_err() {
@@ -286,8 +290,7 @@ impl Pipeline {
     fn recut(&mut self, params: &Params, opt: &mut Optimizer) -> Result<()> {
         self.balanced = true;
         let mut seconds = std::mem::take(&mut self.layer_s);
-        let comm = self.comm_or_err()?.clone();
-        comm.all_reduce(&mut seconds, ReduceOp::Sum)?;
+        self.comm_or_err()?.all_reduce(&mut seconds, ReduceOp::Sum)?;
         let ranges = params.layers().ranges(params.vars().len())?;
         // Microseconds, at least one a layer: the same integers on every rank (the sums are).
         let costs: Vec<usize> = seconds.iter().map(|s| (s * 1e6).round() as usize + 1).collect();
@@ -299,19 +302,10 @@ impl Pipeline {
             .unwrap_or(usize::MAX);
         let cap = even.saturating_add(even / 10);
         let Some(cuts) = balance_within(&costs, &sizes, cap, parts) else { return Ok(()) };
-        let now: Vec<Range<usize>> =
-            (0..self.cfg.chunks()).map(|c| cuts[c * self.cfg.stages + self.stage].clone()).collect();
-        // Every rank decides alike: compare the whole cut, not only this rank's chunks.
-        let mut before = vec![0usize; parts];
-        for (c, r) in self.chunks.iter().enumerate() {
-            before[c * self.cfg.stages + self.stage] = r.end;
-        }
-        let mut ends: Vec<i64> = before.iter().map(|&e| e as i64).collect();
-        comm.all_reduce(&mut ends, ReduceOp::Sum)?;
-        let unchanged = ends.iter().zip(&cuts).all(|(e, r)| *e as usize == r.end);
-        let stage_ms = |r: &Range<usize>| costs[r.clone()].iter().sum::<usize>() as f64 / 1e3;
-        if unchanged {
-            tracing::info!(stage = self.stage, layers = ?now, "pipeline stages already balanced by measured time");
+        let stage_ms: Vec<f64> = cuts.iter().map(|r| costs[r.clone()].iter().sum::<usize>() as f64 / 1e3).collect();
+        // Every rank has the same costs and the same cut: every rank decides alike.
+        if cuts == self.cuts {
+            tracing::info!(cuts = ?cuts, ?stage_ms, "pipeline stages already balanced by measured time");
             return Ok(());
         }
         let model = self.model_state(params)?;
@@ -320,7 +314,7 @@ impl Pipeline {
             replace_storage(var.as_tensor(), values_of(whole)?)
                 .map_err(|e| Error::InvalidArgument(format!("parameter {name} cannot be made whole again: {e}")))?;
         }
-        let old = std::mem::take(&mut self.chunks);
+        let old = std::mem::take(&mut self.cuts);
         self.keep(params, &ranges, &cuts)?;
         let named: HashMap<String, Tensor> = moments.into_iter().collect();
         let t = opt.t;
@@ -330,8 +324,8 @@ impl Pipeline {
         tracing::info!(
             stage = self.stage,
             from = ?old,
-            to = ?self.chunks,
-            stage_ms = ?cuts.iter().map(stage_ms).collect::<Vec<_>>(),
+            to = ?cuts,
+            ?stage_ms,
             "pipeline stages cut again by measured time"
         );
         Ok(())
