@@ -733,9 +733,12 @@ fn elastic_zero3_grows_re_sharded_and_after_a_kill_9_rolls_back_in_place_to_its_
     assert_eq!(workers_of(&v), 2, "{v}");
     let r = p.request("POST", &format!("/api/v1/jobs/{filler}/cancel"), Some(p.token()), None);
     assert_eq!(r.status, 202, "{}", text(&r.body));
-    let v = p.wait_state_where(&id, "grown to three workers", |v| workers_of(v) == 3);
-    let before = v["last_metrics"]["step"].as_u64().unwrap_or(0);
-    let v = training(&p, &id, 1, before as i64 + 50);
+    p.wait_state_where(&id, "grown to three workers", |v| workers_of(v) == 3);
+    // The newcomer joins at a step boundary once it has started, which on a loaded host can be hundreds of steps
+    // later: the kill must come after it trains in the group of three, where each rank holds only its shard (a kill
+    // during the regrouping finds the state gathered whole, and nothing to roll back).
+    let (_, _, joined) = p.wait("the newcomer heard training", || heard(&p, &id, 2).filter(|h| h.1 == "train"));
+    let v = training(&p, &id, 1, joined as i64 + 50);
     let (pid0, pid2) = (worker_pid(&v, 0), worker_pid(&v, 2));
     kill(worker_pid(&v, 1), libc::SIGKILL);
 
