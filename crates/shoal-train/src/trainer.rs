@@ -228,6 +228,12 @@ impl Trainer {
         self.strategy.tensor_degree()
     }
 
+    /// Under pipeline stages, the model's layers of every chunk in the order of the cut (see
+    /// [`Strategy::stage_layers`]); none otherwise.
+    pub fn stage_layers(&self) -> Option<Vec<std::ops::Range<usize>>> {
+        self.strategy.stage_layers()
+    }
+
     /// Whether this rank holds only a part of the model (a pipeline stage): then a step's micro-batches go through
     /// [`Self::run_micro_batches`], and a forward pass through [`Self::forward_stage`].
     pub fn splits_model(&self) -> bool {

@@ -407,6 +407,10 @@ impl Strategy for Composed {
         self.cfg.tensor
     }
 
+    fn stage_layers(&self) -> Option<Vec<std::ops::Range<usize>>> {
+        self.pipe.as_ref().and_then(Pipeline::stage_layers)
+    }
+
     fn attach_step_scalars(&mut self, values: Vec<f32>) {
         self.scalars = values;
     }

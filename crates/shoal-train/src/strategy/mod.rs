@@ -170,6 +170,12 @@ pub trait Strategy: Send {
         1
     }
 
+    /// Under pipeline stages, the model's layers of every chunk in the order of the cut (chunk `c` of pipeline rank
+    /// `r` is entry `c · stages + r`); none for a strategy that does not cut the model.
+    fn stage_layers(&self) -> Option<Vec<std::ops::Range<usize>>> {
+        None
+    }
+
     /// The scalars to sum over ranks at the next [`Strategy::step`], for a strategy that runs the micro-batches
     /// itself (the others take them with the last backward).
     fn attach_step_scalars(&mut self, _values: Vec<f32>) {}

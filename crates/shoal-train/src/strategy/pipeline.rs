@@ -644,6 +644,10 @@ impl Strategy for Pipeline {
         self.scalars = values;
     }
 
+    fn stage_layers(&self) -> Option<Vec<Range<usize>>> {
+        Some(self.cuts.clone()).filter(|c| !c.is_empty())
+    }
+
     fn step(&mut self, params: &Params, opt: &mut Optimizer, lr: f64, clip: Option<f64>) -> Result<StepTimes> {
         let t0 = Instant::now();
         let sq: f64 = self.acc.iter().map(|g| sum_sq(g)).sum();

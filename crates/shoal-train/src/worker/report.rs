@@ -162,6 +162,7 @@ pub(super) fn finish(
         resumed_from_memory: steps.resumed_from_memory,
         bubble_fraction: median(bubble_t),
         bubble_theory,
+        stage_layers: tr.trainer.stage_layers().map(|c| c.iter().map(|l| [l.start, l.end]).collect()),
     };
     comm.barrier()?;
     if rank == 0 {

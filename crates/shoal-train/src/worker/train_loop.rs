@@ -227,6 +227,7 @@ impl StepLoop {
         let layout = model_layout(spec);
         let (mut bubble_t, mut bubble_theory) = (Vec::new(), None);
         let mut bytes_t: Vec<u64> = Vec::new();
+        let mut cut = trainer.stage_layers();
         for step in start_step..t.steps {
             let step_started = Instant::now();
             let bytes_before = trainer.comm().map_or(0, |c| c.bytes_sent());
@@ -337,6 +338,23 @@ impl StepLoop {
             if let Some(b) = times.bubble {
                 bubble_t.push(b.mean);
                 bubble_theory = Some(b.theory);
+            }
+            if cut.is_some() {
+                let now = trainer.stage_layers();
+                if let (Some(was), Some(new), 0) = (&cut, &now, rank)
+                    && was != new
+                {
+                    let show = |c: &[std::ops::Range<usize>]| {
+                        c.iter().map(|r| format!("{}..{}", r.start, r.end)).collect::<Vec<_>>().join(" | ")
+                    };
+                    eprintln!(
+                        "pipeline stages cut again by measured time after step {}: layers {} (were {})",
+                        step + 1,
+                        show(new),
+                        show(was)
+                    );
+                }
+                cut = now;
             }
             if let Some(b) = beat {
                 b.step(step as u64 + 1);

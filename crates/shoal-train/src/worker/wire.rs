@@ -83,6 +83,10 @@ pub struct Summary {
     pub bubble_fraction: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bubble_theory: Option<f64>,
+    /// Under pipeline stages: the model's layers of every chunk, `[first, end)`, in the order of the cut (chunk `c`
+    /// of stage `s` is entry `c · stages + s`), as the run ended — after any cut by measured time.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stage_layers: Option<Vec<[usize; 2]>>,
 }
 
 /// One rank's memory, in bytes: its parameters, its gradient buffers, its optimizer state (a shard of it under

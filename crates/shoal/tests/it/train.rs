@@ -560,6 +560,20 @@ fn pipeline_trains_a_gpt_in_two_stages_as_ddp_does_and_reports_its_bubble() {
     assert_eq!(held.len(), 2);
     assert!(held.iter().all(|b| b * 100 <= 4 * params * 55), "each stage holds at most 55%: {held:?} of {params}");
     assert_eq!(held.iter().sum::<u64>(), 4 * params);
+    // The summary says where the cut fell: the 6 layers (embedding, 4 blocks, head), consecutive, in 2 stages.
+    let cut_of = |s: &serde_json::Value| -> Vec<(u64, u64)> {
+        let ranges = s["stage_layers"].as_array().cloned().unwrap_or_default();
+        ranges.iter().map(|r| (r[0].as_u64().unwrap_or(u64::MAX), r[1].as_u64().unwrap_or(0))).collect()
+    };
+    let covers = |cut: &[(u64, u64)], chunks: usize| {
+        cut.len() == chunks
+            && cut.first().is_some_and(|c| c.0 == 0)
+            && cut.last().is_some_and(|c| c.1 == 6)
+            && cut.windows(2).all(|w| w[0].1 == w[1].0)
+            && cut.iter().all(|c| c.0 < c.1)
+    };
+    assert!(covers(&cut_of(&p), 2), "{p}");
+    assert!(d.get("stage_layers").is_none(), "DDP cuts nothing: {d}");
 
     let parallel = "[parallel]\npipeline_stages = 2\nmicro_batches = 4\nschedule = \"interleaved\"\n";
     let (i, out) = run("interleaved", parallel);
@@ -569,6 +583,7 @@ fn pipeline_trains_a_gpt_in_two_stages_as_ddp_does_and_reports_its_bubble() {
     }
     assert!((i["bubble_theory"].as_f64().unwrap_or(0.0) - 1.0 / 9.0).abs() < 1e-12, "{i}");
     assert!(i["bubble_fraction"].as_f64().is_some_and(|b| (0.0..1.0).contains(&b)), "{i}");
+    assert!(covers(&cut_of(&i), 4), "2 ranks × 2 chunks: {i}");
     let ckpt = out.join("checkpoints").join("step-000010");
     let inspected = run_json(&["checkpoint", "inspect", "--json", &ckpt.display().to_string()]);
     let layout = &inspected["model_layout"];
