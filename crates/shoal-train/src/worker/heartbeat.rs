@@ -202,9 +202,11 @@ impl Reporter {
         match self.link.as_ref().map(|link| link.send(hb)) {
             None => write(),
             Some(Ok(reply)) => {
+                // Compared under the lock the rank takes the group under: an answer to a beat sent before the rank
+                // entered that group cannot bring it back.
                 if let Some(next) = reply.regroup
-                    && next.generation > self.shared.generation.load(Ordering::Relaxed)
                     && let Ok(mut r) = self.shared.regroup.lock()
+                    && next.generation > self.shared.generation.load(Ordering::Relaxed)
                     && r.as_ref().is_none_or(|old| old.generation < next.generation)
                 {
                     tracing::info!(
@@ -230,14 +232,19 @@ impl Beat {
         comm: Communicator,
         rank: usize,
         attempt: i64,
+        generation: u32,
         output: &Path,
         link: Option<Arc<ServerLink>>,
     ) -> Option<Beat> {
+        // The first beat already names the group the rank trains in: a rank that joined group g must not be told
+        // of g again, as if it were a member yet to enter it.
+        let shared = Shared::default();
+        shared.generation.store(generation, Ordering::Relaxed);
         let reporter = Arc::new(Reporter {
             comm: std::sync::Mutex::new(comm),
             rank,
             attempt,
-            shared: Shared::default(),
+            shared,
             link,
             path: heartbeat_file(output, rank),
             tmp: output.join(format!(".heartbeat.rank-{rank}.json.tmp")),
@@ -315,9 +322,14 @@ impl Beat {
         self.thread.unpark();
         let deadline = std::time::Instant::now() + limit;
         let found = loop {
-            if let Some(r) = s.regroup.lock().ok().and_then(|mut r| r.take()) {
-                // Taken: the answers to heartbeats sent before the rank enters it do not bring it back.
-                s.generation.store(r.generation, Ordering::Relaxed);
+            let taken = s.regroup.lock().ok().and_then(|mut r| {
+                let next = r.take()?;
+                // Taken with the lock held: the answers to heartbeats sent before the rank enters it do not bring
+                // it back.
+                s.generation.store(next.generation, Ordering::Relaxed);
+                Some(next)
+            });
+            if let Some(r) = taken {
                 break Some(r);
             }
             if std::time::Instant::now() >= deadline {
@@ -331,7 +343,16 @@ impl Beat {
 
     /// The rank trains over `comm` now: the communicator of its new group, or of the group it joined.
     pub(super) fn regrouped(&self, generation: u32, comm: Communicator) {
-        self.reporter.shared.generation.store(generation, Ordering::Relaxed);
+        let s = &self.reporter.shared;
+        match s.regroup.lock() {
+            Ok(mut r) => {
+                s.generation.store(generation, Ordering::Relaxed);
+                if r.as_ref().is_some_and(|old| old.generation <= generation) {
+                    *r = None;
+                }
+            }
+            Err(_) => s.generation.store(generation, Ordering::Relaxed),
+        }
         *self.reporter.comm.lock().unwrap_or_else(|p| p.into_inner()) = comm;
     }
 }
@@ -351,4 +372,62 @@ fn write(tmp: &Path, path: &Path, hb: &Heartbeat) -> std::io::Result<()> {
 
 fn now_ms() -> i64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A task that joined group 2 says so from its very first beat: a beat naming group 0 would have the server
+    /// tell it of group 2 again, and the rank would leave the group it is in for one that already formed.
+    #[test]
+    fn a_joined_rank_names_its_group_from_the_first_beat() -> anyhow::Result<()> {
+        let dir = std::env::temp_dir().join(format!("shoal-beat-joined-{}", std::process::id()));
+        std::fs::create_dir_all(&dir)?;
+        let comm = shoal_comm::Communicator::local_world(1, Default::default())?
+            .pop()
+            .ok_or_else(|| anyhow::anyhow!("a world of one"))?;
+        let beat = Beat::start(comm, 3, 1, 2, &dir, None).ok_or_else(|| anyhow::anyhow!("the heartbeat thread"))?;
+        let file = heartbeat_file(&dir, 3);
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let first: Heartbeat = loop {
+            if let Ok(bytes) = std::fs::read(&file) {
+                break serde_json::from_slice(&bytes)?;
+            }
+            anyhow::ensure!(std::time::Instant::now() < deadline, "no heartbeat in {} within 10 s", file.display());
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        drop(beat);
+        assert_eq!((first.rank, first.attempt, first.generation), (3, 1, 2), "{first:?}");
+        std::fs::remove_dir_all(&dir)?;
+        Ok(())
+    }
+
+    /// A rank that entered group 2 forgets a pending word of group 2 (an answer to a beat sent before it entered),
+    /// and keeps a word of a newer group.
+    #[test]
+    fn entering_a_group_forgets_older_words_of_it_and_keeps_newer_ones() -> anyhow::Result<()> {
+        let dir = std::env::temp_dir().join(format!("shoal-beat-regroup-{}", std::process::id()));
+        std::fs::create_dir_all(&dir)?;
+        let comm = shoal_comm::Communicator::local_world(1, Default::default())?
+            .pop()
+            .ok_or_else(|| anyhow::anyhow!("a world of one"))?;
+        let beat = Beat::start(comm.clone(), 0, 1, 0, &dir, None).ok_or_else(|| anyhow::anyhow!("the thread"))?;
+        let word = |generation| Regroup { generation, rank: 0, world: 1, rendezvous: String::new(), members: vec![0] };
+        let set = |r: Regroup| -> anyhow::Result<()> {
+            *beat.reporter.shared.regroup.lock().map_err(|_| anyhow::anyhow!("poisoned"))? = Some(r);
+            Ok(())
+        };
+        set(word(2))?;
+        beat.regrouped(2, comm.clone());
+        assert!(!beat.regroup_pending());
+        set(word(3))?;
+        beat.regrouped(2, comm);
+        assert!(beat.regroup_pending());
+        assert_eq!(beat.wait_regroup(Duration::from_millis(1)).map(|r| r.generation), Some(3));
+        assert!(!beat.regroup_pending());
+        drop(beat);
+        std::fs::remove_dir_all(&dir)?;
+        Ok(())
+    }
 }

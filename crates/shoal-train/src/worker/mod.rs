@@ -55,12 +55,9 @@ pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
     // From here on, the job as it runs (`train.strategy = "auto"` resolved).
     let spec = &setup.spec.clone();
     // On the platform, the control plane hears from this rank until it exits, and at once why it fails.
-    let beat = setup
-        .attempt
-        .and_then(|a| heartbeat::Beat::start(setup.comm.clone(), setup.task_rank, a, &opts.output, setup.link.clone()));
-    if let (Some(b), g @ 1..) = (&beat, setup.joined) {
-        b.regrouped(g, setup.comm.clone());
-    }
+    let beat = setup.attempt.and_then(|a| {
+        heartbeat::Beat::start(setup.comm.clone(), setup.task_rank, a, setup.joined, &opts.output, setup.link.clone())
+    });
     let ran = train(spec, opts, &mut setup, params, beat.as_ref(), started);
     match (&ran, &beat) {
         (Err(crate::error::Error::Stopped { .. }), _) | (Ok(_), _) | (_, None) => {}
