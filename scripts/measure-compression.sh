@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Gradient compression, codec against codec: trains examples/mlp_digits_compressed.toml on 2 workers once per codec
-# (its [compression] table replaced in a copy of the spec) and prints, per codec, the bytes rank 0 sent per step and
+# Gradient compression, codec against codec: trains examples/mlp_digits_compressed.toml (or $SPEC) on 2 workers once
+# per codec (its [compression] table replaced in a copy of the spec) and prints, per codec, the bytes rank 0 sent per step and
 # in all, how many times fewer than plain DDP (`none`), the final held-out loss and accuracy, the run's wall time,
 # and the time from the start of the first step to the end of the first step whose evaluation reached the `none`
 # run's final accuracy (eval.jsonl, with rank 0's `unix_ms` of that step in metrics.jsonl), with its ratio to
@@ -14,8 +14,11 @@
 #     links shaped to RATE_MBIT (default 100) Mbit/s each way with `tc tbf`, one worker per host
 #     (`shoal run --nnodes 2 --node-rank R -n 1`). Needs root, iproute2 and util-linux (`unshare`).
 #   env: RATE_MBIT (hosts), CODECS (default "none fp16 int8 topk:0.01 randk:0.01 sign powersgd:4"; NAME:X sets
-#     topk's and randk's ratio or powersgd's rank), JSON=1 (one JSON object per codec on stdout, with
-#     its evaluations over time, and the table on stderr).
+#     topk's and randk's ratio or powersgd's rank; ",KEY=VALUE" after it sets another key of [compression] and
+#     ",momentum" sets momentum = true, e.g. topk:0.01,warmup_steps=30,warmup_codec=int8,momentum), SPEC (the job,
+#     default examples/mlp_digits_compressed.toml; examples/gpt_cicero.toml for the GPT, which has no accuracy: its
+#     rows compare the held-out loss), JSON=1 (one JSON object per codec on stdout, with its evaluations over time,
+#     and the table on stderr).
 #
 # Everything it makes (temporary directory, namespaces, bridge, the runs it started) is removed when it ends.
 set -euo pipefail
@@ -27,7 +30,8 @@ RATE_MBIT=${RATE_MBIT:-100}
 CODECS_GIVEN=${CODECS:-}
 CODECS=${CODECS:-none fp16 int8 topk:0.01 randk:0.01 sign powersgd:4}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-SPEC=$ROOT/examples/mlp_digits_compressed.toml
+SPEC_GIVEN=${SPEC:-}
+SPEC=$(realpath "${SPEC:-$ROOT/examples/mlp_digits_compressed.toml}")
 TAG=$$
 NET=10.219.$((TAG % 200 + 20))
 HOSTS=c$((TAG % 100000))
@@ -37,6 +41,7 @@ COMMAND="$0 $*"
 [ "$MODE" = hosts ] && COMMAND="RATE_MBIT=$RATE_MBIT $COMMAND"
 [ -z "$CODECS_GIVEN" ] || COMMAND="CODECS=\"$CODECS\" $COMMAND"
 [ -z "${SHOAL_TRANSPORT:-}" ] || COMMAND="SHOAL_TRANSPORT=$SHOAL_TRANSPORT $COMMAND"
+[ -z "$SPEC_GIVEN" ] || COMMAND="SPEC=$SPEC_GIVEN $COMMAND"
 export SHOAL_JOB_SECRET=measure-compression-secret-$TAG-0123456789
 
 [ -x "$SHOAL" ] || { echo "no shoal binary at $SHOAL (cargo build --release -p shoal)" >&2; exit 1; }
@@ -66,7 +71,8 @@ spec_for() {
     python3 - "$SPEC" "$2" "$1" "$STEPS" <<'PY'
 import re, sys
 src, dst, codec, steps = sys.argv[1:]
-name, _, x = codec.partition(":")
+head, *extra = codec.split(",")
+name, _, x = head.partition(":")
 t = open(src).read()
 t = re.sub(r"(?ms)^\[compression\]\n.*?(?=^\[|\Z)", "", t).rstrip("\n") + "\n"
 if steps:
@@ -78,6 +84,13 @@ elif x and name == "powersgd":
     t += f"rank = {int(x)}\n"
 elif x:
     sys.exit(f"codec {name} takes no parameter (got {codec})")
+for kv in extra:
+    key, eq, value = kv.partition("=")
+    if not eq:
+        value = "true"
+    elif not re.fullmatch(r"-?[0-9.e]+|true|false", value):
+        value = f'"{value}"'
+    t += f"{key} = {value}\n"
 open(dst, "w").write(t)
 PY
 }
@@ -146,12 +159,12 @@ for c in codecs:
     steps = {m["step"]: m for m in lines(os.path.join(out, "metrics.jsonl")) if m.get("rank", 0) == 0}
     first = steps[min(steps)]
     t0 = first["unix_ms"] - first["step_s"] * 1e3  # the first step's start
-    evals = [(e["step"], e["eval_accuracy"], (steps[e["step"]]["unix_ms"] - t0) / 1e3)
+    evals = [(e["step"], e.get("eval_accuracy"), (steps[e["step"]]["unix_ms"] - t0) / 1e3)
              for e in lines(os.path.join(out, "eval.jsonl")) if e["step"] in steps]
     runs[c] = {"summary": s, "evals": evals}
 
 base = runs.get("none")
-target = base["summary"]["eval_accuracy"] if base else None
+target = base["summary"].get("eval_accuracy") if base else None
 
 def reach(r):
     """Seconds from the first step's start to the end of the first evaluated step at the target accuracy."""
@@ -162,10 +175,14 @@ def reach(r):
 t_base = reach(base) if base else None
 
 def label(c):
-    name, _, x = c.partition(":")
+    head, *extra = c.split(",")
+    name, _, x = head.partition(":")
     if x and name in ("topk", "randk"):
-        return f"{name} {float(x) * 100:g}%"
-    return f"{name} r{x}" if x else name
+        name = f"{name} {float(x) * 100:g}%"
+    elif x:
+        name = f"{name} r{x}"
+    short = {"warmup_steps": "w", "warmup_codec": "", "momentum": "m"}
+    return " ".join([name] + [short.get(k, k) + v for k, _, v in (e.partition("=") for e in extra)])
 
 rows = []
 for c in codecs:
@@ -186,7 +203,7 @@ for c in codecs:
         "fewer_than_none": (base["summary"]["comm_bytes_per_step"] / s["comm_bytes_per_step"]
                             if base and s["comm_bytes_per_step"] > 0 else None),
         "eval_loss": s["eval_loss"],
-        "eval_accuracy": s["eval_accuracy"],
+        "eval_accuracy": s.get("eval_accuracy"),
         "elapsed_s": s["elapsed_s"],
         "step_s_median": s["step_time"]["step_s"],
         "comm_s_median": s["step_time"]["comm_s"],
@@ -212,18 +229,24 @@ if target is not None:
 print("# bytes: what rank 0 sent, per training step and over the run (also the parameters' first broadcast, the "
       "evaluations and, with a codec, the error feedback gathered for the last checkpoint); 'fewer': none's bytes "
       "per step over the codec's; wall: the run's elapsed_s")
-print(f"# {'codec':<12} {'bytes/step':>12} {'total':>10} {'fewer':>8} {'eval loss':>9} {'accuracy':>8} "
-      f"{'wall':>7} {'to target':>9} {'vs none':>7}")
+print("# labels: wN warm-up steps (then the warm-up's codec), m the AdamW moment sent (compression.momentum); "
+      "'loss +': the held-out loss over none's")
+width = max([12] + [len(r["label"]) for r in rows])
+print(f"# {'codec':<{width}} {'bytes/step':>12} {'total':>10} {'fewer':>8} {'eval loss':>9} {'loss +':>7} "
+      f"{'accuracy':>8} {'wall':>7} {'to target':>9} {'vs none':>7}")
 for row in rows:
     if row.get("failed"):
-        print(f"  {row['label']:<12} failed")
+        print(f"  {row['label']:<{width}} failed")
         continue
     f = row["fewer_than_none"]
     fewer = "-" if not f else f"{f:.2f}x" if f < 10 else f"{f:.1f}x"
     t = row["time_to_target_s"]
     v = row["time_to_target_vs_none"]
-    print(f"  {row['label']:<12} {mb(row['bytes_per_step']):>12} {mb(row['bytes_total']):>10} {fewer:>8} "
-          f"{row['eval_loss']:>9.4f} {row['eval_accuracy']:>8.2%} {row['elapsed_s']:>6.1f}s "
-          f"{(f'{t:.1f}s' if t is not None else '-'):>9} {(f'{v:.2f}' if v is not None else '-'):>7}")
+    more = f"{row['eval_loss'] / base['summary']['eval_loss'] - 1:+.1%}" if base else "-"
+    acc = row["eval_accuracy"]
+    print(f"  {row['label']:<{width}} {mb(row['bytes_per_step']):>12} {mb(row['bytes_total']):>10} {fewer:>8} "
+          f"{row['eval_loss']:>9.4f} {more:>7} {(f'{acc:.2%}' if acc is not None else '-'):>8} "
+          f"{row['elapsed_s']:>6.1f}s {(f'{t:.1f}s' if t is not None else '-'):>9} "
+          f"{(f'{v:.2f}' if v is not None else '-'):>7}")
 PY
 for c in $CODECS; do [ ! -e "$D/$c/failed" ] || exit 1; done

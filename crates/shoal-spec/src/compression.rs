@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::Strategy;
+use crate::{OptimizerKind, Strategy};
 
 /// `[compression]`.
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
@@ -22,9 +22,20 @@ pub struct CompressionSpec {
     /// Keep what a code leaves out and send it with the next step's gradients (default true).
     #[serde(default = "yes")]
     pub error_feedback: bool,
-    /// Steps sent uncompressed first (default 0).
+    /// Steps sent uncompressed first (default 0)...
     #[serde(default)]
     pub warmup_steps: u64,
+    /// ...or coded by this quantiser (`none`, `fp16`, `bf16`, `int8`; default `none`), with the codec's error
+    /// feedback.
+    #[serde(default)]
+    pub warmup_codec: CodecName,
+    /// With AdamW under `ddp`: after the warm-up, send each rank's AdamW first moment (its momentum taken one step
+    /// with its own gradients) in place of its gradients, the ranks' mean becoming everyone's moment, with the
+    /// second moment frozen where the warm-up left it — 1-bit Adam's scheme, for any codec. With `topk` the values
+    /// are chosen by the size of the update they make (the moment over the square root of the frozen second
+    /// moment). Default false.
+    #[serde(default)]
+    pub momentum: bool,
     /// `int8`: round stochastically (unbiased) instead of to nearest (default false).
     #[serde(default)]
     pub stochastic: bool,
@@ -98,7 +109,7 @@ impl CompressionSpec {
     /// The table's own values, and the codec against the strategy: compression sits between a data-parallel
     /// strategy's gradients and its all-reduce (DDP) or reduce-scatter (ZeRO); PowerSGD needs whole matrices, so
     /// only DDP. Errors are `(key path, message)`.
-    pub fn validate(&self, strategy: Strategy) -> Result<(), (String, String)> {
+    pub fn validate(&self, strategy: Strategy, optimizer: OptimizerKind) -> Result<(), (String, String)> {
         let err = |p: &str, m: String| Err((format!("compression.{p}"), m));
         let c = self.codec;
         if let Some(r) = self.ratio {
@@ -119,6 +130,44 @@ impl CompressionSpec {
         }
         if self.stochastic && c != CodecName::Int8 {
             return err("stochastic", format!("applies to codec = \"int8\" only, not \"{c}\""));
+        }
+        let w = self.warmup_codec;
+        if !matches!(w, CodecName::None | CodecName::Fp16 | CodecName::Bf16 | CodecName::Int8) {
+            return err(
+                "warmup_codec",
+                format!("is \"none\", \"fp16\", \"bf16\" or \"int8\" (a code of each value), not \"{w}\""),
+            );
+        }
+        if w != CodecName::None && (!self.is_on() || self.warmup_steps == 0) {
+            return err("warmup_codec", "codes the warm-up's steps: set compression.codec and warmup_steps".into());
+        }
+        if self.momentum {
+            if !self.is_on() {
+                return err("momentum", "sends the moment through compression.codec: set one".into());
+            }
+            if optimizer != OptimizerKind::Adamw {
+                return err(
+                    "momentum",
+                    format!("sends AdamW's first moment; train.optimizer is \"{}\"", optimizer.as_str()),
+                );
+            }
+            if strategy != Strategy::Ddp {
+                return err(
+                    "momentum",
+                    format!(
+                        "needs every rank to hold the whole first moment (ddp); train.strategy = \"{strategy}\" \
+                         shards it"
+                    ),
+                );
+            }
+            if self.warmup_steps == 0 {
+                return err(
+                    "warmup_steps",
+                    "must be at least 1 with compression.momentum: the second moment, frozen after the warm-up, is \
+                     estimated during it"
+                        .into(),
+                );
+            }
         }
         if !self.is_on() {
             return Ok(());

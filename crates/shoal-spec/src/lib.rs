@@ -1453,7 +1453,7 @@ impl JobSpec {
             self.train.validate_model_and_data(available),
             self.checkpoint.validate(),
             if numbers.is_ok() { self.validate_parallel() } else { Ok(()) },
-            platform(self.compression.map_or(Ok(()), |c| c.validate(self.train.strategy))),
+            platform(self.compression.map_or(Ok(()), |c| c.validate(self.train.strategy, self.train.optimizer))),
         ]
         .into_iter()
         .filter_map(Result::err)
@@ -2180,6 +2180,18 @@ lr = 0.01
             ("ddp", "codec = \"sign\"\nstochastic = true", "compression.stochastic"),
             ("zero3", "codec = \"powersgd\"", "compression.codec: \"powersgd\" needs every gradient matrix"),
             ("ddp", "codec = \"topk\"\nlevel = 3", "level"),
+            ("ddp", "codec = \"sign\"\nwarmup_steps = 5\nwarmup_codec = \"int8\"\nmomentum = true", ""),
+            ("zero2", "codec = \"topk\"\nwarmup_steps = 5\nwarmup_codec = \"bf16\"", ""),
+            ("ddp", "codec = \"topk\"\nmomentum = true", "compression.warmup_steps: must be at least 1"),
+            ("zero1", "codec = \"sign\"\nwarmup_steps = 5\nmomentum = true", "compression.momentum: needs every rank"),
+            ("ddp", "momentum = true\nwarmup_steps = 2", "compression.momentum: sends the moment"),
+            ("ddp", "codec = \"sign\"\nwarmup_steps = 5\nwarmup_codec = \"topk\"", "compression.warmup_codec: is"),
+            ("ddp", "codec = \"sign\"\nwarmup_codec = \"int8\"", "compression.warmup_codec: codes the warm-up"),
+            (
+                "ddp\"\noptimizer = \"sgd",
+                "codec = \"sign\"\nwarmup_steps = 5\nmomentum = true",
+                "compression.momentum: sends AdamW's first moment; train.optimizer is \"sgd\"",
+            ),
         ];
         for (strategy, table, want) in cases {
             check(&job(strategy, table), want).unwrap_or_else(|e| panic!("{strategy} / {table}: {e}"));

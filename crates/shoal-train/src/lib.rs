@@ -45,6 +45,6 @@ pub mod worker;
 pub use error::{Error, Result};
 pub use layers::Layers;
 pub use models::{Cnn, Gpt, GptConfig, HandBackward, Mlp, Model, Vit, VitConfig};
-pub use optim::{OptimConfig, Optimizer};
+pub use optim::{AdamTerms, OptimConfig, Optimizer};
 pub use params::{Params, SeededRng};
 pub use trainer::{GradSink, StepTimes, Trainer, TrainerConfig, overlap_pays};

@@ -15,6 +15,18 @@ pub enum OptimConfig {
     AdamW { beta1: f64, beta2: f64, eps: f64, weight_decay: f64 },
 }
 
+/// The terms of an AdamW update `m/c1 / (√(v/c2) + ε)` ([`Optimizer::next_terms`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamTerms {
+    pub beta1: f32,
+    /// The bias corrections of the two moments.
+    pub c1: f32,
+    pub c2: f32,
+    pub eps: f32,
+    /// The most an AdamW step moves a value, in learning rates: `max(1, (1 - β1) / √(1 - β2))` (Kingma & Ba, §2.1).
+    pub bound: f32,
+}
+
 /// An optimizer and its per-parameter state.
 #[derive(Debug)]
 pub struct Optimizer {
@@ -25,12 +37,45 @@ pub struct Optimizer {
     v: Vec<Option<Tensor>>,
     /// Updates applied so far.
     pub t: u64,
+    /// AdamW: the second moment takes no new squares ([`Optimizer::freeze_second_moment`]).
+    frozen: bool,
 }
 
 impl Optimizer {
     pub fn new(cfg: OptimConfig, params: &Params) -> Optimizer {
         let n = params.vars().len();
-        Optimizer { cfg, m: vec![None; n], v: vec![None; n], t: 0 }
+        Optimizer { cfg, m: vec![None; n], v: vec![None; n], t: 0, frozen: false }
+    }
+
+    /// AdamW: from the next update on (while `frozen`), the second moment takes no new squares of gradients: its
+    /// average goes on as if they were zeros, with the usual bias correction. Compression that sends the first
+    /// moment freezes it (1-bit Adam's scheme), since the gradient behind the moment the ranks agree on is no one's
+    /// own. As the gradients shrink over a run, counting zeros keeps the steps from shrinking faster than Adam's
+    /// would.
+    pub fn freeze_second_moment(&mut self, frozen: bool) {
+        self.frozen = frozen;
+    }
+
+    /// Parameter `i`'s first and second moments (AdamW), once an update has made them.
+    pub fn moments(&self, i: usize) -> (Option<&Tensor>, Option<&Tensor>) {
+        (self.m.get(i).and_then(Option::as_ref), self.v.get(i).and_then(Option::as_ref))
+    }
+
+    /// AdamW: the terms of the next update, `m/c1 / (√(v/c2) + ε)` (`None` for SGD).
+    pub fn next_terms(&self) -> Option<AdamTerms> {
+        match self.cfg {
+            OptimConfig::AdamW { beta1, beta2, eps, .. } => {
+                let t = (self.t + 1) as i32;
+                Some(AdamTerms {
+                    beta1: beta1 as f32,
+                    c1: (1.0 - beta1.powi(t)) as f32,
+                    c2: (1.0 - beta2.powi(t)) as f32,
+                    eps: eps as f32,
+                    bound: ((1.0 - beta1) / (1.0 - beta2).sqrt()).max(1.0) as f32,
+                })
+            }
+            OptimConfig::Sgd { .. } => None,
+        }
     }
 
     /// Applies one update with learning rate `lr` from gradients aligned with `params`.
@@ -90,7 +135,9 @@ impl Optimizer {
                     let (Some(m), Some(v)) = (&self.m[i], &self.v[i]) else { continue };
                     with_slice_mut(p, |p| {
                         with_slice_mut(m, |m| {
-                            with_slice_mut(v, |v| update(self.cfg, self.t, lr, p, g, Some((m, false)), Some(v)))
+                            with_slice_mut(v, |v| {
+                                update(self.cfg, self.t, lr, p, g, Some((m, false)), Some((v, self.frozen)))
+                            })
                         })
                     })????;
                 }
@@ -165,7 +212,7 @@ impl Optimizer {
 /// One optimizer update of `p` from `g` at update number `t` (1-based), in place: the one formula every strategy
 /// applies, to whole parameters or to flat shards of them. SGD: `m` is the momentum buffer (`first`: its first use,
 /// when it becomes the gradient itself, PyTorch's convention; `None` without momentum). AdamW: `m` and `v` are the
-/// moments. Every slice is as long as `p`.
+/// moments, `v` with whether it is frozen ([`Optimizer::freeze_second_moment`]). Every slice is as long as `p`.
 pub fn update(
     cfg: OptimConfig,
     t: u64,
@@ -173,7 +220,7 @@ pub fn update(
     p: &mut [f32],
     g: &[f32],
     m: Option<(&mut [f32], bool)>,
-    v: Option<&mut [f32]>,
+    v: Option<(&mut [f32], bool)>,
 ) -> Result<()> {
     let lr32 = lr as f32;
     match (cfg, m, v) {
@@ -197,14 +244,16 @@ pub fn update(
                 }
             }
         }
-        (OptimConfig::AdamW { beta1, beta2, eps, weight_decay }, Some((m, _)), Some(v)) => {
+        (OptimConfig::AdamW { beta1, beta2, eps, weight_decay }, Some((m, _)), Some((v, frozen))) => {
             let c1 = (1.0 - beta1.powi(t as i32)) as f32;
             let c2 = (1.0 - beta2.powi(t as i32)) as f32;
             let (b1, b2, eps) = (beta1 as f32, beta2 as f32, eps as f32);
             let decay = (1.0 - lr * weight_decay) as f32;
+            // Frozen, the average of squares goes on counting the unknown squares as zeros.
+            let take = if frozen { 0.0 } else { 1.0 - b2 };
             for (((p, m), v), &g) in p.iter_mut().zip(m.iter_mut()).zip(v.iter_mut()).zip(g) {
                 *m = b1 * *m + (1.0 - b1) * g;
-                *v = b2 * *v + (1.0 - b2) * g * g;
+                *v = b2 * *v + take * g * g;
                 let update = (*m / c1) / ((*v / c2).sqrt() + eps);
                 *p = *p * decay - lr32 * update;
             }
@@ -272,5 +321,25 @@ mod tests {
         assert!((learning_rate(100, 100, 1.0, 10, 0.1, true) - 0.1).abs() < 1e-12);
         assert!((learning_rate(55, 100, 1.0, 10, 0.0, true) - 0.5).abs() < 1e-12);
         assert_eq!(learning_rate(70, 100, 0.3, 0, 0.0, false), 0.3);
+    }
+
+    /// Frozen, AdamW's second moment counts the step's square as zero (it decays by β2) while the first moment and
+    /// the parameter are updated as usual; thawed, it takes squares again.
+    #[test]
+    fn a_frozen_second_moment_takes_no_new_squares() -> Result<()> {
+        let cfg = OptimConfig::AdamW { beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.0 };
+        let (mut p, mut m, mut v) = (vec![1.0f32, -2.0], vec![0.5f32, 0.25], vec![0.04f32, 0.04]);
+        let g = [0.3f32, -0.1];
+        update(cfg, 5, 0.1, &mut p, &g, Some((&mut m, false)), Some((&mut v, true)))?;
+        assert_eq!(v, vec![0.99 * 0.04f32, 0.99 * 0.04f32]);
+        assert_eq!(m, vec![0.9 * 0.5f32 + 0.1 * 0.3, 0.9 * 0.25f32 + 0.1 * -0.1]);
+        let c2 = (1.0 - 0.99f64.powi(5)) as f32;
+        let c1 = (1.0 - 0.9f64.powi(5)) as f32;
+        for (k, start) in [1.0f32, -2.0].into_iter().enumerate() {
+            assert_eq!(p[k], start - 0.1 * ((m[k] / c1) / ((v[k] / c2).sqrt() + 1e-8)));
+        }
+        update(cfg, 6, 0.1, &mut p, &g, Some((&mut m, false)), Some((&mut v, false)))?;
+        assert_eq!(v[0], 0.99 * (0.99 * 0.04f32) + (1.0 - 0.99f32) * 0.3 * 0.3);
+        Ok(())
     }
 }

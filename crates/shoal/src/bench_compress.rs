@@ -354,7 +354,7 @@ pub fn run_rank(spec: &str) -> Result<()> {
         let mut buf = vec![0f32; count];
         let matrices = [square(count)];
         for codec in CODECS {
-            let cfg = CompressConfig { codec, error_feedback: true, warmup_steps: 0, seed: SEED };
+            let cfg = CompressConfig { codec, seed: SEED, ..CompressConfig::default() };
             let mut compressor = Compressor::new(cfg);
             let (mut plain_t, mut codec_t) = (Vec::with_capacity(iters), Vec::with_capacity(iters));
             let (mut plain_bytes, mut sent_bytes) = (0, 0);

@@ -18,6 +18,9 @@
 //!
 //! Every rank decodes the same bytes in the same order, so every rank ends with the same bits.
 //!
+//! The warm-up's steps go plain, or coded by a quantiser of their own (`warmup_codec`: fp16, bf16 or int8) with the
+//! same error feedback, whose residual the codec then takes on: nothing is lost at the switch.
+//!
 //! Error feedback keeps, per bucket, `residual = (input + residual) - sent`, where `sent` is what this rank's code
 //! decodes to. For the sparse codecs and the half-precision casts the identity `sent + residual = input` holds
 //! exactly in f32; for the others to within a rounding of `input`.
@@ -92,15 +95,17 @@ pub struct CompressConfig {
     pub codec: Codec,
     /// Keep what the code left out and add it to the next step's input.
     pub error_feedback: bool,
-    /// Steps sent uncompressed first ([`Compressor::set_step`] counts them).
+    /// Steps sent uncompressed first ([`Compressor::set_step`] counts them)...
     pub warmup_steps: u64,
+    /// ...or coded by this quantiser (fp16, bf16, int8; any other codec: plain), with the codec's error feedback.
+    pub warmup_codec: Codec,
     /// Seeds random-k's indices, stochastic rounding and PowerSGD's first `Q`.
     pub seed: u64,
 }
 
 impl Default for CompressConfig {
     fn default() -> Self {
-        CompressConfig { codec: Codec::None, error_feedback: true, warmup_steps: 0, seed: 0 }
+        CompressConfig { codec: Codec::None, error_feedback: true, warmup_steps: 0, warmup_codec: Codec::None, seed: 0 }
     }
 }
 
@@ -226,6 +231,14 @@ impl Compressor {
         self.cfg.codec != Codec::None && self.step >= self.cfg.warmup_steps
     }
 
+    /// The quantiser of this step's reduction while not [`Self::active`] (`None`: plain).
+    fn warming(&self) -> Option<Quant> {
+        match self.cfg.codec {
+            Codec::None => None,
+            _ => Quant::of(self.cfg.warmup_codec),
+        }
+    }
+
     /// Sums `data` over `comm`'s ranks in place, compressed (see the module documentation); `bucket` names the
     /// buffer from step to step (its error feedback), `matrices` says where its matrices are (PowerSGD). Every rank
     /// must call it with the same bucket, length and matrices.
@@ -240,9 +253,13 @@ impl Compressor {
         if n <= 1 || data.is_empty() {
             return Ok(());
         }
-        if !self.active() {
-            return comm.all_reduce(data, ReduceOp::Sum);
-        }
+        let warm = match self.active() {
+            true => None,
+            false => match self.warming() {
+                Some(q) => Some(q),
+                None => return comm.all_reduce(data, ReduceOp::Sum),
+            },
+        };
         let (ef, seed, step) = (self.cfg.error_feedback, self.cfg.seed, self.step);
         let st = self.buckets.entry(bucket).or_default();
         if ef {
@@ -250,7 +267,7 @@ impl Compressor {
         }
         let mut rng = SplitMix::mixed(&[seed, step, bucket as u64, comm.rank() as u64]);
         let s = &mut self.scratch;
-        if let Some(q) = Quant::of(self.cfg.codec) {
+        if let Some(q) = warm.or_else(|| Quant::of(self.cfg.codec)) {
             return match n {
                 2 => gathered(comm, q, data, st, ef, s, &mut rng),
                 _ => two_stage(comm, q, data, st, ef, s, &mut rng),
@@ -287,10 +304,14 @@ impl Compressor {
                 data.len()
             )));
         }
-        if !self.active() || n <= 1 {
+        if n <= 1 {
             return comm.reduce_scatter(data, out, ReduceOp::Sum);
         }
         let q = match self.cfg.codec {
+            _ if !self.active() => match self.warming() {
+                Some(q) => q,
+                None => return comm.reduce_scatter(data, out, ReduceOp::Sum),
+            },
             Codec::TopK { .. } | Codec::RandK { .. } => {
                 // A sparse code is summed whole; this rank keeps its slice.
                 let mut whole = std::mem::take(&mut self.whole);
@@ -326,7 +347,7 @@ impl Compressor {
     }
 
     /// Error feedback and warm-start state, named `residual.B`, `server.B` and `q.B` by bucket (empty with no
-    /// codec, or before the first compressed step).
+    /// codec, or before the first coded step).
     pub fn state(&self) -> Vec<(String, Vec<f32>)> {
         let mut out = Vec::new();
         for (b, st) in &self.buckets {

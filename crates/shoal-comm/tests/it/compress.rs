@@ -30,7 +30,7 @@ fn grads(rank: usize, step: u64) -> Vec<f32> {
 }
 
 fn compressor(c: Codec, ef: bool) -> Compressor {
-    Compressor::new(CompressConfig { codec: c, error_feedback: ef, warmup_steps: 0, seed: 42 })
+    Compressor::new(CompressConfig { codec: c, error_feedback: ef, seed: 42, ..CompressConfig::default() })
 }
 
 #[test]
@@ -58,14 +58,22 @@ fn every_rank_ends_each_step_with_the_same_bits_under_every_codec() {
 }
 
 /// Over many steps, what the reductions gave plus what every rank still holds back equals everything the ranks
-/// put in: error feedback loses nothing.
+/// put in: error feedback loses nothing — also across the end of a warm-up coded by int8, whose residual the codec
+/// takes on.
 #[test]
 fn error_feedback_conserves_the_sum_over_steps() {
+    let warm_ups = [(0, Codec::None), (4, Codec::Int8 { stochastic: false })];
     for n in [2, 3] {
-        for c in CODECS {
+        for (c, (warmup_steps, warmup_codec)) in CODECS.into_iter().flat_map(|c| warm_ups.map(|w| (c, w))) {
             let steps = 12u64;
             let outs = world(n, TransportChoice::Tcp, move |comm| {
-                let mut z = compressor(c, true);
+                let mut z = Compressor::new(CompressConfig {
+                    codec: c,
+                    warmup_steps,
+                    warmup_codec,
+                    seed: 42,
+                    ..CompressConfig::default()
+                });
                 let mut total = vec![0f64; LEN];
                 for step in 0..steps {
                     z.set_step(step);
@@ -98,7 +106,12 @@ fn error_feedback_conserves_the_sum_over_steps() {
             }
             let scale = want.iter().fold(0f64, |m, x| m.max(x.abs()));
             let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f64, f64::max);
-            assert!(worst <= scale * 1e-4, "{} at {n} ranks: lost {worst:e} of a largest sum {scale:e}", c.name());
+            assert!(
+                worst <= scale * 1e-4,
+                "{} (warm-up {warmup_steps} steps of {}) at {n} ranks: lost {worst:e} of a largest sum {scale:e}",
+                c.name(),
+                warmup_codec.name()
+            );
         }
     }
 }
@@ -235,9 +248,9 @@ fn warm_up_steps_are_plain_and_the_state_round_trips() {
     let outs = world(2, TransportChoice::Tcp, |comm| {
         let mut z = Compressor::new(CompressConfig {
             codec: Codec::TopK { ratio: 0.01 },
-            error_feedback: true,
             warmup_steps: 2,
             seed: 1,
+            ..CompressConfig::default()
         });
         let mut exact = grads(comm.rank(), 0);
         let mut plain = exact.clone();
@@ -256,4 +269,40 @@ fn warm_up_steps_are_plain_and_the_state_round_trips() {
         state.len()
     });
     assert_eq!(outs, vec![1, 1]);
+}
+
+/// A warm-up coded by int8 sends int8's bytes, sums to within int8's rounding of the plain sum, and keeps what it
+/// rounded away.
+#[test]
+fn a_warm_up_coded_by_int8_sends_its_bytes_and_keeps_its_residual() {
+    let outs = world(2, TransportChoice::Tcp, |comm| {
+        let mut z = Compressor::new(CompressConfig {
+            codec: Codec::Sign,
+            warmup_steps: 2,
+            warmup_codec: Codec::Int8 { stochastic: false },
+            seed: 1,
+            ..CompressConfig::default()
+        });
+        assert!(!z.active());
+        let mut coded = grads(comm.rank(), 0);
+        let mut plain = coded.clone();
+        let before = comm.bytes_sent();
+        z.all_reduce(&comm, 0, &mut coded, &[]).expect("coded all-reduce");
+        let sent = comm.bytes_sent() - before;
+        let before = comm.bytes_sent();
+        comm.all_reduce(&mut plain, ReduceOp::Sum).expect("plain all-reduce");
+        let plain_sent = comm.bytes_sent() - before;
+        let largest = plain.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let worst = coded.iter().zip(&plain).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        let residual: usize = z.state().iter().filter(|(n, _)| n.starts_with("residual.")).map(|(_, v)| v.len()).sum();
+        (sent, plain_sent, worst / largest, coded != plain, residual)
+    });
+    for (sent, plain_sent, err, differs, residual) in outs {
+        assert!(
+            sent >= codec::int8_len(LEN) as u64 && sent * 39 <= plain_sent * 10,
+            "{sent} bytes, plain {plain_sent}"
+        );
+        assert!(differs && err < 0.02, "relative error {err}");
+        assert_eq!(residual, LEN);
+    }
 }

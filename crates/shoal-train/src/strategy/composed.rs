@@ -510,7 +510,7 @@ impl Strategy for Composed {
                     OptimConfig::AdamW { .. } => {
                         z.m.resize(n, 0.0);
                         z.v.resize(n, 0.0);
-                        update(ocfg, t, lr, &mut p, &z.grad, Some((&mut z.m, first)), Some(&mut z.v))?;
+                        update(ocfg, t, lr, &mut p, &z.grad, Some((&mut z.m, first)), Some((&mut z.v, false)))?;
                     }
                 }
                 z.started = true;

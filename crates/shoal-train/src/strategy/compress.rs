@@ -7,6 +7,13 @@
 //! its own back, so the run goes on bit for bit. At another size the mass is kept: rank 0 takes the sum of every
 //! saved rank's residual (each summed segment's second-stage residual added where it belongs), which is what the
 //! ranks had not yet sent, and every rank takes rank 0's PowerSGD factors (the same on every rank).
+//!
+//! `[compression] momentum` (DDP with AdamW, 1-bit Adam's scheme for any codec): past the warm-up a rank sends, in
+//! place of its gradients, its first moment taken one step with them ([`moment_in`]); the summed codes are the
+//! moment every rank takes, given to the optimizer as the gradient that leads there ([`moment_out`]). A moment is
+//! a smoother signal than a gradient, and what a code leaves out of it returns through error feedback. The second
+//! moment cannot follow gradients no rank has whole, so it stays as the warm-up left it
+//! ([`Optimizer::freeze_second_moment`]).
 
 use std::collections::HashMap;
 
@@ -14,6 +21,8 @@ use candle_core::{Device, Tensor};
 use shoal_comm::{Communicator, Compressor, Matrix, ReduceOp};
 
 use crate::error::{Error, Result};
+use crate::kernels::with_slice;
+use crate::optim::{AdamTerms, Optimizer};
 use crate::params::Params;
 
 /// The prefix of every compression entry among a checkpoint's optimizer tensors.
@@ -119,4 +128,94 @@ pub(crate) fn load(comm: Option<&Communicator>, z: &mut Compressor, named: &Hash
 /// Splits a checkpoint's optimizer entries into the optimizer's own and the compressor's.
 pub fn split(named: HashMap<String, Tensor>) -> (HashMap<String, Tensor>, HashMap<String, Tensor>) {
     named.into_iter().partition(|(n, _)| !n.starts_with(PREFIX))
+}
+
+/// `[compression] momentum`, on the way in: `g`, this rank's share of the gradients of the parameters `members`
+/// (one after the other), becomes what it sends instead — its AdamW first moment taken one step with them,
+/// `β1·m/W + (1 - β1)·g` over `W` ranks, so that the ranks' sum is the moment the summed gradients would make.
+/// `scaled` (a sparse code) divides each value by its update's divisor `√(v/c2) + ε`, so that the values the code
+/// keeps are the largest updates; with the second moment frozen that is a fixed scale, as error feedback needs.
+pub(crate) fn moment_in(
+    opt: &Optimizer,
+    params: &Params,
+    members: &[usize],
+    g: &mut [f32],
+    world: usize,
+    scaled: bool,
+) -> Result<()> {
+    let t = adamw_terms(opt)?;
+    let w = world as f32;
+    each_moment(opt, params, members, g, scaled, |x, m, v| {
+        let y = t.beta1 * m / w + (1.0 - t.beta1) * x;
+        v.map_or(y, |v| y / ((v / t.c2).sqrt() + t.eps))
+    })
+}
+
+/// On the way out: `g`, the summed codes, is the moment `m'` the ranks agree on (multiplied back when `scaled`);
+/// it becomes the gradient that takes each rank's `m` there in the optimizer's update, `(m' - β1·m) / (1 - β1)`.
+/// A dense code (`scaled` false: sign, the quantisers, PowerSGD) gives every value some moment, even one whose
+/// squares were all but zero in the warm-up, where a step would then be thousands of learning rates: `m'` is held
+/// so that no step goes beyond the most one of Adam's can ([`AdamTerms::bound`]). A sparse code sends only values
+/// a moment has built up, whose steps stay whole.
+pub(crate) fn moment_out(
+    opt: &Optimizer,
+    params: &Params,
+    members: &[usize],
+    g: &mut [f32],
+    scaled: bool,
+) -> Result<()> {
+    let t = adamw_terms(opt)?;
+    let b1 = t.beta1;
+    each_moment(opt, params, members, g, true, |x, m, v| {
+        let divisor = v.map_or(1.0, |v| (v / t.c2).sqrt() + t.eps);
+        let agreed = match scaled {
+            true => x * divisor,
+            false => {
+                let most = t.bound * t.c1 * divisor;
+                x.clamp(-most, most)
+            }
+        };
+        (agreed - b1 * m) / (1.0 - b1)
+    })
+}
+
+fn adamw_terms(opt: &Optimizer) -> Result<AdamTerms> {
+    opt.next_terms().ok_or_else(|| Error::InvalidArgument("compression.momentum sends AdamW's first moment".into()))
+}
+
+/// Runs `f(value, m, v)` over every value of `g` (the parameters `members`, one after the other), with the
+/// parameter's first moment (0 before any update) and, when `second`, its second.
+fn each_moment(
+    opt: &Optimizer,
+    params: &Params,
+    members: &[usize],
+    g: &mut [f32],
+    second: bool,
+    f: impl Fn(f32, f32, Option<f32>) -> f32,
+) -> Result<()> {
+    let mut rest = g;
+    for &i in members {
+        let (name, var) = &params.vars()[i];
+        let n = var.elem_count();
+        if rest.len() < n {
+            return Err(Error::InvalidArgument(format!("gradient bucket too short for {name}")));
+        }
+        let (seg, tail) = std::mem::take(&mut rest).split_at_mut(n);
+        rest = tail;
+        let (m, v) = opt.moments(i);
+        let v = v.filter(|_| second);
+        let sized = |t: Option<&Tensor>| t.is_none_or(|t| t.elem_count() == n);
+        if !sized(m) || !sized(v) {
+            return Err(Error::InvalidArgument(format!("the AdamW moments of {name} are not its size")));
+        }
+        match (m, v) {
+            (None, None) => seg.iter_mut().for_each(|x| *x = f(*x, 0.0, None)),
+            (Some(m), None) => with_slice(m, |m| seg.iter_mut().zip(m).for_each(|(x, &m)| *x = f(*x, m, None)))?,
+            (None, Some(v)) => with_slice(v, |v| seg.iter_mut().zip(v).for_each(|(x, &v)| *x = f(*x, 0.0, Some(v))))?,
+            (Some(m), Some(v)) => with_slice(m, |m| {
+                with_slice(v, |v| seg.iter_mut().zip(m.iter().zip(v)).for_each(|(x, (&m, &v))| *x = f(*x, m, Some(v))))
+            })??,
+        }
+    }
+    Ok(())
 }

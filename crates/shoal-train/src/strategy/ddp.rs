@@ -60,6 +60,8 @@ pub struct Ddp {
     spare: Vec<Vec<f32>>,
     /// `[compression]`: each bucket summed through it, on the calling thread in `step`.
     compress: Option<Compressor>,
+    /// `[compression] momentum`: past the warm-up, each rank sends its AdamW first moment instead of its gradients.
+    momentum: bool,
 }
 
 impl std::fmt::Debug for Ddp {
@@ -79,6 +81,7 @@ impl Ddp {
             direct: None,
             spare: Vec::new(),
             compress: None,
+            momentum: false,
         }
     }
 
@@ -89,6 +92,13 @@ impl Ddp {
     pub fn with_compression(mut self, cfg: CompressConfig) -> Ddp {
         self.cfg.overlap = false;
         self.compress = Some(Compressor::new(cfg));
+        self
+    }
+
+    /// With compression, past its warm-up: each rank sends its AdamW first moment taken one step with its own
+    /// gradients in place of them, the second moment frozen (`[compression] momentum`, [`super::compress`]).
+    pub fn sending_moment(mut self, on: bool) -> Ddp {
+        self.momentum = on && self.compress.is_some();
         self
     }
 
@@ -328,6 +338,9 @@ impl Strategy for Ddp {
         let mut datas: Vec<(Vec<usize>, Vec<f32>)> = Vec::with_capacity(self.buckets.len());
         if let Some(z) = &mut self.compress {
             z.set_step(opt.t);
+            if self.momentum {
+                opt.freeze_second_moment(z.active());
+            }
         }
         for (k, (members, b)) in self.buckets.drain(..).enumerate() {
             let data = match b {
@@ -344,7 +357,15 @@ impl Strategy for Ddp {
                                 true => super::compress::matrices(params, members.iter().copied()),
                                 false => Vec::new(),
                             };
+                            let moment = self.momentum && z.active();
+                            let scaled = matches!(z.config().codec, shoal_comm::Codec::TopK { .. });
+                            if moment {
+                                super::compress::moment_in(opt, params, &members, g, c.size(), scaled)?;
+                            }
                             z.all_reduce(c, k, g, &matrices)?;
+                            if moment {
+                                super::compress::moment_out(opt, params, &members, g, scaled)?;
+                            }
                             if !scalars.is_empty() {
                                 c.all_reduce(scalars, ReduceOp::Sum)?;
                             }

@@ -337,7 +337,7 @@ impl Strategy for Zero {
                 OptimConfig::AdamW { .. } => {
                     m.resize(shard, 0.0);
                     v.resize(shard, 0.0);
-                    update(cfg, t, lr, p, &grad, Some((m, first)), Some(v))
+                    update(cfg, t, lr, p, &grad, Some((m, first)), Some((v, false)))
                 }
             }
         };

@@ -222,7 +222,7 @@ pub(super) fn training(spec: &JobSpec, setup: &Setup, params: Params) -> Result<
         Strategy::Ddp => {
             let ddp = crate::strategy::ddp::Ddp::new(Some(comm.clone()), cfg.ddp());
             Box::new(match compression {
-                Some(c) => ddp.with_compression(c),
+                Some(c) => ddp.with_compression(c).sending_moment(spec.compression.is_some_and(|c| c.momentum)),
                 None => ddp,
             })
         }
@@ -265,7 +265,7 @@ pub(super) fn training(spec: &JobSpec, setup: &Setup, params: Params) -> Result<
 fn compress_config(c: &shoal_spec::CompressionSpec, seed: u64) -> shoal_comm::CompressConfig {
     use shoal_comm::Codec;
     use shoal_spec::CodecName;
-    let codec = match c.codec {
+    let codec_of = |name: CodecName| match name {
         CodecName::None => Codec::None,
         CodecName::Fp16 => Codec::Fp16,
         CodecName::Bf16 => Codec::Bf16,
@@ -275,7 +275,13 @@ fn compress_config(c: &shoal_spec::CompressionSpec, seed: u64) -> shoal_comm::Co
         CodecName::Sign => Codec::Sign,
         CodecName::Powersgd => Codec::PowerSgd { rank: c.rank() },
     };
-    shoal_comm::CompressConfig { codec, error_feedback: c.error_feedback, warmup_steps: c.warmup_steps, seed }
+    shoal_comm::CompressConfig {
+        codec: codec_of(c.codec),
+        error_feedback: c.error_feedback,
+        warmup_steps: c.warmup_steps,
+        warmup_codec: codec_of(c.warmup_codec),
+        seed,
+    }
 }
 
 /// A pipeline job's `[parallel]` layout.

@@ -17,8 +17,21 @@ fn run(codec: Codec, zero: u8, steps: usize) -> Run {
         hand: false,
         overlap: true,
         zero,
-        compress: Some(CompressConfig { codec, error_feedback: true, warmup_steps: 2, seed: 3 }),
+        compress: Some(CompressConfig { codec, warmup_steps: 2, seed: 3, ..CompressConfig::default() }),
+        momentum: false,
     }
+}
+
+/// The same run sending AdamW's first moment past a warm-up of `warmup_steps` coded by int8.
+fn moment_run(codec: Codec, warmup_steps: u64, steps: usize) -> Run {
+    let cfg = CompressConfig {
+        codec,
+        warmup_steps,
+        warmup_codec: Codec::Int8 { stochastic: false },
+        seed: 3,
+        ..CompressConfig::default()
+    };
+    Run { compress: Some(cfg), momentum: true, ..run(codec, 0, steps) }
 }
 
 const CODECS: [Codec; 8] = [
@@ -65,6 +78,24 @@ fn every_codec_keeps_the_ranks_identical_and_trains_like_the_uncompressed_run() 
 }
 
 #[test]
+fn sending_the_moment_keeps_the_ranks_identical_and_trains() {
+    let (_, plain) = train_world_with_losses(Run { compress: None, ..run(Codec::None, 0, 40) }, 3, None);
+    for codec in
+        [Codec::Sign, Codec::TopK { ratio: 0.05 }, Codec::PowerSgd { rank: 2 }, Codec::Int8 { stochastic: false }]
+    {
+        // Half the run warms the second moment up: on this small MLP the moment pays less than on the GPT.
+        let (got, losses) = train_world_with_losses(moment_run(codec, 20, 40), 3, None);
+        let ((_, p1), (g0, g1)) = (ends(&plain), ends(&losses));
+        let what = format!("{} sending the moment", codec.name());
+        assert!(g1 < g0 * 0.5 && g1 < p1 * 2.0, "{what}: the loss fell from {g0} to {g1} (uncompressed: to {p1})");
+        assert!(!got.compression.is_empty(), "{}: error feedback saved", codec.name());
+        // Not the gradients' run: the moment is what went through the codec.
+        let (_, sent_gradients) = train_world_with_losses(run(codec, 0, 40), 3, None);
+        assert_ne!(losses, sent_gradients, "{}: sending the moment changed nothing", codec.name());
+    }
+}
+
+#[test]
 fn zero_reduce_scatters_compressed_and_keeps_the_ranks_identical() {
     let (_, plain) = train_world_with_losses(Run { compress: None, ..run(Codec::None, 2, 40) }, 3, None);
     for codec in [Codec::Int8 { stochastic: false }, Codec::Sign, Codec::TopK { ratio: 0.1 }, Codec::Bf16] {
@@ -83,19 +114,25 @@ fn a_run_resumed_with_its_error_feedback_ends_bit_for_bit_where_the_uninterrupte
         (Codec::Int8 { stochastic: true }, 0),
         (Codec::Sign, 2),
     ] {
-        let whole = train_world_from(run(codec, zero, 12), 2, None);
-        let half = train_world_from(run(codec, zero, 6), 2, None);
-        assert!(!half.compression.is_empty());
-        let resumed = train_world_from(run(codec, zero, 6), 2, Some(half.clone()));
-        let what = format!("{} (zero {zero})", codec.name());
-        assert_eq!(resumed.params, whole.params, "{what}: resumed parameters differ");
-        assert_eq!(resumed.optimizer, whole.optimizer, "{what}: resumed optimizer state differs");
-        // Without the error feedback the resumed run is another run.
-        let forgot = train_world_from(
-            run(codec, zero, 6),
-            2,
-            Some(crate::equivalence::Saved { compression: Vec::new(), ..half }),
-        );
-        assert_ne!(forgot.params, whole.params, "{what}: the error feedback made no difference");
+        resumes_bit_for_bit(run(codec, zero, 12), run(codec, zero, 6), &format!("{} (zero {zero})", codec.name()));
     }
+    // Sending the moment: resumed past the warm-up, and resumed within it (the second moment freezes after).
+    for (codec, warmup) in [(Codec::TopK { ratio: 0.05 }, 2), (Codec::Sign, 8)] {
+        let what = format!("{} sending the moment after {warmup} steps", codec.name());
+        resumes_bit_for_bit(moment_run(codec, warmup, 12), moment_run(codec, warmup, 6), &what);
+    }
+}
+
+/// `whole` run at once, and `half` twice (the second from what the first saved), end with the same bits; without
+/// the saved error feedback they do not.
+fn resumes_bit_for_bit(whole: Run, half: Run, what: &str) {
+    let whole = train_world_from(whole, 2, None);
+    let first = train_world_from(half, 2, None);
+    assert!(!first.compression.is_empty(), "{what}: no error feedback saved");
+    let resumed = train_world_from(half, 2, Some(first.clone()));
+    assert_eq!(resumed.params, whole.params, "{what}: resumed parameters differ");
+    assert_eq!(resumed.optimizer, whole.optimizer, "{what}: resumed optimizer state differs");
+    // Without the error feedback the resumed run is another run.
+    let forgot = train_world_from(half, 2, Some(crate::equivalence::Saved { compression: Vec::new(), ..first }));
+    assert_ne!(forgot.params, whole.params, "{what}: the error feedback made no difference");
 }

@@ -15,6 +15,7 @@ pub(crate) enum Which {
     Gpt,
 }
 
+#[derive(Clone, Copy)]
 pub(crate) struct Run {
     pub(crate) which: Which,
     pub(crate) steps: usize,
@@ -29,6 +30,8 @@ pub(crate) struct Run {
     pub(crate) zero: u8,
     /// Gradients sent compressed.
     pub(crate) compress: Option<shoal_comm::CompressConfig>,
+    /// With `compress` under DDP: past its warm-up, AdamW's first moment sent in place of the gradients.
+    pub(crate) momentum: bool,
 }
 
 /// What a run leaves, as a checkpoint holds it: every parameter and the optimizer state as whole named tensors, the
@@ -102,7 +105,9 @@ pub(crate) fn train_rank_from(
     };
     let strategy: Box<dyn shoal_train::strategy::Strategy> = match (run.zero, run.compress) {
         (0, None) => Box::new(shoal_train::strategy::ddp::Ddp::new(comm, cfg.ddp())),
-        (0, Some(c)) => Box::new(shoal_train::strategy::ddp::Ddp::new(comm, cfg.ddp()).with_compression(c)),
+        (0, Some(c)) => Box::new(
+            shoal_train::strategy::ddp::Ddp::new(comm, cfg.ddp()).with_compression(c).sending_moment(run.momentum),
+        ),
         (stage, c) => {
             let zero = match stage {
                 3 => shoal_train::strategy::zero::Zero3::new(comm, run.overlap),
@@ -241,7 +246,18 @@ pub(crate) const SGD: OptimConfig = OptimConfig::Sgd { momentum: 0.9, weight_dec
 /// The MLP with SGD (48 samples a step), or with AdamW and 2 micro-batches a step (60 samples).
 pub(crate) fn mlp(hand: bool, overlap: bool, adamw_accum: bool) -> Run {
     let (global_batch, grad_accum, optimizer) = if adamw_accum { (60, 2, ADAMW) } else { (48, 1, SGD) };
-    Run { which: Which::Mlp, steps: 50, global_batch, grad_accum, optimizer, hand, overlap, zero: 0, compress: None }
+    Run {
+        which: Which::Mlp,
+        steps: 50,
+        global_batch,
+        grad_accum,
+        optimizer,
+        hand,
+        overlap,
+        zero: 0,
+        compress: None,
+        momentum: false,
+    }
 }
 
 /// Every way of computing and reducing gradients: autograd or the hand-written
@@ -296,6 +312,7 @@ fn gpt_ddp_matches_one_worker_at_2_and_4_workers() {
         overlap: true,
         zero: 0,
         compress: None,
+        momentum: false,
     };
     let one = train_world(run(), 1);
     for n in [2, 4] {
@@ -315,6 +332,7 @@ fn loss_falls_on_real_data() {
         overlap: true,
         zero: 0,
         compress: None,
+        momentum: false,
     };
     let (_, losses) = train_rank(&run, None, 1, 0);
     let first: f32 = losses[..5].iter().sum::<f32>() / 5.0;

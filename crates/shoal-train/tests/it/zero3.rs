@@ -45,6 +45,7 @@ fn gpt(zero: u8, steps: usize, grad_accum: usize, prefetch: bool) -> Run {
         overlap: prefetch,
         zero,
         compress: None,
+        momentum: false,
     }
 }
 
