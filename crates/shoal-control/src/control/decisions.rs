@@ -131,6 +131,14 @@ impl Control {
                         .await?;
                     return Ok(());
                 }
+                // Growth waits until the last regrouping has formed; the scheduler offers the capacity again.
+                if self.regroups_in_place(&spec) && self.group_forming(&row) {
+                    let have = self.members(&row).map_or(now, |m| m.len());
+                    let positions: Vec<usize> = (have..have + tasks.len()).collect();
+                    let _ = self.sched().release_tasks(&row.id, &positions);
+                    tracing::debug!(job = %row.id, "growth waits for the group being formed");
+                    return Ok(());
+                }
                 if self.grow_in_place(&row, &spec, &tasks).await? {
                     return Ok(());
                 }

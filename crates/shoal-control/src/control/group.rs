@@ -37,6 +37,7 @@ impl Control {
     pub fn regroup_for(&self, job: &JobRow, hb: &Heartbeat) -> Option<Regroup> {
         let mut groups = self.groups.lock().unwrap_or_else(|p| p.into_inner());
         let g = groups.get_mut(&job.id).filter(|g| g.attempt == hb.attempt)?;
+        g.heard.insert(hb.rank, hb.generation);
         if hb.generation == g.generation {
             g.joining.retain(|&r| r != hb.rank);
         }
@@ -50,6 +51,16 @@ impl Control {
             world: g.members.len(),
             rendezvous: g.rendezvous.clone(),
             members: g.members.clone(),
+        })
+    }
+
+    /// Whether `job`'s newest group has not formed yet: a newcomer not heard from, or a member whose heartbeats do
+    /// not yet say it trains in it. A group named now would reach only the members that have not yet taken the last
+    /// word, and the others would wait in the last group for peers that went on to the next.
+    pub(super) fn group_forming(&self, job: &JobRow) -> bool {
+        let groups = self.groups.lock().unwrap_or_else(|p| p.into_inner());
+        groups.get(&job.id).filter(|g| g.attempt == job.attempt).is_some_and(|g| {
+            !g.joining.is_empty() || g.members.iter().any(|m| g.heard.get(m).is_none_or(|&h| h < g.generation))
         })
     }
 
@@ -89,6 +100,7 @@ impl Control {
                 members,
                 rendezvous: rendezvous.clone(),
                 joining,
+                heard: std::collections::HashMap::new(),
                 _store: store,
             },
         );

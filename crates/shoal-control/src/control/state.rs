@@ -128,6 +128,8 @@ pub(crate) struct Group {
     /// Newcomers not heard from yet: the members are told of the group once every newcomer has said it is there
     /// (its first heartbeat), so they train on while the newcomers start.
     pub(super) joining: Vec<i64>,
+    /// The generation each task last said it trains in (its heartbeats), since the group was made.
+    pub(super) heard: std::collections::HashMap<i64, u32>,
     /// Hosts the store while the group lives (shut down when dropped).
     pub(super) _store: shoal_comm::store::StoreServer,
 }

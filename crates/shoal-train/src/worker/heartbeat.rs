@@ -157,6 +157,56 @@ pub(super) fn announce(link: &ServerLink, rank: usize, attempt: i64, generation:
     .map(drop)
 }
 
+/// A task starting into a running group says it is there again every [`INTERVAL`] until its heartbeats start
+/// (dropped then): meeting the group and building its data can take longer than the server waits for a heartbeat,
+/// and a newcomer waiting for its group is not a dead one.
+pub(super) struct Announcing {
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::Thread>,
+}
+
+impl Announcing {
+    /// Announces `rank` of `attempt` joining group `generation` now, from the calling thread (an error when the
+    /// server cannot be told), then every [`INTERVAL`] from a thread of its own.
+    pub(super) fn start(
+        link: Arc<ServerLink>,
+        rank: usize,
+        attempt: i64,
+        generation: u32,
+    ) -> (Announcing, Result<(), String>) {
+        let first = announce(&link, rank, attempt, generation);
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("shoal-announce".into())
+            .spawn(move || {
+                loop {
+                    std::thread::park_timeout(INTERVAL);
+                    if flag.load(Ordering::Relaxed) {
+                        break;
+                    }
+                    if let Err(e) = announce(&link, rank, attempt, generation) {
+                        tracing::debug!(error = %e, "could not say again that this task joins group {generation}");
+                    }
+                }
+            })
+            .map(|h| h.thread().clone());
+        if let Err(e) = &thread {
+            tracing::warn!(error = %e, "no thread to say again that this task joins its group");
+        }
+        (Announcing { stop, thread: thread.ok() }, first)
+    }
+}
+
+impl Drop for Announcing {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = &self.thread {
+            t.unpark();
+        }
+    }
+}
+
 /// How long one heartbeat may take to reach the server before it goes to the file instead.
 const SEND_LIMIT: Duration = Duration::from_secs(2);
 

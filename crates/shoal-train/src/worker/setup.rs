@@ -92,11 +92,17 @@ pub(super) fn setup(asked: &JobSpec, output: &Path) -> Result<(Setup, Params)> {
         _ => None,
     };
     let (task_rank, joined, comm_base) = (env.task_rank, env.generation, env.cfg.name.clone());
-    if let (1.., Some(l), Some(a)) = (joined, &link, attempt)
-        && let Err(e) = super::heartbeat::announce(l, task_rank, a, joined)
-    {
-        tracing::warn!(error = %e, "could not tell the server this task joins group {joined}");
-    }
+    // Said again until this rank's heartbeats start, when `_announcing` is dropped at the end of the set-up.
+    let _announcing = match (joined, &link, attempt) {
+        (1.., Some(l), Some(a)) => {
+            let (announcing, first) = super::heartbeat::Announcing::start(l.clone(), task_rank, a, joined);
+            if let Err(e) = first {
+                tracing::warn!(error = %e, "could not tell the server this task joins group {joined}");
+            }
+            Some(announcing)
+        }
+        _ => None,
+    };
     let comm = env.connect()?;
     let (world, rank) = (comm.size(), comm.rank());
     let (planned, chose) = crate::plan::resolve(asked, world).map_err(Error::Spec)?;
