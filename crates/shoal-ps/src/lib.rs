@@ -1,0 +1,21 @@
+//! Shoal's parameter server, in buffers: how a model's parameters are sharded over server processes
+//! ([`shard`]) and the robust rules that combine workers' gradients when some of them may lie ([`robust`]).
+//!
+//! **Invariants:**
+//! - Buffers, not tensors: this crate knows named flat `f32` buffers and their shapes' rows, never a tensor
+//!   library or the control plane, so the servers, the trainer's `ps` strategy and an all-gather form of data
+//!   parallelism share it.
+//! - Every function is deterministic: the same inputs give the same bits on every process, so every server and
+//!   worker derives the same plan and the same aggregate without talking.
+//! - Input from workers is untrusted: sizes are checked, and non-finite values are a rule's problem to survive
+//!   (the robust rules), never a panic.
+//!
+//! No feature flags.
+
+pub mod error;
+pub mod robust;
+pub mod shard;
+
+pub use error::{PsError, Result};
+pub use robust::{Rule, aggregate};
+pub use shard::{Piece, ShardPlan, Tensor};
