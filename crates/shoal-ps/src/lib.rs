@@ -1,5 +1,7 @@
 //! Shoal's parameter server, in buffers: how a model's parameters are sharded over server processes
-//! ([`shard`]) and the robust rules that combine workers' gradients when some of them may lie ([`robust`]).
+//! ([`shard`]), the optimizers' update that servers and the trainer's strategies share ([`optim`]), a server's part
+//! of the model and the consistency modes that turn pushes into updates ([`server`]), and the robust rules that
+//! combine workers' gradients when some of them may lie ([`robust`]).
 //!
 //! **Invariants:**
 //! - Buffers, not tensors: this crate knows named flat `f32` buffers and their shapes' rows, never a tensor
@@ -13,9 +15,12 @@
 //! No feature flags.
 
 pub mod error;
+pub mod optim;
 pub mod robust;
+pub mod server;
 pub mod shard;
 
 pub use error::{PsError, Result};
 pub use robust::{Rule, aggregate};
+pub use server::{Clocks, Round, Shard};
 pub use shard::{Piece, ShardPlan, Tensor};

@@ -12,6 +12,8 @@ pub enum Error {
     Comm(#[from] shoal_comm::Error),
     #[error(transparent)]
     Data(#[from] shoal_data::Error),
+    #[error(transparent)]
+    Ps(#[from] shoal_ps::PsError),
     #[error("job spec: {0}")]
     Spec(String),
     #[error("checkpoint: {0}")]

@@ -8,12 +8,7 @@ use crate::error::{Error, Result};
 use crate::kernels::{cpu_f32, with_slice, with_slice_mut};
 use crate::params::Params;
 
-/// Which optimizer, with its hyper-parameters.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum OptimConfig {
-    Sgd { momentum: f64, weight_decay: f64 },
-    AdamW { beta1: f64, beta2: f64, eps: f64, weight_decay: f64 },
-}
+pub use shoal_ps::optim::{OptimConfig, update};
 
 /// The terms of an AdamW update `m/c1 / (√(v/c2) + ε)` ([`Optimizer::next_terms`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -209,62 +204,6 @@ impl Optimizer {
     }
 }
 
-/// One optimizer update of `p` from `g` at update number `t` (1-based), in place: the one formula every strategy
-/// applies, to whole parameters or to flat shards of them. SGD: `m` is the momentum buffer (`first`: its first use,
-/// when it becomes the gradient itself, PyTorch's convention; `None` without momentum). AdamW: `m` and `v` are the
-/// moments, `v` with whether it is frozen ([`Optimizer::freeze_second_moment`]). Every slice is as long as `p`.
-pub fn update(
-    cfg: OptimConfig,
-    t: u64,
-    lr: f64,
-    p: &mut [f32],
-    g: &[f32],
-    m: Option<(&mut [f32], bool)>,
-    v: Option<(&mut [f32], bool)>,
-) -> Result<()> {
-    let lr32 = lr as f32;
-    match (cfg, m, v) {
-        (OptimConfig::Sgd { weight_decay, .. }, None, _) => {
-            let wd = weight_decay as f32;
-            for (p, &g) in p.iter_mut().zip(g) {
-                *p -= lr32 * (g + wd * *p);
-            }
-        }
-        (OptimConfig::Sgd { momentum, weight_decay }, Some((buf, first)), _) => {
-            let (mu, wd) = (momentum as f32, weight_decay as f32);
-            if first {
-                for ((p, b), &g) in p.iter_mut().zip(buf.iter_mut()).zip(g) {
-                    *b = g + wd * *p;
-                    *p -= lr32 * *b;
-                }
-            } else {
-                for ((p, b), &g) in p.iter_mut().zip(buf.iter_mut()).zip(g) {
-                    *b = mu * *b + (g + wd * *p);
-                    *p -= lr32 * *b;
-                }
-            }
-        }
-        (OptimConfig::AdamW { beta1, beta2, eps, weight_decay }, Some((m, _)), Some((v, frozen))) => {
-            let c1 = (1.0 - beta1.powi(t as i32)) as f32;
-            let c2 = (1.0 - beta2.powi(t as i32)) as f32;
-            let (b1, b2, eps) = (beta1 as f32, beta2 as f32, eps as f32);
-            let decay = (1.0 - lr * weight_decay) as f32;
-            // Frozen, the average of squares goes on counting the unknown squares as zeros.
-            let take = if frozen { 0.0 } else { 1.0 - b2 };
-            for (((p, m), v), &g) in p.iter_mut().zip(m.iter_mut()).zip(v.iter_mut()).zip(g) {
-                *m = b1 * *m + (1.0 - b1) * g;
-                *v = b2 * *v + take * g * g;
-                let update = (*m / c1) / ((*v / c2).sqrt() + eps);
-                *p = *p * decay - lr32 * update;
-            }
-        }
-        (OptimConfig::AdamW { .. }, _, _) => {
-            return Err(Error::InvalidArgument("AdamW needs both of its moments".into()));
-        }
-    }
-    Ok(())
-}
-
 /// Learning rate at `step` (0-based): linear warm-up to `lr`, then cosine decay
 /// to `min_lr` at `total` steps (or constant after warm-up).
 pub fn learning_rate(step: usize, total: usize, lr: f64, warmup: usize, min_lr: f64, cosine: bool) -> f64 {
@@ -321,25 +260,5 @@ mod tests {
         assert!((learning_rate(100, 100, 1.0, 10, 0.1, true) - 0.1).abs() < 1e-12);
         assert!((learning_rate(55, 100, 1.0, 10, 0.0, true) - 0.5).abs() < 1e-12);
         assert_eq!(learning_rate(70, 100, 0.3, 0, 0.0, false), 0.3);
-    }
-
-    /// Frozen, AdamW's second moment counts the step's square as zero (it decays by β2) while the first moment and
-    /// the parameter are updated as usual; thawed, it takes squares again.
-    #[test]
-    fn a_frozen_second_moment_takes_no_new_squares() -> Result<()> {
-        let cfg = OptimConfig::AdamW { beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.0 };
-        let (mut p, mut m, mut v) = (vec![1.0f32, -2.0], vec![0.5f32, 0.25], vec![0.04f32, 0.04]);
-        let g = [0.3f32, -0.1];
-        update(cfg, 5, 0.1, &mut p, &g, Some((&mut m, false)), Some((&mut v, true)))?;
-        assert_eq!(v, vec![0.99 * 0.04f32, 0.99 * 0.04f32]);
-        assert_eq!(m, vec![0.9 * 0.5f32 + 0.1 * 0.3, 0.9 * 0.25f32 + 0.1 * -0.1]);
-        let c2 = (1.0 - 0.99f64.powi(5)) as f32;
-        let c1 = (1.0 - 0.9f64.powi(5)) as f32;
-        for (k, start) in [1.0f32, -2.0].into_iter().enumerate() {
-            assert_eq!(p[k], start - 0.1 * ((m[k] / c1) / ((v[k] / c2).sqrt() + 1e-8)));
-        }
-        update(cfg, 6, 0.1, &mut p, &g, Some((&mut m, false)), Some((&mut v, false)))?;
-        assert_eq!(v[0], 0.99 * (0.99 * 0.04f32) + (1.0 - 0.99f32) * 0.3 * 0.3);
-        Ok(())
     }
 }

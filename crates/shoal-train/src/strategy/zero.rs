@@ -328,7 +328,7 @@ impl Strategy for Zero {
         let (cfg, t, first) = (opt.config(), opt.t, !self.started);
         let (m, v) = (&mut self.m, &mut self.v);
         let mut apply = |p: &mut [f32]| -> Result<()> {
-            match cfg {
+            Ok(match cfg {
                 OptimConfig::Sgd { momentum: 0.0, .. } => update(cfg, t, lr, p, &grad, None, None),
                 OptimConfig::Sgd { .. } => {
                     m.resize(shard, 0.0);
@@ -339,7 +339,7 @@ impl Strategy for Zero {
                     v.resize(shard, 0.0);
                     update(cfg, t, lr, p, &grad, Some((m, first)), Some((v, false)))
                 }
-            }
+            }?)
         };
         let mut p = None;
         match &self.layers {

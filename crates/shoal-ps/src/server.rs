@@ -1,0 +1,236 @@
+//! A server's part of the model and how pushes become updates, without the network: a [`Shard`] holds its values,
+//! their optimizer state and their version (updates applied); a [`Round`] gathers the synchronous mode's pushes for
+//! one version and combines them by a robust rule; [`Clocks`] keeps the bounded-staleness mode's promise that no
+//! worker runs more than `staleness` steps ahead of the slowest.
+//!
+//! Modes: `sync` — every worker's gradient for version `t` before version `t + 1` ([`Round`]); `async` — each push
+//! applied on arrival ([`Shard::apply`]); `ssp` — applied on arrival, a worker waiting while it is more than
+//! `staleness` steps ahead ([`Clocks::may_start`]).
+
+use crate::error::{PsError, Result};
+use crate::optim::{OptimConfig, update};
+use crate::robust::{Rule, aggregate};
+
+/// One server's values, with the optimizer's state for them and how many updates they have had.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Shard {
+    pub values: Vec<f32>,
+    cfg: OptimConfig,
+    m: Vec<f32>,
+    v: Vec<f32>,
+    /// Updates applied: the version a pull returns.
+    pub version: u64,
+}
+
+impl Shard {
+    /// A shard starting from `values` (version 0), updated by `cfg`.
+    pub fn new(values: Vec<f32>, cfg: OptimConfig) -> Shard {
+        Shard { values, cfg, m: Vec::new(), v: Vec::new(), version: 0 }
+    }
+
+    /// Applies one update from `grad` with learning rate `lr`: the formula every strategy applies
+    /// ([`crate::optim::update`]), so a shard's values are what one process would hold. Returns the new version.
+    pub fn apply(&mut self, grad: &[f32], lr: f64) -> Result<u64> {
+        let n = self.values.len();
+        if grad.len() != n {
+            return Err(PsError::InvalidArgument(format!("a push of {} values to a shard of {n}", grad.len())));
+        }
+        let first = self.version == 0;
+        let t = self.version + 1;
+        match self.cfg {
+            OptimConfig::Sgd { momentum: 0.0, .. } => {
+                update(self.cfg, t, lr, &mut self.values, grad, None, None)?;
+            }
+            OptimConfig::Sgd { .. } => {
+                self.m.resize(n, 0.0);
+                update(self.cfg, t, lr, &mut self.values, grad, Some((&mut self.m, first)), None)?;
+            }
+            OptimConfig::AdamW { .. } => {
+                self.m.resize(n, 0.0);
+                self.v.resize(n, 0.0);
+                update(
+                    self.cfg,
+                    t,
+                    lr,
+                    &mut self.values,
+                    grad,
+                    Some((&mut self.m, false)),
+                    Some((&mut self.v, false)),
+                )?;
+            }
+        }
+        self.version = t;
+        Ok(t)
+    }
+}
+
+/// The synchronous mode's gathering of one version's pushes: one from each of `workers`, for the shard's current
+/// version, combined by `rule` (bearing `f` attackers) once all are in.
+#[derive(Debug)]
+pub struct Round {
+    rule: Rule,
+    f: usize,
+    version: u64,
+    pushes: Vec<Option<Vec<f32>>>,
+}
+
+impl Round {
+    /// A round of `workers` pushes for `version`; refused when `rule` cannot bear `f` attackers among them.
+    pub fn new(workers: usize, rule: Rule, f: usize, version: u64) -> Result<Round> {
+        rule.check(workers, f)?;
+        Ok(Round { rule, f, version, pushes: vec![None; workers] })
+    }
+
+    /// Takes `worker`'s push computed on `version`: refused when it is for another version or the worker pushed
+    /// already. Returns whether the round is complete.
+    pub fn push(&mut self, worker: usize, version: u64, grad: Vec<f32>) -> Result<bool> {
+        let n = self.pushes.len();
+        let Some(slot) = self.pushes.get_mut(worker) else {
+            return Err(PsError::InvalidArgument(format!("worker {worker} of {n} pushed")));
+        };
+        if version != self.version {
+            return Err(PsError::InvalidArgument(format!(
+                "worker {worker} pushed a gradient of version {version} to a round for version {}",
+                self.version
+            )));
+        }
+        if slot.is_some() {
+            return Err(PsError::InvalidArgument(format!("worker {worker} pushed twice for version {}", self.version)));
+        }
+        *slot = Some(grad);
+        Ok(self.pushes.iter().all(Option::is_some))
+    }
+
+    /// The workers whose push is still missing.
+    pub fn missing(&self) -> Vec<usize> {
+        self.pushes.iter().enumerate().filter(|(_, p)| p.is_none()).map(|(k, _)| k).collect()
+    }
+
+    /// Combines the complete round's pushes by the rule and applies them to `shard`; the next round is for the new
+    /// version.
+    pub fn finish(self, shard: &mut Shard, lr: f64) -> Result<u64> {
+        if shard.version != self.version {
+            return Err(PsError::InvalidArgument(format!(
+                "a round for version {} finished on a shard at version {}",
+                self.version, shard.version
+            )));
+        }
+        let missing = self.missing();
+        if !missing.is_empty() {
+            return Err(PsError::InvalidArgument(format!("the round still waits for workers {missing:?}")));
+        }
+        let pushes: Vec<Vec<f32>> = self.pushes.into_iter().flatten().collect();
+        let views: Vec<&[f32]> = pushes.iter().map(Vec::as_slice).collect();
+        let mut combined = vec![0f32; shard.values.len()];
+        aggregate(self.rule, self.f, &views, &mut combined)?;
+        shard.apply(&combined, lr)
+    }
+}
+
+/// Each worker's clock (steps it has pushed) in the bounded-staleness mode.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Clocks {
+    staleness: u64,
+    clocks: Vec<u64>,
+}
+
+impl Clocks {
+    /// `workers` at clock 0, none to run more than `staleness` steps ahead of the slowest.
+    pub fn new(workers: usize, staleness: u64) -> Clocks {
+        Clocks { staleness, clocks: vec![0; workers] }
+    }
+
+    /// Whether `worker` may start its next step now: its clock at most `staleness` ahead of the slowest.
+    pub fn may_start(&self, worker: usize) -> bool {
+        let slowest = self.clocks.iter().copied().min().unwrap_or(0);
+        self.clocks.get(worker).is_some_and(|&c| c - slowest <= self.staleness)
+    }
+
+    /// `worker` finished a step.
+    pub fn tick(&mut self, worker: usize) -> Result<u64> {
+        let n = self.clocks.len();
+        let c =
+            self.clocks.get_mut(worker).ok_or_else(|| PsError::InvalidArgument(format!("worker {worker} of {n}")))?;
+        *c += 1;
+        Ok(*c)
+    }
+
+    /// The slowest worker's clock.
+    pub fn slowest(&self) -> u64 {
+        self.clocks.iter().copied().min().unwrap_or(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ADAMW: OptimConfig = OptimConfig::AdamW { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 };
+
+    /// A synchronous round of the mean over the workers' gradients makes the update one process makes with the
+    /// mean gradient, bit for bit, version after version.
+    #[test]
+    fn a_synchronous_round_of_the_mean_updates_as_one_process_does() -> Result<()> {
+        let start = vec![0.5f32, -1.0, 2.0];
+        let mut shard = Shard::new(start.clone(), ADAMW);
+        let (mut p, mut m, mut v) = (start, vec![0f32; 3], vec![0f32; 3]);
+        for step in 0..4u64 {
+            let grads: Vec<Vec<f32>> = (0..3)
+                .map(|w| (0..3).map(|j| ((w * 3 + j) as f32 - 4.0) * 0.1 + step as f32 * 0.01).collect())
+                .collect();
+            let mut round = Round::new(3, Rule::Mean, 0, shard.version)?;
+            for (w, g) in grads.iter().enumerate() {
+                let done = round.push(w, step, g.clone())?;
+                assert_eq!(done, w == 2);
+            }
+            assert_eq!(round.finish(&mut shard, 0.01)?, step + 1);
+            let mean: Vec<f32> =
+                (0..3).map(|j| (grads.iter().map(|g| f64::from(g[j])).sum::<f64>() / 3.0) as f32).collect();
+            update(ADAMW, step + 1, 0.01, &mut p, &mean, Some((&mut m, false)), Some((&mut v, false)))?;
+            assert_eq!(shard.values, p);
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn a_round_refuses_stale_doubled_and_foreign_pushes_and_names_who_is_missing() -> Result<()> {
+        let mut shard = Shard::new(vec![0.0; 2], OptimConfig::Sgd { momentum: 0.9, weight_decay: 0.0 });
+        let mut round = Round::new(3, Rule::Median, 1, 0)?;
+        assert!(round.push(0, 0, vec![1.0, 1.0])?.eq(&false));
+        let stale = round.push(1, 7, vec![1.0, 1.0]).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(stale.contains("worker 1 pushed a gradient of version 7 to a round for version 0"), "{stale}");
+        assert!(round.push(0, 0, vec![2.0, 2.0]).is_err(), "twice");
+        assert!(round.push(5, 0, vec![2.0, 2.0]).is_err(), "no worker 5");
+        assert_eq!(round.missing(), vec![1, 2]);
+        assert!(Round::new(3, Rule::Krum, 1, 0).is_err(), "Krum bears one attacker from 5 workers");
+        round.push(1, 0, vec![3.0, 3.0])?;
+        round.push(2, 0, vec![-100.0, 2.0])?;
+        // The median of (1, 3, -100) and of (1, 3, 2): 1 and 2; SGD's first step moves by the gradient itself.
+        assert_eq!(round.finish(&mut shard, 0.5)?, 1);
+        assert_eq!(shard.values, vec![-0.5, -1.0]);
+        assert!(shard.apply(&[1.0], 0.1).is_err(), "a push of the wrong size");
+        Ok(())
+    }
+
+    /// Under bounded staleness no worker starts a step more than `staleness` ahead of the slowest.
+    #[test]
+    fn no_worker_runs_more_than_its_staleness_ahead() -> Result<()> {
+        let mut c = Clocks::new(3, 2);
+        // Worker 0 runs alone: it may do 2 steps ahead of the others (clocks 0), then waits.
+        for _ in 0..2 {
+            assert!(c.may_start(0));
+            c.tick(0)?;
+        }
+        assert!(c.may_start(0));
+        c.tick(0)?;
+        assert!(!c.may_start(0), "3 ahead of the slowest");
+        c.tick(1)?;
+        assert!(!c.may_start(0), "worker 2 is still at 0");
+        c.tick(2)?;
+        assert!(c.may_start(0));
+        assert_eq!(c.slowest(), 1);
+        assert!(!c.may_start(7));
+        assert!(c.tick(7).is_err());
+        Ok(())
+    }
+}
