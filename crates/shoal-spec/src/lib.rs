@@ -118,6 +118,7 @@ use data::{Kind, Options, Split};
 
 mod compression;
 mod platform;
+mod robust;
 #[cfg(feature = "openapi")]
 mod schema;
 mod stats;
@@ -127,6 +128,7 @@ pub use platform::{
     FaultPolicy, FaultToleranceSpec, MAX_BYTES, MAX_DURATION, MAX_MILLI, MAX_WORKERS, PhaseSpec, ResourcesSpec,
     Seconds, WorkersSpec, parse_bytes, parse_milli,
 };
+pub use robust::{RobustSpec, RuleName};
 pub use stats::median;
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -227,6 +229,9 @@ pub struct JobSpec {
     /// `[compression]`: what the ranks send in place of their gradients (none by default).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub compression: Option<CompressionSpec>,
+    /// `[robust]`: the rule that combines the ranks' gradients when some may lie (the plain sum by default).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub robust: Option<RobustSpec>,
 }
 
 /// `[parallel]`: the layout of a pipeline-parallel or tensor-parallel job.
@@ -1454,6 +1459,10 @@ impl JobSpec {
             self.checkpoint.validate(),
             if numbers.is_ok() { self.validate_parallel() } else { Ok(()) },
             platform(self.compression.map_or(Ok(()), |c| c.validate(self.train.strategy, self.train.optimizer))),
+            platform(
+                self.robust
+                    .map_or(Ok(()), |r| r.validate(self.train.strategy, self.compression.is_some_and(|c| c.is_on()))),
+            ),
         ]
         .into_iter()
         .filter_map(Result::err)
@@ -1706,6 +1715,9 @@ impl JobSpec {
     pub fn validate_world(&self, world_size: usize) -> Result<()> {
         if world_size == 0 {
             return Err(SpecError::at("", "the world size must be at least 1"));
+        }
+        if let Some(Err((key, message))) = self.robust.map(|r| r.validate_world(world_size)) {
+            return Err(SpecError::at(&key, message));
         }
         let t = &self.train;
         if let (Some(p), Strategy::ThreeD) = (&self.parallel, t.strategy) {
@@ -2203,6 +2215,34 @@ lr = 0.01
             .unwrap_or_else(|e| panic!("{e}"));
         let j = parse_job(&job("ddp", "codec = \"randk\"\nratio = 0.05"), "x").expect("valid");
         assert_eq!(parse_job(&j.to_toml().expect("toml"), "x").expect("again"), j);
+    }
+
+    #[test]
+    fn a_robust_rule_is_checked_against_the_strategy_the_codec_and_the_workers() {
+        let job = |strategy: &str, more: &str| format!("{MLP}strategy = \"{strategy}\"\n{more}\n");
+        let cases = [
+            ("ddp", "[robust]\nrule = \"median\"\nf = 1", ""),
+            ("ddp", "[workers]\ncount = 5\n[robust]\nrule = \"krum\"\nf = 1", ""),
+            (
+                "ddp",
+                "[workers]\ncount = 4\n[robust]\nrule = \"krum\"\nf = 1",
+                "robust.f: invalid argument: krum with f = 1 needs at least 5 workers, not 4",
+            ),
+            ("ddp", "[robust]\nrule = \"mean\"\nf = 1", "robust.f: the mean bears no attacker"),
+            ("ddp", "[robust]\nrule = \"average\"", "robust.rule"),
+            ("zero1", "[robust]\nrule = \"median\"", "robust.rule: \"median\" combines every rank's whole gradient"),
+            (
+                "ddp",
+                "[compression]\ncodec = \"int8\"\n[robust]\nrule = \"median\"",
+                "robust.rule: a robust rule combines whole",
+            ),
+        ];
+        for (strategy, more, want) in cases {
+            check(&job(strategy, more), want).unwrap_or_else(|e| panic!("{strategy} / {more}: {e}"));
+        }
+        let r = RobustSpec { rule: RuleName::TrimmedMean, f: 2 };
+        assert!(r.validate_world(5).is_ok());
+        assert_eq!(r.validate_world(4).map_err(|e| e.0), Err("robust.f".to_string()));
     }
 
     fn check_all(cases: &[(String, &str)]) {

@@ -62,6 +62,10 @@ pub struct Ddp {
     compress: Option<Compressor>,
     /// `[compression] momentum`: past the warm-up, each rank sends its AdamW first moment instead of its gradients.
     momentum: bool,
+    /// `[robust]`: each bucket all-gathered and combined by this rule bearing this many attackers, in `step`.
+    robust: Option<(shoal_ps::Rule, usize)>,
+    /// The gathered buckets of the robust rule, reused.
+    gathered: Vec<f32>,
 }
 
 impl std::fmt::Debug for Ddp {
@@ -82,6 +86,8 @@ impl Ddp {
             spare: Vec::new(),
             compress: None,
             momentum: false,
+            robust: None,
+            gathered: Vec::new(),
         }
     }
 
@@ -99,6 +105,14 @@ impl Ddp {
     /// gradients in place of them, the second moment frozen (`[compression] momentum`, [`super::compress`]).
     pub fn sending_moment(mut self, on: bool) -> Ddp {
         self.momentum = on && self.compress.is_some();
+        self
+    }
+
+    /// Every bucket all-gathered and combined by `rule` bearing `f` attackers, after backward, in place of the sum
+    /// ([`super::robust`]).
+    pub fn with_robust(mut self, rule: shoal_ps::Rule, f: usize) -> Ddp {
+        self.cfg.overlap = false;
+        self.robust = Some((rule, f));
         self
     }
 
@@ -370,7 +384,13 @@ impl Strategy for Ddp {
                                 c.all_reduce(scalars, ReduceOp::Sum)?;
                             }
                         }
-                        (Some(c), None) => c.all_reduce(&mut d, ReduceOp::Sum)?,
+                        (Some(c), None) => match self.robust {
+                            Some((rule, f)) => {
+                                let grads: usize = members.iter().map(|i| vars[*i].1.elem_count()).sum();
+                                super::robust::all_reduce(c, rule, f, &mut d, grads, &mut self.gathered)?;
+                            }
+                            None => c.all_reduce(&mut d, ReduceOp::Sum)?,
+                        },
                         (None, _) => {}
                     }
                     d

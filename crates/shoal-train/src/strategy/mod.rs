@@ -42,6 +42,9 @@
 //!   through a `shoal_comm::Compressor` instead of a plain collective; the compressor's error feedback is saved
 //!   with the optimizer state.
 //!
+//! - [`robust`]: `[robust]` under DDP — each bucket all-gathered and combined by a robust rule (`shoal_ps`) in
+//!   place of the sum, so that up to `f` lying ranks move the model no further than the rule lets them.
+//!
 //! The worker builds the strategy `train.strategy` names; a name with no strategy yet is refused when the spec is
 //! validated (`shoal_spec::Strategy`), never silently replaced.
 
@@ -49,6 +52,7 @@ pub mod composed;
 pub mod compress;
 pub mod ddp;
 pub mod pipeline;
+pub mod robust;
 pub mod schedule;
 pub mod shards;
 pub mod tensor;

@@ -227,6 +227,10 @@ pub(super) fn training(spec: &JobSpec, setup: &Setup, params: Params) -> Result<
     let strategy: Box<dyn crate::strategy::Strategy> = match ran {
         Strategy::Ddp => {
             let ddp = crate::strategy::ddp::Ddp::new(Some(comm.clone()), cfg.ddp());
+            let ddp = match spec.robust {
+                Some(r) => ddp.with_robust(r.rule.rule(), r.f),
+                None => ddp,
+            };
             Box::new(match compression {
                 Some(c) => ddp.with_compression(c).sending_moment(spec.compression.is_some_and(|c| c.momentum)),
                 None => ddp,

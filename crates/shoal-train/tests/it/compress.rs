@@ -19,6 +19,7 @@ fn run(codec: Codec, zero: u8, steps: usize) -> Run {
         zero,
         compress: Some(CompressConfig { codec, warmup_steps: 2, seed: 3, ..CompressConfig::default() }),
         momentum: false,
+        robust: None,
     }
 }
 

@@ -32,6 +32,8 @@ pub(crate) struct Run {
     pub(crate) compress: Option<shoal_comm::CompressConfig>,
     /// With `compress` under DDP: past its warm-up, AdamW's first moment sent in place of the gradients.
     pub(crate) momentum: bool,
+    /// Under DDP: the buckets combined by this robust rule bearing this many attackers.
+    pub(crate) robust: Option<(shoal_ps::Rule, usize)>,
 }
 
 /// What a run leaves, as a checkpoint holds it: every parameter and the optimizer state as whole named tensors, the
@@ -104,7 +106,13 @@ pub(crate) fn train_rank_from(
         ..TrainerConfig::default()
     };
     let strategy: Box<dyn shoal_train::strategy::Strategy> = match (run.zero, run.compress) {
-        (0, None) => Box::new(shoal_train::strategy::ddp::Ddp::new(comm, cfg.ddp())),
+        (0, None) => {
+            let ddp = shoal_train::strategy::ddp::Ddp::new(comm, cfg.ddp());
+            Box::new(match run.robust {
+                Some((rule, f)) => ddp.with_robust(rule, f),
+                None => ddp,
+            })
+        }
         (0, Some(c)) => Box::new(
             shoal_train::strategy::ddp::Ddp::new(comm, cfg.ddp()).with_compression(c).sending_moment(run.momentum),
         ),
@@ -257,6 +265,7 @@ pub(crate) fn mlp(hand: bool, overlap: bool, adamw_accum: bool) -> Run {
         zero: 0,
         compress: None,
         momentum: false,
+        robust: None,
     }
 }
 
@@ -313,6 +322,7 @@ fn gpt_ddp_matches_one_worker_at_2_and_4_workers() {
         zero: 0,
         compress: None,
         momentum: false,
+        robust: None,
     };
     let one = train_world(run(), 1);
     for n in [2, 4] {
@@ -333,6 +343,7 @@ fn loss_falls_on_real_data() {
         zero: 0,
         compress: None,
         momentum: false,
+        robust: None,
     };
     let (_, losses) = train_rank(&run, None, 1, 0);
     let first: f32 = losses[..5].iter().sum::<f32>() / 5.0;

@@ -5,5 +5,6 @@ mod compress;
 mod equivalence;
 mod param_counts;
 mod pipeline;
+mod robust;
 mod tensor;
 mod zero3;

@@ -46,6 +46,7 @@ fn gpt(zero: u8, steps: usize, grad_accum: usize, prefetch: bool) -> Run {
         zero,
         compress: None,
         momentum: false,
+        robust: None,
     }
 }
 

@@ -1,0 +1,63 @@
+//! `[robust]` under DDP: the ranks' buckets all-gathered and combined by a robust rule. The mean is the sum DDP
+//! computes, to rounding; every rule keeps the ranks' parameters identical (checked by the runs' helpers) and
+//! trains.
+
+use shoal_ps::Rule;
+
+use crate::equivalence::{ADAMW, Run, Which, train_world_with_losses};
+
+fn run(robust: Option<(Rule, usize)>) -> Run {
+    Run {
+        which: Which::Mlp,
+        steps: 30,
+        global_batch: 60,
+        grad_accum: 2,
+        optimizer: ADAMW,
+        hand: false,
+        overlap: true,
+        zero: 0,
+        compress: None,
+        momentum: false,
+        robust,
+    }
+}
+
+/// The largest difference over the largest value, tensor by tensor.
+fn worst(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|((_, x), (_, y))| {
+            let scale = y.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-12);
+            x.iter().zip(y).map(|(p, q)| (p - q).abs()).fold(0f32, f32::max) / scale
+        })
+        .fold(0f32, f32::max)
+}
+
+#[test]
+fn the_robust_mean_is_the_sum_ddp_computes() {
+    let (plain, plain_losses) = train_world_with_losses(run(None), 3, None);
+    let (mean, mean_losses) = train_world_with_losses(run(Some((Rule::Mean, 0))), 3, None);
+    let w = worst(&mean.params, &plain.params);
+    assert!(w <= 1e-5, "the mean of the gathered buckets drifts {w:e} from their sum");
+    for (a, b) in mean_losses.iter().zip(&plain_losses) {
+        assert!((a - b).abs() <= 1e-5 * b.abs().max(1.0), "{a} against {b}");
+    }
+}
+
+#[test]
+fn every_robust_rule_keeps_the_ranks_identical_and_trains() {
+    let (_, plain) = train_world_with_losses(run(None), 5, None);
+    let last = |l: &[f32]| l[l.len() - 5..].iter().sum::<f32>() / 5.0;
+    let first = |l: &[f32]| l[..5].iter().sum::<f32>() / 5.0;
+    for rule in [Rule::Median, Rule::TrimmedMean, Rule::Krum, Rule::MultiKrum, Rule::GeoMed] {
+        // `train_world_with_losses` checks that every rank ends with the same parameters.
+        let (_, losses) = train_world_with_losses(run(Some((rule, 1))), 5, None);
+        let (l0, l1) = (first(&losses), last(&losses));
+        // Krum follows one rank's gradient, a fifth of the batch: it learns, more slowly.
+        let fall = if rule == Rule::Krum { 0.85 } else { 0.6 };
+        assert!(l1 < l0 * fall, "{}: the loss fell from {l0} to {l1} only", rule.name());
+        eprintln!("{}: the loss fell from {l0} to {l1} (plain DDP: to {})", rule.name(), last(&plain));
+        // Honest ranks only: the rule lands near the sum.
+        assert!(l1 < last(&plain) * 2.0 + 0.05, "{}: {l1} against plain DDP's {}", rule.name(), last(&plain));
+    }
+}
