@@ -399,6 +399,18 @@ async fn submit(
         checkpoint_key: place.key(),
     };
     control.db.insert_job(&row).await.map_err(ApiError::spec)?;
+    // Attackers simulated on purpose are said at once, so that nobody takes the run for a sound one.
+    if let Some(c) = &spec.chaos {
+        let message = format!(
+            "experiment ([chaos]): ranks {:?} send {:?} (scale {}) in place of their gradients, against [robust] rule \
+             {:?}",
+            c.byzantine_ranks,
+            c.attack,
+            c.attack().map_or(0.0, |a| a.scale()),
+            spec.robust.map(|r| r.rule)
+        );
+        control.db.event(&id, "experiment", JobState::Pending, &message).await.map_err(ApiError::spec)?;
+    }
     control.wake.notify_one();
     tracing::info!(job = %id, name = %spec.name, team = %caller.0.team, "job submitted");
     Ok((StatusCode::CREATED, Json(Submitted { id, state: JobState::Pending, name: spec.name })))

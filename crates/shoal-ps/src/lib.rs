@@ -1,7 +1,8 @@
 //! Shoal's parameter server, in buffers: how a model's parameters are sharded over server processes
 //! ([`shard`]), the optimizers' update that servers and the trainer's strategies share ([`optim`]), a server's part
 //! of the model and the consistency modes that turn pushes into updates ([`server`]), and the robust rules that
-//! combine workers' gradients when some of them may lie ([`robust`]).
+//! combine workers' gradients when some of them may lie ([`robust`]), with the attacks that experiments simulate
+//! ([`attack`]).
 //!
 //! **Invariants:**
 //! - Buffers, not tensors: this crate knows named flat `f32` buffers and their shapes' rows, never a tensor
@@ -14,12 +15,14 @@
 //!
 //! No feature flags.
 
+pub mod attack;
 pub mod error;
 pub mod optim;
 pub mod robust;
 pub mod server;
 pub mod shard;
 
+pub use attack::Attack;
 pub use error::{PsError, Result};
 pub use robust::{Rule, aggregate};
 pub use server::{Clocks, Round, Shard};

@@ -128,7 +128,7 @@ pub use platform::{
     FaultPolicy, FaultToleranceSpec, MAX_BYTES, MAX_DURATION, MAX_MILLI, MAX_WORKERS, PhaseSpec, ResourcesSpec,
     Seconds, WorkersSpec, parse_bytes, parse_milli,
 };
-pub use robust::{RobustSpec, RuleName};
+pub use robust::{AttackName, ChaosSpec, RobustSpec, RuleName};
 pub use stats::median;
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -232,6 +232,9 @@ pub struct JobSpec {
     /// `[robust]`: the rule that combines the ranks' gradients when some may lie (the plain sum by default).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub robust: Option<RobustSpec>,
+    /// `[chaos]`: ranks that send forged gradients, for experiments with `[robust]`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chaos: Option<ChaosSpec>,
 }
 
 /// `[parallel]`: the layout of a pipeline-parallel or tensor-parallel job.
@@ -1463,6 +1466,7 @@ impl JobSpec {
                 self.robust
                     .map_or(Ok(()), |r| r.validate(self.train.strategy, self.compression.is_some_and(|c| c.is_on()))),
             ),
+            platform(self.chaos.as_ref().map_or(Ok(()), |c| c.validate(self.robust.as_ref()))),
         ]
         .into_iter()
         .filter_map(Result::err)
@@ -1717,6 +1721,9 @@ impl JobSpec {
             return Err(SpecError::at("", "the world size must be at least 1"));
         }
         if let Some(Err((key, message))) = self.robust.map(|r| r.validate_world(world_size)) {
+            return Err(SpecError::at(&key, message));
+        }
+        if let Some(Err((key, message))) = self.chaos.as_ref().map(|c| c.validate_world(world_size)) {
             return Err(SpecError::at(&key, message));
         }
         let t = &self.train;
@@ -2240,6 +2247,23 @@ lr = 0.01
         for (strategy, more, want) in cases {
             check(&job(strategy, more), want).unwrap_or_else(|e| panic!("{strategy} / {more}: {e}"));
         }
+        let chaos = |more: &str| {
+            job("ddp", &format!("[workers]\ncount = 5\n[robust]\nrule = \"median\"\nf = 1\n[chaos]\n{more}"))
+        };
+        let attacks = [
+            ("byzantine_ranks = [4]\nattack = \"signflip\"", ""),
+            ("byzantine_ranks = [1, 3]\nattack = \"alie\"\nscale = 1.5", ""),
+            ("byzantine_ranks = [5]\nattack = \"ipm\"", "chaos.byzantine_ranks: rank 5 is not one of the 5 workers"),
+            ("byzantine_ranks = [1, 1]\nattack = \"noise\"", "chaos.byzantine_ranks: names a rank twice"),
+            ("byzantine_ranks = []\nattack = \"noise\"", "chaos.byzantine_ranks: names no rank"),
+            ("byzantine_ranks = [0]\nattack = \"noise\"\nscale = -1", "chaos.scale"),
+            ("byzantine_ranks = [0]\nattack = \"flood\"", "chaos.attack"),
+        ];
+        for (more, want) in attacks {
+            check(&chaos(more), want).unwrap_or_else(|e| panic!("{more}: {e}"));
+        }
+        check(&job("ddp", "[chaos]\nbyzantine_ranks = [0]\nattack = \"ipm\""), "chaos.attack: attacks are simulated")
+            .unwrap_or_else(|e| panic!("{e}"));
         let r = RobustSpec { rule: RuleName::TrimmedMean, f: 2 };
         assert!(r.validate_world(5).is_ok());
         assert_eq!(r.validate_world(4).map_err(|e| e.0), Err("robust.f".to_string()));

@@ -88,3 +88,84 @@ impl RobustSpec {
         self.rule.rule().check(world, self.f).map_err(|e| ("robust.f".into(), e.to_string()))
     }
 }
+
+/// `[chaos]`: attackers, for experiments with `[robust]` — the ranks that send a forged gradient
+/// (`shoal_ps::attack`). Marked as an experiment in the job's events.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ChaosSpec {
+    /// The ranks that lie.
+    pub byzantine_ranks: Vec<usize>,
+    /// What they send.
+    pub attack: AttackName,
+    /// The attack's strength (default: 10 for `signflip`, 1 for `noise` and `alie`, 0.5 for `ipm`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scale: Option<f64>,
+}
+
+/// `chaos.attack`.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AttackName {
+    /// The attacker's own gradient reversed and scaled.
+    Signflip,
+    /// Its own gradient plus Gaussian noise.
+    Noise,
+    /// The honest mean less `scale` standard deviations ("a little is enough").
+    Alie,
+    /// `-scale` times the honest mean (inner-product manipulation).
+    Ipm,
+}
+
+impl ChaosSpec {
+    /// The attack, at its scale.
+    pub fn attack(&self) -> Option<shoal_ps::Attack> {
+        let name = match self.attack {
+            AttackName::Signflip => "signflip",
+            AttackName::Noise => "noise",
+            AttackName::Alie => "alie",
+            AttackName::Ipm => "ipm",
+        };
+        shoal_ps::Attack::parse(name, self.scale)
+    }
+
+    /// The table on its own and beside `[robust]`, which it needs: the attack is simulated where a robust rule
+    /// gathers the gradients (`rule = "mean"` for an undefended run). Errors are `(key path, message)`.
+    pub fn validate(&self, robust: Option<&RobustSpec>) -> Result<(), (String, String)> {
+        if robust.is_none() {
+            return Err((
+                "chaos.attack".into(),
+                "attacks are simulated where [robust] gathers the gradients: add [robust] (rule = \"mean\" for no \
+                 defence)"
+                    .into(),
+            ));
+        }
+        if self.byzantine_ranks.is_empty() {
+            return Err(("chaos.byzantine_ranks".into(), "names no rank".into()));
+        }
+        let mut sorted = self.byzantine_ranks.clone();
+        sorted.sort_unstable();
+        if sorted.windows(2).any(|w| w[0] == w[1]) {
+            return Err(("chaos.byzantine_ranks".into(), format!("names a rank twice: {:?}", self.byzantine_ranks)));
+        }
+        if let Some(s) = self.scale
+            && !(s.is_finite() && s >= 0.0)
+        {
+            return Err(("chaos.scale".into(), format!("must be a finite number of at least 0, got {s}")));
+        }
+        Ok(())
+    }
+
+    /// The ranks against the world: each one of its ranks, and at least one honest rank.
+    pub fn validate_world(&self, world: usize) -> Result<(), (String, String)> {
+        if let Some(r) = self.byzantine_ranks.iter().find(|&&r| r >= world) {
+            return Err(("chaos.byzantine_ranks".into(), format!("rank {r} is not one of the {world} workers")));
+        }
+        if self.byzantine_ranks.len() >= world {
+            return Err(("chaos.byzantine_ranks".into(), format!("every one of the {world} workers lies")));
+        }
+        Ok(())
+    }
+}

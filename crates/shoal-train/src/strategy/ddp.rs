@@ -66,6 +66,8 @@ pub struct Ddp {
     robust: Option<(shoal_ps::Rule, usize)>,
     /// The gathered buckets of the robust rule, reused.
     gathered: Vec<f32>,
+    /// `[chaos]`, an experiment: these ranks' buckets forged by the attack where they are gathered.
+    attack: Option<(shoal_ps::Attack, Vec<usize>)>,
 }
 
 impl std::fmt::Debug for Ddp {
@@ -88,6 +90,7 @@ impl Ddp {
             momentum: false,
             robust: None,
             gathered: Vec::new(),
+            attack: None,
         }
     }
 
@@ -113,6 +116,12 @@ impl Ddp {
     pub fn with_robust(mut self, rule: shoal_ps::Rule, f: usize) -> Ddp {
         self.cfg.overlap = false;
         self.robust = Some((rule, f));
+        self
+    }
+
+    /// With [`Ddp::with_robust`], an experiment: the `liars`' buckets replaced by what `attack` sends.
+    pub fn attacked_by(mut self, attack: shoal_ps::Attack, liars: Vec<usize>) -> Ddp {
+        self.attack = Some((attack, liars));
         self
     }
 
@@ -387,7 +396,9 @@ impl Strategy for Ddp {
                         (Some(c), None) => match self.robust {
                             Some((rule, f)) => {
                                 let grads: usize = members.iter().map(|i| vars[*i].1.elem_count()).sum();
-                                super::robust::all_reduce(c, rule, f, &mut d, grads, &mut self.gathered)?;
+                                let seed = opt.t.wrapping_mul(1 << 20) ^ k as u64;
+                                let attack = self.attack.as_ref().map(|(a, liars)| (a, &liars[..], seed));
+                                super::robust::all_reduce(c, rule, f, &mut d, grads, &mut self.gathered, attack)?;
                             }
                             None => c.all_reduce(&mut d, ReduceOp::Sum)?,
                         },

@@ -231,6 +231,19 @@ pub(super) fn training(spec: &JobSpec, setup: &Setup, params: Params) -> Result<
                 Some(r) => ddp.with_robust(r.rule.rule(), r.f),
                 None => ddp,
             };
+            let ddp = match spec.chaos.as_ref().and_then(|c| Some((c.attack()?, c.byzantine_ranks.clone()))) {
+                Some((attack, liars)) => {
+                    if setup.rank == 0 {
+                        eprintln!(
+                            "experiment ([chaos]): ranks {liars:?} send {} (scale {}) in place of their gradients",
+                            attack.name(),
+                            attack.scale()
+                        );
+                    }
+                    ddp.attacked_by(attack, liars)
+                }
+                None => ddp,
+            };
             Box::new(match compression {
                 Some(c) => ddp.with_compression(c).sending_moment(spec.compression.is_some_and(|c| c.momentum)),
                 None => ddp,

@@ -20,6 +20,7 @@ fn run(codec: Codec, zero: u8, steps: usize) -> Run {
         compress: Some(CompressConfig { codec, warmup_steps: 2, seed: 3, ..CompressConfig::default() }),
         momentum: false,
         robust: None,
+        attack: None,
     }
 }
 

@@ -34,6 +34,8 @@ pub(crate) struct Run {
     pub(crate) momentum: bool,
     /// Under DDP: the buckets combined by this robust rule bearing this many attackers.
     pub(crate) robust: Option<(shoal_ps::Rule, usize)>,
+    /// With `robust`: one rank's buckets forged by this attack.
+    pub(crate) attack: Option<(shoal_ps::Attack, usize)>,
 }
 
 /// What a run leaves, as a checkpoint holds it: every parameter and the optimizer state as whole named tensors, the
@@ -108,8 +110,12 @@ pub(crate) fn train_rank_from(
     let strategy: Box<dyn shoal_train::strategy::Strategy> = match (run.zero, run.compress) {
         (0, None) => {
             let ddp = shoal_train::strategy::ddp::Ddp::new(comm, cfg.ddp());
-            Box::new(match run.robust {
+            let ddp = match run.robust {
                 Some((rule, f)) => ddp.with_robust(rule, f),
+                None => ddp,
+            };
+            Box::new(match run.attack {
+                Some((attack, liar)) => ddp.attacked_by(attack, vec![liar]),
                 None => ddp,
             })
         }
@@ -266,6 +272,7 @@ pub(crate) fn mlp(hand: bool, overlap: bool, adamw_accum: bool) -> Run {
         compress: None,
         momentum: false,
         robust: None,
+        attack: None,
     }
 }
 
@@ -323,6 +330,7 @@ fn gpt_ddp_matches_one_worker_at_2_and_4_workers() {
         compress: None,
         momentum: false,
         robust: None,
+        attack: None,
     };
     let one = train_world(run(), 1);
     for n in [2, 4] {
@@ -344,6 +352,7 @@ fn loss_falls_on_real_data() {
         compress: None,
         momentum: false,
         robust: None,
+        attack: None,
     };
     let (_, losses) = train_rank(&run, None, 1, 0);
     let first: f32 = losses[..5].iter().sum::<f32>() / 5.0;

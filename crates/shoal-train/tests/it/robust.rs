@@ -2,7 +2,7 @@
 //! computes, to rounding; every rule keeps the ranks' parameters identical (checked by the runs' helpers) and
 //! trains.
 
-use shoal_ps::Rule;
+use shoal_ps::{Attack, Rule};
 
 use crate::equivalence::{ADAMW, Run, Which, train_world_with_losses};
 
@@ -19,6 +19,7 @@ fn run(robust: Option<(Rule, usize)>) -> Run {
         compress: None,
         momentum: false,
         robust,
+        attack: None,
     }
 }
 
@@ -59,5 +60,28 @@ fn every_robust_rule_keeps_the_ranks_identical_and_trains() {
         eprintln!("{}: the loss fell from {l0} to {l1} (plain DDP: to {})", rule.name(), last(&plain));
         // Honest ranks only: the rule lands near the sum.
         assert!(l1 < last(&plain) * 2.0 + 0.05, "{}: {l1} against plain DDP's {}", rule.name(), last(&plain));
+    }
+}
+
+/// One sign-flipping attacker (×10) of five: the mean is dragged up the loss; the median, the trimmed mean, Krum
+/// and the geometric median train on.
+#[test]
+fn one_sign_flipper_of_five_defeats_the_mean_and_not_the_robust_rules() {
+    let flip = Some((Attack::SignFlip { scale: 10.0 }, 4));
+    let (_, plain) = train_world_with_losses(run(None), 5, None);
+    let last = |l: &[f32]| l[l.len() - 5..].iter().sum::<f32>() / 5.0;
+    let (_, mean) = train_world_with_losses(Run { attack: flip, ..run(Some((Rule::Mean, 0))) }, 5, None);
+    let held = last(&mean).partial_cmp(&mean[0]).is_none_or(|o| o != std::cmp::Ordering::Less);
+    assert!(held, "the mean still learned under the attack: {} from {}", last(&mean), mean[0]);
+    for rule in [Rule::Median, Rule::TrimmedMean, Rule::Krum, Rule::GeoMed] {
+        let (_, losses) = train_world_with_losses(Run { attack: flip, ..run(Some((rule, 1))) }, 5, None);
+        let l1 = last(&losses);
+        eprintln!(
+            "{} under a sign flipper: {} to {l1} (plain DDP, no attacker: {})",
+            rule.name(),
+            losses[0],
+            last(&plain)
+        );
+        assert!(l1 < losses[0] * 0.85 && l1 < last(&plain) * 2.0 + 0.05, "{}: to {l1}", rule.name());
     }
 }

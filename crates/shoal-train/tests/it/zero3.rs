@@ -47,6 +47,7 @@ fn gpt(zero: u8, steps: usize, grad_accum: usize, prefetch: bool) -> Run {
         compress: None,
         momentum: false,
         robust: None,
+        attack: None,
     }
 }
 

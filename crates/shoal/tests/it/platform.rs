@@ -1177,3 +1177,25 @@ fn demo_runs_the_built_in_job_end_to_end() {
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("--steps"), "{}", String::from_utf8_lossy(&bad.stderr));
 }
+
+/// A job with attackers (`[chaos]`) is marked as an experiment in its events as it is submitted, and under the
+/// median one sign-flipping worker of three does not keep the model from learning.
+#[test]
+fn an_attack_is_told_as_an_experiment_and_the_median_bears_it() {
+    let p = Platform::new("robust-chaos");
+    let spec = digits_job("attacked", 120, 0, 120, 10, false)
+        .replace("count = 2", "count = 3")
+        .replace("cpus = 1\n", "cpus = 0.5\n")
+        + "\n[robust]\nrule = \"median\"\nf = 1\n[chaos]\nbyzantine_ranks = [2]\nattack = \"signflip\"\n";
+    let id = p.submit("attacked", &spec);
+    let v = p.wait_state(&id, "succeeded");
+    let ev = events(&v);
+    let told: Vec<_> = ev.iter().filter(|e| e.1 == "experiment").collect();
+    assert_eq!(told.len(), 1, "{ev:?}");
+    assert!(told[0].2.contains("ranks [2] send Signflip (scale 10)") && told[0].2.contains("Median"), "{told:?}");
+    let log = std::fs::read_to_string(p.job_dir(&id).join("attempt-1/rank-0.log")).expect("rank-0.log");
+    assert!(log.contains("experiment ([chaos]): ranks [2] send signflip (scale 10)"), "{log}");
+    let losses = check_metrics(&p, &id, 120);
+    let (first, last) = (losses[0], losses[losses.len() - 1]);
+    assert!(last < first * 0.7, "under the median the loss fell from {first} to {last} only");
+}
