@@ -100,6 +100,35 @@ pub fn update<T: Real>(
     Ok(())
 }
 
+/// [`update`] of a flat shard `p` whose optimizer state is kept in `m` and `v`, grown to `p`'s length as the
+/// optimizer needs them (`first`: no update has used them yet) — how ZeRO's shards, a composed layout's and a
+/// parameter server's are updated.
+#[allow(clippy::too_many_arguments)]
+pub fn update_flat<T: Real>(
+    cfg: OptimConfig,
+    t: u64,
+    lr: f64,
+    p: &mut [T],
+    g: &[T],
+    m: &mut Vec<T>,
+    v: &mut Vec<T>,
+    first: bool,
+) -> Result<()> {
+    let (n, zero) = (p.len(), T::of(0.0));
+    match cfg {
+        OptimConfig::Sgd { momentum: 0.0, .. } => update(cfg, t, lr, p, g, None, None),
+        OptimConfig::Sgd { .. } => {
+            m.resize(n, zero);
+            update(cfg, t, lr, p, g, Some((m, first)), None)
+        }
+        OptimConfig::AdamW { .. } => {
+            m.resize(n, zero);
+            v.resize(n, zero);
+            update(cfg, t, lr, p, g, Some((m, first)), Some((v, false)))
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

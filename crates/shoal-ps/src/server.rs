@@ -8,7 +8,7 @@
 //! `staleness` steps ahead ([`Clocks::may_start`]).
 
 use crate::error::{PsError, Result};
-use crate::optim::{OptimConfig, update};
+use crate::optim::{OptimConfig, update_flat};
 use crate::robust::{Rule, aggregate};
 
 /// One server's values, with the optimizer's state for them and how many updates they have had.
@@ -35,30 +35,8 @@ impl Shard {
         if grad.len() != n {
             return Err(PsError::InvalidArgument(format!("a push of {} values to a shard of {n}", grad.len())));
         }
-        let first = self.version == 0;
         let t = self.version + 1;
-        match self.cfg {
-            OptimConfig::Sgd { momentum: 0.0, .. } => {
-                update(self.cfg, t, lr, &mut self.values, grad, None, None)?;
-            }
-            OptimConfig::Sgd { .. } => {
-                self.m.resize(n, 0.0);
-                update(self.cfg, t, lr, &mut self.values, grad, Some((&mut self.m, first)), None)?;
-            }
-            OptimConfig::AdamW { .. } => {
-                self.m.resize(n, 0.0);
-                self.v.resize(n, 0.0);
-                update(
-                    self.cfg,
-                    t,
-                    lr,
-                    &mut self.values,
-                    grad,
-                    Some((&mut self.m, false)),
-                    Some((&mut self.v, false)),
-                )?;
-            }
-        }
+        update_flat(self.cfg, t, lr, &mut self.values, grad, &mut self.m, &mut self.v, self.version == 0)?;
         self.version = t;
         Ok(t)
     }
@@ -164,6 +142,7 @@ impl Clocks {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::optim::update;
 
     const ADAMW: OptimConfig = OptimConfig::AdamW { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 };
 

@@ -8,7 +8,7 @@ use crate::error::{Error, Result};
 use crate::kernels::{cpu_f32, with_slice, with_slice_mut};
 use crate::params::Params;
 
-pub use shoal_ps::optim::{OptimConfig, update};
+pub use shoal_ps::optim::{OptimConfig, update, update_flat};
 
 /// The terms of an AdamW update `m/c1 / (√(v/c2) + ε)` ([`Optimizer::next_terms`]).
 #[derive(Debug, Clone, Copy, PartialEq)]

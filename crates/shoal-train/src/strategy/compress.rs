@@ -12,7 +12,7 @@
 //! place of its gradients, its first moment taken one step with them ([`moment_in`]); the summed codes are the
 //! moment every rank takes, given to the optimizer as the gradient that leads there ([`moment_out`]). A moment is
 //! a smoother signal than a gradient, and what a code leaves out of it returns through error feedback. The second
-//! moment cannot follow gradients no rank has whole, so it stays as the warm-up left it
+//! moment cannot follow gradients no rank has whole, so past the warm-up it takes no new squares
 //! ([`Optimizer::freeze_second_moment`]).
 
 use std::collections::HashMap;

@@ -428,15 +428,19 @@ fn now_ms() -> i64 {
 mod tests {
     use super::*;
 
+    /// A directory of its own for `tag`'s heartbeat files, and a world of one rank.
+    fn solo(tag: &str) -> anyhow::Result<(PathBuf, Communicator)> {
+        let dir = std::env::temp_dir().join(format!("shoal-beat-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir)?;
+        let comm = Communicator::local_world(1, Default::default())?.pop();
+        Ok((dir, comm.ok_or_else(|| anyhow::anyhow!("a world of one"))?))
+    }
+
     /// A task that joined group 2 says so from its very first beat: a beat naming group 0 would have the server
     /// tell it of group 2 again, and the rank would leave the group it is in for one that already formed.
     #[test]
     fn a_joined_rank_names_its_group_from_the_first_beat() -> anyhow::Result<()> {
-        let dir = std::env::temp_dir().join(format!("shoal-beat-joined-{}", std::process::id()));
-        std::fs::create_dir_all(&dir)?;
-        let comm = shoal_comm::Communicator::local_world(1, Default::default())?
-            .pop()
-            .ok_or_else(|| anyhow::anyhow!("a world of one"))?;
+        let (dir, comm) = solo("joined")?;
         let beat = Beat::start(comm, 3, 1, 2, &dir, None).ok_or_else(|| anyhow::anyhow!("the heartbeat thread"))?;
         let file = heartbeat_file(&dir, 3);
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
@@ -457,11 +461,7 @@ mod tests {
     /// and keeps a word of a newer group.
     #[test]
     fn entering_a_group_forgets_older_words_of_it_and_keeps_newer_ones() -> anyhow::Result<()> {
-        let dir = std::env::temp_dir().join(format!("shoal-beat-regroup-{}", std::process::id()));
-        std::fs::create_dir_all(&dir)?;
-        let comm = shoal_comm::Communicator::local_world(1, Default::default())?
-            .pop()
-            .ok_or_else(|| anyhow::anyhow!("a world of one"))?;
+        let (dir, comm) = solo("regroup")?;
         let beat = Beat::start(comm.clone(), 0, 1, 0, &dir, None).ok_or_else(|| anyhow::anyhow!("the thread"))?;
         let word = |generation| Regroup { generation, rank: 0, world: 1, rendezvous: String::new(), members: vec![0] };
         let set = |r: Regroup| -> anyhow::Result<()> {

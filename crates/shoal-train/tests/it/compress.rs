@@ -5,23 +5,11 @@
 
 use shoal_comm::{Codec, CompressConfig};
 
-use crate::equivalence::{ADAMW, Run, Which, train_world_from, train_world_with_losses};
+use crate::equivalence::{Run, train_world_from, train_world_with_losses};
 
 fn run(codec: Codec, zero: u8, steps: usize) -> Run {
-    Run {
-        which: Which::Mlp,
-        steps,
-        global_batch: 60,
-        grad_accum: 2,
-        optimizer: ADAMW,
-        hand: false,
-        overlap: true,
-        zero,
-        compress: Some(CompressConfig { codec, warmup_steps: 2, seed: 3, ..CompressConfig::default() }),
-        momentum: false,
-        robust: None,
-        attack: None,
-    }
+    let compress = Some(CompressConfig { codec, warmup_steps: 2, seed: 3, ..CompressConfig::default() });
+    Run { zero, compress, ..Run::mlp(steps, 60, 2) }
 }
 
 /// The same run sending AdamW's first moment past a warm-up of `warmup_steps` coded by int8.

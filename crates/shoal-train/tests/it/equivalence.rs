@@ -38,6 +38,26 @@ pub(crate) struct Run {
     pub(crate) attack: Option<(shoal_ps::Attack, usize)>,
 }
 
+impl Run {
+    /// Plain data parallelism on the digits MLP with AdamW, overlapping, autograd: the base the tests vary.
+    pub(crate) fn mlp(steps: usize, global_batch: usize, grad_accum: usize) -> Run {
+        Run {
+            which: Which::Mlp,
+            steps,
+            global_batch,
+            grad_accum,
+            optimizer: ADAMW,
+            hand: false,
+            overlap: true,
+            zero: 0,
+            compress: None,
+            momentum: false,
+            robust: None,
+            attack: None,
+        }
+    }
+}
+
 /// What a run leaves, as a checkpoint holds it: every parameter and the optimizer state as whole named tensors, the
 /// optimizer's update count, and the steps taken.
 #[derive(Clone, Debug)]
@@ -260,20 +280,7 @@ pub(crate) const SGD: OptimConfig = OptimConfig::Sgd { momentum: 0.9, weight_dec
 /// The MLP with SGD (48 samples a step), or with AdamW and 2 micro-batches a step (60 samples).
 pub(crate) fn mlp(hand: bool, overlap: bool, adamw_accum: bool) -> Run {
     let (global_batch, grad_accum, optimizer) = if adamw_accum { (60, 2, ADAMW) } else { (48, 1, SGD) };
-    Run {
-        which: Which::Mlp,
-        steps: 50,
-        global_batch,
-        grad_accum,
-        optimizer,
-        hand,
-        overlap,
-        zero: 0,
-        compress: None,
-        momentum: false,
-        robust: None,
-        attack: None,
-    }
+    Run { optimizer, hand, overlap, ..Run::mlp(50, global_batch, grad_accum) }
 }
 
 /// Every way of computing and reducing gradients: autograd or the hand-written
@@ -318,20 +325,7 @@ fn gpt_ddp_matches_one_worker_at_2_and_4_workers() {
     // relative on gpt.tok_emb after 50 steps), so equality within 1e-5 is a
     // property of the reduction, checked here with the optimizer that does not
     // amplify it; the MLP test covers AdamW.
-    let run = || Run {
-        which: Which::Gpt,
-        steps: 50,
-        global_batch: 12,
-        grad_accum: 1,
-        optimizer: SGD,
-        hand: false,
-        overlap: true,
-        zero: 0,
-        compress: None,
-        momentum: false,
-        robust: None,
-        attack: None,
-    };
+    let run = || Run { which: Which::Gpt, optimizer: SGD, ..Run::mlp(50, 12, 1) };
     let one = train_world(run(), 1);
     for n in [2, 4] {
         assert_close(&one, &train_world(run(), n), &format!("gpt, {n} workers"));
@@ -340,21 +334,7 @@ fn gpt_ddp_matches_one_worker_at_2_and_4_workers() {
 
 #[test]
 fn loss_falls_on_real_data() {
-    let run = Run {
-        which: Which::Mlp,
-        steps: 60,
-        global_batch: 64,
-        grad_accum: 1,
-        optimizer: ADAMW,
-        hand: false,
-        overlap: true,
-        zero: 0,
-        compress: None,
-        momentum: false,
-        robust: None,
-        attack: None,
-    };
-    let (_, losses) = train_rank(&run, None, 1, 0);
+    let (_, losses) = train_rank(&Run::mlp(60, 64, 1), None, 1, 0);
     let first: f32 = losses[..5].iter().sum::<f32>() / 5.0;
     let last: f32 = losses[losses.len() - 5..].iter().sum::<f32>() / 5.0;
     assert!(last < first * 0.5, "loss should fall: first {first}, last {last}");

@@ -4,23 +4,10 @@
 
 use shoal_ps::{Attack, Rule};
 
-use crate::equivalence::{ADAMW, Run, Which, train_world_with_losses};
+use crate::equivalence::{Run, train_world_with_losses};
 
 fn run(robust: Option<(Rule, usize)>) -> Run {
-    Run {
-        which: Which::Mlp,
-        steps: 30,
-        global_batch: 60,
-        grad_accum: 2,
-        optimizer: ADAMW,
-        hand: false,
-        overlap: true,
-        zero: 0,
-        compress: None,
-        momentum: false,
-        robust,
-        attack: None,
-    }
+    Run { robust, ..Run::mlp(30, 60, 2) }
 }
 
 /// The largest difference over the largest value, tensor by tensor.

@@ -35,20 +35,7 @@ fn mlp_zero3_matches_one_worker_with_adamw_and_gradient_accumulation() {
 }
 
 fn gpt(zero: u8, steps: usize, grad_accum: usize, prefetch: bool) -> Run {
-    Run {
-        which: Which::Gpt,
-        steps,
-        global_batch: 12,
-        grad_accum,
-        optimizer: ADAMW,
-        hand: false,
-        overlap: prefetch,
-        zero,
-        compress: None,
-        momentum: false,
-        robust: None,
-        attack: None,
-    }
+    Run { which: Which::Gpt, overlap: prefetch, zero, ..Run::mlp(steps, 12, grad_accum) }
 }
 
 /// The parameters without the key third of each attention's `qkv` bias. Its gradient is zero in exact arithmetic
