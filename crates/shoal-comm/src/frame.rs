@@ -38,6 +38,10 @@ pub enum Kind {
     StoreRequest = 20,
     /// Rendezvous store reply.
     StoreReply = 21,
+    /// A parameter server's request (`shoal-ps`: a push, a pull, …).
+    PsRequest = 30,
+    /// A parameter server's reply.
+    PsReply = 31,
 }
 
 impl Kind {
@@ -50,6 +54,8 @@ impl Kind {
             10 => Kind::Data,
             20 => Kind::StoreRequest,
             21 => Kind::StoreReply,
+            30 => Kind::PsRequest,
+            31 => Kind::PsReply,
             _ => return None,
         })
     }

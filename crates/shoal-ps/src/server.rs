@@ -8,8 +8,41 @@
 //! `staleness` steps ahead ([`Clocks::may_start`]).
 
 use crate::error::{PsError, Result};
-use crate::optim::{OptimConfig, update_flat};
+use crate::optim::{OptimConfig, update, update_flat};
 use crate::robust::{Rule, aggregate};
+use crate::shard::Span;
+
+/// How pushes become updates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    Sync,
+    Async,
+    Ssp { staleness: u64 },
+}
+
+impl Mode {
+    /// How many steps a worker may run ahead of the slowest (unbounded outside `ssp`).
+    pub fn staleness(self) -> u64 {
+        match self {
+            Mode::Ssp { staleness } => staleness,
+            _ => u64::MAX / 4,
+        }
+    }
+}
+
+/// A server's shard as saved: its values and optimizer state, its version, the workers' clocks, and the workers'
+/// step it was taken at (`u64::MAX`: at the end of the run).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Snapshot {
+    pub server: usize,
+    pub servers: usize,
+    pub step: u64,
+    pub version: u64,
+    pub values: Vec<f32>,
+    pub m: Vec<f32>,
+    pub v: Vec<f32>,
+    pub clocks: Vec<u64>,
+}
 
 /// One server's values, with the optimizer's state for them and how many updates they have had.
 #[derive(Debug, Clone, PartialEq)]
@@ -28,6 +61,68 @@ impl Shard {
         Shard { values, cfg, m: Vec::new(), v: Vec::new(), version: 0 }
     }
 
+    /// A shard resuming at `version` with its optimizer state (`m`, `v`: empty, or as long as `values`).
+    pub fn with_state(values: Vec<f32>, cfg: OptimConfig, m: Vec<f32>, v: Vec<f32>, version: u64) -> Result<Shard> {
+        for (name, s) in [("m", &m), ("v", &v)] {
+            if !s.is_empty() && s.len() != values.len() {
+                return Err(PsError::InvalidArgument(format!(
+                    "optimizer state {name} has {} values, the shard {}",
+                    s.len(),
+                    values.len()
+                )));
+            }
+        }
+        Ok(Shard { values, cfg, m, v, version })
+    }
+
+    /// The optimizer's state: `m` and `v` (empty until an update needs them).
+    pub fn moments(&self) -> (&[f32], &[f32]) {
+        (&self.m, &self.v)
+    }
+
+    /// The optimizer this shard is updated by.
+    pub fn config(&self) -> OptimConfig {
+        self.cfg
+    }
+
+    /// Applies one update to the values of `spans` only (rows of an embedding table a batch touched: the others,
+    /// and their optimizer state, stay as they are — a "lazy" update), from `grad`, the spans' gradients one after
+    /// another. Spans must be in order, apart, and inside the shard. Returns the new version.
+    pub fn apply_spans(&mut self, spans: &[Span], grad: &[f32], lr: f64) -> Result<u64> {
+        let n = self.values.len();
+        check_spans(spans, n)?;
+        let total: usize = spans.iter().map(|s| s.len as usize).sum();
+        if total != grad.len() {
+            return Err(PsError::InvalidArgument(format!(
+                "a push of {} values for spans of {total} values",
+                grad.len()
+            )));
+        }
+        let (uses_m, uses_v) = match self.cfg {
+            OptimConfig::Sgd { momentum, .. } => (momentum != 0.0, false),
+            OptimConfig::AdamW { .. } => (true, true),
+        };
+        if uses_m {
+            self.m.resize(n, 0.0);
+        }
+        if uses_v {
+            self.v.resize(n, 0.0);
+        }
+        let t = self.version + 1;
+        let mut at = 0;
+        for s in spans {
+            let r = s.start as usize..s.start as usize + s.len as usize;
+            let g = &grad[at..at + r.len()];
+            at += r.len();
+            // A zero momentum buffer makes the first use's formula and the later one's agree.
+            let m = uses_m.then(|| (&mut self.m[r.clone()], false));
+            let v = uses_v.then(|| (&mut self.v[r.clone()], false));
+            update(self.cfg, t, lr, &mut self.values[r], g, m, v)?;
+        }
+        self.version = t;
+        Ok(t)
+    }
+
     /// Applies one update from `grad` with learning rate `lr`: the formula every strategy applies
     /// ([`crate::optim::update`]), so a shard's values are what one process would hold. Returns the new version.
     pub fn apply(&mut self, grad: &[f32], lr: f64) -> Result<u64> {
@@ -42,26 +137,72 @@ impl Shard {
     }
 }
 
+/// Refuses spans out of order, overlapping, or reaching past `n` values.
+pub fn check_spans(spans: &[Span], n: usize) -> Result<()> {
+    let mut end = 0u64;
+    for s in spans {
+        let stop = s.start.checked_add(u64::from(s.len)).filter(|&e| e <= n as u64);
+        match stop {
+            Some(stop) if s.start >= end => end = stop,
+            _ => {
+                return Err(PsError::InvalidArgument(format!(
+                    "span {}..+{} is out of order, overlaps the one before, or reaches past the shard's {n} values",
+                    s.start, s.len
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// One worker's push to a round: the spans it covers (empty: every value) and their gradients.
+type Pushed = (Vec<Span>, Vec<f32>);
+
 /// The synchronous mode's gathering of one version's pushes: one from each of `workers`, for the shard's current
-/// version, combined by `rule` (bearing `f` attackers) once all are in.
+/// version, combined by `rule` (bearing `f` attackers) once all are in, times `scale`.
 #[derive(Debug)]
 pub struct Round {
     rule: Rule,
     f: usize,
     version: u64,
-    pushes: Vec<Option<Vec<f32>>>,
+    scale: f32,
+    pushes: Vec<Option<Pushed>>,
 }
 
 impl Round {
     /// A round of `workers` pushes for `version`; refused when `rule` cannot bear `f` attackers among them.
     pub fn new(workers: usize, rule: Rule, f: usize, version: u64) -> Result<Round> {
         rule.check(workers, f)?;
-        Ok(Round { rule, f, version, pushes: vec![None; workers] })
+        Ok(Round { rule, f, version, scale: 1.0, pushes: vec![None; workers] })
+    }
+
+    /// The combination multiplied by `scale` before it is applied (the number of workers, when each pushes its
+    /// share of the global batch's gradient: the mean of the shares, times their number, is their sum).
+    pub fn scaled(self, scale: f32) -> Round {
+        Round { scale, ..self }
+    }
+
+    /// The version this round gathers pushes for.
+    pub fn version(&self) -> u64 {
+        self.version
     }
 
     /// Takes `worker`'s push computed on `version`: refused when it is for another version or the worker pushed
     /// already. Returns whether the round is complete.
     pub fn push(&mut self, worker: usize, version: u64, grad: Vec<f32>) -> Result<bool> {
+        self.push_spans(worker, version, Vec::new(), grad)
+    }
+
+    /// [`Round::push`] of the gradients of some spans only (a sparse push; empty `spans`: every value). A round
+    /// with sparse pushes in it combines by the mean only (the robust rules compare whole gradients).
+    pub fn push_spans(&mut self, worker: usize, version: u64, spans: Vec<Span>, grad: Vec<f32>) -> Result<bool> {
+        if !spans.is_empty() && self.rule != Rule::Mean {
+            return Err(PsError::InvalidArgument(format!(
+                "worker {worker} pushed some rows only, but {} compares whole gradients: a sparse push needs the \
+                 mean",
+                self.rule.name()
+            )));
+        }
         let n = self.pushes.len();
         let Some(slot) = self.pushes.get_mut(worker) else {
             return Err(PsError::InvalidArgument(format!("worker {worker} of {n} pushed")));
@@ -75,7 +216,7 @@ impl Round {
         if slot.is_some() {
             return Err(PsError::InvalidArgument(format!("worker {worker} pushed twice for version {}", self.version)));
         }
-        *slot = Some(grad);
+        *slot = Some((spans, grad));
         Ok(self.pushes.iter().all(Option::is_some))
     }
 
@@ -97,11 +238,52 @@ impl Round {
         if !missing.is_empty() {
             return Err(PsError::InvalidArgument(format!("the round still waits for workers {missing:?}")));
         }
-        let pushes: Vec<Vec<f32>> = self.pushes.into_iter().flatten().collect();
-        let views: Vec<&[f32]> = pushes.iter().map(Vec::as_slice).collect();
-        let mut combined = vec![0f32; shard.values.len()];
-        aggregate(self.rule, self.f, &views, &mut combined)?;
-        shard.apply(&combined, lr)
+        let pushes: Vec<Pushed> = self.pushes.into_iter().flatten().collect();
+        let n = shard.values.len();
+        if pushes.iter().all(|(s, _)| s.is_empty()) {
+            let views: Vec<&[f32]> = pushes.iter().map(|(_, g)| g.as_slice()).collect();
+            let mut combined = vec![0f32; n];
+            aggregate(self.rule, self.f, &views, &mut combined)?;
+            if self.scale != 1.0 {
+                combined.iter_mut().for_each(|x| *x *= self.scale);
+            }
+            return shard.apply(&combined, lr);
+        }
+        // Sparse: the mean over the workers of what each pushed (nothing pushed is a zero), on the rows any touched.
+        let mut sum = vec![0f32; n];
+        let mut touched = vec![false; n];
+        let full = [Span { start: 0, len: u32::try_from(n).unwrap_or(u32::MAX) }];
+        for (spans, grad) in &pushes {
+            let spans = if spans.is_empty() { &full[..] } else { &spans[..] };
+            check_spans(spans, n)?;
+            let mut at = 0;
+            for s in spans {
+                let r = s.start as usize..s.start as usize + s.len as usize;
+                let g = grad.get(at..at + r.len()).ok_or_else(|| {
+                    PsError::InvalidArgument(format!("a push of {} values is shorter than its spans", grad.len()))
+                })?;
+                at += r.len();
+                sum[r.clone()].iter_mut().zip(g).for_each(|(a, g)| *a += g);
+                touched[r].iter_mut().for_each(|t| *t = true);
+            }
+        }
+        let k = self.scale / pushes.len() as f32;
+        let mut spans = Vec::new();
+        let mut grad = Vec::new();
+        let mut i = 0;
+        while i < n {
+            if !touched[i] {
+                i += 1;
+                continue;
+            }
+            let start = i;
+            while i < n && touched[i] && i - start < u32::MAX as usize {
+                grad.push(sum[i] * k);
+                i += 1;
+            }
+            spans.push(Span { start: start as u64, len: (i - start) as u32 });
+        }
+        shard.apply_spans(&spans, &grad, lr)
     }
 }
 
@@ -136,6 +318,25 @@ impl Clocks {
     /// The slowest worker's clock.
     pub fn slowest(&self) -> u64 {
         self.clocks.iter().copied().min().unwrap_or(0)
+    }
+
+    /// `worker` has finished: it holds no one back any more.
+    pub fn retire(&mut self, worker: usize) {
+        if let Some(c) = self.clocks.get_mut(worker) {
+            *c = u64::MAX / 2;
+        }
+    }
+
+    /// Each worker's clock.
+    pub fn clocks(&self) -> &[u64] {
+        &self.clocks
+    }
+
+    /// Sets the clocks (a restored server's).
+    pub fn restore(&mut self, clocks: &[u64]) {
+        for (c, &r) in self.clocks.iter_mut().zip(clocks) {
+            *c = r;
+        }
     }
 }
 

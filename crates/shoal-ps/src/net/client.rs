@@ -1,0 +1,325 @@
+//! A worker's side of the parameter servers: one authenticated connection to each server, and the exchanges a
+//! training step makes with all of them at once (a thread a server): push this worker's part of the gradient and
+//! pull the new values, densely or for some rows only. A connection that breaks (a server restarted) is opened
+//! again and the server's part of the exchange made again, until the deadline; every wait has one, and an error
+//! names the server and what it waited for.
+
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use crate::error::{PsError, Result};
+use crate::net::proto::{Reply, Request, Span, write_init, write_push};
+use crate::server::Mode;
+
+#[derive(Debug)]
+struct Conn {
+    stream: TcpStream,
+}
+
+/// What one exchange sends to one server and takes back from it.
+#[derive(Debug)]
+pub struct Part<'a> {
+    /// The gradient to push (`None`: pull only), for `push_spans` (empty: every value of the shard).
+    pub push: Option<&'a [f32]>,
+    pub push_spans: &'a [Span],
+    /// Where the pulled values go (`None`: push only), for `pull_spans` (empty: every value).
+    pub pull: Option<&'a mut [f32]>,
+    pub pull_spans: &'a [Span],
+}
+
+/// A worker's connections to the servers.
+pub struct Client {
+    addrs: Vec<String>,
+    conns: Vec<Option<Conn>>,
+    worker: usize,
+    secret: Vec<u8>,
+    mode: Mode,
+    /// How long one request may take, reconnections included.
+    timeout: Duration,
+    /// The version of each server's shard this worker last pulled: what its next gradient is computed on.
+    versions: Vec<u64>,
+    /// The slowest worker's clock, as the last reply said.
+    slowest: u64,
+    /// Bytes of values pushed and pulled.
+    pub bytes_pushed: u64,
+    pub bytes_pulled: u64,
+}
+
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Client")
+            .field("servers", &self.addrs)
+            .field("worker", &self.worker)
+            .field("mode", &self.mode)
+            .field("versions", &self.versions)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Client {
+    /// Connects `worker` to every server (`addrs`, in the servers' order), retrying while they start, for up to
+    /// `timeout`.
+    pub fn connect(addrs: Vec<String>, worker: usize, secret: &[u8], mode: Mode, timeout: Duration) -> Result<Client> {
+        let n = addrs.len();
+        let mut c = Client {
+            addrs,
+            conns: (0..n).map(|_| None).collect(),
+            worker,
+            secret: secret.to_vec(),
+            mode,
+            timeout,
+            versions: vec![0; n],
+            slowest: 0,
+            bytes_pushed: 0,
+            bytes_pulled: 0,
+        };
+        for s in 0..n {
+            c.conns[s] = Some(open(&c.addrs[s], s, worker, &c.secret, timeout)?);
+        }
+        Ok(c)
+    }
+
+    /// How many servers.
+    pub fn servers(&self) -> usize {
+        self.addrs.len()
+    }
+
+    /// The versions this worker last pulled, one a server.
+    pub fn versions(&self) -> &[u64] {
+        &self.versions
+    }
+
+    /// The slowest worker's clock as the servers last said (bounded staleness).
+    pub fn slowest(&self) -> u64 {
+        self.slowest
+    }
+
+    /// Gives each server its starting values and optimizer state (`parts[s]`: values, `m`, `v`), at `version`;
+    /// kept by a server that holds values already unless `force`. Returns each server's version after.
+    pub fn init(&mut self, force: bool, version: u64, parts: &[[&[f32]; 3]]) -> Result<Vec<u64>> {
+        self.check_parts(parts.len())?;
+        let timeout = self.timeout;
+        let (worker, secret) = (self.worker, self.secret.clone());
+        let addrs = self.addrs.clone();
+        let replies = each(&mut self.conns, parts.iter().collect(), |s, conn, p| {
+            with_retry(conn, &addrs[s], s, worker, &secret, timeout, |stream, peer| {
+                write_init(stream, force, version, *p, peer)?;
+                expect_version(Reply::read(stream, Vec::new(), peer)?, peer)
+            })
+        })?;
+        let versions: Vec<u64> = replies.iter().map(|r| r.0).collect();
+        self.versions.clone_from(&versions);
+        Ok(versions)
+    }
+
+    /// One step's exchange with every server at once (`parts[s]` for server `s`): the push, then the pull. In the
+    /// synchronous mode the pull waits for the version after the one the gradient was computed on (every worker's
+    /// push applied); under bounded staleness until this worker may start its next step; otherwise it takes the
+    /// newest values.
+    pub fn exchange(&mut self, lr: f64, parts: Vec<Part<'_>>) -> Result<()> {
+        self.check_parts(parts.len())?;
+        let timeout = self.timeout;
+        let (worker, secret, mode) = (self.worker, self.secret.clone(), self.mode);
+        let addrs = self.addrs.clone();
+        let versions = self.versions.clone();
+        let results = each(&mut self.conns, parts, |s, conn, mut part| {
+            let version = versions[s];
+            with_retry(conn, &addrs[s], s, worker, &secret, timeout, |stream, peer| {
+                let mut pushed = 0u64;
+                if let Some(g) = part.push {
+                    write_push(stream, version, lr, part.push_spans, g, peer)?;
+                    expect_version(Reply::read(stream, Vec::new(), peer)?, peer)?;
+                    pushed = g.len() as u64 * 4;
+                }
+                let Some(out) = part.pull.as_deref_mut() else { return Ok((version, 0, pushed, 0)) };
+                let min_version = match (mode, part.push) {
+                    (Mode::Sync, Some(_)) => version + 1,
+                    _ => 0,
+                };
+                Request::Pull { min_version, spans: part.pull_spans.to_vec() }.write(stream, peer)?;
+                match Reply::read(stream, Vec::new(), peer)? {
+                    Reply::Values { version, slowest, values } if values.len() == out.len() => {
+                        out.copy_from_slice(&values);
+                        Ok((version, slowest, pushed, values.len() as u64 * 4))
+                    }
+                    Reply::Values { values, .. } => Err(PsError::Server(format!(
+                        "{peer} sent {} values where this worker holds {}",
+                        values.len(),
+                        out.len()
+                    ))),
+                    Reply::Error(why) => Err(PsError::Server(why)),
+                    other => Err(unexpected(&other, peer)),
+                }
+            })
+        })?;
+        for (s, (version, slowest, pushed, pulled)) in results.into_iter().enumerate() {
+            self.versions[s] = version;
+            self.slowest = if s == 0 { slowest } else { self.slowest.min(slowest) };
+            self.bytes_pushed += pushed;
+            self.bytes_pulled += pulled;
+        }
+        Ok(())
+    }
+
+    /// Each server's version, values and optimizer state (`m`, `v`; empty when it has none yet).
+    #[allow(clippy::type_complexity)]
+    pub fn state(&mut self) -> Result<Vec<(u64, Vec<f32>, Vec<f32>, Vec<f32>)>> {
+        self.simple(
+            || Request::State,
+            |reply, peer| match reply {
+                Reply::State { version, values, m, v } => Ok((version, values, m, v)),
+                other => Err(unexpected(&other, peer)),
+            },
+        )
+    }
+
+    /// Asks every server to save its shard as of the workers' `step`.
+    pub fn checkpoint(&mut self, step: u64) -> Result<()> {
+        self.simple(|| Request::Checkpoint { step }, expect_version).map(drop)
+    }
+
+    /// Tells every server this worker has finished.
+    pub fn done(&mut self) -> Result<()> {
+        self.simple(|| Request::Done, expect_version).map(drop)
+    }
+
+    fn simple<T: Send>(
+        &mut self,
+        req: impl Fn() -> Request + Sync,
+        answer: impl Fn(Reply, &str) -> Result<T> + Sync,
+    ) -> Result<Vec<T>> {
+        let timeout = self.timeout;
+        let (worker, secret) = (self.worker, self.secret.clone());
+        let addrs = self.addrs.clone();
+        let unit = vec![(); self.conns.len()];
+        each(&mut self.conns, unit, |s, conn, ()| {
+            with_retry(conn, &addrs[s], s, worker, &secret, timeout, |stream, peer| {
+                req().write(stream, peer)?;
+                match Reply::read(stream, Vec::new(), peer)? {
+                    Reply::Error(why) => Err(PsError::Server(why)),
+                    r => answer(r, peer),
+                }
+            })
+        })
+    }
+
+    fn check_parts(&self, n: usize) -> Result<()> {
+        if n != self.addrs.len() {
+            return Err(PsError::InvalidArgument(format!("{n} parts for {} servers", self.addrs.len())));
+        }
+        Ok(())
+    }
+}
+
+fn unexpected(reply: &Reply, peer: &str) -> PsError {
+    let what = match reply {
+        Reply::Error(why) => return PsError::Server(why.clone()),
+        Reply::Version { .. } => "a version",
+        Reply::Values { .. } => "values",
+        Reply::State { .. } => "its state",
+    };
+    PsError::Server(format!("{peer} answered with {what}, which was not asked for"))
+}
+
+fn expect_version(reply: Reply, peer: &str) -> Result<(u64, u64)> {
+    match reply {
+        Reply::Version { version, slowest } => Ok((version, slowest)),
+        other => Err(unexpected(&other, peer)),
+    }
+}
+
+/// Runs `f` for every server at once, each on its own connection and part; the first error wins.
+fn each<P: Send, T: Send>(
+    conns: &mut [Option<Conn>],
+    parts: Vec<P>,
+    f: impl Fn(usize, &mut Option<Conn>, P) -> Result<T> + Sync,
+) -> Result<Vec<T>> {
+    if conns.len() == 1 {
+        let p = parts.into_iter().next().ok_or_else(|| PsError::InvalidArgument("no part for server 0".into()))?;
+        return Ok(vec![f(0, &mut conns[0], p)?]);
+    }
+    let results: Vec<Result<T>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = conns
+            .iter_mut()
+            .zip(parts)
+            .enumerate()
+            .map(|(s, (conn, p))| {
+                let f = &f;
+                scope.spawn(move || f(s, conn, p))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err(PsError::Server("a server's exchange panicked".into()))))
+            .collect()
+    });
+    results.into_iter().collect()
+}
+
+/// Opens server `s`'s connection as `worker`, retrying while it does not accept yet, until `timeout`.
+fn open(addr: &str, s: usize, worker: usize, secret: &[u8], timeout: Duration) -> Result<Conn> {
+    let deadline = Instant::now() + timeout;
+    let peer = format!("parameter server {s} at {addr}");
+    let mut pause = Duration::from_millis(20);
+    loop {
+        let tried = (|| -> Result<Conn> {
+            let mut stream =
+                TcpStream::connect(addr).map_err(|e| shoal_comm::Error::io(format!("connecting to {peer}"), e))?;
+            let _ = stream.set_nodelay(true);
+            stream
+                .set_read_timeout(Some(timeout))
+                .and_then(|()| stream.set_write_timeout(Some(timeout)))
+                .map_err(|e| shoal_comm::Error::io(format!("configuring the connection to {peer}"), e))?;
+            shoal_comm::auth::connect(&mut stream, secret, &(worker as u32).to_le_bytes(), &peer)?;
+            Ok(Conn { stream })
+        })();
+        match tried {
+            Ok(c) => return Ok(c),
+            Err(e @ PsError::Comm(shoal_comm::Error::Auth { .. })) => return Err(e),
+            Err(e) if Instant::now() + pause >= deadline => {
+                return Err(PsError::Server(format!("could not reach {peer} within {timeout:?}: {e}")));
+            }
+            Err(_) => {
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_millis(500));
+            }
+        }
+    }
+}
+
+/// Runs `f` on server `s`'s connection; when the connection breaks, opens it again and runs `f` again, until
+/// `timeout`. A server's refusal ([`PsError::Server`]) is final.
+fn with_retry<T>(
+    conn: &mut Option<Conn>,
+    addr: &str,
+    s: usize,
+    worker: usize,
+    secret: &[u8],
+    timeout: Duration,
+    mut f: impl FnMut(&mut TcpStream, &str) -> Result<T>,
+) -> Result<T> {
+    let deadline = Instant::now() + timeout;
+    let peer = format!("parameter server {s} at {addr}");
+    loop {
+        let c = match conn.take() {
+            Some(c) => c,
+            None => open(addr, s, worker, secret, deadline.saturating_duration_since(Instant::now()))?,
+        };
+        let mut c = c;
+        match f(&mut c.stream, &peer) {
+            Ok(t) => {
+                *conn = Some(c);
+                return Ok(t);
+            }
+            Err(e @ (PsError::Server(_) | PsError::InvalidArgument(_))) => {
+                *conn = Some(c);
+                return Err(e);
+            }
+            Err(e) if Instant::now() >= deadline => return Err(e),
+            Err(e) => {
+                tracing::warn!(server = s, worker, error = %e, "the connection to the server broke; opening it again");
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+    }
+}
