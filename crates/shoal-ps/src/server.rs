@@ -31,7 +31,7 @@ impl Mode {
 }
 
 /// A server's shard as saved: its values and optimizer state, its version, the workers' clocks, and the workers'
-/// step it was taken at (`u64::MAX`: at the end of the run).
+/// step it was taken at.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Snapshot {
     pub server: usize,

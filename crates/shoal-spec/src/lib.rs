@@ -91,6 +91,9 @@
 //! | `parallel.schedule` | `1f1b` |
 //! | `parallel.virtual_stages` | 2 under `schedule = "interleaved"`, else 1 |
 //! | `parallel.balance` | `time` under `strategy = "pipeline"` (a composed layout cuts by `params`) |
+//! | `ps.servers` | 1 |
+//! | `ps.mode` | `sync` |
+//! | `ps.staleness` (ssp) | 3 |
 //!
 //! # Model architectures (what [`ModelSpec::param_count`] counts)
 //!
@@ -118,6 +121,7 @@ use data::{Kind, Options, Split};
 
 mod compression;
 mod platform;
+mod ps;
 mod robust;
 #[cfg(feature = "openapi")]
 mod schema;
@@ -128,6 +132,7 @@ pub use platform::{
     FaultPolicy, FaultToleranceSpec, MAX_BYTES, MAX_DURATION, MAX_MILLI, MAX_WORKERS, PhaseSpec, ResourcesSpec,
     Seconds, WorkersSpec, parse_bytes, parse_milli,
 };
+pub use ps::{MAX_SERVERS, PsMode, PsSpec};
 pub use robust::{AttackName, ChaosSpec, RobustSpec, RuleName};
 pub use stats::median;
 
@@ -235,6 +240,9 @@ pub struct JobSpec {
     /// `[chaos]`: ranks that send forged gradients, for experiments with `[robust]`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub chaos: Option<ChaosSpec>,
+    /// `[ps]`: the parameter servers of `train.strategy = "ps"` (one synchronous server by default).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ps: Option<PsSpec>,
 }
 
 /// `[parallel]`: the layout of a pipeline-parallel or tensor-parallel job.
@@ -544,6 +552,10 @@ pub enum Strategy {
     /// with `parallel.zero = 1` sharding the optimizer state over each data-parallel group.
     #[serde(rename = "3d")]
     ThreeD,
+    /// Parameter servers (`[ps]`): `ps.servers` server processes beside the workers hold the model, spread over
+    /// them by size, with its optimizer state; each worker pushes its gradient and pulls the new values, in
+    /// `ps.mode` (`sync`: data parallelism's result; `async`; `ssp`: bounded staleness).
+    Ps,
     /// The planner's choice for the job's model at the world size it starts with and `resources.memory` per worker
     /// (`shoal_train::plan::choose`): among the layouts this build runs — data parallel with ZeRO 0–3, tensor,
     /// pipeline and composed ones, each with its `[parallel]` table — the fastest by the cost model that fits, else
@@ -554,9 +566,9 @@ pub enum Strategy {
 
 impl Strategy {
     /// The strategies that can run, as written in a spec.
-    pub const NAMES: [&'static str; 8] = ["ddp", "zero1", "zero2", "zero3", "pipeline", "tensor", "3d", "auto"];
+    pub const NAMES: [&'static str; 9] = ["ddp", "zero1", "zero2", "zero3", "pipeline", "tensor", "3d", "ps", "auto"];
     /// Strategies a spec may name that do not exist yet (refused with a message saying so).
-    pub const PLANNED: [&'static str; 2] = ["fsdp", "ps"];
+    pub const PLANNED: [&'static str; 1] = ["fsdp"];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -567,6 +579,7 @@ impl Strategy {
             Strategy::Pipeline => "pipeline",
             Strategy::Tensor => "tensor",
             Strategy::ThreeD => "3d",
+            Strategy::Ps => "ps",
             Strategy::Auto => "auto",
         }
     }
@@ -591,6 +604,7 @@ impl Strategy {
             "pipeline" => Some(Strategy::Pipeline),
             "tensor" => Some(Strategy::Tensor),
             "3d" => Some(Strategy::ThreeD),
+            "ps" => Some(Strategy::Ps),
             "auto" => Some(Strategy::Auto),
             _ => None,
         }
@@ -1467,10 +1481,60 @@ impl JobSpec {
                     .map_or(Ok(()), |r| r.validate(self.train.strategy, self.compression.is_some_and(|c| c.is_on()))),
             ),
             platform(self.chaos.as_ref().map_or(Ok(()), |c| c.validate(self.robust.as_ref()))),
+            self.validate_ps(),
         ]
         .into_iter()
         .filter_map(Result::err)
         .collect()
+    }
+
+    /// `[ps]` against the strategy: the table belongs to `train.strategy = "ps"`, whose servers each hold part of
+    /// the gradient (no clipping at its global norm), serve a fixed number of workers (not elastic), and combine by
+    /// a robust rule only in their synchronous rounds.
+    fn validate_ps(&self) -> Result<()> {
+        let t = &self.train;
+        if t.strategy != Strategy::Ps {
+            return match self.ps {
+                Some(_) => {
+                    Err(SpecError::at("ps", format!("applies to train.strategy = \"ps\" only, not \"{}\"", t.strategy)))
+                }
+                None => Ok(()),
+            };
+        }
+        let ps = self.ps.unwrap_or_default();
+        ps.validate().map_err(|(k, m)| SpecError::at(&k, m))?;
+        if t.clip_grad_norm.is_some() {
+            return Err(SpecError::at(
+                "train.clip_grad_norm",
+                "under train.strategy = \"ps\" each server holds part of the gradient: clipping at its global norm is \
+                 not available",
+            ));
+        }
+        if self.workers.min.is_some() || self.workers.max.is_some() {
+            return Err(SpecError::at(
+                "workers.min",
+                "the parameter servers serve a fixed number of workers: give workers.count, not a range",
+            ));
+        }
+        if self.robust.is_some() && ps.mode != PsMode::Sync {
+            return Err(SpecError::at(
+                "robust.rule",
+                "a robust rule combines a round's pushes: it needs ps.mode = \"sync\"",
+            ));
+        }
+        if self.chaos.is_some() {
+            return Err(SpecError::at("chaos", "attacks are simulated under train.strategy = \"ddp\" only"));
+        }
+        Ok(())
+    }
+
+    /// How many parameter servers the job starts beside its workers (`ps.servers` under `train.strategy = "ps"`;
+    /// else none).
+    pub fn ps_servers(&self) -> usize {
+        match self.train.strategy {
+            Strategy::Ps => self.ps.unwrap_or_default().servers,
+            _ => 0,
+        }
     }
 
     /// `[[phases]]`: boundaries in order and inside the run, each phase's tables valid and its workers able to share

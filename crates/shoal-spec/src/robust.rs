@@ -57,12 +57,12 @@ impl RobustSpec {
     /// `(key path, message)`.
     pub fn validate(&self, strategy: Strategy, compressed: bool) -> Result<(), (String, String)> {
         let rule = self.rule.rule();
-        if strategy != Strategy::Ddp {
+        if !matches!(strategy, Strategy::Ddp | Strategy::Ps) {
             return Err((
                 "robust.rule".into(),
                 format!(
-                    "\"{}\" combines every rank's whole gradient, which train.strategy = \"ddp\" gathers; \
-                     \"{strategy}\" does not",
+                    "\"{}\" combines every rank's whole gradient, which train.strategy = \"ddp\" gathers (and \
+                     \"ps\"'s servers hold); \"{strategy}\" does not",
                     rule.name()
                 ),
             ));

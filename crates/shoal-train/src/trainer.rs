@@ -170,6 +170,11 @@ impl Trainer {
         self.strategy.load_compression_state(named)
     }
 
+    /// The run's last step is done ([`Strategy::finish`]).
+    pub fn finish(&mut self) -> Result<()> {
+        self.strategy.finish()
+    }
+
     /// The strategy that runs (what the manifest and `summary.json` record).
     pub fn strategy_name(&self) -> &'static str {
         self.strategy.name()

@@ -187,8 +187,18 @@ pub fn run_job(
     if world % hosts != 0 {
         bail!("{}: workers.count = {world} cannot be split evenly over --nnodes {hosts}", job.display());
     }
-    // Workers on this host.
+    // Parameter servers run beside the workers, as the last ranks.
+    let servers = spec.ps_servers();
+    if servers > 0 && hosts > 1 {
+        bail!(
+            "{}: train.strategy = \"ps\" runs on one host under shoal run (its {servers} server(s) beside the workers); \
+             submit it to a platform to spread it",
+            job.display()
+        );
+    }
+    // Workers on this host, and the processes started here.
     let n = world / hosts;
+    let processes = n + servers;
     spec.validate_world(world).map_err(|e| anyhow::anyhow!("{}", e.with_origin(&job.display().to_string())))?;
     let out = output.map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("shoal-runs").join(&spec.name));
     std::fs::create_dir_all(&out).with_context(|| format!("creating the output directory {}", out.display()))?;
@@ -202,7 +212,7 @@ pub fn run_job(
     let progress = !json && std::io::stderr().is_terminal();
     let node_rank = nodes.as_ref().map_or(0, |n| n.rank);
     let opts = RunOptions {
-        ranks: n,
+        ranks: processes,
         output: Some(out.clone()),
         grace: Duration::from_secs(10),
         json: false,
@@ -212,8 +222,13 @@ pub fn run_job(
     if !json {
         let where_ =
             if hosts == 1 { String::new() } else { format!(" ({n} on this host, node {node_rank} of {hosts})") };
+        let beside = match servers {
+            0 => String::new(),
+            1 => " and 1 parameter server".to_string(),
+            s => format!(" and {s} parameter servers"),
+        };
         eprintln!(
-            "shoal run: {} ({} on {}, {} steps) with {world} worker{}{where_} -> {}",
+            "shoal run: {} ({} on {}, {} steps) with {world} worker{}{beside}{where_} -> {}",
             spec.name,
             format!("{:?}", spec.train.model.kind).to_lowercase(),
             spec.train.dataset,
@@ -228,7 +243,7 @@ pub fn run_job(
     let threads = shoal_comm::env::var::RAYON_THREADS;
     if std::env::var_os(threads).is_none() && !spec.env.contains_key(threads) {
         let cpus = std::thread::available_parallelism().map(|c| c.get()).unwrap_or(1);
-        env.push((threads.to_string(), (cpus / n).max(1).to_string()));
+        env.push((threads.to_string(), (cpus / processes).max(1).to_string()));
     }
     let code = run_ranks(&exe, &args, &env, &opts)?;
     if code != ExitCode::SUCCESS {

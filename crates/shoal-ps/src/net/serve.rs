@@ -4,7 +4,7 @@
 //! that wait for a version or for the slowest worker. Every wait is bounded by [`ServerConfig::wait`] and, when it
 //! passes, answered with an error that names what it waited for (the workers missing from the round, the slowest
 //! worker), never left hanging. The shard is saved through a [`Persist`] when the workers ask (at their
-//! checkpoints) and at the end, and a server started again resumes from the newest save.
+//! checkpoints), and a server started again resumes from the newest save.
 
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -162,7 +162,7 @@ impl Server {
         Killer(self.shared.clone())
     }
 
-    /// Serves until every worker has said it is done (then saves the shard one last time), or until no worker
+    /// Serves until every worker has said it is done, or until no worker
     /// has been heard from for [`ServerConfig::wait`] (an error naming the workers not done).
     pub fn run(self) -> Result<ServeReport> {
         let shared = self.shared.clone();
@@ -209,9 +209,6 @@ impl Server {
         }
         outcome?;
         let st = shared.lock();
-        if let (Some(p), Some(shard)) = (&shared.persist, &st.shard) {
-            p.save(&snapshot(&shared.cfg, shard, &st.clocks, u64::MAX))?;
-        }
         Ok(ServeReport { version: st.shard.as_ref().map_or(0, |s| s.version), ..st.report.clone() })
     }
 }

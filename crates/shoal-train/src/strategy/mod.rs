@@ -52,6 +52,7 @@ pub mod composed;
 pub mod compress;
 pub mod ddp;
 pub mod pipeline;
+pub mod ps;
 pub mod robust;
 pub mod schedule;
 pub mod shards;
@@ -237,6 +238,12 @@ pub trait Strategy: Send {
 
     /// Restores what [`Strategy::compression_state`] saved (at any world size, [`compress`]).
     fn load_compression_state(&mut self, _named: &std::collections::HashMap<String, Tensor>) -> Result<()> {
+        Ok(())
+    }
+
+    /// The run's last step is done: what the strategy holds outside this process is let go (parameter servers are
+    /// told this worker has finished). Nothing by default.
+    fn finish(&mut self) -> Result<()> {
         Ok(())
     }
 }

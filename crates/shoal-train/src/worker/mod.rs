@@ -24,6 +24,7 @@ mod heartbeat;
 mod regroup;
 mod report;
 mod resume;
+mod serve;
 mod setup;
 mod stop;
 mod train_loop;
@@ -51,6 +52,13 @@ pub struct WorkerOptions {
 /// Runs this process's rank of `spec`; rank 0 returns the summary.
 pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
     let started = Instant::now();
+    // The last `ps.servers` tasks of a parameter-server job serve the model instead.
+    if spec.ps_servers() > 0 {
+        let env = shoal_comm::env::EnvContract::from_env()?;
+        if let Some(index) = serve::server_index(spec, &env) {
+            return serve::run(spec, opts, env, index).map(|()| None);
+        }
+    }
     let (mut setup, params) = setup::setup(spec, &opts.output)?;
     // From here on, the job as it runs (`train.strategy = "auto"` resolved).
     let spec = &setup.spec.clone();
@@ -194,6 +202,7 @@ fn train(
     if let Some(b) = beat {
         b.phase(heartbeat::Phase::Finish);
     }
+    training.trainer.finish()?;
     let summary = report::finish(spec, setup, &training, &steps, trained, started, &opts.output)?;
     drop(steps);
     remove_memory_copies(setup);

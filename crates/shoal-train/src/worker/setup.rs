@@ -55,6 +55,9 @@ pub(super) struct Setup {
     /// Whether this rank is the first of its host: the one that writes the host's in-memory copies and removes them
     /// at the end.
     pub(super) host_leader: bool,
+    /// Under `train.strategy = "ps"`, the communicator of every task, servers included, that `comm` (the workers')
+    /// was split from: kept open while the job runs.
+    pub(super) _with_servers: Option<Communicator>,
 }
 
 /// The trainer and the sampler of this rank's batches.
@@ -104,6 +107,17 @@ pub(super) fn setup(asked: &JobSpec, output: &Path) -> Result<(Setup, Params)> {
         _ => None,
     };
     let comm = env.connect()?;
+    // Under parameter servers, the workers' own group: the servers are the last tasks, and train nothing.
+    let (comm, with_servers) = match asked.ps_servers() {
+        0 => (comm, None),
+        _ => {
+            let rank = comm.rank() as i64;
+            let workers = comm.split(Some(0), rank)?.ok_or_else(|| {
+                Error::InvalidArgument("the workers' group did not form without the parameter servers".into())
+            })?;
+            (workers, Some(comm))
+        }
+    };
     let (world, rank) = (comm.size(), comm.rank());
     let (planned, chose) = crate::plan::resolve(asked, world).map_err(Error::Spec)?;
     if let (0, Some(why)) = (rank, &chose) {
@@ -158,6 +172,7 @@ pub(super) fn setup(asked: &JobSpec, output: &Path) -> Result<(Setup, Params)> {
             link,
             memory,
             host_leader,
+            _with_servers: with_servers,
         },
         params,
     ))
@@ -190,13 +205,7 @@ impl Setup {
 pub(super) fn training(spec: &JobSpec, setup: &Setup, params: Params) -> Result<Training> {
     let t = &spec.train;
     let (comm, world, rank) = (&setup.comm, setup.world, setup.rank);
-    let optimizer = match t.optimizer {
-        OptimizerKind::Sgd => OptimConfig::Sgd { momentum: t.momentum(), weight_decay: t.weight_decay() },
-        OptimizerKind::Adamw => {
-            let [beta1, beta2] = t.betas();
-            OptimConfig::AdamW { beta1, beta2, eps: t.eps(), weight_decay: t.weight_decay() }
-        }
-    };
+    let optimizer = optimizer_config(spec);
     let overlap = match t.overlap {
         Overlap::On => true,
         Overlap::Off => false,
@@ -268,6 +277,18 @@ pub(super) fn training(spec: &JobSpec, setup: &Setup, params: Params) -> Result<
         Strategy::ThreeD => {
             Box::new(crate::strategy::composed::Composed::new(Some(comm.clone()), layout_config(spec)?))
         }
+        Strategy::Ps => {
+            let ps = spec.ps.unwrap_or_default();
+            let timeout = comm.config().timeout;
+            let addresses = shoal_ps::net::addresses(comm.store().as_ref(), &setup.comm_base, ps.servers, timeout)?;
+            let cfg = crate::strategy::ps::PsConfig {
+                addresses,
+                mode: ps.mode(),
+                secret: comm.config().secret.clone(),
+                timeout: super::serve::server_wait(timeout) + std::time::Duration::from_secs(30),
+            };
+            Box::new(crate::strategy::ps::Ps::new(Some(comm.clone()), &params, cfg)?)
+        }
         Strategy::Auto => return Err(Error::Spec("train.strategy: \"auto\" was not resolved".into())),
     };
     let trainer = Trainer::with_strategy(params, strategy, cfg)?;
@@ -282,6 +303,18 @@ pub(super) fn training(spec: &JobSpec, setup: &Setup, params: Params) -> Result<
         (rank / spec.tensor_degree()) % replicas,
     )?;
     Ok(Training { sampler, micro, overlap, ran, chose, trainer })
+}
+
+/// The optimizer `train.optimizer` names, with its settings.
+pub(super) fn optimizer_config(spec: &JobSpec) -> OptimConfig {
+    let t = &spec.train;
+    match t.optimizer {
+        OptimizerKind::Sgd => OptimConfig::Sgd { momentum: t.momentum(), weight_decay: t.weight_decay() },
+        OptimizerKind::Adamw => {
+            let [beta1, beta2] = t.betas();
+            OptimConfig::AdamW { beta1, beta2, eps: t.eps(), weight_decay: t.weight_decay() }
+        }
+    }
 }
 
 /// `[compression]` as the compressor takes it (seeded by the job's seed, so every rank draws alike).
