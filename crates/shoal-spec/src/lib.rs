@@ -2654,16 +2654,25 @@ lr = 0.01
             (mlp("strategy = \"tensor\"", ""), "parallel: train.strategy = \"tensor\" needs a [parallel] table"),
             (mlp("strategy = \"ps\"", ""), ""),
             (mlp("strategy = \"ps\"", "[ps]\nservers = 3\nmode = \"ssp\"\nstaleness = 2"), ""),
-            (mlp("strategy = \"ddp\"", "[ps]\nservers = 2"), "ps: applies to train.strategy = \"ps\" only, not \"ddp\""),
+            (
+                mlp("strategy = \"ddp\"", "[ps]\nservers = 2"),
+                "ps: applies to train.strategy = \"ps\" only, not \"ddp\"",
+            ),
             (mlp("strategy = \"ps\"", "[ps]\nservers = 0"), "ps.servers: must be 1 to 256, got 0"),
-            (mlp("strategy = \"ps\"", "[ps]\nmode = \"async\"\nstaleness = 2"), "ps.staleness: bounds mode = \"ssp\" only"),
+            (
+                mlp("strategy = \"ps\"", "[ps]\nmode = \"async\"\nstaleness = 2"),
+                "ps.staleness: bounds mode = \"ssp\" only",
+            ),
             (mlp("strategy = \"ps\"", "[ps]\nmode = \"eventual\""), "ps.mode: unknown variant `eventual`"),
             (mlp("strategy = \"ps\"\nclip_grad_norm = 1.0", ""), "train.clip_grad_norm: under train.strategy = \"ps\""),
             (
                 mlp("strategy = \"ps\"", "[ps]\nmode = \"async\"\n[robust]\nrule = \"median\""),
                 "robust.rule: a robust rule combines a round's pushes: it needs ps.mode = \"sync\"",
             ),
-            (mlp("strategy = \"ps\"", "[workers]\nmin = 2\nmax = 4"), "workers.min: the parameter servers serve a fixed"),
+            (
+                mlp("strategy = \"ps\"", "[workers]\nmin = 2\nmax = 4"),
+                "workers.min: the parameter servers serve a fixed",
+            ),
             (mlp("strategy = \"banana\"", ""), "train.strategy: unknown strategy \"banana\"; available: ddp"),
             (mlp("strategy = 3", ""), "train.strategy: invalid type: integer `3`, expected a strategy name"),
             (mlp("optimizer = \"adam\"", ""), "train.optimizer: unknown variant `adam`, expected `sgd` or `adamw`"),

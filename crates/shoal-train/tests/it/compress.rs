@@ -117,9 +117,9 @@ fn a_run_resumed_with_its_error_feedback_ends_bit_for_bit_where_the_uninterrupte
 /// the saved error feedback they do not.
 fn resumes_bit_for_bit(whole: Run, half: Run, what: &str) {
     let whole = train_world_from(whole, 2, None);
-    let first = train_world_from(half, 2, None);
+    let first = train_world_from(half.clone(), 2, None);
     assert!(!first.compression.is_empty(), "{what}: no error feedback saved");
-    let resumed = train_world_from(half, 2, Some(first.clone()));
+    let resumed = train_world_from(half.clone(), 2, Some(first.clone()));
     assert_eq!(resumed.params, whole.params, "{what}: resumed parameters differ");
     assert_eq!(resumed.optimizer, whole.optimizer, "{what}: resumed optimizer state differs");
     // Without the error feedback the resumed run is another run.

@@ -15,7 +15,7 @@ pub(crate) enum Which {
     Gpt,
 }
 
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 pub(crate) struct Run {
     pub(crate) which: Which,
     pub(crate) steps: usize,
@@ -36,6 +36,10 @@ pub(crate) struct Run {
     pub(crate) robust: Option<(shoal_ps::Rule, usize)>,
     /// With `robust`: one rank's buckets forged by this attack.
     pub(crate) attack: Option<(shoal_ps::Attack, usize)>,
+    /// Clip the gradient at a global norm of 1 (the parameter servers cannot).
+    pub(crate) clip: bool,
+    /// On parameter servers (`strategy = "ps"`): where they listen, and their mode.
+    pub(crate) ps: Option<(Vec<String>, shoal_ps::Mode)>,
 }
 
 impl Run {
@@ -54,6 +58,8 @@ impl Run {
             momentum: false,
             robust: None,
             attack: None,
+            clip: true,
+            ps: None,
         }
     }
 }
@@ -123,11 +129,21 @@ pub(crate) fn train_rank_from(
     let cfg = TrainerConfig {
         optimizer: run.optimizer,
         bucket_bytes: 4096,
-        clip_grad_norm: Some(1.0),
+        clip_grad_norm: run.clip.then_some(1.0),
         overlap: run.overlap,
         ..TrainerConfig::default()
     };
     let strategy: Box<dyn shoal_train::strategy::Strategy> = match (run.zero, run.compress) {
+        (0, None) if run.ps.is_some() => {
+            let (addresses, mode) = run.ps.clone().expect("servers");
+            let cfg = shoal_train::strategy::ps::PsConfig {
+                addresses,
+                mode,
+                secret: crate::ps::SECRET.to_vec(),
+                timeout: Duration::from_secs(60),
+            };
+            Box::new(shoal_train::strategy::ps::Ps::new(comm, &params, cfg).expect("parameter-server strategy"))
+        }
         (0, None) => {
             let ddp = shoal_train::strategy::ddp::Ddp::new(comm, cfg.ddp());
             let ddp = match run.robust {
@@ -220,6 +236,7 @@ pub(crate) fn train_rank_from(
     let params = values(trainer.model_state().expect("model state"));
     let optimizer = values(trainer.optimizer_state().expect("optimizer state"));
     let compression = values(trainer.compression_state().expect("compression state"));
+    trainer.finish().expect("finish");
     (Saved { params, optimizer, t: trainer.optimizer().t, steps: done + run.steps, compression }, losses)
 }
 

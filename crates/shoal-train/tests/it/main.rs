@@ -5,6 +5,7 @@ mod compress;
 mod equivalence;
 mod param_counts;
 mod pipeline;
+mod ps;
 mod robust;
 mod tensor;
 mod zero3;
