@@ -14,6 +14,7 @@ mod kubelet;
 mod kubernetes;
 mod multihost;
 mod platform;
+mod ps;
 mod remote;
 mod run;
 mod slurm;
