@@ -1468,6 +1468,7 @@ async function jobView(ctx, root, seg) {
     };
     fill(workersBox, table([
       { label: 'rank', num: true, get: (w) => fmtInt(w.rank) },
+      { label: 'role', get: (w) => str(w.role || 'worker') },
       { label: 'state', get: (w) => str(w.state) },
       { label: 'attempt', num: true, get: (w) => fmtInt(w.attempt) },
       { label: 'node', get: (w) => str(w.node) },

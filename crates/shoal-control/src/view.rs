@@ -30,8 +30,8 @@ pub fn job(j: &JobRow) -> wire::JobView {
     }
 }
 
-/// One worker of a job's attempt.
-pub fn task(t: &TaskRow) -> wire::TaskView {
+/// One task of a job's attempt; `servers` of the job's tasks, the last ones, are parameter servers.
+pub fn task(t: &TaskRow, tasks: i64, servers: i64) -> wire::TaskView {
     wire::TaskView {
         job_id: t.job_id.clone(),
         attempt: t.attempt,
@@ -48,6 +48,7 @@ pub fn task(t: &TaskRow) -> wire::TaskView {
         started_ms: t.started_ms,
         ended_ms: t.ended_ms,
         cpu_seconds: t.cpu_seconds,
+        role: if servers > 0 && t.rank >= tasks - servers { wire::TaskRole::Server } else { wire::TaskRole::Worker },
     }
 }
 
@@ -117,12 +118,14 @@ pub async fn job_detail(control: &Control, job: &JobRow) -> Result<wire::JobDeta
     }
     let events = db.events(&job.id, 0).await?;
     let last = db.metrics(&job.id, Some(0), db.last_metric_step(&job.id, 0).await? - 1, 1).await?;
+    // Parsed afresh rather than through the control loop's cache, which holds active jobs only.
+    let spec = parse_stored_spec(job).ok();
+    let servers = spec.as_ref().map_or(0, |s| s.ps_servers() as i64);
     Ok(wire::JobDetail {
         job: self::job(job),
-        workers: tasks.iter().map(task).collect(),
+        workers: tasks.iter().map(|t| task(t, job.workers, servers)).collect(),
         events: events.iter().map(event).collect(),
-        // Parsed afresh rather than through the control loop's cache, which holds active jobs only.
-        spec: parse_stored_spec(job).ok(),
+        spec,
         summary: job.summary.as_deref().and_then(|s| serde_json::from_str(s).ok()),
         last_metrics: last.into_iter().next().map(|m| m.data).filter(|d| !d.is_null()),
         hang_dump: control.hang_dump(&job.id),

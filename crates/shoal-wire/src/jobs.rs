@@ -138,6 +138,20 @@ pub struct TaskView {
     pub ended_ms: Option<i64>,
     /// CPU time its processes used (user + system), as last sampled.
     pub cpu_seconds: Option<f64>,
+    /// What it does: `worker` (trains), or `server` (a parameter server of `train.strategy = "ps"`, the job's last
+    /// tasks).
+    pub role: TaskRole,
+}
+
+/// What a task of a job does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum TaskRole {
+    /// Trains: a rank of the workers' group.
+    #[default]
+    Worker,
+    /// Serves the model: a parameter server.
+    Server,
 }
 
 /// One transition or notable fact of a job.

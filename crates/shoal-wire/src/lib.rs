@@ -31,5 +31,5 @@ pub use error::{ErrorBody, ErrorCode};
 pub use faults::{ChaosAction, ChaosDone, ChaosRequest, HangDump, Heartbeat, HeartbeatReply, RankDump, Regroup};
 pub use jobs::{
     CancelAccepted, Diagnosis, Event, EventList, Finding, JobDetail, JobList, JobState, JobView, LogText, Metric,
-    MetricList, MetricsBatch, MetricsStored, Submitted, TaskState, TaskView,
+    MetricList, MetricsBatch, MetricsStored, Submitted, TaskRole, TaskState, TaskView,
 };

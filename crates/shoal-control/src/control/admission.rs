@@ -9,10 +9,18 @@ use crate::error::{ControlError, Result};
 
 use super::state::Control;
 
+/// The tasks a job asks for: its workers' range, and its parameter servers (`ps.servers` under
+/// `train.strategy = "ps"`) beside them — the last tasks of its gang.
+pub fn tasks_range(spec: &JobSpec) -> (u32, u32) {
+    let (lo, hi) = spec.workers.range();
+    let servers = spec.ps_servers() as u32;
+    (lo.saturating_add(servers), hi.saturating_add(servers))
+}
+
 /// The scheduler's view of a job's request. A job restarted by `fault_tolerance.policy = "restart"` asks for the
-/// number of workers it ran with (its gang starts again whole); an elastic one for whatever fits its range.
+/// number of tasks it ran with (its gang starts again whole); an elastic one for whatever fits its range.
 pub fn request_of(job: &JobRow, spec: &JobSpec) -> JobRequest {
-    let (mut lo, mut hi) = spec.workers.range();
+    let (mut lo, mut hi) = tasks_range(spec);
     let same = job.workers.clamp(i64::from(lo), i64::from(hi)) as u32;
     if job.restarts > 0 && job.workers > 0 && spec.fault_tolerance.policy == shoal_spec::FaultPolicy::Restart {
         (lo, hi) = (same, same);
@@ -57,7 +65,7 @@ impl Control {
     /// Whether a job could ever run here, by the scheduler's own admission check; a refusal names the spec's key
     /// (`resources.gpus`, `workers`, `queue`, ...) rather than the scheduler's field.
     pub fn admissible(&self, team: &str, spec: &JobSpec) -> Result<()> {
-        let (lo, hi) = spec.workers.range();
+        let (lo, hi) = tasks_range(spec);
         let req = JobRequest {
             id: "(submitted)".into(),
             team: team.to_owned(),

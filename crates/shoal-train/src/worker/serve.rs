@@ -41,9 +41,15 @@ pub(super) fn run(spec: &JobSpec, opts: &WorkerOptions, env: EnvContract, index:
     let workers = env.world_size - servers;
     let (name, secret, timeout, advertise) =
         (env.cfg.name.clone(), env.cfg.secret.clone(), env.cfg.timeout, env.cfg.advertise);
+    let (link, attempt, task_rank) = (super::setup::server_link(&env), env.attempt, env.task_rank);
     let world = env.connect()?;
     // The workers' group forms without the servers.
     let _none = world.split(None, 0)?;
+    // On the platform the control loop hears from the server as from every task: it serves while the workers train.
+    let beat = attempt.and_then(|a| super::heartbeat::Beat::start(world.clone(), task_rank, a, 0, &opts.output, link));
+    if let Some(b) = &beat {
+        b.phase(super::heartbeat::Phase::Train);
+    }
     let mut rng = SeededRng::new(spec.train.seed);
     let (params, _) = super::build_model(spec, &mut rng)?;
     let plan = plan(&params, servers)?;
@@ -65,7 +71,18 @@ pub(super) fn run(spec: &JobSpec, opts: &WorkerOptions, env: EnvContract, index:
         secret,
     };
     tracing::info!(server = index, %addr, values = plan.sizes()[index], "parameter server listening");
-    let report = Server::new(listener, cfg, Some(Arc::new(persist)))?.run()?;
+    let report = Server::new(listener, cfg, Some(Arc::new(persist))).and_then(Server::run);
+    let report = match (report, &beat) {
+        (Ok(r), _) => r,
+        (Err(e), Some(b)) => {
+            b.fail(&e.to_string());
+            return Err(e.into());
+        }
+        (Err(e), None) => return Err(e.into()),
+    };
+    if let Some(b) = &beat {
+        b.phase(super::heartbeat::Phase::Finish);
+    }
     eprintln!(
         "parameter server {index}: version {}, {} pushes and {} pulls served, {:.1} MB in, {:.1} MB out{}",
         report.version,

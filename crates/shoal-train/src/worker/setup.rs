@@ -82,18 +82,7 @@ pub(super) fn setup(asked: &JobSpec, output: &Path) -> Result<(Setup, Params)> {
     let env = shoal_comm::env::EnvContract::from_env()?;
     let attempt = env.attempt;
     let job_id = env.job_id.clone();
-    let link = match (&env.server, &job_id, attempt) {
-        (Some(server), Some(job), Some(_)) => {
-            match super::heartbeat::ServerLink::new(server, env.server_ca.as_deref(), job, &env.cfg.secret) {
-                Ok(l) => Some(Arc::new(l)),
-                Err(e) => {
-                    tracing::warn!(server, error = %e, "heartbeats cannot go to the server; they go to files");
-                    None
-                }
-            }
-        }
-        _ => None,
-    };
+    let link = server_link(&env);
     let (task_rank, joined, comm_base) = (env.task_rank, env.generation, env.cfg.name.clone());
     // Said again until this rank's heartbeats start, when `_announcing` is dropped at the end of the set-up.
     let _announcing = match (joined, &link, attempt) {
@@ -176,6 +165,23 @@ pub(super) fn setup(asked: &JobSpec, output: &Path) -> Result<(Setup, Params)> {
         },
         params,
     ))
+}
+
+/// The link to the control plane a task's heartbeats go over (on the platform; `None` under `shoal run`, or while
+/// the server cannot be reached: then they go to files).
+pub(super) fn server_link(env: &shoal_comm::env::EnvContract) -> Option<Arc<super::heartbeat::ServerLink>> {
+    match (&env.server, &env.job_id, env.attempt) {
+        (Some(server), Some(job), Some(_)) => {
+            match super::heartbeat::ServerLink::new(server, env.server_ca.as_deref(), job, &env.cfg.secret) {
+                Ok(l) => Some(Arc::new(l)),
+                Err(e) => {
+                    tracing::warn!(server, error = %e, "heartbeats cannot go to the server; they go to files");
+                    None
+                }
+            }
+        }
+        _ => None,
+    }
 }
 
 /// Whether this rank is the first of its host in `comm`.

@@ -114,6 +114,7 @@ fn job_body() -> String {
             started_ms: Some(0),
             ended_ms: None,
             cpu_seconds: None,
+            role: shoal_wire::TaskRole::Worker,
         }],
         events: vec![shoal_wire::Event {
             id: 1,

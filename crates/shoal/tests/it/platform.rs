@@ -1199,3 +1199,29 @@ fn an_attack_is_told_as_an_experiment_and_the_median_bears_it() {
     let (first, last) = (losses[0], losses[losses.len() - 1]);
     assert!(last < first * 0.7, "under the median the loss fell from {first} to {last} only");
 }
+
+/// A parameter-server job (`train.strategy = "ps"`): the platform starts its server beside its two workers as the
+/// last task of the gang, the scheduler accounts for three tasks, the job shows each task's role, and the server's
+/// log says what it served.
+#[test]
+fn parameter_servers_are_tasks_of_their_job() {
+    let p = Platform::new("ps-tasks");
+    let spec = digits_job("ps", 60, 0, 30, 10, false)
+        .replace("dataset = \"digits\"", "dataset = \"digits\"\nstrategy = \"ps\"")
+        .replace("cpus = 1\n", "cpus = 0.5\n")
+        + "\n[ps]\nservers = 1\nmode = \"sync\"\n";
+    let id = p.submit("ps", &spec);
+    let v = p.wait_state(&id, "succeeded");
+    assert_eq!(v["worker_count"], 3, "two workers and a server: {v}");
+    let roles: Vec<(i64, String)> = v["workers"]
+        .as_array()
+        .unwrap_or_else(|| panic!("tasks: {v}"))
+        .iter()
+        .map(|t| (t["rank"].as_i64().unwrap_or(-1), t["role"].as_str().unwrap_or("").to_string()))
+        .collect();
+    assert_eq!(roles, vec![(0, "worker".into()), (1, "worker".into()), (2, "server".into())], "{v}");
+    let log = std::fs::read_to_string(p.job_dir(&id).join("attempt-1/rank-2.log")).expect("rank-2.log");
+    assert!(log.contains("parameter server 0: version 60, 120 pushes"), "{log}");
+    let losses = check_metrics(&p, &id, 60);
+    assert!(losses[losses.len() - 1] < losses[0] * 0.7, "the loss fell from {} to {} only", losses[0], losses[59]);
+}
