@@ -133,7 +133,9 @@ pub struct TcpTransport {
     peers: Vec<Option<Peer>>,
 }
 
-fn tune(stream: &TcpStream) -> std::io::Result<()> {
+/// Tunes a connection for bulk transfers as the collectives' links are: no Nagle delay, 4 MiB socket buffers (the
+/// parameter servers' connections use it too).
+pub fn tune(stream: &TcpStream) -> std::io::Result<()> {
     stream.set_nodelay(true)?;
     let sock = socket2::SockRef::from(stream);
     sock.set_send_buffer_size(SOCKET_BUFFER)?;

@@ -39,6 +39,9 @@ pub enum BenchWhat {
     /// Gradient codecs: their speed on one core, the bytes they send and the all-reduce time (see
     /// `bench_compress`).
     Compress,
+    /// Parameter servers: push and pull throughput, against Ray's actor parameter server and an all-reduce of the
+    /// same size (see `bench_ps`).
+    Ps,
 }
 
 impl BenchWhat {
@@ -49,7 +52,7 @@ impl BenchWhat {
             BenchWhat::Broadcast => Some(BenchOp::Broadcast),
             BenchWhat::Allgather => Some(BenchOp::Allgather),
             BenchWhat::Reducescatter => Some(BenchOp::Reducescatter),
-            BenchWhat::Checkpoint | BenchWhat::Compress => None,
+            BenchWhat::Checkpoint | BenchWhat::Compress | BenchWhat::Ps => None,
         }
     }
 }
@@ -112,9 +115,20 @@ pub struct BenchArgs {
     /// One JSON object per size instead of the table.
     #[arg(long)]
     pub json: bool,
-    /// checkpoint: parameters of the model saved, with AdamW's two moments (12 bytes each); K, M, G suffixes.
-    #[arg(long, default_value = "100M")]
-    pub params: String,
+    /// checkpoint: parameters of the model saved, with AdamW's two moments (12 bytes each; default 100M); ps:
+    /// parameters on the servers (default 10M); K, M, G suffixes.
+    #[arg(long)]
+    pub params: Option<String>,
+    /// ps: parameter servers (separate processes; `--ranks` is the workers).
+    #[arg(long, default_value_t = 2)]
+    pub servers: usize,
+    /// ps: seconds of pushes and pulls timed, after one of warm-up.
+    #[arg(long, default_value_t = 10.0)]
+    pub seconds: f64,
+    /// ps: a Python with Ray, to measure Ray's actor parameter server of the same shape beside ours
+    /// (`scripts/setup-ray.sh` makes one; default: `$SHOAL_RAY_PYTHON`; neither: ours alone).
+    #[arg(long)]
+    pub ray: Option<std::path::PathBuf>,
     /// checkpoint: rounds, each probing the disk both ways and saving once.
     #[arg(long, default_value_t = 3)]
     pub rounds: usize,

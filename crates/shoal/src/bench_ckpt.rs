@@ -19,7 +19,8 @@ use crate::bench::BenchArgs;
 /// The save speed must reach this share of the disk's.
 const TARGET: f64 = 0.5;
 
-fn parse_count(s: &str) -> Result<usize> {
+/// A count like `100M` (K, M, G: powers of ten).
+pub(crate) fn parse_count(s: &str) -> Result<usize> {
     let s = s.trim();
     let (num, mult) = match s.char_indices().last() {
         Some((i, 'K' | 'k')) => (&s[..i], 1e3),
@@ -48,7 +49,7 @@ impl Drop for Scratch {
 }
 
 pub fn run(args: &BenchArgs) -> Result<bool> {
-    let n = parse_count(&args.params)?;
+    let n = parse_count(args.params.as_deref().unwrap_or("100M"))?;
     if args.rounds == 0 {
         bail!("--rounds must be at least 1");
     }

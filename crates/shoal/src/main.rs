@@ -3,6 +3,7 @@
 mod bench;
 mod bench_ckpt;
 mod bench_compress;
+mod bench_ps;
 mod checkpoint;
 mod faults;
 mod k8s;
@@ -194,6 +195,9 @@ enum Cmd {
     /// One rank of `shoal bench compress` (started by it).
     #[command(hide = true, name = "bench-compress-rank")]
     BenchCompressRank { spec: String },
+    /// One worker or server of `shoal bench ps` (started by it).
+    #[command(hide = true, name = "bench-ps-rank")]
+    BenchPsRank { spec: String },
 }
 
 fn init_tracing() {
@@ -214,7 +218,12 @@ fn init_tracing() {
 fn quiet_on_closed_stdout(cmd: &Cmd) -> bool {
     !matches!(
         cmd,
-        Cmd::Run(_) | Cmd::Server(_) | Cmd::Worker { .. } | Cmd::BenchRank { .. } | Cmd::BenchCompressRank { .. }
+        Cmd::Run(_)
+            | Cmd::Server(_)
+            | Cmd::Worker { .. }
+            | Cmd::BenchRank { .. }
+            | Cmd::BenchCompressRank { .. }
+            | Cmd::BenchPsRank { .. }
     )
 }
 
@@ -228,10 +237,12 @@ fn main() -> std::process::ExitCode {
     let result: Result<bool> = match cli.command {
         Cmd::Run(args) => return run::main(&args),
         Cmd::Bench { op: bench::BenchWhat::Compress, args } => bench_compress::run(&args),
+        Cmd::Bench { op: bench::BenchWhat::Ps, args } => bench_ps::run(&args),
         Cmd::Bench { op, args } if op.collective().is_none() => bench_ckpt::run(&args),
         Cmd::Bench { op, args } => bench::run_bench(op, &args),
         Cmd::BenchRank { spec } => bench::run_rank(&spec).map(|()| true),
         Cmd::BenchCompressRank { spec } => bench_compress::run_rank(&spec).map(|()| true),
+        Cmd::BenchPsRank { spec } => bench_ps::run_rank(&spec).map(|()| true),
         Cmd::Worker { output, resume, job } => worker(&job, output, resume),
         Cmd::Demo { keep, steps, json } => platform::demo(keep, steps.map(|n| n as usize), json),
         Cmd::Server(args) => platform::server(&args),

@@ -8,7 +8,7 @@ use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
 use crate::error::{PsError, Result};
-use crate::net::proto::{Reply, Request, Span, write_init, write_push};
+use crate::net::proto::{Reply, Request, Span, read_values_into, write_init, write_push};
 use crate::server::Mode;
 
 #[derive(Debug)]
@@ -137,19 +137,8 @@ impl Client {
                     _ => 0,
                 };
                 Request::Pull { min_version, spans: part.pull_spans.to_vec() }.write(stream, peer)?;
-                match Reply::read(stream, Vec::new(), peer)? {
-                    Reply::Values { version, slowest, values } if values.len() == out.len() => {
-                        out.copy_from_slice(&values);
-                        Ok((version, slowest, pushed, values.len() as u64 * 4))
-                    }
-                    Reply::Values { values, .. } => Err(PsError::Server(format!(
-                        "{peer} sent {} values where this worker holds {}",
-                        values.len(),
-                        out.len()
-                    ))),
-                    Reply::Error(why) => Err(PsError::Server(why)),
-                    other => Err(unexpected(&other, peer)),
-                }
+                let (version, slowest) = read_values_into(stream, out, peer)?;
+                Ok((version, slowest, pushed, out.len() as u64 * 4))
             })
         })?;
         for (s, (version, slowest, pushed, pulled)) in results.into_iter().enumerate() {
@@ -265,7 +254,7 @@ fn open(addr: &str, s: usize, worker: usize, secret: &[u8], timeout: Duration) -
         let tried = (|| -> Result<Conn> {
             let mut stream =
                 TcpStream::connect(addr).map_err(|e| shoal_comm::Error::io(format!("connecting to {peer}"), e))?;
-            let _ = stream.set_nodelay(true);
+            let _ = shoal_comm::tcp::tune(&stream);
             stream
                 .set_read_timeout(Some(timeout))
                 .and_then(|()| stream.set_write_timeout(Some(timeout)))
@@ -311,10 +300,12 @@ fn with_retry<T>(
                 *conn = Some(c);
                 return Ok(t);
             }
-            Err(e @ (PsError::Server(_) | PsError::InvalidArgument(_))) => {
+            Err(e @ PsError::Server(_)) => {
                 *conn = Some(c);
                 return Err(e);
             }
+            // The connection may hold what was not read: it is opened afresh next time.
+            Err(e @ PsError::InvalidArgument(_)) => return Err(e),
             Err(e) if Instant::now() >= deadline => return Err(e),
             Err(e) => {
                 tracing::warn!(server = s, worker, error = %e, "the connection to the server broke; opening it again");

@@ -151,6 +151,41 @@ fn write_message(w: &mut impl Write, kind: Kind, head: &[u8], values: &[&[f32]],
 
 /// Reads one message of `kind`: its head, and its values into `values` (resized to fit).
 fn read_message(r: &mut impl Read, kind: Kind, values: &mut Vec<f32>, peer: &str) -> Result<Vec<u8>> {
+    let (head, count) = read_head(r, kind, peer)?;
+    values.clear();
+    values.resize(count, 0.0);
+    read_values(r, values, kind, peer)?;
+    Ok(head)
+}
+
+fn read_values(r: &mut impl Read, values: &mut [f32], kind: Kind, peer: &str) -> Result<()> {
+    r.read_exact(bytemuck::cast_slice_mut(values))
+        .map_err(|e| PsError::Comm(shoal_comm::Error::io(format!("reading a {kind:?}'s values from {peer}"), e)))
+}
+
+/// Reads a [`Reply::Values`] straight into `out`, which must be as long as the values sent: no buffer between the
+/// socket and the worker's parameters. Returns the version and the slowest worker's clock; a server's error is
+/// [`PsError::Server`].
+pub fn read_values_into(r: &mut impl Read, out: &mut [f32], peer: &str) -> Result<(u64, u64)> {
+    let (head, count) = read_head(r, Kind::PsReply, peer)?;
+    let mut c = Cursor { b: &head, peer };
+    match c.u8()? {
+        R_VALUES if count == out.len() => {
+            let (version, slowest) = (c.u64()?, c.u64()?);
+            c.end()?;
+            read_values(r, out, Kind::PsReply, peer)?;
+            Ok((version, slowest))
+        }
+        R_VALUES => {
+            Err(PsError::InvalidArgument(format!("{peer} sent {count} values where this worker holds {}", out.len())))
+        }
+        R_ERROR if count == 0 => Err(PsError::Server(c.rest_str())),
+        op => Err(protocol(peer, format!("reply {op} with {count} values where values were asked for"))),
+    }
+}
+
+/// Reads a message's frame header and head; returns the head and how many values follow.
+fn read_head(r: &mut impl Read, kind: Kind, peer: &str) -> Result<(Vec<u8>, usize)> {
     let h = frame::read_header(r, MAX_PAYLOAD, peer)?;
     if h.kind != kind {
         return Err(protocol(peer, format!("expected a {kind:?}, got a {:?}", h.kind)));
@@ -168,10 +203,7 @@ fn read_message(r: &mut impl Read, kind: Kind, values: &mut Vec<f32>, peer: &str
     if !bytes.is_multiple_of(4) {
         return Err(protocol(peer, format!("{bytes} bytes of values are not whole f32s")));
     }
-    values.clear();
-    values.resize((bytes / 4) as usize, 0.0);
-    r.read_exact(bytemuck::cast_slice_mut(values.as_mut_slice())).map_err(io)?;
-    Ok(head)
+    Ok((head, (bytes / 4) as usize))
 }
 
 /// Splits `values` into parts of the given lengths, refusing a total that disagrees.
@@ -200,6 +232,12 @@ const R_STATE: u8 = 3;
 pub fn write_push(w: &mut impl Write, version: u64, lr: f64, spans: &[Span], grad: &[f32], peer: &str) -> Result<()> {
     let head = Head::default().u8(PUSH).u64(version).f64(lr).spans(spans);
     write_message(w, Kind::PsRequest, &head.0, &[grad], peer)
+}
+
+/// Writes a [`Reply::Values`] from borrowed values (a server's shard, sent while it holds it).
+pub fn write_values(w: &mut impl Write, version: u64, slowest: u64, values: &[&[f32]], peer: &str) -> Result<()> {
+    let head = Head::default().u8(R_VALUES).u64(version).u64(slowest);
+    write_message(w, Kind::PsReply, &head.0, values, peer)
 }
 
 /// Writes a [`Request::Init`] from borrowed values.

@@ -12,7 +12,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use crate::error::{PsError, Result};
-use crate::net::proto::{Reply, Request};
+use crate::net::proto::{Reply, Request, write_values};
 use crate::optim::OptimConfig;
 use crate::robust::Rule;
 use crate::server::{Clocks, Mode, Round, Shard, Snapshot, check_spans};
@@ -249,7 +249,7 @@ fn serve_connection(shared: &Shared, mut stream: TcpStream, addr: String) {
     let cfg = &shared.cfg;
     let set_up = (|| -> Result<usize> {
         stream.set_nonblocking(false).map_err(|e| shoal_comm::Error::io("configuring a worker's connection", e))?;
-        let _ = stream.set_nodelay(true);
+        let _ = shoal_comm::tcp::tune(&stream);
         let _ = stream.set_read_timeout(Some(cfg.wait));
         let _ = stream.set_write_timeout(Some(cfg.wait));
         let hello = shoal_comm::auth::accept(&mut stream, &cfg.secret, &addr)?;
@@ -301,7 +301,12 @@ fn serve_connection(shared: &Shared, mut stream: TcpStream, addr: String) {
         };
         let _ = stream.set_read_timeout(Some(Duration::from_millis(200)));
         let done = matches!(req, Request::Done);
-        let reply = handle(shared, worker, req, &mut out).unwrap_or_else(|e| Reply::Error(e.to_string()));
+        let reply = match handle(shared, worker, req, &mut out, &mut buf, &mut stream, &peer) {
+            Ok(Some(r)) => r,
+            // Sent already, from the shard itself.
+            Ok(None) => continue,
+            Err(e) => Reply::Error(e.to_string()),
+        };
         let sent = match &reply {
             Reply::Values { version, slowest, .. } => {
                 let r = Reply::Values { version: *version, slowest: *slowest, values: std::mem::take(&mut out) };
@@ -357,8 +362,19 @@ fn not_ready(index: usize) -> PsError {
     PsError::Server(format!("server {index} holds no values yet: worker 0 gives them first"))
 }
 
-/// Serves one request; a [`Reply::Values`] leaves its values in `out`.
-fn handle(shared: &Shared, worker: usize, req: Request, out: &mut Vec<f32>) -> Result<Reply> {
+/// Serves one request; a [`Reply::Values`] leaves its values in `out`, and a push applied at once gives its buffer
+/// back in `spare` for the next request to be read into.
+/// A whole pull is written from the shard itself while the lock is held (`None`: replied already), saving a copy of
+/// the shard a pull.
+fn handle(
+    shared: &Shared,
+    worker: usize,
+    req: Request,
+    out: &mut Vec<f32>,
+    spare: &mut Vec<f32>,
+    stream: &mut TcpStream,
+    peer: &str,
+) -> Result<Option<Reply>> {
     let cfg = &shared.cfg;
     let mut st = shared.lock();
     st.heard = Instant::now();
@@ -372,7 +388,7 @@ fn handle(shared: &Shared, worker: usize, req: Request, out: &mut Vec<f32>) -> R
                 shared.changed.notify_all();
             }
             let version = st.shard.as_ref().map_or(0, |s| s.version);
-            Ok(Reply::Version { version, slowest: st.clocks.slowest() })
+            Ok(Some(Reply::Version { version, slowest: st.clocks.slowest() }))
         }
         Request::Push { version, lr, spans, mut grad } => {
             let n = st.shard.as_ref().ok_or_else(|| not_ready(cfg.index))?.values.len();
@@ -427,12 +443,13 @@ fn handle(shared: &Shared, worker: usize, req: Request, out: &mut Vec<f32>) -> R
                     } else {
                         shard.apply_spans(&spans, &grad, lr)?;
                     }
+                    *spare = grad;
                     st.clocks.tick(worker)?;
                     shared.changed.notify_all();
                 }
             }
             let version = st.shard.as_ref().map_or(0, |s| s.version);
-            Ok(Reply::Version { version, slowest: st.clocks.slowest() })
+            Ok(Some(Reply::Version { version, slowest: st.clocks.slowest() }))
         }
         Request::Pull { min_version, spans } => {
             let sync = matches!(cfg.mode, Mode::Sync);
@@ -463,24 +480,33 @@ fn handle(shared: &Shared, worker: usize, req: Request, out: &mut Vec<f32>) -> R
             )?;
             let mut st = st;
             let shard = st.shard.as_ref().ok_or_else(|| not_ready(cfg.index))?;
-            out.clear();
+            let (version, slowest, n) = (shard.version, st.clocks.slowest(), shard.values.len());
             if spans.is_empty() {
-                out.extend_from_slice(&shard.values);
-            } else {
+                write_values(stream, version, slowest, &[&shard.values], peer)?;
+                st.report.pulls += 1;
+                st.report.bytes_out += n as u64 * 4;
+                return Ok(None);
+            }
+            out.clear();
+            {
                 check_spans(&spans, shard.values.len())?;
                 for s in &spans {
                     out.extend_from_slice(&shard.values[s.start as usize..s.start as usize + s.len as usize]);
                 }
             }
-            let (version, slowest) = (shard.version, st.clocks.slowest());
             st.report.pulls += 1;
             st.report.bytes_out += out.len() as u64 * 4;
-            Ok(Reply::Values { version, slowest, values: Vec::new() })
+            Ok(Some(Reply::Values { version, slowest, values: Vec::new() }))
         }
         Request::State => {
             let shard = st.shard.as_ref().ok_or_else(|| not_ready(cfg.index))?;
             let (m, v) = shard.moments();
-            Ok(Reply::State { version: shard.version, values: shard.values.clone(), m: m.to_vec(), v: v.to_vec() })
+            Ok(Some(Reply::State {
+                version: shard.version,
+                values: shard.values.clone(),
+                m: m.to_vec(),
+                v: v.to_vec(),
+            }))
         }
         Request::Checkpoint { step } => {
             let shard = st.shard.as_ref().ok_or_else(|| not_ready(cfg.index))?;
@@ -489,14 +515,14 @@ fn handle(shared: &Shared, worker: usize, req: Request, out: &mut Vec<f32>) -> R
             if let Some(p) = &shared.persist {
                 p.save(&snap)?;
             }
-            Ok(Reply::Version { version: snap.version, slowest: 0 })
+            Ok(Some(Reply::Version { version: snap.version, slowest: 0 }))
         }
         Request::Done => {
             st.done[worker] = true;
             st.clocks.retire(worker);
             shared.changed.notify_all();
             let version = st.shard.as_ref().map_or(0, |s| s.version);
-            Ok(Reply::Version { version, slowest: st.clocks.slowest() })
+            Ok(Some(Reply::Version { version, slowest: st.clocks.slowest() }))
         }
     }
 }
