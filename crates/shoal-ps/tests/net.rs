@@ -68,7 +68,9 @@ fn dense<'a>(push: Option<&'a [f32]>, pull: Option<&'a mut [f32]>) -> Part<'a> {
 }
 
 /// Synchronous mode over two servers: every step, every worker's values are what one process holding the whole
-/// model makes from the sum of the workers' gradients — the values split between the servers as the plan says.
+/// model makes from the sum of the workers' gradients — the values split between the servers as the plan says —
+/// whether a worker's pushes and pulls go through memory shared with the servers (workers 0 and 2) or over TCP
+/// (worker 1).
 #[test]
 fn synchronous_servers_update_as_one_process_does() -> Result<()> {
     let (workers, n) = (3usize, 10usize);
@@ -84,7 +86,8 @@ fn synchronous_servers_update_as_one_process_does() -> Result<()> {
     for w in 0..workers {
         let (addrs, start_values) = (addrs.clone(), start_values.clone());
         handles.push(std::thread::spawn(move || -> Result<Vec<Vec<f32>>> {
-            let mut c = Client::connect(addrs, w, SECRET, Mode::Sync, WAIT)?;
+            let c = Client::connect(addrs, w, SECRET, Mode::Sync, WAIT)?;
+            let mut c = if w == 1 { c.tcp_only() } else { c };
             if w == 0 {
                 let (a, b) = start_values.split_at(cut);
                 c.init(false, 0, &[[a, &[], &[]], [b, &[], &[]]])?;

@@ -9,11 +9,37 @@ use std::time::{Duration, Instant};
 
 use crate::error::{PsError, Result};
 use crate::net::proto::{Reply, Request, Span, read_values_into, write_init, write_push};
+use crate::net::shm::Segment;
 use crate::server::Mode;
 
 #[derive(Debug)]
 struct Conn {
     stream: TcpStream,
+    /// The segment shared with the server on this host, once made.
+    shm: Option<Segment>,
+    /// Whether sharing was tried (a server on another host keeps to TCP).
+    tried: bool,
+}
+
+impl Conn {
+    /// The shared segment for a shard of `len` values: made on first use when `share`, else none.
+    fn segment(&mut self, len: usize, share: bool, peer: &str) -> Result<Option<&mut Segment>> {
+        if self.shm.is_none() && share && !self.tried {
+            self.tried = true;
+            Request::Share.write(&mut self.stream, peer)?;
+            match Reply::read(&mut self.stream, Vec::new(), peer)? {
+                Reply::Shared { path, len: n } if n == len as u64 => {
+                    match Segment::open(std::path::Path::new(&path), len) {
+                        Ok(s) => self.shm = Some(s),
+                        Err(e) => tracing::debug!(%peer, error = %e, "no shared memory with the server: TCP"),
+                    }
+                }
+                Reply::Shared { .. } | Reply::Error(_) => {}
+                other => return Err(unexpected(&other, peer)),
+            }
+        }
+        Ok(self.shm.as_mut().filter(|s| s.len() == len))
+    }
 }
 
 /// What one exchange sends to one server and takes back from it.
@@ -43,6 +69,8 @@ pub struct Client {
     /// Bytes of values pushed and pulled.
     pub bytes_pushed: u64,
     pub bytes_pulled: u64,
+    /// Whether whole-shard pushes and pulls go through memory shared with a server on this host.
+    share: bool,
 }
 
 impl std::fmt::Debug for Client {
@@ -72,11 +100,18 @@ impl Client {
             slowest: 0,
             bytes_pushed: 0,
             bytes_pulled: 0,
+            share: true,
         };
         for s in 0..n {
             c.conns[s] = Some(open(&c.addrs[s], s, worker, &c.secret, timeout)?);
         }
         Ok(c)
+    }
+
+    /// Keeps every push and pull on TCP, even with a server on this host (tests of that path, measurements).
+    pub fn tcp_only(mut self) -> Client {
+        self.share = false;
+        self
     }
 
     /// How many servers.
@@ -102,9 +137,9 @@ impl Client {
         let (worker, secret) = (self.worker, self.secret.clone());
         let addrs = self.addrs.clone();
         let replies = each(&mut self.conns, parts.iter().collect(), |s, conn, p| {
-            with_retry(conn, &addrs[s], s, worker, &secret, timeout, |stream, peer| {
-                write_init(stream, force, version, *p, peer)?;
-                expect_version(Reply::read(stream, Vec::new(), peer)?, peer)
+            with_retry(conn, &addrs[s], s, worker, &secret, timeout, |c, peer| {
+                write_init(&mut c.stream, force, version, *p, peer)?;
+                expect_version(Reply::read(&mut c.stream, Vec::new(), peer)?, peer)
             })
         })?;
         let versions: Vec<u64> = replies.iter().map(|r| r.0).collect();
@@ -119,16 +154,26 @@ impl Client {
     pub fn exchange(&mut self, lr: f64, parts: Vec<Part<'_>>) -> Result<()> {
         self.check_parts(parts.len())?;
         let timeout = self.timeout;
-        let (worker, secret, mode) = (self.worker, self.secret.clone(), self.mode);
+        let (worker, secret, mode, share) = (self.worker, self.secret.clone(), self.mode, self.share);
         let addrs = self.addrs.clone();
         let versions = self.versions.clone();
         let results = each(&mut self.conns, parts, |s, conn, mut part| {
             let version = versions[s];
-            with_retry(conn, &addrs[s], s, worker, &secret, timeout, |stream, peer| {
+            with_retry(conn, &addrs[s], s, worker, &secret, timeout, |c, peer| {
+                // A whole shard's push and pull go through shared memory when the server is on this host.
+                let dense = part.push_spans.is_empty() && part.pull_spans.is_empty();
+                let len = part.push.map(<[f32]>::len).or(part.pull.as_deref().map(<[f32]>::len)).unwrap_or(0);
+                let shared = if dense && len > 0 { c.segment(len, share, peer)?.is_some() } else { false };
                 let mut pushed = 0u64;
                 if let Some(g) = part.push {
-                    write_push(stream, version, lr, part.push_spans, g, peer)?;
-                    expect_version(Reply::read(stream, Vec::new(), peer)?, peer)?;
+                    match c.shm.as_mut().filter(|_| shared) {
+                        Some(seg) if seg.len() == g.len() => {
+                            seg.grad().copy_from_slice(g);
+                            Request::PushShared { version, lr }.write(&mut c.stream, peer)?;
+                        }
+                        _ => write_push(&mut c.stream, version, lr, part.push_spans, g, peer)?,
+                    }
+                    expect_version(Reply::read(&mut c.stream, Vec::new(), peer)?, peer)?;
                     pushed = g.len() as u64 * 4;
                 }
                 let Some(out) = part.pull.as_deref_mut() else { return Ok((version, 0, pushed, 0)) };
@@ -136,8 +181,18 @@ impl Client {
                     (Mode::Sync, Some(_)) => version + 1,
                     _ => 0,
                 };
-                Request::Pull { min_version, spans: part.pull_spans.to_vec() }.write(stream, peer)?;
-                let (version, slowest) = read_values_into(stream, out, peer)?;
+                let (version, slowest) = match c.shm.as_mut().filter(|s| shared && s.len() == out.len()) {
+                    Some(seg) => {
+                        Request::PullShared { min_version }.write(&mut c.stream, peer)?;
+                        let got = expect_version(Reply::read(&mut c.stream, Vec::new(), peer)?, peer)?;
+                        out.copy_from_slice(seg.values());
+                        got
+                    }
+                    None => {
+                        Request::Pull { min_version, spans: part.pull_spans.to_vec() }.write(&mut c.stream, peer)?;
+                        read_values_into(&mut c.stream, out, peer)?
+                    }
+                };
                 Ok((version, slowest, pushed, out.len() as u64 * 4))
             })
         })?;
@@ -182,9 +237,9 @@ impl Client {
         let addrs = self.addrs.clone();
         let unit = vec![(); self.conns.len()];
         each(&mut self.conns, unit, |s, conn, ()| {
-            with_retry(conn, &addrs[s], s, worker, &secret, timeout, |stream, peer| {
-                req().write(stream, peer)?;
-                match Reply::read(stream, Vec::new(), peer)? {
+            with_retry(conn, &addrs[s], s, worker, &secret, timeout, |c, peer| {
+                req().write(&mut c.stream, peer)?;
+                match Reply::read(&mut c.stream, Vec::new(), peer)? {
                     Reply::Error(why) => Err(PsError::Server(why)),
                     r => answer(r, peer),
                 }
@@ -206,6 +261,7 @@ fn unexpected(reply: &Reply, peer: &str) -> PsError {
         Reply::Version { .. } => "a version",
         Reply::Values { .. } => "values",
         Reply::State { .. } => "its state",
+        Reply::Shared { .. } => "a shared segment",
     };
     PsError::Server(format!("{peer} answered with {what}, which was not asked for"))
 }
@@ -260,7 +316,7 @@ fn open(addr: &str, s: usize, worker: usize, secret: &[u8], timeout: Duration) -
                 .and_then(|()| stream.set_write_timeout(Some(timeout)))
                 .map_err(|e| shoal_comm::Error::io(format!("configuring the connection to {peer}"), e))?;
             shoal_comm::auth::connect(&mut stream, secret, &(worker as u32).to_le_bytes(), &peer)?;
-            Ok(Conn { stream })
+            Ok(Conn { stream, shm: None, tried: false })
         })();
         match tried {
             Ok(c) => return Ok(c),
@@ -285,7 +341,7 @@ fn with_retry<T>(
     worker: usize,
     secret: &[u8],
     timeout: Duration,
-    mut f: impl FnMut(&mut TcpStream, &str) -> Result<T>,
+    mut f: impl FnMut(&mut Conn, &str) -> Result<T>,
 ) -> Result<T> {
     let deadline = Instant::now() + timeout;
     let peer = format!("parameter server {s} at {addr}");
@@ -295,7 +351,7 @@ fn with_retry<T>(
             None => open(addr, s, worker, secret, deadline.saturating_duration_since(Instant::now()))?,
         };
         let mut c = c;
-        match f(&mut c.stream, &peer) {
+        match f(&mut c, &peer) {
             Ok(t) => {
                 *conn = Some(c);
                 return Ok(t);

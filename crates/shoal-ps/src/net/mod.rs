@@ -12,6 +12,7 @@
 pub mod client;
 pub mod proto;
 pub mod serve;
+pub mod shm;
 
 use std::time::Duration;
 

@@ -34,6 +34,12 @@ pub enum Request {
     Checkpoint { step: u64 },
     /// This worker has finished.
     Done,
+    /// A shared-memory segment for this connection, when the worker runs on the server's host ([`super::shm`]).
+    Share,
+    /// [`Request::Push`] of the whole shard's gradient, written into the shared segment.
+    PushShared { version: u64, lr: f64 },
+    /// [`Request::Pull`] of every value, into the shared segment.
+    PullShared { min_version: u64 },
 }
 
 /// What a server answers.
@@ -47,6 +53,8 @@ pub enum Reply {
     Values { version: u64, slowest: u64, values: Vec<f32> },
     /// The shard's values and optimizer state.
     State { version: u64, values: Vec<f32>, m: Vec<f32>, v: Vec<f32> },
+    /// The shared segment made for the connection: its file and how many values each half holds.
+    Shared { path: String, len: u64 },
 }
 
 /// A head being written.
@@ -222,11 +230,15 @@ const PULL: u8 = 3;
 const STATE: u8 = 4;
 const CHECKPOINT: u8 = 5;
 const DONE: u8 = 6;
+const SHARE: u8 = 7;
+const PUSH_SHARED: u8 = 8;
+const PULL_SHARED: u8 = 9;
 
 const R_ERROR: u8 = 0;
 const R_VERSION: u8 = 1;
 const R_VALUES: u8 = 2;
 const R_STATE: u8 = 3;
+const R_SHARED: u8 = 4;
 
 /// Writes a [`Request::Push`] from borrowed values (a worker's part of its flat gradient).
 pub fn write_push(w: &mut impl Write, version: u64, lr: f64, spans: &[Span], grad: &[f32], peer: &str) -> Result<()> {
@@ -273,6 +285,9 @@ impl Request {
             Request::State => (Head::default().u8(STATE), vec![]),
             Request::Checkpoint { step } => (Head::default().u8(CHECKPOINT).u64(*step), vec![]),
             Request::Done => (Head::default().u8(DONE), vec![]),
+            Request::Share => (Head::default().u8(SHARE), vec![]),
+            Request::PushShared { version, lr } => (Head::default().u8(PUSH_SHARED).u64(*version).f64(*lr), vec![]),
+            Request::PullShared { min_version } => (Head::default().u8(PULL_SHARED).u64(*min_version), vec![]),
         };
         write_message(w, Kind::PsRequest, &head.0, &values, peer)
     }
@@ -295,6 +310,9 @@ impl Request {
             STATE => Request::State,
             CHECKPOINT => Request::Checkpoint { step: c.u64()? },
             DONE => Request::Done,
+            SHARE => Request::Share,
+            PUSH_SHARED => Request::PushShared { version: c.u64()?, lr: c.f64()? },
+            PULL_SHARED => Request::PullShared { min_version: c.u64()? },
             op => return Err(protocol(peer, format!("unknown request {op}"))),
         };
         c.end()?;
@@ -321,6 +339,7 @@ impl Reply {
                     .u64(v.len() as u64),
                 vec![values, m, v],
             ),
+            Reply::Shared { path, len } => (Head::default().u8(R_SHARED).u64(*len).str(path), vec![]),
         };
         write_message(w, Kind::PsReply, &head.0, &values, peer)
     }
@@ -340,6 +359,7 @@ impl Reply {
                 let (values, m, v) = split3(values, a, b, cc, peer)?;
                 Reply::State { version, values, m, v }
             }
+            R_SHARED => Reply::Shared { len: c.u64()?, path: c.rest_str() },
             op => return Err(protocol(peer, format!("unknown reply {op}"))),
         };
         c.end()?;
@@ -373,11 +393,15 @@ mod tests {
         round_trip_request(Request::State)?;
         round_trip_request(Request::Checkpoint { step: 100 })?;
         round_trip_request(Request::Done)?;
+        round_trip_request(Request::Share)?;
+        round_trip_request(Request::PushShared { version: 2, lr: 0.5 })?;
+        round_trip_request(Request::PullShared { min_version: 3 })?;
         for reply in [
             Reply::Error("the round waits for workers [2]".into()),
             Reply::Version { version: 9, slowest: 3 },
             Reply::Values { version: 9, slowest: 3, values: vec![3.5; 5] },
             Reply::State { version: 2, values: vec![1.0], m: vec![2.0], v: vec![3.0] },
+            Reply::Shared { path: "/dev/shm/shoal-ps-1-2".into(), len: 9 },
         ] {
             let mut wire = Vec::new();
             reply.write(&mut wire, "test")?;

@@ -7,15 +7,20 @@
 //! checkpoints), and a server started again resumes from the newest save.
 
 use std::net::{TcpListener, TcpStream};
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use crate::error::{PsError, Result};
 use crate::net::proto::{Reply, Request, write_values};
+use crate::net::shm::Segment;
 use crate::optim::OptimConfig;
 use crate::robust::Rule;
 use crate::server::{Clocks, Mode, Round, Shard, Snapshot, check_spans};
+
+/// Where shared-memory segments are made for workers on the server's host.
+const SHM_DIR: &str = "/dev/shm";
 
 /// Where a server's shard is saved and found again (a checkpoint directory, in the trainer).
 pub trait Persist: Send + Sync {
@@ -280,6 +285,7 @@ fn serve_connection(shared: &Shared, mut stream: TcpStream, addr: String) {
     tracing::debug!(server = cfg.index, worker, "connected");
     let mut buf = Vec::new();
     let mut out = Vec::new();
+    let mut seg: Option<Segment> = None;
     loop {
         if shared.stop.load(Ordering::SeqCst) {
             break;
@@ -301,7 +307,7 @@ fn serve_connection(shared: &Shared, mut stream: TcpStream, addr: String) {
         };
         let _ = stream.set_read_timeout(Some(Duration::from_millis(200)));
         let done = matches!(req, Request::Done);
-        let reply = match handle(shared, worker, req, &mut out, &mut buf, &mut stream, &peer) {
+        let reply = match handle(shared, worker, req, &mut out, &mut buf, &mut seg, &mut stream, &peer) {
             Ok(Some(r)) => r,
             // Sent already, from the shard itself.
             Ok(None) => continue,
@@ -366,19 +372,20 @@ fn not_ready(index: usize) -> PsError {
 /// back in `spare` for the next request to be read into.
 /// A whole pull is written from the shard itself while the lock is held (`None`: replied already), saving a copy of
 /// the shard a pull.
+#[allow(clippy::too_many_arguments)]
 fn handle(
     shared: &Shared,
     worker: usize,
     req: Request,
     out: &mut Vec<f32>,
     spare: &mut Vec<f32>,
+    seg: &mut Option<Segment>,
     stream: &mut TcpStream,
     peer: &str,
 ) -> Result<Option<Reply>> {
     let cfg = &shared.cfg;
     let mut st = shared.lock();
     st.heard = Instant::now();
-    let w = cfg.workers as f32;
     match req {
         Request::Init { force, version, values, m, v } => {
             if force || st.shard.is_none() {
@@ -390,94 +397,37 @@ fn handle(
             let version = st.shard.as_ref().map_or(0, |s| s.version);
             Ok(Some(Reply::Version { version, slowest: st.clocks.slowest() }))
         }
-        Request::Push { version, lr, spans, mut grad } => {
-            let n = st.shard.as_ref().ok_or_else(|| not_ready(cfg.index))?.values.len();
-            st.report.pushes += 1;
-            st.report.bytes_in += grad.len() as u64 * 4;
-            match cfg.mode {
-                Mode::Sync => {
-                    let State { shard, round, restored, .. } = &mut *st;
-                    let shard = shard.as_mut().ok_or_else(|| not_ready(cfg.index))?;
-                    // A restarted server takes up the workers' count where they are.
-                    if *restored && version > shard.version {
-                        shard.version = version;
-                    }
-                    *restored = false;
-                    if version < shard.version {
-                        return Err(PsError::Server(format!(
-                            "server {}: worker {worker} pushed a gradient of version {version}, but the shard is at \
-                             {}",
-                            cfg.index, shard.version
-                        )));
-                    }
-                    let r = match round.take() {
-                        Some(r) => r,
-                        None => Round::new(cfg.workers, cfg.rule, cfg.f, shard.version)?.scaled(w),
-                    };
-                    let mut r = r;
-                    let complete = r.push_spans(worker, version, spans, grad);
-                    match complete {
-                        Ok(true) => {
-                            r.finish(shard, lr)?;
-                            shared.changed.notify_all();
-                        }
-                        Ok(false) => *round = Some(r),
-                        Err(e) => {
-                            *round = Some(r);
-                            return Err(e);
-                        }
-                    }
-                }
-                Mode::Async | Mode::Ssp { .. } => {
-                    grad.iter_mut().for_each(|g| *g *= w);
-                    let shard = st.shard.as_mut().ok_or_else(|| not_ready(cfg.index))?;
-                    if spans.is_empty() {
-                        if grad.len() != n {
-                            return Err(PsError::InvalidArgument(format!(
-                                "worker {worker} pushed {} values to server {} of {n}",
-                                grad.len(),
-                                cfg.index
-                            )));
-                        }
-                        shard.apply(&grad, lr)?;
-                    } else {
-                        shard.apply_spans(&spans, &grad, lr)?;
-                    }
-                    *spare = grad;
-                    st.clocks.tick(worker)?;
-                    shared.changed.notify_all();
-                }
-            }
+        Request::Push { version, lr, spans, grad } => {
+            push(shared, &mut st, worker, version, lr, spans, Grad::Owned(grad), spare)?;
             let version = st.shard.as_ref().map_or(0, |s| s.version);
             Ok(Some(Reply::Version { version, slowest: st.clocks.slowest() }))
         }
+        Request::PushShared { version, lr } => {
+            let seg = shared_segment(seg, &st, cfg.index)?;
+            push(shared, &mut st, worker, version, lr, Vec::new(), Grad::Shared(seg.grad()), spare)?;
+            let version = st.shard.as_ref().map_or(0, |s| s.version);
+            Ok(Some(Reply::Version { version, slowest: st.clocks.slowest() }))
+        }
+        Request::PullShared { min_version } => {
+            let mut st = wait_pull(shared, st, worker, min_version)?;
+            let seg = shared_segment(seg, &st, cfg.index)?;
+            let shard = st.shard.as_ref().ok_or_else(|| not_ready(cfg.index))?;
+            seg.values().copy_from_slice(&shard.values);
+            let (version, slowest, n) = (shard.version, st.clocks.slowest(), shard.values.len());
+            st.report.pulls += 1;
+            st.report.bytes_out += n as u64 * 4;
+            Ok(Some(Reply::Version { version, slowest }))
+        }
+        Request::Share => {
+            let n = st.shard.as_ref().ok_or_else(|| not_ready(cfg.index))?.values.len();
+            drop(st);
+            let made = Segment::create(Path::new(SHM_DIR), n)?;
+            let path = made.path().map(|p| p.display().to_string()).unwrap_or_default();
+            *seg = Some(made);
+            Ok(Some(Reply::Shared { path, len: n as u64 }))
+        }
         Request::Pull { min_version, spans } => {
-            let sync = matches!(cfg.mode, Mode::Sync);
-            let ssp = matches!(cfg.mode, Mode::Ssp { .. });
-            let index = cfg.index;
-            let st = wait_until(
-                shared,
-                st,
-                cfg.wait,
-                |s| {
-                    s.shard.as_ref().is_some_and(|sh| !sync || sh.version >= min_version)
-                        && (!ssp || s.clocks.may_start(worker))
-                },
-                |s| match &s.shard {
-                    None => format!("worker 0's starting values (server {index} holds none)"),
-                    Some(sh) if sync && sh.version < min_version => format!(
-                        "version {min_version} (the shard is at {}; the round still waits for workers {:?})",
-                        sh.version,
-                        s.round.as_ref().map(Round::missing).unwrap_or_default()
-                    ),
-                    Some(_) => format!(
-                        "the slowest worker: worker {worker} is at step {}, more than {} ahead of step {}",
-                        s.clocks.clocks().get(worker).copied().unwrap_or(0),
-                        cfg.mode.staleness(),
-                        s.clocks.slowest()
-                    ),
-                },
-            )?;
+            let st = wait_pull(shared, st, worker, min_version)?;
             let mut st = st;
             let shard = st.shard.as_ref().ok_or_else(|| not_ready(cfg.index))?;
             let (version, slowest, n) = (shard.version, st.clocks.slowest(), shard.values.len());
@@ -525,4 +475,142 @@ fn handle(
             Ok(Some(Reply::Version { version, slowest: st.clocks.slowest() }))
         }
     }
+}
+
+/// A pull's wait: until the shard holds values, is at `min_version` (sync) and this worker may start its next step
+/// (bounded staleness), or an error naming what it waited for.
+fn wait_pull<'a>(
+    shared: &'a Shared,
+    st: MutexGuard<'a, State>,
+    worker: usize,
+    min_version: u64,
+) -> Result<MutexGuard<'a, State>> {
+    let cfg = &shared.cfg;
+    let sync = matches!(cfg.mode, Mode::Sync);
+    let ssp = matches!(cfg.mode, Mode::Ssp { .. });
+    let index = cfg.index;
+    wait_until(
+        shared,
+        st,
+        cfg.wait,
+        |s| {
+            s.shard.as_ref().is_some_and(|sh| !sync || sh.version >= min_version)
+                && (!ssp || s.clocks.may_start(worker))
+        },
+        |s| match &s.shard {
+            None => format!("worker 0's starting values (server {index} holds none)"),
+            Some(sh) if sync && sh.version < min_version => format!(
+                "version {min_version} (the shard is at {}; the round still waits for workers {:?})",
+                sh.version,
+                s.round.as_ref().map(Round::missing).unwrap_or_default()
+            ),
+            Some(_) => format!(
+                "the slowest worker: worker {worker} is at step {}, more than {} ahead of step {}",
+                s.clocks.clocks().get(worker).copied().unwrap_or(0),
+                cfg.mode.staleness(),
+                s.clocks.slowest()
+            ),
+        },
+    )
+}
+
+/// Where a worker's push comes from: the request's own buffer, or the connection's shared segment.
+enum Grad<'a> {
+    Owned(Vec<f32>),
+    Shared(&'a mut [f32]),
+}
+
+/// The connection's shared segment, checked against the shard.
+fn shared_segment<'a>(seg: &'a mut Option<Segment>, st: &State, index: usize) -> Result<&'a mut Segment> {
+    let n = st.shard.as_ref().map_or(0, |s| s.values.len());
+    match seg {
+        Some(s) if s.len() == n => Ok(s),
+        _ => Err(PsError::Server(format!("server {index}: no shared segment of {n} values for this connection"))),
+    }
+}
+
+/// Takes one push: into the synchronous round, or applied at once (then a buffer of its own is given back in
+/// `spare`).
+#[allow(clippy::too_many_arguments)]
+fn push(
+    shared: &Shared,
+    st: &mut State,
+    worker: usize,
+    version: u64,
+    lr: f64,
+    spans: Vec<crate::shard::Span>,
+    grad: Grad<'_>,
+    spare: &mut Vec<f32>,
+) -> Result<()> {
+    let cfg = &shared.cfg;
+    let w = cfg.workers as f32;
+    let n = st.shard.as_ref().ok_or_else(|| not_ready(cfg.index))?.values.len();
+    let len = match &grad {
+        Grad::Owned(g) => g.len(),
+        Grad::Shared(g) => g.len(),
+    };
+    st.report.pushes += 1;
+    st.report.bytes_in += len as u64 * 4;
+    if spans.is_empty() && len != n {
+        return Err(PsError::InvalidArgument(format!(
+            "worker {worker} pushed {len} values to server {} of {n}",
+            cfg.index
+        )));
+    }
+    match cfg.mode {
+        Mode::Sync => {
+            let grad = match grad {
+                Grad::Owned(g) => g,
+                Grad::Shared(g) => g.to_vec(),
+            };
+            let State { shard, round, restored, .. } = st;
+            let shard = shard.as_mut().ok_or_else(|| not_ready(cfg.index))?;
+            // A restarted server takes up the workers' count where they are.
+            if *restored && version > shard.version {
+                shard.version = version;
+            }
+            *restored = false;
+            if version < shard.version {
+                return Err(PsError::Server(format!(
+                    "server {}: worker {worker} pushed a gradient of version {version}, but the shard is at {}",
+                    cfg.index, shard.version
+                )));
+            }
+            let mut r = match round.take() {
+                Some(r) => r,
+                None => Round::new(cfg.workers, cfg.rule, cfg.f, shard.version)?.scaled(w),
+            };
+            match r.push_spans(worker, version, spans, grad) {
+                Ok(true) => {
+                    r.finish(shard, lr)?;
+                    shared.changed.notify_all();
+                }
+                Ok(false) => *round = Some(r),
+                Err(e) => {
+                    *round = Some(r);
+                    return Err(e);
+                }
+            }
+        }
+        Mode::Async | Mode::Ssp { .. } => {
+            let shard = st.shard.as_mut().ok_or_else(|| not_ready(cfg.index))?;
+            let mut owned = None;
+            let g: &mut [f32] = match grad {
+                Grad::Owned(g) => owned.insert(g),
+                Grad::Shared(g) => g,
+            };
+            g.iter_mut().for_each(|x| *x *= w);
+            if spans.is_empty() {
+                shard.apply(g, lr)?;
+            } else {
+                shard.apply_spans(&spans, g, lr)?;
+            }
+            if let Some(g) = owned {
+                *spare = g;
+            }
+            st.clocks.tick(worker)?;
+            shared.changed.notify_all();
+        }
+    }
+    Ok(())
 }
