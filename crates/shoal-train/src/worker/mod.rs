@@ -56,7 +56,7 @@ pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
     if spec.ps_servers() > 0 {
         let env = shoal_comm::env::EnvContract::from_env()?;
         if let Some(index) = serve::server_index(spec, &env) {
-            return serve::run(spec, opts, env, index).map(|()| None);
+            return serve::run(spec, &opts.output, opts.resume, env, index).map(|()| None);
         }
     }
     let (mut setup, params) = setup::setup(spec, &opts.output)?;

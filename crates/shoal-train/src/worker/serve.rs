@@ -9,13 +9,11 @@
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
 
 use shoal_comm::env::EnvContract;
 use shoal_ps::net::{Persist, Server, ServerConfig};
 use shoal_ps::{PsError, ShardPlan, Snapshot};
 
-use super::WorkerOptions;
 use crate::checkpoint::{CheckpointDir, ManifestMeta, TensorData};
 use crate::error::{Error, Result};
 use crate::params::{Params, SeededRng};
@@ -29,14 +27,9 @@ pub(super) fn server_index(spec: &JobSpec, env: &EnvContract) -> Option<usize> {
     (servers > 0 && env.rank >= workers).then(|| env.rank - workers)
 }
 
-/// The longest a server holds a request back, or waits to hear from any worker: the communicator's deadline, and at
-/// least a minute (a synchronous round waits for the slowest worker's whole step).
-pub(crate) fn server_wait(timeout: Duration) -> Duration {
-    timeout.max(Duration::from_secs(60))
-}
-
-/// Runs server `index` of `spec` to the end of the job.
-pub(super) fn run(spec: &JobSpec, opts: &WorkerOptions, env: EnvContract, index: usize) -> Result<()> {
+/// Runs server `index` of `spec` to the end of the job; its saves go under `output`'s checkpoint root, and it starts
+/// from the newest when the job `resume`s.
+pub(super) fn run(spec: &JobSpec, output: &Path, resume: bool, env: EnvContract, index: usize) -> Result<()> {
     let servers = spec.ps_servers();
     let workers = env.world_size - servers;
     let (name, secret, timeout, advertise) =
@@ -46,18 +39,18 @@ pub(super) fn run(spec: &JobSpec, opts: &WorkerOptions, env: EnvContract, index:
     // The workers' group forms without the servers.
     let _none = world.split(None, 0)?;
     // On the platform the control loop hears from the server as from every task: it serves while the workers train.
-    let beat = attempt.and_then(|a| super::heartbeat::Beat::start(world.clone(), task_rank, a, 0, &opts.output, link));
+    let beat = attempt.and_then(|a| super::heartbeat::Beat::start(world.clone(), task_rank, a, 0, output, link));
     if let Some(b) = &beat {
         b.phase(super::heartbeat::Phase::Train);
     }
     let mut rng = SeededRng::new(spec.train.seed);
-    let (params, _) = super::build_model(spec, &mut rng)?;
+    let (params, _) = super::setup::build_model(spec, &mut rng)?;
     let plan = plan(&params, servers)?;
     let listener = TcpListener::bind((advertise, 0)).map_err(|e| Error::io("binding the parameter server", e))?;
     let addr = listener.local_addr().map_err(|e| Error::io("the parameter server's address", e))?.to_string();
     shoal_ps::net::publish(world.store().as_ref(), &name, index, &addr)?;
-    let root = super::checkpoint_root(spec, &opts.output)?.join("ps").join(format!("server-{index}"));
-    let persist = ShardDir::new(root, &params, &plan, index, spec.checkpoint.keep, opts.resume);
+    let root = super::setup::checkpoint_root(spec, output)?.join("ps").join(format!("server-{index}"));
+    let persist = ShardDir::new(root, &params, &plan, index, spec.checkpoint.keep, resume);
     let (rule, f) = spec.robust.map_or((shoal_ps::Rule::Mean, 0), |r| (r.rule.rule(), r.f));
     let cfg = ServerConfig {
         index,
@@ -67,7 +60,7 @@ pub(super) fn run(spec: &JobSpec, opts: &WorkerOptions, env: EnvContract, index:
         optim: super::setup::optimizer_config(spec),
         rule,
         f,
-        wait: server_wait(timeout),
+        wait: super::setup::server_wait(timeout),
         secret,
     };
     tracing::info!(server = index, %addr, values = plan.sizes()[index], "parameter server listening");

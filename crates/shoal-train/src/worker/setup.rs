@@ -291,7 +291,7 @@ pub(super) fn training(spec: &JobSpec, setup: &Setup, params: Params) -> Result<
                 addresses,
                 mode: ps.mode(),
                 secret: comm.config().secret.clone(),
-                timeout: super::serve::server_wait(timeout) + std::time::Duration::from_secs(30),
+                timeout: server_wait(timeout) + std::time::Duration::from_secs(30),
             };
             Box::new(crate::strategy::ps::Ps::new(Some(comm.clone()), &params, cfg)?)
         }
@@ -309,6 +309,12 @@ pub(super) fn training(spec: &JobSpec, setup: &Setup, params: Params) -> Result<
         (rank / spec.tensor_degree()) % replicas,
     )?;
     Ok(Training { sampler, micro, overlap, ran, chose, trainer })
+}
+
+/// The longest a parameter server holds a request back, or waits to hear from any worker: the communicator's
+/// deadline, and at least a minute (a synchronous round waits for the slowest worker's whole step).
+pub(super) fn server_wait(timeout: std::time::Duration) -> std::time::Duration {
+    timeout.max(std::time::Duration::from_secs(60))
 }
 
 /// The optimizer `train.optimizer` names, with its settings.
