@@ -140,13 +140,13 @@ fn diagnosis_names_injected_problems_and_calls_a_healthy_run_healthy() {
     assert!(f[0]["evidence"].as_str().unwrap_or("").contains("for rank 1 inside collectives"), "{f:#?}");
 
     // Prometheus' own parser accepts /metrics while a job runs (skipped, saying so, where promtool is missing).
-    let running = s.cli_json(&["status", &id, "--json"])["state"] == "running";
-    check_metrics_with_promtool(&s, running);
+    check_metrics_with_promtool(&s, || s.cli_json(&["status", &id, "--json"])["state"] == "running");
     s.cli_json(&["cancel", &id, "--json"]);
 }
 
-/// `job_running`: whether a job runs now (per-job series such as `shoal_job_loss` exist only then).
-fn check_metrics_with_promtool(s: &Platform, job_running: bool) {
+/// `job_running`: whether the job runs now (per-job series such as `shoal_job_loss` exist only then), asked after
+/// `/metrics` was read: a job that still runs then ran while it was read, one that ended may have ended before.
+fn check_metrics_with_promtool(s: &Platform, job_running: impl Fn() -> bool) {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/test-promtool.sh");
     let out = Command::new("bash").arg(&script).output().expect("run test-promtool.sh");
     assert!(out.status.success(), "installing promtool failed: {}", text(&out.stderr));
@@ -154,6 +154,7 @@ fn check_metrics_with_promtool(s: &Platform, job_running: bool) {
     let r = s.request("GET", "/metrics", Some(&s.token), None);
     assert_eq!(r.status, 200, "GET /metrics: {}", text(&r.body));
     let body = text(&r.body);
+    let job_running = job_running();
     for name in [
         "shoal_jobs",
         "shoal_queue_pending_jobs",
