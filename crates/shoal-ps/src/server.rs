@@ -7,6 +7,7 @@
 //! applied on arrival ([`Shard::apply`]); `ssp` — applied on arrival, a worker waiting while it is more than
 //! `staleness` steps ahead ([`Clocks::may_start`]).
 
+use crate::attack::Attack;
 use crate::error::{PsError, Result};
 use crate::optim::{OptimConfig, update, update_flat};
 use crate::robust::{Rule, aggregate};
@@ -167,19 +168,27 @@ pub struct Round {
     version: u64,
     scale: f32,
     pushes: Vec<Option<Pushed>>,
+    /// `[chaos]`: the workers whose pushes are forged, and how.
+    attack: Option<(Attack, Vec<usize>)>,
 }
 
 impl Round {
     /// A round of `workers` pushes for `version`; refused when `rule` cannot bear `f` attackers among them.
     pub fn new(workers: usize, rule: Rule, f: usize, version: u64) -> Result<Round> {
         rule.check(workers, f)?;
-        Ok(Round { rule, f, version, scale: 1.0, pushes: vec![None; workers] })
+        Ok(Round { rule, f, version, scale: 1.0, pushes: vec![None; workers], attack: None })
     }
 
     /// The combination multiplied by `scale` before it is applied (the number of workers, when each pushes its
     /// share of the global batch's gradient: the mean of the shares, times their number, is their sum).
     pub fn scaled(self, scale: f32) -> Round {
         Round { scale, ..self }
+    }
+
+    /// An experiment (`[chaos]`): the pushes of `liars` are replaced, once all are in, by what `attack` sends
+    /// (seeded by the round's version, so every server forges alike).
+    pub fn attacked(self, attack: Option<(Attack, Vec<usize>)>) -> Round {
+        Round { attack, ..self }
     }
 
     /// The version this round gathers pushes for.
@@ -241,9 +250,19 @@ impl Round {
         let pushes: Vec<Pushed> = self.pushes.into_iter().flatten().collect();
         let n = shard.values.len();
         if pushes.iter().all(|(s, _)| s.is_empty()) {
-            let views: Vec<&[f32]> = pushes.iter().map(|(_, g)| g.as_slice()).collect();
             let mut combined = vec![0f32; n];
-            aggregate(self.rule, self.f, &views, &mut combined)?;
+            match &self.attack {
+                Some((attack, liars)) if n > 0 => {
+                    let mut gathered: Vec<f32> = pushes.iter().flat_map(|(_, g)| g.iter().copied()).collect();
+                    attack.apply(&mut gathered, n, liars, self.version)?;
+                    let views: Vec<&[f32]> = gathered.chunks(n).collect();
+                    aggregate(self.rule, self.f, &views, &mut combined)?;
+                }
+                _ => {
+                    let views: Vec<&[f32]> = pushes.iter().map(|(_, g)| g.as_slice()).collect();
+                    aggregate(self.rule, self.f, &views, &mut combined)?;
+                }
+            }
             if self.scale != 1.0 {
                 combined.iter_mut().for_each(|x| *x *= self.scale);
             }
@@ -389,6 +408,32 @@ mod tests {
         assert_eq!(round.finish(&mut shard, 0.5)?, 1);
         assert_eq!(shard.values, vec![-0.5, -1.0]);
         assert!(shard.apply(&[1.0], 0.1).is_err(), "a push of the wrong size");
+        Ok(())
+    }
+
+    /// `[chaos]` in a synchronous round: one sign-flipping worker of five drags the mean far from the honest update,
+    /// and the median stays near it.
+    #[test]
+    fn an_attacked_round_moves_the_mean_and_not_the_median() -> Result<()> {
+        let sgd = OptimConfig::Sgd { momentum: 0.0, weight_decay: 0.0 };
+        let honest: Vec<Vec<f32>> = (0..5).map(|w| vec![1.0 + 0.01 * w as f32, -2.0 + 0.01 * w as f32]).collect();
+        let flip = Some((Attack::SignFlip { scale: 10.0 }, vec![4]));
+        let moved = |rule: Rule, f: usize, attack: Option<(Attack, Vec<usize>)>| -> Result<Vec<f32>> {
+            let mut shard = Shard::new(vec![0.0, 0.0], sgd);
+            let mut round = Round::new(5, rule, f, 0)?.attacked(attack);
+            for (w, g) in honest.iter().enumerate() {
+                round.push(w, 0, g.clone())?;
+            }
+            round.finish(&mut shard, 1.0)?;
+            Ok(shard.values)
+        };
+        let clean = moved(Rule::Mean, 0, None)?;
+        let mean = moved(Rule::Mean, 0, flip.clone())?;
+        let median = moved(Rule::Median, 1, flip)?;
+        assert!(mean[0] > 0.0 && mean[1] < 0.0, "the flipped mean steps uphill: {mean:?}");
+        for (m, c) in median.iter().zip(&clean) {
+            assert!((m - c).abs() < 0.05, "the median {median:?} against the clean mean {clean:?}");
+        }
         Ok(())
     }
 

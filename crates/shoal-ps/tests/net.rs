@@ -38,6 +38,7 @@ fn config(index: usize, servers: usize, workers: usize, mode: Mode) -> ServerCon
         f: 0,
         wait: WAIT,
         secret: SECRET.to_vec(),
+        attack: None,
     }
 }
 

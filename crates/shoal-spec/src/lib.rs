@@ -1522,9 +1522,6 @@ impl JobSpec {
                 "a robust rule combines a round's pushes: it needs ps.mode = \"sync\"",
             ));
         }
-        if self.chaos.is_some() {
-            return Err(SpecError::at("chaos", "attacks are simulated under train.strategy = \"ddp\" only"));
-        }
         Ok(())
     }
 

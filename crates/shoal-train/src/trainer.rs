@@ -138,6 +138,12 @@ impl Trainer {
         self.strategy.comm()
     }
 
+    /// Bytes this rank has sent: through its communicator, and what its strategy sends outside it (a parameter
+    /// server's pushes).
+    pub fn bytes_sent(&self) -> u64 {
+        self.comm().map_or(0, Communicator::bytes_sent) + self.strategy.bytes_sent_elsewhere()
+    }
+
     /// Bytes of optimizer state this rank holds.
     pub fn optimizer_bytes(&self) -> usize {
         self.strategy.optimizer_bytes(&self.opt)

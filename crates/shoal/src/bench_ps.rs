@@ -168,6 +168,7 @@ pub fn run_rank(spec: &str) -> Result<()> {
             f: 0,
             wait: plan.timeout + Duration::from_secs(plan.seconds.ceil() as u64 + 30),
             secret,
+            attack: None,
         };
         Server::new(listener, cfg, None)?.run()?;
         return Ok(());

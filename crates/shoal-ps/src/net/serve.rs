@@ -48,6 +48,8 @@ pub struct ServerConfig {
     pub wait: Duration,
     /// The job secret every worker proves it holds.
     pub secret: Vec<u8>,
+    /// `[chaos]`, an experiment: the workers whose pushes each synchronous round forges, and how.
+    pub attack: Option<(crate::Attack, Vec<usize>)>,
 }
 
 impl std::fmt::Debug for ServerConfig {
@@ -61,6 +63,7 @@ impl std::fmt::Debug for ServerConfig {
             .field("rule", &self.rule)
             .field("f", &self.f)
             .field("wait", &self.wait)
+            .field("attack", &self.attack)
             .finish_non_exhaustive()
     }
 }
@@ -578,7 +581,7 @@ fn push(
             }
             let mut r = match round.take() {
                 Some(r) => r,
-                None => Round::new(cfg.workers, cfg.rule, cfg.f, shard.version)?.scaled(w),
+                None => Round::new(cfg.workers, cfg.rule, cfg.f, shard.version)?.scaled(w).attacked(cfg.attack.clone()),
             };
             match r.push_spans(worker, version, spans, grad) {
                 Ok(true) => {

@@ -241,6 +241,11 @@ pub trait Strategy: Send {
         Ok(())
     }
 
+    /// Bytes of payload this rank has sent outside its communicator (a parameter server's pushes); none by default.
+    fn bytes_sent_elsewhere(&self) -> u64 {
+        0
+    }
+
     /// The run's last step is done: what the strategy holds outside this process is let go (parameter servers are
     /// told this worker has finished). Nothing by default.
     fn finish(&mut self) -> Result<()> {

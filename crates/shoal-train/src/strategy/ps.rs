@@ -126,12 +126,6 @@ impl Ps {
         self.client.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner).exchange(0.0, parts.collect())?;
         params.load_flat(&self.flat)
     }
-
-    /// Bytes of values pushed and pulled so far.
-    pub fn bytes_moved(&self) -> (u64, u64) {
-        let c = self.client();
-        (c.bytes_pushed, c.bytes_pulled)
-    }
 }
 
 /// `v` cut at `cuts` (which cover it in order).
@@ -272,6 +266,11 @@ impl Strategy for Ps {
     /// Tells the servers this worker has finished (they end once every worker has).
     fn finish(&mut self) -> Result<()> {
         Ok(self.client().done()?)
+    }
+
+    /// The gradients pushed to the servers.
+    fn bytes_sent_elsewhere(&self) -> u64 {
+        self.client().bytes_pushed
     }
 
     /// The optimizer state lives on the servers.

@@ -135,7 +135,7 @@ pub(super) fn finish(
         eval_perplexity: text.then(|| eval_loss.exp()),
         baseline_loss,
         samples_per_s: samples_seen as f64 / train_s.max(1e-9),
-        comm_bytes: comm.bytes_sent(),
+        comm_bytes: tr.trainer.bytes_sent(),
         comm_bytes_per_step: match bytes_t.len() {
             0 => 0.0,
             n => bytes_t.iter().sum::<u64>() as f64 / n as f64,

@@ -62,7 +62,15 @@ pub(super) fn run(spec: &JobSpec, output: &Path, resume: bool, env: EnvContract,
         f,
         wait: super::setup::server_wait(timeout),
         secret,
+        attack: spec.chaos.as_ref().and_then(|c| Some((c.attack()?, c.byzantine_ranks.clone()))),
     };
+    if let (0, Some((attack, liars))) = (index, &cfg.attack) {
+        eprintln!(
+            "experiment ([chaos]): the servers take what workers {liars:?} push as {} (scale {})",
+            attack.name(),
+            attack.scale()
+        );
+    }
     tracing::info!(server = index, %addr, values = plan.sizes()[index], "parameter server listening");
     let report = Server::new(listener, cfg, Some(Arc::new(persist))).and_then(Server::run);
     let report = match (report, &beat) {

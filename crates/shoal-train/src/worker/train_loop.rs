@@ -230,7 +230,7 @@ impl StepLoop {
         let mut cut = trainer.stage_layers();
         for step in start_step..t.steps {
             let step_started = Instant::now();
-            let bytes_before = trainer.comm().map_or(0, |c| c.bytes_sent());
+            let bytes_before = trainer.bytes_sent();
             let vote = graceful.vote();
             let moving = f32::from(u8::from(regroups && beat.is_some_and(|b| b.regroup_pending())));
             let held = crate::memory::PeakOver::start();
@@ -334,7 +334,7 @@ impl StepLoop {
             comm_t.push(comm_s);
             opt_t.push(times.optimizer_s);
             step_t.push(step_started.elapsed().as_secs_f64());
-            bytes_t.push(trainer.comm().map_or(0, |c| c.bytes_sent()).saturating_sub(bytes_before));
+            bytes_t.push(trainer.bytes_sent().saturating_sub(bytes_before));
             if let Some(b) = times.bubble {
                 bubble_t.push(b.mean);
                 bubble_theory = Some(b.theory);
@@ -372,7 +372,7 @@ impl StepLoop {
                     optimizer_s: times.optimizer_s,
                     step_s: step_started.elapsed().as_secs_f64(),
                     rank,
-                    comm_bytes: trainer.comm().map_or(0, |c| c.bytes_sent()),
+                    comm_bytes: trainer.bytes_sent(),
                     step_comm_bytes: bytes_t.last().copied().unwrap_or(0),
                     unix_ms: std::time::SystemTime::now()
                         .duration_since(std::time::UNIX_EPOCH)

@@ -32,6 +32,7 @@ fn servers(
                 f: 0,
                 wait: Duration::from_secs(60),
                 secret: SECRET.to_vec(),
+                attack: None,
             };
             let server = Server::new(listener, cfg, None).expect("server");
             (addr, std::thread::spawn(move || server.run()))

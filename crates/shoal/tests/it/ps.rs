@@ -82,3 +82,24 @@ fn a_parameter_server_job_resumed_from_its_checkpoint_goes_on_as_if_it_never_sto
     assert_eq!(number(&resumed, "eval_loss"), number(&whole, "eval_loss"), "{resumed}\n{whole}");
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// Robust aggregation on the servers (`[robust]` under `ps.mode = "sync"`), with one of five workers flipping its
+/// gradient ten times over (`[chaos]`, forged where the servers gather the round): the mean is dragged uphill and
+/// fails, the median keeps learning.
+#[test]
+fn the_servers_median_bears_a_sign_flipping_worker_that_ruins_the_mean() {
+    let dir = tmpdir("robust");
+    let chaos = "[chaos]\nbyzantine_ranks = [4]\nattack = \"signflip\"";
+    let accuracy = |tag: &str, rule: &str| -> Option<f64> {
+        let table =
+            format!("[ps]\nservers = 1\n[robust]\nrule = \"{rule}\"\nf = {}\n{chaos}", u8::from(rule != "mean"));
+        let (job, out) = (job(&dir, tag, "ps", 200, &table), dir.join(tag));
+        let (out, job) = (out.to_str().unwrap_or(""), job.to_str().unwrap_or(""));
+        run_json(&["run", "-n", "5", "--json", "--output", out, job])["eval_accuracy"].as_f64()
+    };
+    let mean = accuracy("mean", "mean");
+    assert!(mean.is_none_or(|a| a < 0.5), "the attacked mean still reached {mean:?}");
+    let median = accuracy("median", "median");
+    assert!(median.is_some_and(|a| a >= 0.85), "the median reached {median:?} only");
+    let _ = std::fs::remove_dir_all(dir);
+}
