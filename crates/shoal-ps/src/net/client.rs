@@ -134,10 +134,9 @@ impl Client {
     pub fn init(&mut self, force: bool, version: u64, parts: &[[&[f32]; 3]]) -> Result<Vec<u64>> {
         self.check_parts(parts.len())?;
         let timeout = self.timeout;
-        let (worker, secret) = (self.worker, self.secret.clone());
-        let addrs = self.addrs.clone();
+        let (worker, secret, addrs) = (self.worker, &self.secret, &self.addrs);
         let replies = each(&mut self.conns, parts.iter().collect(), |s, conn, p| {
-            with_retry(conn, &addrs[s], s, worker, &secret, timeout, |c, peer| {
+            with_retry(conn, &addrs[s], s, worker, secret, timeout, |c, peer| {
                 write_init(&mut c.stream, force, version, *p, peer)?;
                 expect_version(Reply::read(&mut c.stream, Vec::new(), peer)?, peer)
             })
@@ -154,12 +153,11 @@ impl Client {
     pub fn exchange(&mut self, lr: f64, parts: Vec<Part<'_>>) -> Result<()> {
         self.check_parts(parts.len())?;
         let timeout = self.timeout;
-        let (worker, secret, mode, share) = (self.worker, self.secret.clone(), self.mode, self.share);
-        let addrs = self.addrs.clone();
-        let versions = self.versions.clone();
+        let (worker, secret, mode, share) = (self.worker, &self.secret, self.mode, self.share);
+        let (addrs, versions) = (&self.addrs, &self.versions);
         let results = each(&mut self.conns, parts, |s, conn, mut part| {
             let version = versions[s];
-            with_retry(conn, &addrs[s], s, worker, &secret, timeout, |c, peer| {
+            with_retry(conn, &addrs[s], s, worker, secret, timeout, |c, peer| {
                 // A whole shard's push and pull go through shared memory when the server is on this host.
                 let dense = part.push_spans.is_empty() && part.pull_spans.is_empty();
                 let len = part.push.map(<[f32]>::len).or(part.pull.as_deref().map(<[f32]>::len)).unwrap_or(0);
@@ -233,11 +231,10 @@ impl Client {
         answer: impl Fn(Reply, &str) -> Result<T> + Sync,
     ) -> Result<Vec<T>> {
         let timeout = self.timeout;
-        let (worker, secret) = (self.worker, self.secret.clone());
-        let addrs = self.addrs.clone();
+        let (worker, secret, addrs) = (self.worker, &self.secret, &self.addrs);
         let unit = vec![(); self.conns.len()];
         each(&mut self.conns, unit, |s, conn, ()| {
-            with_retry(conn, &addrs[s], s, worker, &secret, timeout, |c, peer| {
+            with_retry(conn, &addrs[s], s, worker, secret, timeout, |c, peer| {
                 req().write(&mut c.stream, peer)?;
                 match Reply::read(&mut c.stream, Vec::new(), peer)? {
                     Reply::Error(why) => Err(PsError::Server(why)),
