@@ -100,6 +100,57 @@ impl ShardPlan {
         self.servers.iter().map(|p| p.iter().map(|p| p.range.len()).sum()).collect()
     }
 
+    /// Where each server's values lie in the flat run of all the tensors' values (server `s` holds `cuts()[s]`).
+    pub fn cuts(&self) -> Vec<Range<usize>> {
+        let mut at = 0;
+        self.sizes()
+            .into_iter()
+            .map(|n| {
+                let r = at..at + n;
+                at += n;
+                r
+            })
+            .collect()
+    }
+
+    /// Sends runs of the flat values to their servers: `runs` (start and length in the flat run of all the
+    /// tensors' values, in order and apart) become each server's [`Span`]s in its own values, a run crossing a cut
+    /// split in two, with the range of the runs' values (laid one after another) that goes to that server. A
+    /// server no run reaches gets no spans and an empty range.
+    pub fn route(&self, runs: &[(usize, usize)]) -> Result<Vec<(Vec<Span>, Range<usize>)>> {
+        let cuts = self.cuts();
+        let mut out: Vec<(Vec<Span>, Range<usize>)> = cuts.iter().map(|_| (Vec::new(), 0..0)).collect();
+        let (mut end, mut at, mut s) = (0usize, 0usize, 0usize);
+        for &(start, len) in runs {
+            if start < end || cuts.last().is_none_or(|c| start + len > c.end) {
+                return Err(PsError::InvalidArgument(format!(
+                    "run {start}..+{len} is out of order, overlaps the one before, or reaches past the model's \
+                     values"
+                )));
+            }
+            end = start + len;
+            let mut pos = start;
+            while pos < end {
+                while cuts[s].end <= pos {
+                    s += 1;
+                }
+                let stop = end.min(cuts[s].end);
+                let n = stop - pos;
+                let len = u32::try_from(n)
+                    .map_err(|_| PsError::InvalidArgument(format!("run {start}..+{len} is too long for one span")))?;
+                let (spans, range) = &mut out[s];
+                if spans.is_empty() {
+                    *range = at..at;
+                }
+                spans.push(Span { start: (pos - cuts[s].start) as u64, len });
+                range.end = at + n;
+                at += n;
+                pos = stop;
+            }
+        }
+        Ok(out)
+    }
+
     /// The server holding value `offset` of tensor `tensor`, and where in that server's run of values it is.
     pub fn locate(&self, tensor: usize, offset: usize) -> Option<(usize, usize)> {
         self.servers.iter().enumerate().find_map(|(s, pieces)| {
@@ -145,6 +196,25 @@ mod tests {
         assert_eq!(plan.locate(0, 4016), Some((1, 0)));
         assert_eq!(plan.locate(2, 3), Some((1, 3984 + 32 + 3)));
         assert_eq!(plan.locate(2, 4), None);
+        Ok(())
+    }
+
+    #[test]
+    fn runs_are_routed_to_their_servers_split_at_the_cuts() -> Result<()> {
+        let tensors = [t("emb", 1000, 8), t("w", 8, 4), t("b", 4, 1)];
+        let plan = ShardPlan::new(&tensors, 2)?;
+        assert_eq!(plan.cuts(), vec![0..4016, 4016..8036]);
+        // Row 3 of the table, row 600, and then the dense weight and bias together.
+        let routed = plan.route(&[(24, 8), (4800, 8), (8000, 36)])?;
+        assert_eq!(routed[0], (vec![Span { start: 24, len: 8 }], 0..8));
+        assert_eq!(routed[1], (vec![Span { start: 784, len: 8 }, Span { start: 3984, len: 36 }], 8..52));
+        // A run across the cut is split; a server no run reaches gets nothing.
+        let routed = plan.route(&[(4008, 16)])?;
+        assert_eq!(routed[0], (vec![Span { start: 4008, len: 8 }], 0..8));
+        assert_eq!(routed[1], (vec![Span { start: 0, len: 8 }], 8..16));
+        assert_eq!(plan.route(&[(0, 8)])?[1], (vec![], 0..0));
+        assert!(plan.route(&[(16, 8), (8, 8)]).is_err());
+        assert!(plan.route(&[(8030, 8)]).is_err());
         Ok(())
     }
 

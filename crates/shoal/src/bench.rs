@@ -42,6 +42,12 @@ pub enum BenchWhat {
     /// Parameter servers: push and pull throughput, against Ray's actor parameter server and an all-reduce of the
     /// same size (see `bench_ps`).
     Ps,
+    /// A recommender with a million-row embedding table through the parameter servers: held-out AUC against the
+    /// planted model's, bytes pushed against the rows touched (see `bench_workloads`).
+    Recommender,
+    /// A3C on CartPole with actors as the parameter servers' workers: seconds to solve with 1 actor and with more
+    /// (see `bench_workloads`).
+    A3c,
 }
 
 impl BenchWhat {
@@ -52,7 +58,9 @@ impl BenchWhat {
             BenchWhat::Broadcast => Some(BenchOp::Broadcast),
             BenchWhat::Allgather => Some(BenchOp::Allgather),
             BenchWhat::Reducescatter => Some(BenchOp::Reducescatter),
-            BenchWhat::Checkpoint | BenchWhat::Compress | BenchWhat::Ps => None,
+            BenchWhat::Checkpoint | BenchWhat::Compress | BenchWhat::Ps | BenchWhat::Recommender | BenchWhat::A3c => {
+                None
+            }
         }
     }
 }
@@ -119,9 +127,24 @@ pub struct BenchArgs {
     /// parameters on the servers (default 10M); K, M, G suffixes.
     #[arg(long)]
     pub params: Option<String>,
-    /// ps: parameter servers (separate processes; `--ranks` is the workers).
+    /// ps, recommender, a3c: parameter servers (separate processes; `--ranks` is the workers; a3c: default 1).
     #[arg(long, default_value_t = 2)]
     pub servers: usize,
+    /// recommender: the servers' mode, sync, async or ssp (staleness 3).
+    #[arg(long, default_value = "async")]
+    pub mode: String,
+    /// recommender: steps each worker takes (default 6000).
+    #[arg(long)]
+    pub steps: Option<usize>,
+    /// recommender: rows of the user embedding table (default 1M; K, M suffixes); the item table has a tenth.
+    #[arg(long)]
+    pub users: Option<String>,
+    /// a3c: the numbers of actors to compare, comma-separated.
+    #[arg(long, default_value = "1,4")]
+    pub actors: String,
+    /// a3c: runs of each number of actors (the median is reported).
+    #[arg(long, default_value_t = 3)]
+    pub repeats: usize,
     /// ps: seconds of pushes and pulls timed, after one of warm-up.
     #[arg(long, default_value_t = 10.0)]
     pub seconds: f64,
@@ -264,8 +287,14 @@ impl Ranks {
     /// result; every other line goes to stderr, labelled with its rank. Returns the (global) rank of this host's
     /// first rank (0 on the host that prints results), or `None` once it has said on stderr how the run failed.
     pub fn run(&self, mut on_row: impl FnMut(&str) -> bool) -> Result<Option<usize>> {
+        self.run_all(|rank, text| rank == 0 && on_row(text))
+    }
+
+    /// [`Ranks::run`], with every rank's lines on stdout given to `on_line` (with the rank) in the order they
+    /// arrive.
+    pub fn run_all(&self, mut on_line: impl FnMut(usize, &str) -> bool) -> Result<Option<usize>> {
         let outcome = launch(&self.spec, |line| {
-            if !(!line.stderr && line.rank == 0 && on_row(&line.text)) {
+            if line.stderr || !on_line(line.rank, &line.text) {
                 eprintln!("[rank {}] {}", line.rank, line.text);
             }
         })?;

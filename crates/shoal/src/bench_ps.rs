@@ -141,11 +141,49 @@ fn ray(python: &std::path::Path, plan: &Plan) -> Result<serde_json::Value> {
     serde_json::from_str(line).with_context(|| format!("Ray's figures are not JSON: {text}"))
 }
 
+/// Which server a rank is, among how many, for how many workers.
+#[derive(Debug, Clone, Copy)]
+pub struct ServerPlace {
+    pub index: usize,
+    pub servers: usize,
+    pub workers: usize,
+}
+
+/// Runs a benchmark's server until its workers are done: listens on the advertised address, says where in the
+/// rendezvous store, and serves `mode` with `optim`.
+pub fn serve(
+    env: &shoal_comm::CommConfig,
+    world: &shoal_comm::Communicator,
+    place: ServerPlace,
+    mode: Mode,
+    optim: OptimConfig,
+    wait: Duration,
+) -> Result<()> {
+    let listener = TcpListener::bind((env.advertise, 0)).context("binding the server")?;
+    let addr = listener.local_addr()?.to_string();
+    shoal_ps::net::publish(world.store().as_ref(), &env.name, place.index, &addr)?;
+    let cfg = ServerConfig {
+        index: place.index,
+        servers: place.servers,
+        workers: place.workers,
+        mode,
+        optim,
+        rule: Rule::Mean,
+        f: 0,
+        wait,
+        secret: env.secret.clone(),
+        attack: None,
+    };
+    Server::new(listener, cfg, None)?.run()?;
+    Ok(())
+}
+
 /// One rank: the last `servers` serve, the others push and pull.
 pub fn run_rank(spec: &str) -> Result<()> {
     let plan: Plan = serde_json::from_str(spec).context("the benchmark's plan")?;
     let env = EnvContract::from_env()?;
-    let (name, secret, advertise) = (env.cfg.name.clone(), env.cfg.secret.clone(), env.cfg.advertise);
+    let cfg = env.cfg.clone();
+    let (name, secret) = (cfg.name.clone(), cfg.secret.clone());
     let world = env.connect()?;
     let rank = world.rank();
     let is_server = rank >= plan.workers;
@@ -154,24 +192,10 @@ pub fn run_rank(spec: &str) -> Result<()> {
     let sizes: Vec<usize> =
         (0..plan.servers).map(|s| plan.params * (s + 1) / plan.servers - plan.params * s / plan.servers).collect();
     if is_server {
-        let index = rank - plan.workers;
-        let listener = TcpListener::bind((advertise, 0)).context("binding the server")?;
-        let addr = listener.local_addr()?.to_string();
-        shoal_ps::net::publish(world.store().as_ref(), &name, index, &addr)?;
-        let cfg = ServerConfig {
-            index,
-            servers: plan.servers,
-            workers: plan.workers,
-            mode: Mode::Async,
-            optim: OptimConfig::Sgd { momentum: 0.0, weight_decay: 0.0 },
-            rule: Rule::Mean,
-            f: 0,
-            wait: plan.timeout + Duration::from_secs(plan.seconds.ceil() as u64 + 30),
-            secret,
-            attack: None,
-        };
-        Server::new(listener, cfg, None)?.run()?;
-        return Ok(());
+        let place = ServerPlace { index: rank - plan.workers, servers: plan.servers, workers: plan.workers };
+        let optim = OptimConfig::Sgd { momentum: 0.0, weight_decay: 0.0 };
+        let wait = plan.timeout + Duration::from_secs(plan.seconds.ceil() as u64 + 30);
+        return serve(&cfg, &world, place, Mode::Async, optim, wait);
     }
     let workers = workers.context("the workers' group")?;
     let addrs = shoal_ps::net::addresses(world.store().as_ref(), &name, plan.servers, plan.timeout)?;

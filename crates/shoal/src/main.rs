@@ -4,6 +4,7 @@ mod bench;
 mod bench_ckpt;
 mod bench_compress;
 mod bench_ps;
+mod bench_workloads;
 mod checkpoint;
 mod faults;
 mod k8s;
@@ -198,6 +199,9 @@ enum Cmd {
     /// One worker or server of `shoal bench ps` (started by it).
     #[command(hide = true, name = "bench-ps-rank")]
     BenchPsRank { spec: String },
+    /// One worker or server of `shoal bench recommender` or `a3c` (started by it).
+    #[command(hide = true, name = "bench-workload-rank")]
+    BenchWorkloadRank { spec: String },
 }
 
 fn init_tracing() {
@@ -224,6 +228,7 @@ fn quiet_on_closed_stdout(cmd: &Cmd) -> bool {
             | Cmd::BenchRank { .. }
             | Cmd::BenchCompressRank { .. }
             | Cmd::BenchPsRank { .. }
+            | Cmd::BenchWorkloadRank { .. }
     )
 }
 
@@ -238,11 +243,14 @@ fn main() -> std::process::ExitCode {
         Cmd::Run(args) => return run::main(&args),
         Cmd::Bench { op: bench::BenchWhat::Compress, args } => bench_compress::run(&args),
         Cmd::Bench { op: bench::BenchWhat::Ps, args } => bench_ps::run(&args),
+        Cmd::Bench { op: bench::BenchWhat::Recommender, args } => bench_workloads::recommender(&args),
+        Cmd::Bench { op: bench::BenchWhat::A3c, args } => bench_workloads::a3c(&args),
         Cmd::Bench { op, args } if op.collective().is_none() => bench_ckpt::run(&args),
         Cmd::Bench { op, args } => bench::run_bench(op, &args),
         Cmd::BenchRank { spec } => bench::run_rank(&spec).map(|()| true),
         Cmd::BenchCompressRank { spec } => bench_compress::run_rank(&spec).map(|()| true),
         Cmd::BenchPsRank { spec } => bench_ps::run_rank(&spec).map(|()| true),
+        Cmd::BenchWorkloadRank { spec } => bench_workloads::run_rank(&spec).map(|()| true),
         Cmd::Worker { output, resume, job } => worker(&job, output, resume),
         Cmd::Demo { keep, steps, json } => platform::demo(keep, steps.map(|n| n as usize), json),
         Cmd::Server(args) => platform::server(&args),

@@ -42,6 +42,9 @@ impl Conn {
     }
 }
 
+/// Bytes a [`Span`] takes on the wire: its start (`u64`) and length (`u32`).
+pub const SPAN_BYTES: u64 = 12;
+
 /// What one exchange sends to one server and takes back from it.
 #[derive(Debug)]
 pub struct Part<'a> {
@@ -66,7 +69,8 @@ pub struct Client {
     versions: Vec<u64>,
     /// The slowest worker's clock, as the last reply said.
     slowest: u64,
-    /// Bytes of values pushed and pulled.
+    /// Bytes pushed and pulled: the values, and the table of spans of a sparse push or pull (its requests'
+    /// [`SPAN_BYTES`] a span).
     pub bytes_pushed: u64,
     pub bytes_pulled: u64,
     /// Whether whole-shard pushes and pulls go through memory shared with a server on this host.
@@ -172,7 +176,7 @@ impl Client {
                         _ => write_push(&mut c.stream, version, lr, part.push_spans, g, peer)?,
                     }
                     expect_version(Reply::read(&mut c.stream, Vec::new(), peer)?, peer)?;
-                    pushed = g.len() as u64 * 4;
+                    pushed = g.len() as u64 * 4 + SPAN_BYTES * part.push_spans.len() as u64;
                 }
                 let Some(out) = part.pull.as_deref_mut() else { return Ok((version, 0, pushed, 0)) };
                 let min_version = match (mode, part.push) {
@@ -191,7 +195,7 @@ impl Client {
                         read_values_into(&mut c.stream, out, peer)?
                     }
                 };
-                Ok((version, slowest, pushed, out.len() as u64 * 4))
+                Ok((version, slowest, pushed, out.len() as u64 * 4 + SPAN_BYTES * part.pull_spans.len() as u64))
             })
         })?;
         for (s, (version, slowest, pushed, pulled)) in results.into_iter().enumerate() {

@@ -36,19 +36,6 @@ pub fn plan(params: &Params, servers: usize) -> Result<ShardPlan> {
     Ok(ShardPlan::new(&tensors, servers)?)
 }
 
-/// Where each server's values lie in the flat run of the parameters.
-pub fn cuts(plan: &ShardPlan) -> Vec<std::ops::Range<usize>> {
-    let mut at = 0;
-    plan.sizes()
-        .into_iter()
-        .map(|n| {
-            let r = at..at + n;
-            at += n;
-            r
-        })
-        .collect()
-}
-
 /// How a worker reaches the servers.
 #[derive(Debug, Clone)]
 pub struct PsConfig {
@@ -94,7 +81,7 @@ impl Ps {
             comm,
             client: std::sync::Mutex::new(client),
             mode: cfg.mode,
-            cuts: cuts(&plan),
+            cuts: plan.cuts(),
             offsets,
             flat: vec![0.0; total],
             grad: vec![0.0; total],
