@@ -268,40 +268,57 @@ impl Round {
             }
             return shard.apply(&combined, lr);
         }
-        // Sparse: the mean over the workers of what each pushed (nothing pushed is a zero), on the rows any touched.
-        let mut sum = vec![0f32; n];
-        let mut touched = vec![false; n];
+        // Sparse: the mean over the workers of what each pushed (nothing pushed is a zero), on the rows any touched,
+        // in time and memory of the rows touched, not of the shard.
         let full = [Span { start: 0, len: u32::try_from(n).unwrap_or(u32::MAX) }];
+        let mut all: Vec<(Span, &[f32])> = Vec::new();
         for (spans, grad) in &pushes {
             let spans = if spans.is_empty() { &full[..] } else { &spans[..] };
             check_spans(spans, n)?;
             let mut at = 0;
             for s in spans {
-                let r = s.start as usize..s.start as usize + s.len as usize;
-                let g = grad.get(at..at + r.len()).ok_or_else(|| {
+                let g = grad.get(at..at + s.len as usize).ok_or_else(|| {
                     PsError::InvalidArgument(format!("a push of {} values is shorter than its spans", grad.len()))
                 })?;
-                at += r.len();
-                sum[r.clone()].iter_mut().zip(g).for_each(|(a, g)| *a += g);
-                touched[r].iter_mut().for_each(|t| *t = true);
+                at += s.len as usize;
+                if s.len > 0 {
+                    all.push((*s, g));
+                }
             }
+        }
+        all.sort_by_key(|(s, _)| s.start);
+        // The union of the spans, in order, and where each starts in the combined gradient.
+        let mut union: Vec<(u64, u64, usize)> = Vec::new();
+        let mut total = 0usize;
+        for (s, _) in &all {
+            let end = s.start + u64::from(s.len);
+            match union.last_mut() {
+                Some(u) if s.start <= u.1 => {
+                    total += end.saturating_sub(u.1) as usize;
+                    u.1 = u.1.max(end);
+                }
+                _ => {
+                    union.push((s.start, end, total));
+                    total += s.len as usize;
+                }
+            }
+        }
+        let mut grad = vec![0f32; total];
+        for (s, g) in &all {
+            let u = union[union.partition_point(|u| u.0 <= s.start) - 1];
+            let at = u.2 + (s.start - u.0) as usize;
+            grad[at..at + g.len()].iter_mut().zip(g.iter()).for_each(|(a, g)| *a += g);
         }
         let k = self.scale / pushes.len() as f32;
-        let mut spans = Vec::new();
-        let mut grad = Vec::new();
-        let mut i = 0;
-        while i < n {
-            if !touched[i] {
-                i += 1;
-                continue;
-            }
-            let start = i;
-            while i < n && touched[i] && i - start < u32::MAX as usize {
-                grad.push(sum[i] * k);
-                i += 1;
-            }
-            spans.push(Span { start: start as u64, len: (i - start) as u32 });
-        }
+        grad.iter_mut().for_each(|g| *g *= k);
+        let spans = union
+            .iter()
+            .map(|&(start, end, _)| {
+                u32::try_from(end - start)
+                    .map(|len| Span { start, len })
+                    .map_err(|_| PsError::InvalidArgument(format!("a run of {} touched values", end - start)))
+            })
+            .collect::<Result<Vec<_>>>()?;
         shard.apply_spans(&spans, &grad, lr)
     }
 }
@@ -365,6 +382,40 @@ mod tests {
     use crate::optim::update;
 
     const ADAMW: OptimConfig = OptimConfig::AdamW { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 };
+
+    /// Sparse pushes that overlap in part, leave gaps and include an empty span: the round updates the union of
+    /// the rows pushed with the mean over the workers (a row one worker did not push counts as its zero), and
+    /// leaves every other value and its moments alone.
+    #[test]
+    fn a_sparse_round_updates_the_union_of_the_rows_with_their_mean() -> Result<()> {
+        let n = 20;
+        let start: Vec<f32> = (0..n).map(|i| i as f32 * 0.1).collect();
+        let mut shard = Shard::new(start.clone(), ADAMW);
+        let mut round = Round::new(3, Rule::Mean, 0, 0)?;
+        let sp = |start: u64, len: u32| Span { start, len };
+        round.push_spans(0, 0, vec![sp(2, 3), sp(10, 2)], vec![1.0, 2.0, 3.0, 4.0, 5.0])?;
+        round.push_spans(1, 0, vec![sp(3, 4)], vec![10.0, 20.0, 30.0, 40.0])?;
+        round.push_spans(2, 0, vec![sp(0, 0), sp(11, 1)], vec![7.0])?;
+        round.finish(&mut shard, 0.1)?;
+        // The same update done densely with the mean gradient, on the touched values only.
+        let mut dense = vec![0f32; n];
+        for (i, g) in [(2, 1.0), (3, 2.0), (4, 3.0), (10, 4.0), (11, 5.0), (3, 10.0), (4, 20.0), (5, 30.0), (6, 40.0)] {
+            dense[i] += g;
+        }
+        dense[11] += 7.0;
+        let touched = [2usize, 3, 4, 5, 6, 10, 11];
+        let mut want = Shard::new(start.clone(), ADAMW);
+        let spans = [sp(2, 5), sp(10, 2)];
+        let g: Vec<f32> = touched.iter().map(|&i| dense[i] * (1.0 / 3.0)).collect();
+        want.apply_spans(&spans, &g, 0.1)?;
+        assert_eq!(shard.values, want.values);
+        assert_eq!(shard.moments(), want.moments());
+        for i in (0..n).filter(|i| !touched.contains(i)) {
+            assert_eq!(shard.values[i], start[i], "value {i} was not pushed");
+        }
+        assert_eq!(shard.version, 1);
+        Ok(())
+    }
 
     /// A synchronous round of the mean over the workers' gradients makes the update one process makes with the
     /// mean gradient, bit for bit, version after version.

@@ -5,7 +5,7 @@ use std::net::TcpListener;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use shoal_ps::net::{Client, Mode, Part, Persist, ServeReport, Server, ServerConfig, Snapshot, Span};
+use shoal_ps::net::{Client, Mode, Part, Persist, SPAN_BYTES, ServeReport, Server, ServerConfig, Snapshot, Span};
 use shoal_ps::optim::OptimConfig;
 use shoal_ps::{PsError, Result, Round, Rule, Shard};
 
@@ -251,8 +251,10 @@ fn a_sparse_push_moves_and_updates_exactly_the_touched_rows() -> Result<()> {
     let g: Vec<f32> = (0..touched.len() * row).map(|k| k as f32 * 0.1 + 0.05).collect();
     let mut pulled = vec![0f32; touched.len() * row];
     c.exchange(0.1, vec![Part { push: Some(&g), push_spans: &spans, pull: Some(&mut pulled), pull_spans: &spans }])?;
-    assert_eq!(c.bytes_pushed, (touched.len() * row * 4) as u64, "only the touched rows' bytes");
-    assert_eq!(c.bytes_pulled, (touched.len() * row * 4) as u64);
+    // Only the touched rows' bytes, each row with its span (start and length).
+    let moved = (touched.len() * row * 4) as u64 + SPAN_BYTES * touched.len() as u64;
+    assert_eq!(c.bytes_pushed, moved);
+    assert_eq!(c.bytes_pulled, moved);
     let mut all = vec![0f32; n];
     c.exchange(0.0, vec![dense(None, Some(&mut all))])?;
     for r in 0..rows {

@@ -19,7 +19,7 @@ use std::time::Duration;
 use shoal_comm::Store;
 
 pub use crate::server::{Mode, Snapshot};
-pub use client::{Client, Part};
+pub use client::{Client, Part, SPAN_BYTES};
 pub use proto::Span;
 pub use serve::{Killer, Persist, ServeReport, Server, ServerConfig};
 

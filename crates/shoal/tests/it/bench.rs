@@ -312,3 +312,37 @@ fn checkpoint_bench_reports_save_and_disk_speeds_and_cleans_up() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--params"), "{}", String::from_utf8_lossy(&out.stderr));
 }
+
+#[test]
+fn the_recommender_learns_through_server_processes_pushing_only_the_rows_it_touched() {
+    for mode in ["sync", "async"] {
+        let rows = run_json(&["bench", "recommender", "--users", "100K", "--steps", "400", "--mode", mode]);
+        let f = &rows[0];
+        let num = |k: &str| f[k].as_f64().unwrap_or_else(|| panic!("{k} missing in {f}"));
+        assert_eq!(
+            (f["users"].as_u64(), f["items"].as_u64(), f["mode"].as_str()),
+            (Some(100_000), Some(10_000), Some(mode))
+        );
+        assert!(num("loss_last") < num("loss_first") - 0.02, "{f}");
+        assert!(num("auc") > 0.75 && num("auc_gap") < 0.06, "{f}");
+        // The rows pushed, with their spans, against the rows touched; and the whole push against a dense one.
+        assert!(num("rows_ratio") > 1.0 && num("rows_ratio") < 1.3, "{f}");
+        assert!(num("dense_ratio") < 0.01, "{f}");
+        assert!(num("samples_per_s") > 0.0, "{f}");
+    }
+}
+
+#[test]
+fn a3c_actors_as_processes_solve_cartpole() {
+    let rows = run_json(&["bench", "a3c", "--actors", "1,2", "--repeats", "1", "--seconds", "20"]);
+    let doc = &rows[0];
+    let runs = doc["runs"].as_array().cloned().unwrap_or_default();
+    assert_eq!(runs.len(), 2, "{doc}");
+    for run in &runs {
+        // Solved: a mean of 195 over 100 episodes needs at least 100 of them.
+        assert_eq!(run["solved"], true, "{doc}");
+        assert!(run["episodes"].as_u64().is_some_and(|e| e >= 100), "{doc}");
+        assert!(run["seconds"].as_f64().is_some_and(|s| s > 0.0 && s < 120.0), "{doc}");
+    }
+    assert!(doc["speedup"].as_f64().is_some_and(|s| s > 0.0), "{doc}");
+}
