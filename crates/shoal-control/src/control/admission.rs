@@ -19,6 +19,18 @@ pub fn tasks_range(spec: &JobSpec) -> (u32, u32) {
 
 /// The scheduler's view of a job's request. A job restarted by `fault_tolerance.policy = "restart"` asks for the
 /// number of tasks it ran with (its gang starts again whole); an elastic one for whatever fits its range.
+/// A gang of `tasks` tasks of `spec` as the events tell it: `N workers`, or `N workers and S parameter server(s)`
+/// when its last tasks serve.
+pub fn tell_tasks(spec: &JobSpec, tasks: usize) -> String {
+    let servers = spec.ps_servers().min(tasks);
+    let workers = tasks - servers;
+    match servers {
+        0 => format!("{workers} workers"),
+        1 => format!("{workers} workers and 1 parameter server"),
+        s => format!("{workers} workers and {s} parameter servers"),
+    }
+}
+
 pub fn request_of(job: &JobRow, spec: &JobSpec) -> JobRequest {
     let (mut lo, mut hi) = tasks_range(spec);
     let same = job.workers.clamp(i64::from(lo), i64::from(hi)) as u32;

@@ -210,7 +210,8 @@ impl Control {
                 Transition {
                     kind: "placed",
                     message: format!(
-                        "attempt {attempt}: {world} workers on {}; rendezvous {rendezvous}",
+                        "attempt {attempt}: {} on {}; rendezvous {rendezvous}",
+                        super::admission::tell_tasks(&spec, world),
                         nodes.join(", ")
                     ),
                     attempt: Some(attempt),

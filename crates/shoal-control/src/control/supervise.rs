@@ -13,7 +13,7 @@ use shoal_spec::{FaultPolicy, JobSpec, Seconds};
 use crate::db::{JobRow, JobState, TaskRow, TaskState, Transition, now};
 use crate::error::Result;
 
-use super::admission::request_of;
+use super::admission::{request_of, tell_tasks};
 use super::state::{Control, Stop, StopWhy, handle};
 use super::watch::{Verdict, dump_text};
 
@@ -382,7 +382,7 @@ impl Control {
                     JobState::Succeeded,
                     Transition {
                         kind: "succeeded",
-                        message: format!("all {} workers exited 0", statuses.len()),
+                        message: format!("all {} exited 0", tell_tasks(&spec, statuses.len())),
                         finished_ms: Some(now()),
                         summary,
                         ..Default::default()

@@ -1222,6 +1222,10 @@ fn parameter_servers_are_tasks_of_their_job() {
     assert_eq!(roles, vec![(0, "worker".into()), (1, "worker".into()), (2, "server".into())], "{v}");
     let log = std::fs::read_to_string(p.job_dir(&id).join("attempt-1/rank-2.log")).expect("rank-2.log");
     assert!(log.contains("parameter server 0: version 60, 120 pushes"), "{log}");
+    // The events tell the server apart from the workers.
+    let told: Vec<String> = events(&v).into_iter().map(|e| e.2).collect();
+    assert!(told.iter().any(|m| m.starts_with("attempt 1: 2 workers and 1 parameter server on ")), "{told:#?}");
+    assert!(told.iter().any(|m| m == "all 2 workers and 1 parameter server exited 0"), "{told:#?}");
     let losses = check_metrics(&p, &id, 60);
     assert!(losses[losses.len() - 1] < losses[0] * 0.7, "the loss fell from {} to {} only", losses[0], losses[59]);
 }
