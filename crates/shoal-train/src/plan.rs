@@ -384,11 +384,18 @@ fn parallel_of(strategy: Strategy, d: usize, t: usize, p: usize, zero: u8, m: us
     Some(table)
 }
 
-/// The stages a pipeline of `p` cuts `layers` into: the cut the pipeline strategy makes
-/// ([`crate::strategy::pipeline::balance`]: consecutive layers, the largest stage's parameters as few as can be).
-fn stages(layers: &[LayerCost], p: usize) -> Vec<&[LayerCost]> {
-    let costs: Vec<usize> = layers.iter().map(|l| usize::try_from(l.params).unwrap_or(usize::MAX)).collect();
-    match crate::strategy::pipeline::balance(&costs, p) {
+/// The stages a pipeline of `p` cuts `layers` into: the cut the pipeline strategy makes. By parameters
+/// ([`crate::strategy::pipeline::balance`]: consecutive layers, the largest stage's parameters as few as can be), or,
+/// given each layer's time (`times`, in seconds: what the strategy measures under `parallel.balance = "time"`), by
+/// time within 10% of that cut's memory ([`crate::strategy::pipeline::time_balance`]).
+fn stages<'a>(layers: &'a [LayerCost], p: usize, times: Option<&[f64]>) -> Vec<&'a [LayerCost]> {
+    let sizes: Vec<usize> = layers.iter().map(|l| usize::try_from(l.params).unwrap_or(usize::MAX)).collect();
+    let by_time = times.and_then(|times| {
+        // Microseconds, at least one a layer, as the strategy counts them.
+        let costs: Vec<usize> = times.iter().map(|s| (s * 1e6).round() as usize + 1).collect();
+        crate::strategy::pipeline::time_balance(&costs, &sizes, p)
+    });
+    match by_time.or_else(|| crate::strategy::pipeline::balance(&sizes, p)) {
         Some(cuts) => cuts.into_iter().map(|r| &layers[r]).collect(),
         None => vec![layers],
     }
@@ -488,7 +495,17 @@ pub fn estimate_with(
     // A ring over k ranks: 2 (k − 1) / k of the bytes each way, in 2 (k − 1) messages.
     let ring = |bytes: f64, k: f64| if k > 1.0 { 2.0 * (k - 1.0) * (bytes / k / bw + lat) } else { 0.0 };
     let token_bytes = model.layers.first().map_or(0.0, |l| l.output_bytes) * micro_samples;
-    let staged = stages(&model.layers, p);
+    // A layer's compute a step: every sample of the step through it, split by the tensor degree, and its fixed cost
+    // once per micro-batch (whatever its share of the batch or of the layer).
+    let layer_s = |l: &LayerCost| {
+        l.flops / if l.splits { tf } else { 1.0 } * per_rank_samples / cluster.flops_per_s
+            + mf * cluster.layer_overhead_s
+    };
+    // The pipeline strategy cuts its stages by measured time (`parallel.balance`'s default), the composed layout by
+    // parameters.
+    let times: Vec<f64> = model.layers.iter().map(layer_s).collect();
+    let by_time = runs(model, batch, d, t, p, zero) == Some(Strategy::Pipeline);
+    let staged = stages(&model.layers, p, by_time.then_some(&times[..]));
     let last = staged.len().saturating_sub(1);
     let cost = |i: usize, stage: &[LayerCost]| -> StageCost {
         let split = |l: &LayerCost| if l.splits { l.params as f64 / tf } else { l.params as f64 };
@@ -510,11 +527,7 @@ pub fn estimate_with(
             }
         };
         let activations = stage.iter().map(per_sample).sum::<f64>() * micro_samples * in_flight;
-        // Compute: every sample of the step through the stage, split by the tensor degree, and each layer's fixed
-        // cost once per micro-batch (whatever its share of the batch or of the layer).
-        let flops: f64 = stage.iter().map(|l| l.flops / if l.splits { tf } else { 1.0 }).sum();
-        let fixed = stage.len() as f64 * mf * cluster.layer_overhead_s;
-        let compute = flops * per_rank_samples / cluster.flops_per_s + fixed;
+        let compute: f64 = stage.iter().map(layer_s).sum();
         // Data parallel: one all-reduce of the stage's gradients a step (ZeRO-1/2: its reduce-scatter and the
         // parameters' all-gather, the same bytes); ZeRO-3 gathers each layer again for backward (1.5× the bytes),
         // in three collectives per layer and micro-batch.
@@ -892,6 +905,33 @@ mod tests {
         }
     }
 
+    /// Under the pipeline strategy, which cuts its stages by measured time, the planner expects the cut by time
+    /// (within 10% of the even cut's memory), not the cut by parameters: here the two differ, and the layout's
+    /// parameters are those of a stage of the time cut.
+    #[test]
+    fn a_pipeline_balanced_by_time_is_planned_with_the_cut_it_will_make() {
+        let m = ModelCost::gpt(2048, 16, 8, 4, 32);
+        let b = BatchCost { global: 32, grad_accum: 1, optimizer_values: 2 };
+        let c = cluster(2, 1 << 30);
+        let l = estimate_with(&m, b, &c, 1, 1, 2, 0, 4);
+        assert_eq!(l.strategy, Some(Strategy::Pipeline));
+        let times: Vec<f64> =
+            m.layers.iter().map(|x| x.flops * 32.0 / c.flops_per_s + 4.0 * c.layer_overhead_s).collect();
+        let bytes = |cut: Vec<&[LayerCost]>| -> Vec<u64> {
+            cut.iter().map(|s| 4 * s.iter().map(|x| x.params).sum::<u64>()).collect()
+        };
+        let (by_time, by_params) = (bytes(stages(&m.layers, 2, Some(&times))), bytes(stages(&m.layers, 2, None)));
+        assert!(by_time.iter().all(|b| !by_params.contains(b)), "the cuts differ: {by_time:?} vs {by_params:?}");
+        assert!(by_time.contains(&l.params_bytes), "{} is a stage of {by_time:?}", l.params_bytes);
+        // Memory stays within 10% of the cut by parameters.
+        let (most_t, most_p) = (by_time.iter().max(), by_params.iter().max());
+        assert!(most_t.zip(most_p).is_some_and(|(t, p)| *t as f64 <= 1.1 * *p as f64), "{by_time:?} vs {by_params:?}");
+        // A composed layout (data × pipeline) still cuts by parameters.
+        let composed = estimate_with(&m, b, &cluster(4, 1 << 30), 2, 1, 2, 0, 4);
+        assert_eq!(composed.strategy, Some(Strategy::ThreeD));
+        assert!(by_params.contains(&composed.params_bytes), "{} is a stage of {by_params:?}", composed.params_bytes);
+    }
+
     #[test]
     fn pipeline_stages_balance_parameters_and_report_the_bubble() {
         let m = ModelCost::gpt(64, 16, 4, 4, 64);
@@ -900,6 +940,6 @@ mod tests {
         let two = estimate(&m, b, &cluster(2, 1 << 30), 1, 1, 2, 0);
         assert!(two.params_bytes as f64 <= 0.62 * whole.params_bytes as f64, "{two:?} vs {whole:?}");
         assert!((two.bubble - 1.0 / 5.0).abs() < 1e-12, "(p-1)/(m+p-1) = 1/5: {}", two.bubble);
-        assert_eq!(stages(&m.layers, 3).iter().map(|s| s.len()).sum::<usize>(), m.layers.len());
+        assert_eq!(stages(&m.layers, 3, None).iter().map(|s| s.len()).sum::<usize>(), m.layers.len());
     }
 }

@@ -128,6 +128,17 @@ pub fn balance(costs: &[usize], stages: usize) -> Option<Vec<Range<usize>>> {
     balance_within(costs, costs, usize::MAX, stages)
 }
 
+/// The cut by time that keeps memory near the even one: the layers of `costs` (their times, measured or estimated,
+/// in any integer unit) into `parts` runs with the smallest largest time, no run holding more than 10% above the
+/// largest run of the cut by `sizes` (parameters) alone. `None` when no cut keeps to it. What the strategy does
+/// under `parallel.balance = "time"`, and what the planner expects it to do.
+pub fn time_balance(costs: &[usize], sizes: &[usize], parts: usize) -> Option<Vec<Range<usize>>> {
+    let even = balance(sizes, parts)
+        .map(|c| c.iter().map(|r| sizes[r.clone()].iter().sum::<usize>()).max().unwrap_or(0))
+        .unwrap_or(usize::MAX);
+    balance_within(costs, sizes, even.saturating_add(even / 10), parts)
+}
+
 /// As [`balance`], with every run's total of `sizes` (one per layer, as `costs`) at most `cap`; `None` also when no
 /// cut keeps to it.
 pub fn balance_within(costs: &[usize], sizes: &[usize], cap: usize, stages: usize) -> Option<Vec<Range<usize>>> {
@@ -297,11 +308,7 @@ impl Pipeline {
         let parts = self.cfg.stages * self.cfg.chunks();
         // Memory kept near the even cut: no chunk over 10% more parameters than the largest of the cut by count.
         let sizes = layer_sizes(params, &ranges);
-        let even = balance(&sizes, parts)
-            .map(|c| c.iter().map(|r| sizes[r.clone()].iter().sum::<usize>()).max().unwrap_or(0))
-            .unwrap_or(usize::MAX);
-        let cap = even.saturating_add(even / 10);
-        let Some(cuts) = balance_within(&costs, &sizes, cap, parts) else { return Ok(()) };
+        let Some(cuts) = time_balance(&costs, &sizes, parts) else { return Ok(()) };
         let stage_ms: Vec<f64> = cuts.iter().map(|r| costs[r.clone()].iter().sum::<usize>() as f64 / 1e3).collect();
         // Every rank has the same costs and the same cut: every rank decides alike.
         if cuts == self.cuts {
