@@ -38,6 +38,9 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+    /// A location in an object store that cannot be opened or listed, or names nothing usable.
+    #[error("{url}: {why}")]
+    Lake { url: String, why: String },
     /// A data source's content is not what was expected.
     #[error("malformed data in {what}: {reason}")]
     Malformed { what: String, reason: String },

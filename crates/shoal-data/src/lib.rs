@@ -37,6 +37,7 @@
 mod builtin;
 mod dataset;
 mod error;
+pub mod lake;
 mod loader;
 mod partition;
 pub mod rng;

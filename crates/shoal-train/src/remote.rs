@@ -44,16 +44,15 @@ impl RemoteStore {
     pub fn open(url: &str) -> Result<RemoteStore> {
         let err = |why: String| RemoteError { url: url.to_owned(), why };
         let parsed = url::Url::parse(url).map_err(|e| err(format!("not a URL: {e}")))?;
-        let opts: Vec<(String, String)> = std::env::vars()
-            .filter(|(k, _)| k.starts_with("AWS_") || k.starts_with("GOOGLE_") || k.starts_with("AZURE_"))
-            .map(|(k, v)| (k.to_ascii_lowercase(), v))
-            .collect();
-        let (store, prefix) = object_store::parse_url_opts(&parsed, opts).map_err(|e| err(e.to_string()))?;
+        let (store, prefix) = shoal_data::lake::open_store(&parsed).map_err(|e| match e {
+            shoal_data::Error::Lake { why, .. } => err(why),
+            other => err(other.to_string()),
+        })?;
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .map_err(|e| err(format!("cannot start the I/O runtime: {e}")))?;
-        Ok(RemoteStore { url: url.trim_end_matches('/').to_owned(), store: Arc::from(store), prefix, rt })
+        Ok(RemoteStore { url: url.trim_end_matches('/').to_owned(), store, prefix, rt })
     }
 
     pub fn url(&self) -> &str {

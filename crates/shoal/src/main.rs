@@ -6,6 +6,7 @@ mod bench_compress;
 mod bench_ps;
 mod bench_workloads;
 mod checkpoint;
+mod data;
 mod faults;
 mod k8s;
 mod nodes;
@@ -175,6 +176,11 @@ enum Cmd {
         #[command(subcommand)]
         cmd: checkpoint::CheckpointCmd,
     },
+    /// Data where it lives: `inspect` a file, prefix or glob in an object store or on a path.
+    Data {
+        #[command(subcommand)]
+        cmd: data::DataCmd,
+    },
     /// List the built-in datasets.
     Datasets {
         /// One JSON array of objects (name, kind, len, features, classes, description).
@@ -281,6 +287,7 @@ fn main() -> std::process::ExitCode {
             .and_then(|c| platform::cost(&c, team.as_deref(), since.as_deref(), json)),
         Cmd::Nodes { json, client } => platform::Client::from_args(&client).and_then(|c| platform::nodes(&c, json)),
         Cmd::Datasets { json } => datasets(json),
+        Cmd::Data { cmd } => data::run(&cmd),
         Cmd::Validate { job, json } => validate::run(&job, json),
         Cmd::K8s { cmd } => k8s::run(&cmd),
         Cmd::Plan(args) => plan::run(&args),

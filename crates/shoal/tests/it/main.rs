@@ -6,6 +6,7 @@ mod checkpoint;
 mod cli;
 mod compression;
 mod dashboard;
+mod data;
 mod deploy;
 mod diagnose;
 mod faults;
