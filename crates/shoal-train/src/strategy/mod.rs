@@ -342,9 +342,22 @@ pub(crate) fn add_tensors(acc: &mut [Vec<f32>], params: &Params, grads: &TensorG
         let acc = acc.get_mut(i).ok_or_else(|| {
             Error::InvalidArgument(format!("a gradient for parameter {i} of {}", params.vars().len()))
         })?;
-        let mut buf = vec![0f32; acc.len()];
-        copy_f32(&mut buf, g)?;
-        acc.iter_mut().zip(&buf).for_each(|(a, g)| *a += g);
+        add_f32(acc, g)?;
+    }
+    Ok(())
+}
+
+/// Adds a tensor's values into `acc`, which must be exactly as long (read in place: no copy between).
+pub(crate) fn add_f32(acc: &mut [f32], t: &Tensor) -> Result<()> {
+    let t = t.contiguous()?;
+    let n = with_slice(&t, |s| {
+        if s.len() == acc.len() {
+            acc.iter_mut().zip(s).for_each(|(a, g)| *a += g);
+        }
+        s.len()
+    })?;
+    if n != acc.len() {
+        return Err(Error::InvalidArgument(format!("gradient has {n} values, its parameter {}", acc.len())));
     }
     Ok(())
 }

@@ -17,7 +17,7 @@ use shoal_comm::{Communicator, ReduceOp};
 use shoal_ps::net::{Client, Part};
 use shoal_ps::{Mode, ShardPlan};
 
-use super::{GradSink, StepTimes, Strategy, TensorGrads, check_order, copy_f32, flat_offsets};
+use super::{GradSink, StepTimes, Strategy, TensorGrads, add_f32, check_order, copy_f32, flat_offsets};
 use crate::error::{Error, Result};
 use crate::optim::Optimizer;
 use crate::params::Params;
@@ -195,15 +195,11 @@ impl Strategy for Ps {
     }
 
     fn backward_tensors(&mut self, _params: &Params, last: bool, scalars: Vec<f32>, grads: TensorGrads) -> Result<()> {
-        let mut buf = Vec::new();
         for (i, g) in grads.iter().enumerate() {
             let Some(g) = g else { continue };
             let start = self.offsets[i];
             let end = self.offsets.get(i + 1).copied().unwrap_or(self.grad.len());
-            buf.clear();
-            buf.resize(end - start, 0.0);
-            copy_f32(&mut buf, g)?;
-            self.grad[start..end].iter_mut().zip(&buf).for_each(|(a, x)| *a += x);
+            add_f32(&mut self.grad[start..end], g)?;
         }
         if last && !scalars.is_empty() {
             self.scalars = scalars;
