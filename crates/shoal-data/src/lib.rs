@@ -1,5 +1,5 @@
-//! `shoal-data`: Shoal's data plane — datasets, their partitioning across ranks, the distributed sampler and the
-//! prefetching loader.
+//! `shoal-data`: Shoal's data plane — datasets, their partitioning across ranks, the distributed sampler, the
+//! prefetching loader, and data where it lives in object stores ([`lake`]).
 //!
 //! # Invariants
 //!
@@ -13,6 +13,8 @@
 //! - Nothing waits without a deadline: the loader's threads wait in slices of at most 50 ms and stop when the
 //!   loader is dropped; its consumer gives up after a timeout.
 //! - Built-in data ships inside crates (`smartcore`'s digits, `lipsum`'s Cicero); nothing is downloaded.
+//! - Data in an object store is read where it lives, by ranged or streamed requests, never copied to local disk
+//!   first; a location opens in one place ([`lake::open_store`]), with the stores' own environment variables.
 //!
 //! # Example
 //!
