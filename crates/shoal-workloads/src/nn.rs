@@ -9,7 +9,6 @@ use shoal_ps::Tensor;
 #[derive(Debug, Clone, Default)]
 pub struct Layout {
     pub tensors: Vec<Tensor>,
-    pub starts: Vec<usize>,
 }
 
 impl Layout {
@@ -17,7 +16,6 @@ impl Layout {
     pub fn add(&mut self, name: &str, rows: usize, row: usize) -> usize {
         let start = self.len();
         self.tensors.push(Tensor { name: name.to_owned(), len: rows * row, row });
-        self.starts.push(start);
         start
     }
 
@@ -30,7 +28,7 @@ impl Layout {
 
     /// Values in all.
     pub fn len(&self) -> usize {
-        self.tensors.last().zip(self.starts.last()).map_or(0, |(t, s)| s + t.len)
+        self.tensors.iter().map(|t| t.len).sum()
     }
 
     pub fn is_empty(&self) -> bool {

@@ -155,6 +155,11 @@ impl Recommender {
 
     /// The batch's mean binary cross-entropy and its gradients, of the touched rows only.
     pub fn loss_and_grads(&self, p: &[f32], batch: &[Click]) -> Result<(f32, Grads)> {
+        self.loss_and_grads_of(p, batch, touched(batch))
+    }
+
+    /// [`Self::loss_and_grads`] given the ids the batch touches ([`touched`]), found already.
+    pub fn loss_and_grads_of(&self, p: &[f32], batch: &[Click], ids: (Vec<u32>, Vec<u32>)) -> Result<(f32, Grads)> {
         let (d, w, n) = (self.dim, self.width(), batch.len());
         let (z, h, logits) = self.forward(p, batch)?;
         let mut loss = 0f64;
@@ -174,14 +179,7 @@ impl Recommender {
         dh.iter_mut().zip(&h).for_each(|(g, &h)| *g = if h > 0.0 { *g } else { 0.0 });
         let mut dz = vec![0f32; z.len()];
         self.l0.backward(top, &z, &dh, &mut gtop, Some(&mut dz));
-        let sorted = |ids: Vec<u32>| {
-            let mut ids = ids;
-            ids.sort_unstable();
-            ids.dedup();
-            ids
-        };
-        let users = sorted(batch.iter().map(|c| c.user).collect());
-        let items = sorted(batch.iter().map(|c| c.item).collect());
+        let (users, items) = ids;
         let mut values = vec![0f32; (users.len() + items.len()) * d];
         let (gu, rest) = values.split_at_mut(users.len() * d);
         for (c, dzr) in batch.iter().zip(dz.chunks_exact(w)) {
@@ -210,7 +208,7 @@ impl Recommender {
 }
 
 /// The ids a batch touches, sorted and without repeats.
-fn touched(batch: &[Click]) -> (Vec<u32>, Vec<u32>) {
+pub fn touched(batch: &[Click]) -> (Vec<u32>, Vec<u32>) {
     let mut users: Vec<u32> = batch.iter().map(|c| c.user).collect();
     let mut items: Vec<u32> = batch.iter().map(|c| c.item).collect();
     users.sort_unstable();
@@ -308,10 +306,13 @@ pub fn train(client: &mut Client, cfg: &RecConfig, worker: usize, workers: usize
     let tenth = (cfg.steps / 10).max(1);
     let (mut first, mut last) = (Vec::new(), Vec::new());
     let start = Instant::now();
+    // The batch, the ids it touches, and their runs and routes: found once, for its pull and then its push.
     let mut batch = batch_of(0);
+    let mut ids = touched(&batch);
+    let mut push_routes = routed(&plan, &model.runs(&ids.0, &ids.1))?;
     let mut pulled = Vec::new();
     for step in 0..cfg.steps {
-        let (loss, grads) = model.loss_and_grads(&p, &batch)?;
+        let (loss, grads) = model.loss_and_grads_of(&p, &batch, ids)?;
         if step < tenth {
             first.push(f64::from(loss));
         }
@@ -321,8 +322,6 @@ pub fn train(client: &mut Client, cfg: &RecConfig, worker: usize, workers: usize
         report.samples += batch.len() as u64;
         report.touched_bytes += ((grads.users.len() + grads.items.len()) * cfg.dim * 4) as u64;
         report.top_bytes += model.top_len() as u64 * 4;
-        let push_runs = model.runs(&grads.users, &grads.items);
-        let push_routes = routed(&plan, &push_runs)?;
         let final_step = step + 1 == cfg.steps;
         if final_step {
             // Push, then pull the whole model.
@@ -340,8 +339,8 @@ pub fn train(client: &mut Client, cfg: &RecConfig, worker: usize, workers: usize
             break;
         }
         let next = batch_of(step + 1);
-        let (users, items) = touched(&next);
-        let pull_runs = model.runs(&users, &items);
+        let next_ids = touched(&next);
+        let pull_runs = model.runs(&next_ids.0, &next_ids.1);
         let pull_routes = routed(&plan, &pull_runs)?;
         pulled.clear();
         pulled.resize(pull_runs.iter().map(|r| r.1).sum(), 0.0);
@@ -359,7 +358,7 @@ pub fn train(client: &mut Client, cfg: &RecConfig, worker: usize, workers: usize
             .collect();
         client.exchange(cfg.lr, parts)?;
         scatter(&mut p, &pull_runs, &pulled);
-        batch = next;
+        (batch, ids, push_routes) = (next, next_ids, pull_routes);
         if step % 500 == 0 {
             tracing::debug!(worker, step, loss, "recommender step");
         }

@@ -127,9 +127,9 @@ pub struct BenchArgs {
     /// parameters on the servers (default 10M); K, M, G suffixes.
     #[arg(long)]
     pub params: Option<String>,
-    /// ps, recommender, a3c: parameter servers (separate processes; `--ranks` is the workers; a3c: default 1).
-    #[arg(long, default_value_t = 2)]
-    pub servers: usize,
+    /// ps, recommender, a3c: parameter servers (separate processes; `--ranks` is the workers; default 2, a3c 1).
+    #[arg(long)]
+    pub servers: Option<usize>,
     /// recommender: the servers' mode, sync, async or ssp (staleness 3).
     #[arg(long, default_value = "async")]
     pub mode: String,
@@ -288,6 +288,20 @@ impl Ranks {
     /// first rank (0 on the host that prints results), or `None` once it has said on stderr how the run failed.
     pub fn run(&self, mut on_row: impl FnMut(&str) -> bool) -> Result<Option<usize>> {
         self.run_all(|rank, text| rank == 0 && on_row(text))
+    }
+
+    /// [`Ranks::run`] for a benchmark whose rank 0 prints one JSON line of figures: those figures, or `None` once
+    /// stderr says how the run failed (or when rank 0 printed none).
+    pub fn run_figures<T: serde::de::DeserializeOwned>(&self) -> Result<Option<T>> {
+        let mut figures = None;
+        let ran = self.run(|line| match serde_json::from_str::<T>(line) {
+            Ok(f) => {
+                figures = Some(f);
+                true
+            }
+            Err(_) => false,
+        })?;
+        Ok(ran.and(figures))
     }
 
     /// [`Ranks::run`], with every rank's lines on stdout given to `on_line` (with the rank) in the order they

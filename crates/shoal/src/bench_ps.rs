@@ -55,7 +55,8 @@ struct Figures {
 
 pub fn run(args: &BenchArgs) -> Result<bool> {
     let params = parse_count(args.params.as_deref().unwrap_or("10M"))?;
-    if args.servers == 0 || args.ranks == 0 {
+    let servers = args.servers.unwrap_or(2);
+    if servers == 0 || args.ranks == 0 {
         bail!("--servers and --ranks (the workers) must be at least 1");
     }
     if !(args.seconds.is_finite() && args.seconds > 0.0) {
@@ -65,26 +66,18 @@ pub fn run(args: &BenchArgs) -> Result<bool> {
         bail!("shoal bench ps runs on one host");
     }
     let timeout = shoal_comm::env::parse_duration(&args.timeout).map_err(|e| anyhow::anyhow!("--timeout: {e}"))?;
-    let plan = Plan { params, servers: args.servers, workers: args.ranks, seconds: args.seconds, timeout };
+    let plan = Plan { params, servers, workers: args.ranks, seconds: args.seconds, timeout };
     let mut ranks_args = args.clone();
-    ranks_args.ranks = args.ranks + args.servers;
+    ranks_args.ranks = args.ranks + servers;
     let transport = transport_arg(args, "tcp")?;
     let ranks = Ranks::new(&ranks_args, &transport, vec!["bench-ps-rank".into(), serde_json::to_string(&plan)?])?;
     if !args.json {
         println!(
             "# shoal bench ps: {params} float32 parameters on {} server(s), {} worker(s), {} s timed",
-            args.servers, args.ranks, args.seconds
+            servers, args.ranks, args.seconds
         );
     }
-    let mut ours: Option<Figures> = None;
-    let ran = ranks.run(|line| match serde_json::from_str::<Figures>(line) {
-        Ok(f) => {
-            ours = Some(f);
-            true
-        }
-        Err(_) => false,
-    })?;
-    let (Some(_), Some(ours)) = (ran, ours) else { return Ok(false) };
+    let Some(ours) = ranks.run_figures::<Figures>()? else { return Ok(false) };
     let ray_python = args.ray.clone().or_else(|| std::env::var_os("SHOAL_RAY_PYTHON").map(Into::into));
     let ray = match &ray_python {
         Some(py) => Some(ray(py, &plan)?),

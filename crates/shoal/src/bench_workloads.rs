@@ -53,14 +53,17 @@ fn parse_mode(mode: &str) -> Result<Mode> {
     }
 }
 
-fn checked(args: &BenchArgs, what: &str) -> Result<Duration> {
-    if args.servers == 0 || args.ranks == 0 {
+/// The servers (`--servers`, else `default`) and the deadline of every exchange, once the flags are checked.
+fn checked(args: &BenchArgs, what: &str, default: usize) -> Result<(usize, Duration)> {
+    let servers = args.servers.unwrap_or(default);
+    if servers == 0 || args.ranks == 0 {
         bail!("--servers and --ranks (the workers) must be at least 1");
     }
     if args.nodes.nodes()?.is_some() {
         bail!("shoal bench {what} runs on one host");
     }
-    shoal_comm::env::parse_duration(&args.timeout).map_err(|e| anyhow::anyhow!("--timeout: {e}"))
+    let timeout = shoal_comm::env::parse_duration(&args.timeout).map_err(|e| anyhow::anyhow!("--timeout: {e}"))?;
+    Ok((servers, timeout))
 }
 
 /// What the recommender's rank 0 reports.
@@ -88,7 +91,7 @@ struct RecFigures {
 }
 
 pub fn recommender(args: &BenchArgs) -> Result<bool> {
-    let timeout = checked(args, "recommender")?;
+    let (servers, timeout) = checked(args, "recommender", 2)?;
     let mut cfg = RecConfig::default();
     if let Some(users) = &args.users {
         cfg.clicks.users = parse_count(users)?;
@@ -103,27 +106,19 @@ pub fn recommender(args: &BenchArgs) -> Result<bool> {
     shoal_workloads::recommender::Recommender::new(&cfg)?;
     shoal_workloads::clicks::Clicks::new(cfg.clicks)?;
     parse_mode(&args.mode)?;
-    let plan = Plan::Recommender { cfg, servers: args.servers, workers: args.ranks, mode: args.mode.clone(), timeout };
+    let plan = Plan::Recommender { cfg, servers, workers: args.ranks, mode: args.mode.clone(), timeout };
     let mut ranks_args = args.clone();
-    ranks_args.ranks = args.ranks + args.servers;
+    ranks_args.ranks = args.ranks + servers;
     let transport = transport_arg(args, "tcp")?;
     let ranks = Ranks::new(&ranks_args, &transport, vec!["bench-workload-rank".into(), serde_json::to_string(&plan)?])?;
     if !args.json {
         println!(
             "# shoal bench recommender: {} users × {} items (embedding width {}), {} worker(s) × {} steps of {}, {} \
              server(s), {}",
-            cfg.clicks.users, cfg.clicks.items, cfg.dim, args.ranks, cfg.steps, cfg.batch, args.servers, args.mode
+            cfg.clicks.users, cfg.clicks.items, cfg.dim, args.ranks, cfg.steps, cfg.batch, servers, args.mode
         );
     }
-    let mut ours: Option<RecFigures> = None;
-    let ran = ranks.run(|line| match serde_json::from_str::<RecFigures>(line) {
-        Ok(f) => {
-            ours = Some(f);
-            true
-        }
-        Err(_) => false,
-    })?;
-    let (Some(_), Some(f)) = (ran, ours) else { return Ok(false) };
+    let Some(f) = ranks.run_figures::<RecFigures>()? else { return Ok(false) };
     if args.json {
         println!("{}", serde_json::to_string(&f)?);
         return Ok(true);
@@ -240,7 +235,7 @@ struct A3cRun {
 }
 
 pub fn a3c(args: &BenchArgs) -> Result<bool> {
-    let timeout = checked(args, "a3c")?;
+    let (servers, timeout) = checked(args, "a3c", 1)?;
     let actors: Vec<usize> = args
         .actors
         .split(',')
@@ -250,9 +245,10 @@ pub fn a3c(args: &BenchArgs) -> Result<bool> {
     if args.repeats == 0 {
         bail!("--repeats must be at least 1");
     }
-    // One server serves these few hundred values; `--servers` beyond it shards them all the same.
-    let servers = if args.servers == 2 { 1 } else { args.servers };
-    let cfg = A3cConfig { max_seconds: args.seconds.max(1.0) * 6.0, ..A3cConfig::default() };
+    if !(args.seconds.is_finite() && args.seconds > 0.0) {
+        bail!("--seconds must be positive, got {}", args.seconds);
+    }
+    let cfg = A3cConfig { max_seconds: args.seconds, ..A3cConfig::default() };
     if !args.json {
         println!(
             "# shoal bench a3c: CartPole, actors {:?}, {} run(s) each, {} server(s), async; solved = mean ≥ 195 over \

@@ -8,7 +8,7 @@ use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
 use crate::error::{PsError, Result};
-use crate::net::proto::{Reply, Request, Span, read_values_into, write_init, write_push};
+use crate::net::proto::{Reply, Request, Span, read_values_into, write_init, write_pull, write_push};
 use crate::net::shm::Segment;
 use crate::server::Mode;
 
@@ -191,7 +191,7 @@ impl Client {
                         got
                     }
                     None => {
-                        Request::Pull { min_version, spans: part.pull_spans.to_vec() }.write(&mut c.stream, peer)?;
+                        write_pull(&mut c.stream, min_version, part.pull_spans, peer)?;
                         read_values_into(&mut c.stream, out, peer)?
                     }
                 };

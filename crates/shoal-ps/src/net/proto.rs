@@ -246,6 +246,12 @@ pub fn write_push(w: &mut impl Write, version: u64, lr: f64, spans: &[Span], gra
     write_message(w, Kind::PsRequest, &head.0, &[grad], peer)
 }
 
+/// Writes a [`Request::Pull`] of borrowed spans (a worker's rows for its next step).
+pub fn write_pull(w: &mut impl Write, min_version: u64, spans: &[Span], peer: &str) -> Result<()> {
+    let head = Head::default().u8(PULL).u64(min_version).spans(spans);
+    write_message(w, Kind::PsRequest, &head.0, &[], peer)
+}
+
 /// Writes a [`Reply::Values`] from borrowed values (a server's shard, sent while it holds it).
 pub fn write_values(w: &mut impl Write, version: u64, slowest: u64, values: &[&[f32]], peer: &str) -> Result<()> {
     let head = Head::default().u8(R_VALUES).u64(version).u64(slowest);
@@ -278,10 +284,8 @@ impl Request {
                     .u64(v.len() as u64),
                 vec![values, m, v],
             ),
-            Request::Push { version, lr, spans, grad } => {
-                (Head::default().u8(PUSH).u64(*version).f64(*lr).spans(spans), vec![grad])
-            }
-            Request::Pull { min_version, spans } => (Head::default().u8(PULL).u64(*min_version).spans(spans), vec![]),
+            Request::Push { version, lr, spans, grad } => return write_push(w, *version, *lr, spans, grad, peer),
+            Request::Pull { min_version, spans } => return write_pull(w, *min_version, spans, peer),
             Request::State => (Head::default().u8(STATE), vec![]),
             Request::Checkpoint { step } => (Head::default().u8(CHECKPOINT).u64(*step), vec![]),
             Request::Done => (Head::default().u8(DONE), vec![]),
