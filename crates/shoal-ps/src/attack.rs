@@ -11,6 +11,7 @@
 //!   turns the aggregate against the descent direction when the rule lets it through.
 
 use crate::error::{PsError, Result};
+use crate::optim::Real;
 
 /// An attack (`chaos.attack` in a job spec).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -54,7 +55,7 @@ impl Attack {
 
     /// Replaces the parts of `byzantine` ranks in `gathered` (every rank's `len` values, one after the other) by
     /// what the attack sends; `seed` (the same on every process) draws the noise.
-    pub fn apply(&self, gathered: &mut [f32], len: usize, byzantine: &[usize], seed: u64) -> Result<()> {
+    pub fn apply<R: Real>(&self, gathered: &mut [R], len: usize, byzantine: &[usize], seed: u64) -> Result<()> {
         let n = gathered.len().checked_div(len).unwrap_or(0);
         if len == 0 || n * len != gathered.len() {
             return Err(PsError::InvalidArgument(format!("{} values are not parts of {len}", gathered.len())));
@@ -66,25 +67,25 @@ impl Attack {
         // The honest parts' coordinate-wise mean and standard deviation, for the attacks that use them.
         let stats = |j: usize| -> (f64, f64) {
             let k = honest.len().max(1) as f64;
-            let mean = honest.iter().map(|&r| f64::from(gathered[r * len + j])).sum::<f64>() / k;
-            let var = honest.iter().map(|&r| (f64::from(gathered[r * len + j]) - mean).powi(2)).sum::<f64>() / k;
+            let mean = honest.iter().map(|&r| gathered[r * len + j].wide()).sum::<f64>() / k;
+            let var = honest.iter().map(|&r| (gathered[r * len + j].wide() - mean).powi(2)).sum::<f64>() / k;
             (mean, var.sqrt())
         };
         let s = self.scale();
-        let forged: Vec<Vec<f32>> = byzantine
+        let forged: Vec<Vec<R>> = byzantine
             .iter()
             .map(|&r| {
                 let own = &gathered[r * len..(r + 1) * len];
                 let mut rng = Normal::new(seed ^ (r as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
                 (0..len)
                     .map(|j| match self {
-                        Attack::SignFlip { .. } => (-s * f64::from(own[j])) as f32,
-                        Attack::Noise { .. } => (f64::from(own[j]) + s * rng.next()) as f32,
+                        Attack::SignFlip { .. } => R::of(-s * own[j].wide()),
+                        Attack::Noise { .. } => R::of(own[j].wide() + s * rng.next()),
                         Attack::Alie { .. } => {
                             let (mean, sd) = stats(j);
-                            (mean - s * sd) as f32
+                            R::of(mean - s * sd)
                         }
-                        Attack::Ipm { .. } => (-s * stats(j).0) as f32,
+                        Attack::Ipm { .. } => R::of(-s * stats(j).0),
                     })
                     .collect()
             })

@@ -19,15 +19,25 @@ pub trait Real:
     + std::ops::Mul<Output = Self>
     + std::ops::Div<Output = Self>
     + std::ops::SubAssign
+    + PartialEq
+    + std::fmt::Debug
+    + Send
+    + Sync
+    + 'static
 {
     /// `x`, rounded to this type.
     fn of(x: f64) -> Self;
+    /// This value in `f64` (exact).
+    fn wide(self) -> f64;
     fn sqrt(self) -> Self;
 }
 
 impl Real for f32 {
     fn of(x: f64) -> f32 {
         x as f32
+    }
+    fn wide(self) -> f64 {
+        f64::from(self)
     }
     fn sqrt(self) -> f32 {
         f32::sqrt(self)
@@ -37,6 +47,9 @@ impl Real for f32 {
 impl Real for f64 {
     fn of(x: f64) -> f64 {
         x
+    }
+    fn wide(self) -> f64 {
+        self
     }
     fn sqrt(self) -> f64 {
         f64::sqrt(self)

@@ -17,6 +17,7 @@
 //! Sums run in `f64`.
 
 use crate::error::{PsError, Result};
+use crate::optim::Real;
 
 /// A robust aggregation rule (`robust.rule` in a job spec).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -80,7 +81,7 @@ impl Rule {
 
 /// Combines `inputs` (one buffer per worker, all as long as `out`) by `rule` bearing up to `f` attackers, into
 /// `out`.
-pub fn aggregate(rule: Rule, f: usize, inputs: &[&[f32]], out: &mut [f32]) -> Result<()> {
+pub fn aggregate<R: Real>(rule: Rule, f: usize, inputs: &[&[R]], out: &mut [R]) -> Result<()> {
     let n = inputs.len();
     rule.check(n, f)?;
     if let Some((k, x)) = inputs.iter().enumerate().find(|(_, x)| x.len() != out.len()) {
@@ -89,7 +90,7 @@ pub fn aggregate(rule: Rule, f: usize, inputs: &[&[f32]], out: &mut [f32]) -> Re
     match rule {
         Rule::Mean => {
             for (j, o) in out.iter_mut().enumerate() {
-                *o = (inputs.iter().map(|x| f64::from(x[j])).sum::<f64>() / n as f64) as f32;
+                *o = R::of(inputs.iter().map(|x| x[j].wide()).sum::<f64>() / n as f64);
             }
         }
         Rule::Median => coordinate_wise(inputs, out, |v| {
@@ -109,7 +110,7 @@ pub fn aggregate(rule: Rule, f: usize, inputs: &[&[f32]], out: &mut [f32]) -> Re
             let scores = krum_scores(inputs, f);
             let chosen: Vec<usize> = order(&scores).into_iter().take(n - f).collect();
             for (j, o) in out.iter_mut().enumerate() {
-                *o = (chosen.iter().map(|&k| f64::from(inputs[k][j])).sum::<f64>() / chosen.len() as f64) as f32;
+                *o = R::of(chosen.iter().map(|&k| inputs[k][j].wide()).sum::<f64>() / chosen.len() as f64);
             }
         }
         Rule::GeoMed => geometric_median(inputs, out),
@@ -119,33 +120,33 @@ pub fn aggregate(rule: Rule, f: usize, inputs: &[&[f32]], out: &mut [f32]) -> Re
 
 /// `pick` of each coordinate's values, sorted (non-finite values at the ends: `f64::total_cmp` with NaN as
 /// infinity of its sign).
-fn coordinate_wise(inputs: &[&[f32]], out: &mut [f32], pick: impl Fn(&[f64]) -> f64) {
+fn coordinate_wise<R: Real>(inputs: &[&[R]], out: &mut [R], pick: impl Fn(&[f64]) -> f64) {
     let mut v = vec![0f64; inputs.len()];
     for (j, o) in out.iter_mut().enumerate() {
         for (slot, x) in v.iter_mut().zip(inputs) {
-            let x = f64::from(x[j]);
+            let x = x[j].wide();
             *slot = if x.is_nan() { f64::INFINITY.copysign(x) } else { x };
         }
         v.sort_by(f64::total_cmp);
-        *o = pick(&v) as f32;
+        *o = R::of(pick(&v));
     }
 }
 
 /// Whether every value of `x` is finite.
-fn finite(x: &[f32]) -> bool {
-    x.iter().all(|v| v.is_finite())
+fn finite<R: Real>(x: &[R]) -> bool {
+    x.iter().all(|v| v.wide().is_finite())
 }
 
 /// Squared distance between `a` and `b` (infinite when either holds a value that is not).
-fn distance2(a: &[f32], b: &[f32]) -> f64 {
+fn distance2<R: Real>(a: &[R], b: &[R]) -> f64 {
     if !finite(a) || !finite(b) {
         return f64::INFINITY;
     }
-    a.iter().zip(b).map(|(x, y)| (f64::from(*x) - f64::from(*y)).powi(2)).sum()
+    a.iter().zip(b).map(|(x, y)| (x.wide() - y.wide()).powi(2)).sum()
 }
 
 /// Each input's Krum score: its summed squared distance to its `n - f - 2` nearest others.
-fn krum_scores(inputs: &[&[f32]], f: usize) -> Vec<f64> {
+fn krum_scores<R: Real>(inputs: &[&[R]], f: usize) -> Vec<f64> {
     let n = inputs.len();
     let near = n.saturating_sub(f + 2).max(1);
     let mut d = vec![vec![0f64; n]; n];
@@ -175,27 +176,27 @@ fn order(scores: &[f64]) -> Vec<usize> {
 
 /// Weiszfeld's iteration for the geometric median of the finite inputs, from their coordinate-wise median, until
 /// a step moves less than 1e-7 of the point's size (at most 200 steps).
-fn geometric_median(inputs: &[&[f32]], out: &mut [f32]) {
-    let good: Vec<&[f32]> = inputs.iter().copied().filter(|x| finite(x)).collect();
+fn geometric_median<R: Real>(inputs: &[&[R]], out: &mut [R]) {
+    let good: Vec<&[R]> = inputs.iter().copied().filter(|x| finite(x)).collect();
     if good.is_empty() {
-        out.iter_mut().for_each(|o| *o = f32::NAN);
+        out.iter_mut().for_each(|o| *o = R::of(f64::NAN));
         return;
     }
     coordinate_wise(&good, out, |v| {
         let m = v.len() / 2;
         if v.len() % 2 == 1 { v[m] } else { (v[m - 1] + v[m]) / 2.0 }
     });
-    let mut z: Vec<f64> = out.iter().map(|&v| f64::from(v)).collect();
+    let mut z: Vec<f64> = out.iter().map(|&v| v.wide()).collect();
     let mut next = vec![0f64; z.len()];
     for _ in 0..200 {
         next.iter_mut().for_each(|v| *v = 0.0);
         let mut weights = 0f64;
         for x in &good {
-            let d = x.iter().zip(&z).map(|(a, b)| (f64::from(*a) - b).powi(2)).sum::<f64>().sqrt();
+            let d = x.iter().zip(&z).map(|(a, b)| (a.wide() - b).powi(2)).sum::<f64>().sqrt();
             // On an input itself: weigh it heavily rather than divide by zero.
             let w = 1.0 / d.max(1e-12);
             weights += w;
-            next.iter_mut().zip(x.iter()).for_each(|(s, a)| *s += w * f64::from(*a));
+            next.iter_mut().zip(x.iter()).for_each(|(s, a)| *s += w * a.wide());
         }
         next.iter_mut().for_each(|v| *v /= weights);
         let moved = next.iter().zip(&z).map(|(a, b)| (a - b).powi(2)).sum::<f64>().sqrt();
@@ -205,7 +206,7 @@ fn geometric_median(inputs: &[&[f32]], out: &mut [f32]) {
             break;
         }
     }
-    out.iter_mut().zip(&z).for_each(|(o, v)| *o = *v as f32);
+    out.iter_mut().zip(&z).for_each(|(o, v)| *o = R::of(*v));
 }
 
 #[cfg(test)]

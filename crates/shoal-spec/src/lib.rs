@@ -717,6 +717,32 @@ pub enum Schedule {
     Constant,
 }
 
+/// What training computes in (`train.dtype`).
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Dtype {
+    /// 32-bit floats: parameters, activations, gradients, optimizer state and what the collectives move.
+    #[default]
+    F32,
+    /// 64-bit floats throughout, to tell floating-point rounding from a bug when two layouts are compared; run by
+    /// a build with the `f64` feature (a build runs the one precision it was built for, and refuses the other).
+    F64,
+}
+
+impl Dtype {
+    /// What this build computes in: `f64` with the `f64` feature (which shoal-train's `f64` turns on), else `f32`.
+    pub const BUILT: Dtype = if cfg!(feature = "f64") { Dtype::F64 } else { Dtype::F32 };
+
+    /// The name a spec gives it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Dtype::F32 => "f32",
+            Dtype::F64 => "f64",
+        }
+    }
+}
+
 /// When the gradient all-reduce runs.
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -744,6 +770,9 @@ pub struct TrainSpec {
     pub dataset: String,
     #[serde(default)]
     pub strategy: Strategy,
+    /// What every value of training is computed in (default `f32`).
+    #[serde(default, skip_serializing_if = "is_f32")]
+    pub dtype: Dtype,
     /// Samples per optimizer step, over all ranks and all accumulation micro-steps together.
     #[cfg_attr(feature = "openapi", schema(minimum = 1))]
     pub global_batch: usize,
@@ -806,6 +835,9 @@ pub struct TrainSpec {
 
 fn one() -> usize {
     1
+}
+fn is_f32(d: &Dtype) -> bool {
+    *d == Dtype::F32
 }
 fn eight() -> usize {
     8
@@ -1920,6 +1952,17 @@ impl TrainSpec {
     fn validate_numbers(&self) -> Result<()> {
         positive("train.global_batch", self.global_batch)?;
         positive("train.steps", self.steps)?;
+        if self.dtype != Dtype::BUILT {
+            let build = if self.dtype == Dtype::F64 { "with `--features f64`" } else { "without the `f64` feature" };
+            return Err(SpecError::at(
+                "train.dtype",
+                format!(
+                    "\"{}\": this shoal was built to compute in {}; run a shoal built {build}",
+                    self.dtype.name(),
+                    Dtype::BUILT.name()
+                ),
+            ));
+        }
         finite_in("train.lr", self.lr, self.lr > 0.0, "> 0 and finite")?;
         if self.grad_accum == 0 {
             return Err(SpecError::at("train.grad_accum", "must be >= 1"));

@@ -1,6 +1,7 @@
 //! Turning samples of `shoal-data` (plain vectors) into tensors: the only place
 //! where data meets candle.
 
+use crate::Real;
 use candle_core::{Device, Tensor};
 use shoal_data::Sample;
 
@@ -27,7 +28,7 @@ pub struct Flat {
 /// The inputs of a [`Flat`] batch.
 #[derive(Debug, Clone, PartialEq)]
 pub enum FlatInput {
-    Dense(Vec<f32>),
+    Dense(Vec<Real>),
     Tokens(Vec<u32>),
 }
 
@@ -63,7 +64,7 @@ pub fn to_flat(samples: &[Sample]) -> Result<Option<Flat>> {
                 "sample {i} of the batch is not {width} dense features with a class"
             )));
         };
-        xs.extend_from_slice(x);
+        xs.extend(x.iter().map(|&v| crate::kernels::from_f32(v)));
         ys.push(y);
     }
     Ok(Some(Flat { rows, width, input: FlatInput::Dense(xs), target: ys }))
@@ -83,7 +84,7 @@ impl Flat {
     }
 }
 
-/// Dense features with class labels (`[rows, features]` f32, `[rows]` u32), or
+/// Dense features with class labels (`[rows, features]` Real, `[rows]` u32), or
 /// token windows (`[rows, context]` u32 inputs, `[rows*context]` u32 targets).
 /// `None` for an empty batch.
 pub fn to_tensors(samples: &[Sample]) -> Result<Option<Tensors>> {

@@ -4,7 +4,7 @@
 //! values of a candle tensor, so optimizer updates and hand-written backward
 //! passes run without allocating a tensor per operation.
 //!
-//! Invariant: these functions only touch contiguous `f32` CPU tensors and say
+//! Invariant: these functions only touch contiguous `Real` CPU tensors and say
 //! so in an error otherwise; sizes are checked before any pointer is formed.
 
 use std::cell::RefCell;
@@ -12,20 +12,41 @@ use std::cell::RefCell;
 use candle_core::{CpuStorage, InplaceOp1, Layout, Storage, Tensor};
 
 use crate::error::{Error, Result};
+use crate::{REAL_NAME, Real};
 
-/// The values of `storage` under `layout`, when it is a contiguous f32 CPU tensor.
-pub(crate) fn cpu_f32<'a>(storage: &'a Storage, layout: &Layout) -> Result<&'a [f32]> {
-    match (storage, layout.contiguous_offsets()) {
-        (Storage::Cpu(CpuStorage::F32(v)), Some((a, b))) => {
-            v.get(a..b).ok_or_else(|| Error::InvalidArgument("tensor layout outside its storage".into()))
-        }
-        (Storage::Cpu(CpuStorage::F32(_)), None) => Err(Error::InvalidArgument("tensor is not contiguous".into())),
-        _ => Err(Error::InvalidArgument("tensor is not an f32 tensor on the CPU".into())),
+/// The vector of a CPU storage holding [`Real`] values.
+fn real_vec(storage: &mut CpuStorage) -> Option<&mut Vec<Real>> {
+    match storage {
+        #[cfg(not(feature = "f64"))]
+        CpuStorage::F32(v) => Some(v),
+        #[cfg(feature = "f64")]
+        CpuStorage::F64(v) => Some(v),
+        _ => None,
     }
 }
 
-/// Runs `f` on the values of a contiguous f32 CPU tensor.
-pub fn with_slice<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
+/// A CPU storage of [`Real`] values.
+pub(crate) fn real_storage(values: Vec<Real>) -> CpuStorage {
+    <Real as candle_core::WithDType>::to_cpu_storage_owned(values)
+}
+
+/// The values of `storage` under `layout`, when it is a contiguous Real CPU tensor.
+pub(crate) fn cpu_f32<'a>(storage: &'a Storage, layout: &Layout) -> Result<&'a [Real]> {
+    let values = match storage {
+        Storage::Cpu(s) => s.as_slice::<Real>().ok(),
+        _ => None,
+    };
+    match (values, layout.contiguous_offsets()) {
+        (Some(v), Some((a, b))) => {
+            v.get(a..b).ok_or_else(|| Error::InvalidArgument("tensor layout outside its storage".into()))
+        }
+        (Some(_), None) => Err(Error::InvalidArgument("tensor is not contiguous".into())),
+        (None, _) => Err(Error::InvalidArgument(format!("tensor is not a {REAL_NAME} tensor on the CPU"))),
+    }
+}
+
+/// Runs `f` on the values of a contiguous Real CPU tensor.
+pub fn with_slice<R>(t: &Tensor, f: impl FnOnce(&[Real]) -> R) -> Result<R> {
     let (storage, layout) = t.storage_and_layout();
     Ok(f(cpu_f32(&storage, layout)?))
 }
@@ -35,14 +56,14 @@ struct InPlace<F, R> {
     out: RefCell<Option<R>>,
 }
 
-impl<F: FnOnce(&mut [f32]) -> R, R> InplaceOp1 for InPlace<F, R> {
+impl<F: FnOnce(&mut [Real]) -> R, R> InplaceOp1 for InPlace<F, R> {
     fn name(&self) -> &'static str {
         "shoal-in-place"
     }
 
     fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
         let Some((a, b)) = layout.contiguous_offsets() else { candle_core::bail!("tensor is not contiguous") };
-        let CpuStorage::F32(v) = storage else { candle_core::bail!("tensor is not f32") };
+        let Some(v) = real_vec(storage) else { candle_core::bail!("tensor is not {}", REAL_NAME) };
         let Some(values) = v.get_mut(a..b) else { candle_core::bail!("tensor layout outside its storage") };
         let Some(f) = self.f.borrow_mut().take() else { candle_core::bail!("in-place kernel run twice") };
         *self.out.borrow_mut() = Some(f(values));
@@ -50,15 +71,15 @@ impl<F: FnOnce(&mut [f32]) -> R, R> InplaceOp1 for InPlace<F, R> {
     }
 }
 
-/// Runs `f` on the values of a contiguous f32 CPU tensor, in place: every
+/// Runs `f` on the values of a contiguous Real CPU tensor, in place: every
 /// tensor sharing its storage (the model's view of a parameter) sees the change.
-pub fn with_slice_mut<R>(t: &Tensor, f: impl FnOnce(&mut [f32]) -> R) -> Result<R> {
+pub fn with_slice_mut<R>(t: &Tensor, f: impl FnOnce(&mut [Real]) -> R) -> Result<R> {
     let op = InPlace { f: RefCell::new(Some(f)), out: RefCell::new(None) };
     t.inplace_op1(&op)?;
     op.out.into_inner().ok_or_else(|| Error::InvalidArgument("in-place kernel did not run".into()))
 }
 
-struct Replace(RefCell<Option<Vec<f32>>>);
+struct Replace(RefCell<Option<Vec<Real>>>);
 
 impl InplaceOp1 for Replace {
     fn name(&self) -> &'static str {
@@ -67,7 +88,9 @@ impl InplaceOp1 for Replace {
 
     fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
         let Some(values) = self.0.borrow_mut().take() else { candle_core::bail!("storage replaced twice") };
-        let CpuStorage::F32(_) = storage else { candle_core::bail!("tensor is not f32") };
+        if real_vec(storage).is_none() {
+            candle_core::bail!("tensor is not {}", REAL_NAME)
+        }
         let n = layout.shape().elem_count();
         if layout.start_offset() != 0 || !layout.is_contiguous() {
             candle_core::bail!("tensor is not a whole contiguous tensor");
@@ -75,16 +98,16 @@ impl InplaceOp1 for Replace {
         if !values.is_empty() && values.len() != n {
             candle_core::bail!("{} values for a tensor of {n}", values.len());
         }
-        *storage = CpuStorage::F32(values);
+        *storage = real_storage(values);
         Ok(())
     }
 }
 
-/// Replaces what a whole contiguous f32 CPU tensor holds: `values` (exactly as many as it has), or nothing
+/// Replaces what a whole contiguous Real CPU tensor holds: `values` (exactly as many as it has), or nothing
 /// (`values` empty: its storage freed, its shape kept). Every tensor sharing the storage (the model's handles on a
 /// parameter) sees the change. A tensor left holding nothing must not be computed with until it holds values again:
 /// only ZeRO-3's layer store empties tensors, and only between a layer's uses (`crate::layers`).
-pub(crate) fn replace_storage(t: &Tensor, values: Vec<f32>) -> Result<()> {
+pub(crate) fn replace_storage(t: &Tensor, values: Vec<Real>) -> Result<()> {
     t.inplace_op1(&Replace(RefCell::new(Some(values))))?;
     Ok(())
 }
@@ -92,7 +115,7 @@ pub(crate) fn replace_storage(t: &Tensor, values: Vec<f32>) -> Result<()> {
 /// A read-only matrix view: `rows × cols`, element (r, c) at `data[r*rs + c*cs]`.
 #[derive(Debug, Clone, Copy)]
 pub struct Mat<'a> {
-    data: &'a [f32],
+    data: &'a [Real],
     rows: usize,
     cols: usize,
     rs: usize,
@@ -101,7 +124,7 @@ pub struct Mat<'a> {
 
 impl<'a> Mat<'a> {
     /// A row-major `rows × cols` matrix over `data`.
-    pub fn new(data: &'a [f32], rows: usize, cols: usize) -> Result<Mat<'a>> {
+    pub fn new(data: &'a [Real], rows: usize, cols: usize) -> Result<Mat<'a>> {
         if data.len() < rows * cols {
             return Err(Error::InvalidArgument(format!(
                 "a {rows}×{cols} matrix needs {} values, got {}",
@@ -127,7 +150,7 @@ fn parallelism() -> gemm::Parallelism {
 }
 
 /// `dst = a · b` (or `dst += a · b` with `accumulate`), `dst` row-major `a.rows × b.cols`.
-pub fn matmul(dst: &mut [f32], a: Mat<'_>, b: Mat<'_>, accumulate: bool) -> Result<()> {
+pub fn matmul(dst: &mut [Real], a: Mat<'_>, b: Mat<'_>, accumulate: bool) -> Result<()> {
     let (m, k, n) = (a.rows, a.cols, b.cols);
     if b.rows != k || dst.len() < m * n {
         return Err(Error::InvalidArgument(format!("matmul of {m}×{k} by {}×{n} into {} values", b.rows, dst.len())));
@@ -159,8 +182,8 @@ pub fn matmul(dst: &mut [f32], a: Mat<'_>, b: Mat<'_>, accumulate: bool) -> Resu
             b.data.as_ptr(),
             b.cs as isize,
             b.rs as isize,
-            1.0f32,
-            1.0f32,
+            1.0 as Real,
+            1.0 as Real,
             false,
             false,
             false,
@@ -170,12 +193,46 @@ pub fn matmul(dst: &mut [f32], a: Mat<'_>, b: Mat<'_>, accumulate: bool) -> Resu
     Ok(())
 }
 
+/// `v` as `f32` (the identity in an `f32` build), for what is `f32` in every build: the compression codecs, the
+/// parameter servers' wire, the data's features.
+#[allow(clippy::unnecessary_cast)]
+pub fn to_f32(v: Real) -> f32 {
+    v as f32
+}
+
+/// `v` as a [`Real`] (the identity in an `f32` build).
+#[allow(clippy::unnecessary_cast)]
+pub fn from_f32(v: f32) -> Real {
+    v as Real
+}
+
+/// `buf` as `f32` values: borrowed in an `f32` build, a rounded copy in an `f64` one.
+pub fn as_f32(buf: &[Real]) -> std::borrow::Cow<'_, [f32]> {
+    #[cfg(not(feature = "f64"))]
+    return std::borrow::Cow::Borrowed(buf);
+    #[cfg(feature = "f64")]
+    return std::borrow::Cow::Owned(buf.iter().map(|&v| to_f32(v)).collect());
+}
+
+/// Runs `f` on `buf` as `f32` values: in place in an `f32` build; in an `f64` one on a rounded copy, written back.
+pub fn with_f32_mut<R>(buf: &mut [Real], f: impl FnOnce(&mut [f32]) -> R) -> R {
+    #[cfg(not(feature = "f64"))]
+    return f(buf);
+    #[cfg(feature = "f64")]
+    {
+        let mut copy: Vec<f32> = buf.iter().map(|&v| to_f32(v)).collect();
+        let out = f(&mut copy);
+        buf.iter_mut().zip(&copy).for_each(|(b, &c)| *b = from_f32(c));
+        out
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn naive(a: &[f32], b: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
-        let mut out = vec![0f32; m * n];
+    fn naive(a: &[Real], b: &[Real], m: usize, k: usize, n: usize) -> Vec<Real> {
+        let mut out = vec![0.0 as Real; m * n];
         for i in 0..m {
             for j in 0..n {
                 out[i * n + j] = (0..k).map(|p| a[i * k + p] * b[p * n + j]).sum();
@@ -184,8 +241,8 @@ mod tests {
         out
     }
 
-    fn seq(n: usize, s: f32) -> Vec<f32> {
-        (0..n).map(|i| ((i * 7 + 3) % 11) as f32 * s - 0.3).collect()
+    fn seq(n: usize, s: Real) -> Vec<Real> {
+        (0..n).map(|i| ((i * 7 + 3) % 11) as Real * s - 0.3).collect()
     }
 
     #[test]
@@ -194,13 +251,13 @@ mod tests {
         let a = seq(m * k, 0.1);
         let b = seq(k * n, 0.2);
         let want = naive(&a, &b, m, k, n);
-        let mut got = vec![0f32; m * n];
+        let mut got = vec![0.0 as Real; m * n];
         matmul(&mut got, Mat::new(&a, m, k)?, Mat::new(&b, k, n)?, false)?;
         for (g, w) in got.iter().zip(&want) {
             assert!((g - w).abs() < 1e-5, "{g} vs {w}");
         }
         // aᵀ stored as k×m, viewed transposed, gives the same product; accumulate adds.
-        let at: Vec<f32> = (0..k * m).map(|i| a[(i % m) * k + i / m]).collect();
+        let at: Vec<Real> = (0..k * m).map(|i| a[(i % m) * k + i / m]).collect();
         matmul(&mut got, Mat::new(&at, k, m)?.t(), Mat::new(&b, k, n)?, true)?;
         for (g, w) in got.iter().zip(&want) {
             assert!((g - 2.0 * w).abs() < 1e-5, "{g} vs 2×{w}");
@@ -216,10 +273,10 @@ mod tests {
         let view = t.clone();
         let sum = with_slice_mut(&t, |v| {
             v.iter_mut().for_each(|x| *x *= 10.0);
-            v.iter().sum::<f32>()
+            v.iter().sum::<Real>()
         })?;
         assert_eq!(sum, 60.0);
-        assert_eq!(view.to_vec1::<f32>()?, vec![10.0, 20.0, 30.0]);
+        assert_eq!(view.to_vec1::<Real>()?, vec![10.0, 20.0, 30.0]);
         assert_eq!(with_slice(&view, |v| v.to_vec())?, vec![10.0, 20.0, 30.0]);
         let ints = Tensor::from_vec(vec![1u32], 1, &candle_core::Device::Cpu)?;
         assert!(with_slice(&ints, |_| ()).is_err());

@@ -23,7 +23,14 @@
 //!   copy is exact like one from storage, and every rank resumes from the same step. The step loop never waits for
 //!   an in-memory copy's save: a copy whose predecessor is still being written is skipped.
 //!
-//! Feature flags: none yet (CPU only).
+//! - Every value of training — parameters, activations, gradients, optimizer state, what the collectives move —
+//!   is a [`Real`]: `f32`, or `f64` in a build with the `f64` feature (`train.dtype = "f64"`), which tells rounding
+//!   from a bug when two layouts are compared. The spec's validation refuses a `train.dtype` the build does not compute in.
+//!
+//! Feature flags: `failpoints` (fault-injection hooks), `f64` (compute in `f64`).
+
+// In an f64 build the widenings of a `Real` to f64 are identities.
+#![cfg_attr(feature = "f64", allow(clippy::useless_conversion, clippy::unnecessary_cast))]
 
 pub mod batch;
 pub mod checkpoint;
@@ -43,6 +50,30 @@ pub mod trainer;
 pub mod worker;
 
 pub use error::{Error, Result};
+
+/// The element type training computes in (see the invariants above).
+#[cfg(not(feature = "f64"))]
+pub type Real = f32;
+/// The element type training computes in (see the invariants above).
+#[cfg(feature = "f64")]
+pub type Real = f64;
+/// [`Real`] as a candle dtype.
+#[cfg(not(feature = "f64"))]
+pub const REAL_DTYPE: candle_core::DType = candle_core::DType::F32;
+/// [`Real`] as a candle dtype.
+#[cfg(feature = "f64")]
+pub const REAL_DTYPE: candle_core::DType = candle_core::DType::F64;
+/// Bytes of one [`Real`].
+pub const REAL_BYTES: usize = std::mem::size_of::<Real>();
+/// [`Real`]'s name in a job spec (`train.dtype`).
+#[cfg(not(feature = "f64"))]
+pub const REAL_NAME: &str = "f32";
+/// [`Real`]'s name in a job spec (`train.dtype`).
+#[cfg(feature = "f64")]
+pub const REAL_NAME: &str = "f64";
+
+// The spec's validation refuses the precision this build does not compute in: the two must agree.
+const _: () = assert!(cfg!(feature = "f64") == matches!(spec::Dtype::BUILT, spec::Dtype::F64));
 pub use layers::Layers;
 pub use models::{Cnn, Gpt, GptConfig, HandBackward, Mlp, Model, Vit, VitConfig};
 pub use optim::{AdamTerms, OptimConfig, Optimizer};

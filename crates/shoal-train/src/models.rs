@@ -6,6 +6,7 @@
 //! transformers also build on tensor-parallel [`Params`]: each rank then holds
 //! its part of every block (`crate::tensor_parallel`).
 
+use crate::{REAL_DTYPE, Real};
 use candle_core::{D, DType, Device, Tensor};
 
 use crate::batch::{Flat, FlatInput};
@@ -44,7 +45,7 @@ pub trait Model: Send + Sync {
 pub trait HandBackward {
     /// Cross-entropy of `batch` (mean over rows, times `weight`) and its
     /// gradients, put into `sink` in reverse parameter order; returns the loss.
-    fn loss_and_grads(&self, batch: &Flat, weight: f32, sink: &mut dyn GradSink) -> Result<f32>;
+    fn loss_and_grads(&self, batch: &Flat, weight: Real, sink: &mut dyn GradSink) -> Result<Real>;
 }
 
 fn linear(p: &mut Params, rng: &mut SeededRng, name: &str, fan_in: usize, fan_out: usize) -> Result<(Tensor, Tensor)> {
@@ -108,7 +109,7 @@ impl Model for Mlp {
 }
 
 impl HandBackward for Mlp {
-    fn loss_and_grads(&self, batch: &Flat, weight: f32, sink: &mut dyn GradSink) -> Result<f32> {
+    fn loss_and_grads(&self, batch: &Flat, weight: Real, sink: &mut dyn GradSink) -> Result<Real> {
         let FlatInput::Dense(x) = &batch.input else {
             return Err(Error::InvalidArgument("the MLP takes dense features, not tokens".into()));
         };
@@ -127,13 +128,13 @@ impl HandBackward for Mlp {
         // Forward: outs[l] = relu(in · W + b) for hidden layers, the logits for the last. Each layer's weight and bias
         // are read in place (no copies) while the layer is entered.
         let layers = dims.len();
-        let mut outs: Vec<Vec<f32>> = Vec::with_capacity(layers);
+        let mut outs: Vec<Vec<Real>> = Vec::with_capacity(layers);
         for (l, &(fan_in, fan_out)) in dims.iter().enumerate() {
             let entered = self.gate.forward_layer(self.first_layer + l)?;
             let (w, b) = &self.layers[l];
             let (ws, wl) = w.storage_and_layout();
             let (bs, bl) = b.storage_and_layout();
-            let input: &[f32] = if l == 0 { x } else { &outs[l - 1] };
+            let input: &[Real] = if l == 0 { x } else { &outs[l - 1] };
             let mut z = Vec::with_capacity(rows * fan_out);
             let bias = cpu_f32(&bs, bl)?;
             for _ in 0..rows {
@@ -150,15 +151,15 @@ impl HandBackward for Mlp {
 
         // Softmax cross-entropy; the logits become their gradient, d(loss)/d(logits).
         let mut dz = outs.pop().unwrap_or_default();
-        let scale = weight / rows as f32;
+        let scale = weight / rows as Real;
         let mut nll = 0f64;
         for (r, (row, &y)) in dz.chunks_exact_mut(classes).zip(&batch.target).enumerate() {
             let y = y as usize;
             let Some(&logit_y) = row.get(y) else {
                 return Err(Error::InvalidArgument(format!("label {y} of row {r} is not a class of 0..{classes}")));
             };
-            let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-            let mut sum = 0f32;
+            let max = row.iter().fold(Real::NEG_INFINITY, |m, &v| m.max(v));
+            let mut sum: Real = 0.0;
             for v in row.iter_mut() {
                 *v = (*v - max).exp();
                 sum += *v;
@@ -173,7 +174,7 @@ impl HandBackward for Mlp {
         for l in (0..layers).rev() {
             let entered = self.gate.backward_layer(self.first_layer + l)?;
             let (fan_in, fan_out) = dims[l];
-            let input: &[f32] = if l == 0 { x } else { &outs[l - 1] };
+            let input: &[Real] = if l == 0 { x } else { &outs[l - 1] };
             let (w_index, b_index) = (self.first + 2 * l, self.first + 2 * l + 1);
             sink.put(b_index, &mut |g| {
                 for row in dz.chunks_exact(fan_out) {
@@ -185,7 +186,7 @@ impl HandBackward for Mlp {
                 matmul(g, Mat::new(input, rows, fan_in)?.t(), Mat::new(&dz, rows, fan_out)?, false)
             })?;
             if l > 0 {
-                let mut dh = vec![0f32; rows * fan_in];
+                let mut dh = vec![0.0 as Real; rows * fan_in];
                 let (ws, wl) = self.layers[l].0.storage_and_layout();
                 matmul(
                     &mut dh,
@@ -203,7 +204,7 @@ impl HandBackward for Mlp {
             }
             entered.release()?;
         }
-        Ok((nll * f64::from(weight) / rows.max(1) as f64) as f32)
+        Ok((nll * f64::from(weight) / rows.max(1) as f64) as Real)
     }
 }
 
@@ -362,7 +363,7 @@ impl Block {
         let att = (q.matmul(&k.t()?.contiguous()?)? * scale)?;
         let att = if causal {
             let mask = Tensor::tril2(t, DType::U8, &Device::Cpu)?.broadcast_as((b, nh, t, t))?;
-            let neg = Tensor::new(f32::NEG_INFINITY, &Device::Cpu)?.broadcast_as((b, nh, t, t))?;
+            let neg = Tensor::new(Real::NEG_INFINITY, &Device::Cpu)?.broadcast_as((b, nh, t, t))?;
             mask.where_cond(&att, &neg)?
         } else {
             att
@@ -582,7 +583,7 @@ impl Model for Vit {
 /// Rows of `logits` whose largest value is at the target's index.
 fn argmax_correct(logits: &Tensor, target: &Tensor) -> candle_core::Result<f64> {
     let pred = logits.argmax(D::Minus1)?;
-    Ok(f64::from(pred.eq(target)?.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()?))
+    Ok(f64::from(pred.eq(target)?.to_dtype(REAL_DTYPE)?.sum_all()?.to_scalar::<Real>()?))
 }
 
 #[cfg(test)]
@@ -592,7 +593,7 @@ mod tests {
     /// Records what a backward pass puts, in order.
     struct Capture {
         sizes: Vec<usize>,
-        got: Vec<(usize, Vec<f32>)>,
+        got: Vec<(usize, Vec<Real>)>,
     }
 
     impl Capture {
@@ -602,14 +603,14 @@ mod tests {
     }
 
     impl GradSink for Capture {
-        fn put(&mut self, index: usize, fill: &mut dyn FnMut(&mut [f32]) -> Result<()>) -> Result<()> {
-            let mut buf = vec![0f32; self.sizes[index]];
+        fn put(&mut self, index: usize, fill: &mut dyn FnMut(&mut [Real]) -> Result<()>) -> Result<()> {
+            let mut buf = vec![0.0 as Real; self.sizes[index]];
             fill(&mut buf)?;
             self.got.push((index, buf));
             Ok(())
         }
 
-        fn attach_scalars(&mut self, _values: &[f32]) {}
+        fn attach_scalars(&mut self, _values: &[Real]) {}
     }
 
     #[test]
@@ -617,7 +618,7 @@ mod tests {
         let mut params = Params::default();
         let mlp = Mlp::new(&mut params, &mut SeededRng::new(3), 6, &[5, 4], 3)?;
         let rows = 7;
-        let x: Vec<f32> = (0..rows * 6).map(|i| ((i * 37 % 17) as f32 - 8.0) / 5.0).collect();
+        let x: Vec<Real> = (0..rows * 6).map(|i| ((i * 37 % 17) as Real - 8.0) / 5.0).collect();
         let y: Vec<u32> = (0..rows as u32).map(|r| r % 3).collect();
         let weight = 0.75f32;
 
@@ -629,12 +630,12 @@ mod tests {
         let flat = Flat { rows, width: 6, input: FlatInput::Dense(x), target: y };
         let mut got = Capture::new(&params);
         let hand_loss = mlp.loss_and_grads(&flat, weight, &mut got)?;
-        assert!((hand_loss - loss.to_scalar::<f32>()?).abs() < 1e-5, "loss {hand_loss} vs {loss}");
+        assert!((hand_loss - loss.to_scalar::<Real>()?).abs() < 1e-5, "loss {hand_loss} vs {loss}");
         // Reverse parameter order, bias before weight.
         assert_eq!(got.got.iter().map(|(i, _)| *i).collect::<Vec<_>>(), vec![5, 4, 3, 2, 1, 0]);
         for (i, g) in &got.got {
             let (name, var) = &params.vars()[*i];
-            let want = grads.get(var.as_tensor()).map(|g| g.flatten_all()?.to_vec1::<f32>()).transpose()?;
+            let want = grads.get(var.as_tensor()).map(|g| g.flatten_all()?.to_vec1::<Real>()).transpose()?;
             let want = want.unwrap_or_default();
             assert_eq!(want.len(), g.len(), "{name}");
             for (a, b) in want.iter().zip(g) {

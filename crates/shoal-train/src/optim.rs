@@ -2,6 +2,7 @@
 //! so it can be checkpointed and restored exactly; the learning-rate schedule
 //! (linear warm-up, then cosine decay); global-norm gradient clipping.
 
+use crate::{REAL_BYTES, Real};
 use candle_core::Tensor;
 
 use crate::error::{Error, Result};
@@ -13,13 +14,13 @@ pub use shoal_ps::optim::{OptimConfig, update, update_flat};
 /// The terms of an AdamW update `m/c1 / (√(v/c2) + ε)` ([`Optimizer::next_terms`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AdamTerms {
-    pub beta1: f32,
+    pub beta1: Real,
     /// The bias corrections of the two moments.
-    pub c1: f32,
-    pub c2: f32,
-    pub eps: f32,
+    pub c1: Real,
+    pub c2: Real,
+    pub eps: Real,
     /// The most an AdamW step moves a value, in learning rates: `max(1, (1 - β1) / √(1 - β2))` (Kingma & Ba, §2.1).
-    pub bound: f32,
+    pub bound: Real,
 }
 
 /// An optimizer and its per-parameter state.
@@ -62,11 +63,11 @@ impl Optimizer {
             OptimConfig::AdamW { beta1, beta2, eps, .. } => {
                 let t = (self.t + 1) as i32;
                 Some(AdamTerms {
-                    beta1: beta1 as f32,
-                    c1: (1.0 - beta1.powi(t)) as f32,
-                    c2: (1.0 - beta2.powi(t)) as f32,
-                    eps: eps as f32,
-                    bound: ((1.0 - beta1) / (1.0 - beta2).sqrt()).max(1.0) as f32,
+                    beta1: beta1 as Real,
+                    c1: (1.0 - beta1.powi(t)) as Real,
+                    c2: (1.0 - beta2.powi(t)) as Real,
+                    eps: eps as Real,
+                    bound: ((1.0 - beta1) / (1.0 - beta2).sqrt()).max(1.0) as Real,
                 })
             }
             OptimConfig::Sgd { .. } => None,
@@ -83,7 +84,7 @@ impl Optimizer {
     /// Applies one update with learning rate `lr` from plain gradient buffers
     /// aligned with `params`, in place: one pass over each parameter, its
     /// gradient and its state, with no temporary tensors.
-    pub fn step_slices(&mut self, params: &Params, grads: &[&[f32]], lr: f64) -> Result<()> {
+    pub fn step_slices(&mut self, params: &Params, grads: &[&[Real]], lr: f64) -> Result<()> {
         if grads.len() != params.vars().len() {
             return Err(Error::InvalidArgument(format!(
                 "{} gradients for {} parameters",
@@ -112,7 +113,7 @@ impl Optimizer {
                     match &self.m[i] {
                         // The first step's buffer is the gradient itself (PyTorch's convention).
                         None => {
-                            let mut buf = vec![0f32; g.len()];
+                            let mut buf = vec![0.0 as Real; g.len()];
                             with_slice_mut(p, |p| update(self.cfg, self.t, lr, p, g, Some((&mut buf, true)), None))??;
                             self.m[i] = Some(Tensor::from_vec(buf, var.shape(), p.device())?);
                         }
@@ -143,7 +144,7 @@ impl Optimizer {
 
     /// Bytes of state this optimizer holds now.
     pub fn state_bytes(&self) -> usize {
-        self.m.iter().chain(&self.v).flatten().map(|t| t.elem_count() * 4).sum()
+        self.m.iter().chain(&self.v).flatten().map(|t| t.elem_count() * REAL_BYTES).sum()
     }
 
     /// The optimizer and its hyper-parameters.
@@ -234,15 +235,15 @@ pub fn clip_grad_norm(grads: &mut [Tensor], max_norm: f64) -> Result<f64> {
 }
 
 /// Sum of squares, accumulated in f64.
-pub fn sum_sq(v: &[f32]) -> f64 {
+pub fn sum_sq(v: &[Real]) -> f64 {
     v.iter().map(|&x| f64::from(x) * f64::from(x)).sum()
 }
 
 /// [`clip_grad_norm`] over plain buffers, scaled in place.
-pub fn clip_grad_norm_slices(grads: &mut [&mut [f32]], max_norm: f64) -> f64 {
+pub fn clip_grad_norm_slices(grads: &mut [&mut [Real]], max_norm: f64) -> f64 {
     let norm = grads.iter().map(|g| sum_sq(g)).sum::<f64>().sqrt();
     if norm > max_norm && norm > 0.0 {
-        let s = (max_norm / norm) as f32;
+        let s = (max_norm / norm) as Real;
         grads.iter_mut().for_each(|g| g.iter_mut().for_each(|x| *x *= s));
     }
     norm

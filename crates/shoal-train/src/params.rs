@@ -1,7 +1,8 @@
 //! Named parameters in a fixed order, grouped into the model's layers, seeded initialisation, and flattening of
-//! parameters and gradients into plain `f32` buffers (what the collectives move).
+//! parameters and gradients into plain `Real` buffers (what the collectives move).
 
-use candle_core::{DType, Device, Tensor, Var};
+use crate::{REAL_DTYPE, Real};
+use candle_core::{Device, Tensor, Var};
 
 use crate::error::{Error, Result};
 use crate::kernels::with_slice;
@@ -40,12 +41,12 @@ impl Params {
     /// Registers a parameter drawn uniformly from [-bound, bound].
     pub fn uniform(&mut self, rng: &mut SeededRng, name: &str, shape: &[usize], bound: f64) -> Result<Tensor> {
         let n: usize = shape.iter().product();
-        let data: Vec<f32> = (0..n).map(|_| ((rng.uniform() * 2.0 - 1.0) * bound) as f32).collect();
+        let data: Vec<Real> = (0..n).map(|_| ((rng.uniform() * 2.0 - 1.0) * bound) as Real).collect();
         self.insert(name, Tensor::from_vec(data, shape, &Device::Cpu)?)
     }
 
     /// Registers a parameter filled with `value`.
-    pub fn constant(&mut self, name: &str, shape: &[usize], value: f32) -> Result<Tensor> {
+    pub fn constant(&mut self, name: &str, shape: &[usize], value: Real) -> Result<Tensor> {
         let n: usize = shape.iter().product();
         self.insert(name, Tensor::from_vec(vec![value; n], shape, &Device::Cpu)?)
     }
@@ -82,7 +83,7 @@ impl Params {
     ) -> Result<Tensor> {
         let Some(shard) = self.shard().cloned() else { return self.uniform(rng, name, shape, bound) };
         let n: usize = shape.iter().product();
-        let data: Vec<f32> = (0..n).map(|_| ((rng.uniform() * 2.0 - 1.0) * bound) as f32).collect();
+        let data: Vec<Real> = (0..n).map(|_| ((rng.uniform() * 2.0 - 1.0) * bound) as Real).collect();
         let split = Split { dim, groups, full: shape.to_vec() };
         let part = split
             .take(&data, shard.rank(), shard.parts())
@@ -115,7 +116,7 @@ impl Params {
     }
 
     /// Sets parameter `index` from its whole values (a checkpoint's): a split parameter keeps its part.
-    pub fn set_whole(&self, index: usize, values: &[f32]) -> Result<()> {
+    pub fn set_whole(&self, index: usize, values: &[Real]) -> Result<()> {
         let Some((name, var)) = self.vars.get(index) else {
             return Err(Error::InvalidArgument(format!("no parameter {index}")));
         };
@@ -164,16 +165,16 @@ impl Params {
     }
 
     /// Every parameter, flattened in order, into one buffer.
-    pub fn flatten(&self) -> Result<Vec<f32>> {
+    pub fn flatten(&self) -> Result<Vec<Real>> {
         let mut out = Vec::with_capacity(self.count());
         for (name, v) in &self.vars {
             let t = v.as_tensor();
-            if t.dtype() == DType::F32 && t.is_contiguous() {
+            if t.dtype() == REAL_DTYPE && t.is_contiguous() {
                 // Read in place; a parameter whose values this rank does not hold (ZeRO-3) is an error, not a panic.
                 with_slice(t, |s| out.extend_from_slice(s))
                     .map_err(|e| Error::InvalidArgument(format!("parameter {name}: {e}")))?;
             } else {
-                out.extend(t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?);
+                out.extend(t.flatten_all()?.to_dtype(REAL_DTYPE)?.to_vec1::<Real>()?);
             }
         }
         Ok(out)
@@ -189,7 +190,7 @@ impl Params {
         for (name, var) in &self.vars {
             match whole.get(name) {
                 Some(t) if t.elem_count() == var.elem_count() => {
-                    crate::kernels::replace_storage(var.as_tensor(), t.flatten_all()?.to_vec1::<f32>()?)?
+                    crate::kernels::replace_storage(var.as_tensor(), t.flatten_all()?.to_vec1::<Real>()?)?
                 }
                 Some(t) => {
                     return Err(Error::InvalidArgument(format!(
@@ -206,7 +207,7 @@ impl Params {
     }
 
     /// Sets every parameter from one flat buffer (the inverse of [`Self::flatten`]).
-    pub fn load_flat(&self, flat: &[f32]) -> Result<()> {
+    pub fn load_flat(&self, flat: &[Real]) -> Result<()> {
         let mut off = 0;
         for (name, v) in &self.vars {
             let n = v.elem_count();

@@ -22,6 +22,7 @@
 //! `pipeline` or `3d` — and its `[parallel]` table passes the spec's checks; it carries both, and
 //! [`Layout::apply`] sets them into a spec. [`choose`] and [`resolve`] are `train.strategy = "auto"`.
 
+use crate::Real;
 use crate::spec::{JobSpec, ModelKind, OptimizerKind, ParallelSpec, PipelineSchedule, Strategy};
 
 /// How much more a step's forward and backward allocate at their peak, on candle's CPU kernels here, than the
@@ -41,7 +42,7 @@ pub const TENSOR_WHOLE_VALUES: f64 = 16.0;
 pub struct LayerCost {
     pub name: String,
     pub params: u64,
-    /// Bytes of activations one sample keeps for backward in this layer (f32).
+    /// Bytes of activations one sample keeps for backward in this layer (Real).
     pub activation_bytes: f64,
     /// The part of `activation_bytes` every tensor-parallel rank keeps whole (the rest is split by the degree).
     pub activation_whole_bytes: f64,
@@ -91,7 +92,7 @@ impl ModelCost {
         let embed = (vocab * width + context * width) as u64;
         let block = (12 * width * width + 13 * width) as u64;
         let out = (2 * width + width * vocab + vocab) as u64;
-        // Activations kept per token and layer, in f32 (after Korthikanti et al.'s count for half precision:
+        // Activations kept per token and layer, in Real (after Korthikanti et al.'s count for half precision:
         // 34·w + 5·h·c bytes per token at 2 bytes a value, so half that many values at 4 bytes each), times what
         // this implementation's unfused kernels and autograd keep beyond that ([`ACTIVATION_FACTOR`]).
         let block_act = c * (34.0 * w + 5.0 * h * c) * 2.0 * ACTIVATION_FACTOR;
@@ -680,7 +681,7 @@ pub fn resolve(spec: &JobSpec, world: usize) -> Result<(JobSpec, Option<String>)
     Ok((layout.apply(spec)?, Some(why)))
 }
 
-/// What this host sustains, measured in about a second: the FLOP/s of one core on f32 matrix products of a model of
+/// What this host sustains, measured in about a second: the FLOP/s of one core on Real matrix products of a model of
 /// `width` (a device
 /// here is a worker on a core) and the bytes/s a memory copy moves (what the shared-memory collectives are bound by).
 /// The one function of this module that touches the machine.
@@ -688,9 +689,9 @@ pub fn measure_host(width: usize) -> (f64, f64) {
     // A product of the model's own shape (tokens × width by width × 4·width): small widths run far below a
     // large product's rate.
     let (m, k, n) = (1024usize, width.clamp(8, 4096), (4 * width).clamp(8, 16384));
-    let a: Vec<f32> = (0..m * k).map(|i| (i % 7) as f32 * 0.1).collect();
-    let b: Vec<f32> = (0..k * n).map(|i| (i % 5) as f32 * 0.1).collect();
-    let mut c = vec![0f32; m * n];
+    let a: Vec<Real> = (0..m * k).map(|i| (i % 7) as Real * 0.1).collect();
+    let b: Vec<Real> = (0..k * n).map(|i| (i % 5) as Real * 0.1).collect();
+    let mut c = vec![0.0 as Real; m * n];
     let t0 = std::time::Instant::now();
     let mut reps = 0u32;
     while t0.elapsed() < std::time::Duration::from_millis(400) {
@@ -888,7 +889,7 @@ mod tests {
 
     #[test]
     fn a_7b_gpt_needs_sharding_on_80_gib_devices_and_the_plan_says_so() {
-        // Context 512 and 8 samples a step: activations are kept whole, in f32, with no recomputation.
+        // Context 512 and 8 samples a step: activations are kept whole, in Real, with no recomputation.
         let m = ModelCost::gpt(32000, 512, 32, 32, 4096);
         assert!((6.4e9..7.0e9).contains(&(m.params() as f64)), "{}", m.params());
         let b = BatchCost { global: 8, grad_accum: 1, optimizer_values: 2 };

@@ -32,6 +32,7 @@
 //! rank 0's gradients of them everyone's each step, so the ranks' copies cannot drift even where two hosts' kernels
 //! round differently.
 
+use crate::Real;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Instant;
@@ -91,7 +92,7 @@ impl Split {
     }
 
     /// Rank `rank`'s part of the whole values `full`.
-    pub fn take(&self, full: &[f32], rank: usize, parts: usize) -> Result<Vec<f32>> {
+    pub fn take(&self, full: &[Real], rank: usize, parts: usize) -> Result<Vec<Real>> {
         let total: usize = self.full.iter().product();
         if full.len() != total {
             return Err(Error::InvalidArgument(format!("{} values for shape {:?}", full.len(), self.full)));
@@ -104,10 +105,10 @@ impl Split {
     }
 
     /// The whole values from every rank's part (`shards[r]`: rank `r`'s).
-    pub fn place(&self, shards: &[&[f32]]) -> Result<Vec<f32>> {
+    pub fn place(&self, shards: &[&[Real]]) -> Result<Vec<Real>> {
         let parts = shards.len();
         let total: usize = self.full.iter().product();
-        let mut full = vec![0f32; total];
+        let mut full = vec![0.0 as Real; total];
         for (r, shard) in shards.iter().enumerate() {
             if shard.len() * parts != total {
                 return Err(Error::InvalidArgument(format!(
@@ -189,7 +190,7 @@ impl Shard {
         self.0.comm_ns.swap(0, Ordering::Relaxed) as f64 * 1e-9
     }
 
-    fn all_reduce(&self, buf: &mut [f32], op: ReduceOp) -> candle_core::Result<()> {
+    fn all_reduce(&self, buf: &mut [Real], op: ReduceOp) -> candle_core::Result<()> {
         let comm = self.0.comm.get().ok_or_else(|| {
             wrap("a tensor-parallel model ran before its strategy connected its group (train.strategy = \"tensor\")")
         })?;
@@ -215,7 +216,7 @@ impl Shard {
         let rows = table.dim(0)?;
         let start = self.0.rank * rows;
         let flat = ids.flatten_all()?.to_dtype(DType::U32)?.to_vec1::<u32>()?;
-        let (local, mask): (Vec<u32>, Vec<f32>) = flat
+        let (local, mask): (Vec<u32>, Vec<Real>) = flat
             .iter()
             .map(|&id| match (id as usize).checked_sub(start).filter(|l| *l < rows) {
                 Some(l) => (l as u32, 1.0),
@@ -237,7 +238,7 @@ impl Shard {
     pub fn cross_entropy(&self, logits: &Tensor, target: &Tensor) -> candle_core::Result<(Tensor, f64)> {
         let (rows, width) = logits.dims2()?;
         let start = self.0.rank * width;
-        let mut max = logits.detach().max_keepdim(1)?.flatten_all()?.to_vec1::<f32>()?;
+        let mut max = logits.detach().max_keepdim(1)?.flatten_all()?.to_vec1::<Real>()?;
         self.all_reduce(&mut max, ReduceOp::Max)?;
         let max = Tensor::from_vec(max, (rows, 1), logits.device())?;
         let shifted = logits.broadcast_sub(&max)?;
@@ -246,7 +247,7 @@ impl Shard {
         if labels.len() != rows {
             candle_core::bail!("{} labels for {rows} rows of logits", labels.len());
         }
-        let (index, mask): (Vec<u32>, Vec<f32>) = labels
+        let (index, mask): (Vec<u32>, Vec<Real>) = labels
             .iter()
             .map(|&y| match (y as usize).checked_sub(start).filter(|l| *l < width) {
                 Some(l) => (l as u32, 1.0),
@@ -258,14 +259,14 @@ impl Shard {
         let picked = self.reduce(&(shifted.gather(&index, 1)? * mask)?)?;
         let loss = (sum.log()? - &picked)?.mean_all()?;
         // The target's logit less the row's max: 0 exactly where the target has the largest logit.
-        let correct = picked.flatten_all()?.to_vec1::<f32>()?.iter().filter(|v| **v >= 0.0).count();
+        let correct = picked.flatten_all()?.to_vec1::<Real>()?.iter().filter(|v| **v >= 0.0).count();
         Ok((loss, correct as f64))
     }
 }
 
-/// The values of a contiguous `f32` storage.
-fn values(storage: &CpuStorage, layout: &Layout) -> candle_core::Result<Vec<f32>> {
-    let all = storage.as_slice::<f32>()?;
+/// The values of a contiguous `Real` storage.
+fn values(storage: &CpuStorage, layout: &Layout) -> candle_core::Result<Vec<Real>> {
+    let all = storage.as_slice::<Real>()?;
     match layout.contiguous_offsets() {
         Some((a, b)) => Ok(all[a..b].to_vec()),
         None => candle_core::bail!("a tensor-parallel collective on a non-contiguous tensor"),
@@ -281,7 +282,7 @@ impl CustomOp1 for Enter {
     }
 
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        Ok((CpuStorage::F32(values(storage, layout)?), layout.shape().clone()))
+        Ok((crate::kernels::real_storage(values(storage, layout)?), layout.shape().clone()))
     }
 
     fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
@@ -300,7 +301,7 @@ impl CustomOp1 for Reduce {
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         let mut v = values(storage, layout)?;
         self.0.all_reduce(&mut v, ReduceOp::Sum)?;
-        Ok((CpuStorage::F32(v), layout.shape().clone()))
+        Ok((crate::kernels::real_storage(v), layout.shape().clone()))
     }
 
     fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
@@ -332,7 +333,7 @@ mod tests {
     fn parts_of_blocks_take_and_place_back() -> Result<()> {
         // A [2, 6] weight whose columns are q|k|v (2 each), cut in 2: rank 0 holds the first column of each.
         let s = Split { dim: 1, groups: 3, full: vec![2, 6] };
-        let full: Vec<f32> = (0..12).map(|v| v as f32).collect();
+        let full: Vec<Real> = (0..12).map(|v| v as Real).collect();
         let a = s.take(&full, 0, 2)?;
         let b = s.take(&full, 1, 2)?;
         assert_eq!(a, vec![0.0, 2.0, 4.0, 6.0, 8.0, 10.0]);
@@ -341,7 +342,7 @@ mod tests {
         assert_eq!(s.place(&[&a, &b])?, full);
         // Rows.
         let r = Split { dim: 0, groups: 1, full: vec![4, 2] };
-        assert_eq!(r.take(&(0..8).map(|v| v as f32).collect::<Vec<_>>(), 1, 2)?, vec![4.0, 5.0, 6.0, 7.0]);
+        assert_eq!(r.take(&(0..8).map(|v| v as Real).collect::<Vec<_>>(), 1, 2)?, vec![4.0, 5.0, 6.0, 7.0]);
         assert!(Split { dim: 1, groups: 3, full: vec![2, 6] }.take(&full, 0, 4).is_err());
         assert!(s.place(&[&a]).is_err());
         Ok(())

@@ -5,6 +5,7 @@
 //! (`crate::strategy`) owns how the ranks share the step — for DDP, the broadcast at the start and the bucketed,
 //! overlapped all-reduce of the gradients (`crate::strategy::ddp`).
 
+use crate::Real;
 use candle_core::Tensor;
 use shoal_comm::Communicator;
 
@@ -61,7 +62,7 @@ pub struct Trainer {
     cfg: TrainerConfig,
     strategy: Box<dyn Strategy>,
     /// Scalars to sum over ranks with this step's gradients.
-    scalars: Vec<f32>,
+    scalars: Vec<Real>,
 }
 
 /// Whether overlapping the gradient all-reduce with backward can pay on this
@@ -189,12 +190,12 @@ impl Trainer {
     /// Sums `values` over ranks along with this step's gradients (with DDP they ride in the last bucket, so
     /// reporting e.g. the global loss costs no extra collective); [`StepTimes::scalars`] gives them back. Call
     /// before the `last` backward of the step.
-    pub fn attach_scalars(&mut self, values: &[f32]) {
+    pub fn attach_scalars(&mut self, values: &[Real]) {
         self.scalars.clear();
         self.scalars.extend_from_slice(values);
     }
 
-    fn take_scalars(&mut self, last: bool) -> Vec<f32> {
+    fn take_scalars(&mut self, last: bool) -> Vec<Real> {
         if last { std::mem::take(&mut self.scalars) } else { Vec::new() }
     }
 
@@ -324,7 +325,7 @@ mod tests {
             &mut self,
             params: &Params,
             last: bool,
-            scalars: Vec<f32>,
+            scalars: Vec<Real>,
             f: &mut dyn FnMut(&mut dyn GradSink) -> Result<()>,
         ) -> Result<()> {
             self.log(format!("hand last={last} scalars={scalars:?}"));
@@ -334,7 +335,7 @@ mod tests {
             &mut self,
             params: &Params,
             last: bool,
-            scalars: Vec<f32>,
+            scalars: Vec<Real>,
             grads: TensorGrads,
         ) -> Result<()> {
             self.log(format!("autograd last={last} scalars={scalars:?}"));

@@ -12,6 +12,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use serde_json::json;
+use shoal_train::Real;
 use shoal_train::checkpoint::{CheckpointDir, ManifestMeta, TensorData, measure_disk_write, measure_disk_write_direct};
 
 use crate::bench::BenchArgs;
@@ -63,7 +64,7 @@ pub fn run(args: &BenchArgs) -> Result<bool> {
         scratch.0.display(),
         args.rounds
     );
-    let values = |k: f32| -> Vec<f32> { (0..n).map(|i| k * ((i % 1013) as f32 - 506.0) / 506.0).collect() };
+    let values = |k: Real| -> Vec<Real> { (0..n).map(|i| k * ((i % 1013) as Real - 506.0) / 506.0).collect() };
     let model = vec![TensorData::new("w", vec![n], values(0.02))];
     let optimizer = vec![TensorData::new("w.m", vec![n], values(0.001)), TensorData::new("w.v", vec![n], values(1e-6))];
     let dir = CheckpointDir::new(&scratch.0);

@@ -146,8 +146,8 @@ pub fn consolidate(path: &Path, out: &Path, opts: ConsolidateOptions) -> Result<
             .map(|t| WrittenTensor {
                 name: t.name.clone(),
                 shape: t.shape.clone(),
-                dtype: "F32".to_string(),
-                bytes: t.data.len() as u64 * 4,
+                dtype: format!("{:?}", super::format::REAL_ST_DTYPE),
+                bytes: (t.data.len() * crate::REAL_BYTES) as u64,
             })
             .collect(),
         bytes: entry.bytes,

@@ -451,6 +451,7 @@ impl CheckpointDir {
 
 #[cfg(test)]
 mod tests {
+    use crate::Real;
     use safetensors::SafeTensors;
     use safetensors::tensor::Dtype;
 
@@ -529,7 +530,7 @@ mod tests {
         let tmp = TempDir::new();
         let cd = CheckpointDir::new(tmp.path());
         for s in 1..=5u64 {
-            cd.save(s, &model(s as f32), &optimizer(0.0), meta(0))?;
+            cd.save(s, &model(s as Real), &optimizer(0.0), meta(0))?;
         }
         let removed = cd.prune(2)?;
         assert_eq!(removed.len(), 3);

@@ -8,6 +8,7 @@ use std::path::Path;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use super::error::{CheckpointError, Result, io_err};
+use crate::{REAL_BYTES, Real};
 
 /// Bytes converted, hashed and written at a time.
 pub(super) const CHUNK_BYTES: usize = 4 << 20;
@@ -64,21 +65,21 @@ impl ChunkWriter<'_> {
     }
 
     /// Appends `values` as little-endian bytes, converting straight into the buffer.
-    pub(super) fn push_f32(&mut self, mut values: &[f32]) -> Result<()> {
+    pub(super) fn push_real(&mut self, mut values: &[Real]) -> Result<()> {
         while !values.is_empty() {
-            if !self.len.is_multiple_of(4) {
+            if !self.len.is_multiple_of(REAL_BYTES) {
                 // Only after an odd-sized header: go through bytes until aligned to a value.
                 let (head, rest) = values.split_at(1);
                 self.push(&head[0].to_le_bytes())?;
                 values = rest;
                 continue;
             }
-            let n = ((CHUNK_BYTES - self.len) / 4).min(values.len());
+            let n = ((CHUNK_BYTES - self.len) / REAL_BYTES).min(values.len());
             let at = self.len;
-            for (d, x) in self.buf.get()[at..at + 4 * n].chunks_exact_mut(4).zip(&values[..n]) {
+            for (d, x) in self.buf.get()[at..at + REAL_BYTES * n].chunks_exact_mut(REAL_BYTES).zip(&values[..n]) {
                 d.copy_from_slice(&x.to_le_bytes());
             }
-            self.len += 4 * n;
+            self.len += REAL_BYTES * n;
             values = &values[n..];
             if self.len == CHUNK_BYTES {
                 self.flush_full()?;

@@ -1,7 +1,15 @@
-//! Tensors in safetensors files: [`TensorData`], the flat `f32` buffers callers hand in, checked and written as
+//! Tensors in safetensors files: [`TensorData`], the flat `Real` buffers callers hand in, checked and written as
 //! one file (header, then the values little-endian, converted a chunk at a time straight into the writer's buffer)
 //! while a second thread hashes the same bytes, and parsed back from a verified file.
 
+use crate::{REAL_BYTES, Real};
+
+/// [`Real`] as safetensors names it.
+#[cfg(not(feature = "f64"))]
+pub(super) const REAL_ST_DTYPE: Dtype = Dtype::F32;
+/// [`Real`] as safetensors names it.
+#[cfg(feature = "f64")]
+pub(super) const REAL_ST_DTYPE: Dtype = Dtype::F64;
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::io::Read;
@@ -16,7 +24,7 @@ use super::direct::{CHUNK_BYTES, write_stream};
 use super::error::{CheckpointError, Result, corrupt, io_err, open_err};
 use super::manifest::FileEntry;
 
-/// One named tensor as a flat, row-major `f32` buffer.
+/// One named tensor as a flat, row-major `Real` buffer.
 #[derive(Clone, Debug, PartialEq)]
 pub struct TensorData {
     /// Parameter (or optimizer state) name, e.g. `layers.0.weight` or `adamw.m.layers.0.weight`.
@@ -24,17 +32,17 @@ pub struct TensorData {
     /// Shape; the product must equal `data.len()` (`[]` is a scalar).
     pub shape: Vec<usize>,
     /// Values, row-major.
-    pub data: Vec<f32>,
+    pub data: Vec<Real>,
 }
 
 impl TensorData {
     /// Builds a tensor.
-    pub fn new(name: impl Into<String>, shape: Vec<usize>, data: Vec<f32>) -> Self {
+    pub fn new(name: impl Into<String>, shape: Vec<usize>, data: Vec<Real>) -> Self {
         Self { name: name.into(), shape, data }
     }
 
     /// A copy of `values` into `buf` (reusing its allocation when it is large enough).
-    pub fn copy_from(name: impl Into<String>, shape: Vec<usize>, values: &[f32], mut buf: Vec<f32>) -> Self {
+    pub fn copy_from(name: impl Into<String>, shape: Vec<usize>, values: &[Real], mut buf: Vec<Real>) -> Self {
         buf.clear();
         buf.extend_from_slice(values);
         Self::new(name, shape, buf)
@@ -75,14 +83,14 @@ fn safetensors_header(path: &Path, tensors: &[TensorData], extra: Option<HashMap
         let n = t
             .data
             .len()
-            .checked_mul(4)
+            .checked_mul(REAL_BYTES)
             .ok_or_else(|| CheckpointError::InvalidInput { why: format!("tensor {:?} is too large", t.name) })?;
         let end = offset
             .checked_add(n)
             .ok_or_else(|| CheckpointError::InvalidInput { why: "tensors are too large".to_string() })?;
         infos.push((
             t.name.clone(),
-            TensorInfo { dtype: Dtype::F32, shape: t.shape.clone(), data_offsets: (offset, end) },
+            TensorInfo { dtype: REAL_ST_DTYPE, shape: t.shape.clone(), data_offsets: (offset, end) },
         ));
         offset = end;
     }
@@ -99,9 +107,9 @@ fn safetensors_header(path: &Path, tensors: &[TensorData], extra: Option<HashMap
 }
 
 /// `src` as little-endian bytes into `buf` (resized to fit).
-fn to_le_into(src: &[f32], buf: &mut Vec<u8>) {
-    buf.resize(src.len() * 4, 0);
-    for (d, x) in buf.chunks_exact_mut(4).zip(src) {
+fn to_le_into(src: &[Real], buf: &mut Vec<u8>) {
+    buf.resize(src.len() * REAL_BYTES, 0);
+    for (d, x) in buf.chunks_exact_mut(REAL_BYTES).zip(src) {
         d.copy_from_slice(&x.to_le_bytes());
     }
 }
@@ -113,7 +121,7 @@ fn hash_safetensors(header: &[u8], tensors: &[TensorData]) -> String {
     hasher.update(header);
     let mut buf = Vec::with_capacity(CHUNK_BYTES);
     for t in tensors {
-        for chunk in t.data.chunks(CHUNK_BYTES / 4) {
+        for chunk in t.data.chunks(CHUNK_BYTES / REAL_BYTES) {
             to_le_into(chunk, &mut buf);
             hasher.update(&buf);
         }
@@ -125,7 +133,7 @@ fn hash_safetensors(header: &[u8], tensors: &[TensorData]) -> String {
 fn write_file(path: &Path, header: &[u8], tensors: &[TensorData]) -> Result<u64> {
     write_stream(path, true, |w| {
         w.push(header)?;
-        tensors.iter().try_for_each(|t| w.push_f32(&t.data))
+        tensors.iter().try_for_each(|t| w.push_real(&t.data))
     })
 }
 
@@ -173,20 +181,18 @@ pub(super) fn parse_safetensors(path: &Path, bytes: &[u8]) -> Result<Vec<TensorD
     let mut out = Vec::new();
     for name in metadata.offset_keys() {
         let info = metadata.info(&name).ok_or_else(|| corrupt(path, format!("tensor {name:?} lost")))?;
-        if info.dtype != Dtype::F32 {
-            return Err(corrupt(path, format!("tensor {name:?} has dtype {:?}, not F32", info.dtype)));
-        }
         let (s, e) = info.data_offsets;
         let raw =
             data.get(s..e).ok_or_else(|| corrupt(path, format!("tensor {name:?} runs past the end of the file")))?;
-        let values = raw
-            .chunks_exact(4)
-            .map(|c| {
-                let mut a = [0u8; 4];
-                a.copy_from_slice(c);
-                f32::from_le_bytes(a)
-            })
-            .collect();
+        // Either precision is read into the build's own (an f32 checkpoint resumes in f64 and back).
+        let values = match info.dtype {
+            Dtype::F32 => raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) as Real).collect(),
+            Dtype::F64 => raw
+                .chunks_exact(8)
+                .map(|c| f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]) as Real)
+                .collect(),
+            other => return Err(corrupt(path, format!("tensor {name:?} has dtype {other:?}, not F32 or F64"))),
+        };
         out.push(TensorData { name, shape: info.shape.clone(), data: values });
     }
     Ok(out)
@@ -252,7 +258,7 @@ pub(super) fn read_safetensors_header(path: &Path) -> Result<Vec<HeaderEntry>> {
 /// Copies tensors out for a checkpoint, into `spare` buffers of earlier checkpoints when there are any.
 pub fn tensors_of(
     named: impl IntoIterator<Item = (String, candle_core::Tensor)>,
-    spare: &mut impl Iterator<Item = Vec<f32>>,
+    spare: &mut impl Iterator<Item = Vec<Real>>,
 ) -> crate::error::Result<Vec<TensorData>> {
     named
         .into_iter()
@@ -261,7 +267,7 @@ pub fn tensors_of(
             let dims = t.dims().to_vec();
             match crate::kernels::with_slice(&t, |v| TensorData::copy_from(n.clone(), dims.clone(), v, buf)) {
                 Ok(td) => Ok(td),
-                Err(_) => Ok(TensorData::new(n, dims, t.flatten_all()?.to_vec1::<f32>()?)),
+                Err(_) => Ok(TensorData::new(n, dims, t.flatten_all()?.to_vec1::<Real>()?)),
             }
         })
         .collect()

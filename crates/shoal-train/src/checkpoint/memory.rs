@@ -100,6 +100,7 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
+    use crate::Real;
     use crate::checkpoint::layout::{MANIFEST_FILE, MODEL_FILE, OPTIMIZER_FILE};
     use crate::checkpoint::saver::AsyncSaver;
     use crate::checkpoint::testing::{TempDir, TestResult, bits, meta, model, optimizer};
@@ -112,7 +113,7 @@ mod tests {
         assert!(store.steps()?.is_empty());
         let mut saver = AsyncSaver::new(store.dir().clone(), MEMORY_KEEP);
         for s in 1..=4u64 {
-            saver.submit(s * 10, model(s as f32), optimizer(s as f32 + 0.5), meta(s))?;
+            saver.submit(s * 10, model(s as Real), optimizer(s as Real + 0.5), meta(s))?;
         }
         saver.flush(Duration::from_secs(60))?;
         assert_eq!(store.steps()?, vec![30, 40]);
@@ -136,7 +137,7 @@ mod tests {
         let tmp = TempDir::new();
         let store = MemoryStore::new(tmp.path().join("shoal-job"), "h");
         for s in [10u64, 20] {
-            store.dir().save(s, &model(s as f32), &optimizer(1.0), meta(0))?;
+            store.dir().save(s, &model(s as Real), &optimizer(1.0), meta(0))?;
         }
         // A flipped byte in the newest copy's optimizer state.
         let p = store.dir().step_dir(20).join(OPTIMIZER_FILE);

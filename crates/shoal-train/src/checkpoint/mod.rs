@@ -19,7 +19,7 @@
 //! readers skip anything else with a warning naming the offending file.
 //!
 //! The module knows nothing about tensors libraries: callers hand it flat
-//! `f32` buffers ([`TensorData`]). Corrupt input never panics; it is an error
+//! `Real` buffers ([`TensorData`]). Corrupt input never panics; it is an error
 //! naming the file. Nothing here waits without a bound.
 //!
 //! One concern a file, each using only the files listed before it:

@@ -2,6 +2,7 @@
 //! to the newest `keep` and uploads it to a [`Mirror`] when there is one; the step loop pays only for its copy of
 //! the tensors, into buffers of earlier saves (or prefaulted ones) so that the copy costs no page faults.
 
+use crate::Real;
 use std::path::Path;
 use std::sync::{Arc, Mutex, mpsc};
 use std::thread;
@@ -69,7 +70,7 @@ pub struct AsyncSaver {
     mirror: Option<Arc<dyn Mirror>>,
     /// Buffers of saved checkpoints, handed back for the next snapshot (their
     /// pages are already mapped, so copying into them costs no page faults).
-    spare: Arc<Mutex<Vec<Vec<f32>>>>,
+    spare: Arc<Mutex<Vec<Vec<Real>>>>,
     /// Seconds the finished saves took, in total.
     saved_seconds: f64,
     /// Nice value of the saver thread (and the threads it starts), when set: the lowest priority keeps a save from
@@ -123,7 +124,7 @@ impl AsyncSaver {
 
     /// The tensor buffers of finished saves, in the order they were
     /// submitted, for [`TensorData::copy_from`] into the next snapshot.
-    pub fn spare_buffers(&self) -> Vec<Vec<f32>> {
+    pub fn spare_buffers(&self) -> Vec<Vec<Real>> {
         std::mem::take(&mut *self.spare.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
@@ -135,7 +136,7 @@ impl AsyncSaver {
     pub fn prefault(&self, sizes: Vec<usize>) {
         let spare = Arc::clone(&self.spare);
         let spawned = thread::Builder::new().name("shoal-ckpt-prefault".to_string()).spawn(move || {
-            let bufs: Vec<Vec<f32>> = sizes
+            let bufs: Vec<Vec<Real>> = sizes
                 .into_iter()
                 .map(|n| {
                     let mut v = Vec::with_capacity(n);
@@ -376,7 +377,7 @@ mod tests {
         assert!(saver.flush(Duration::from_secs(1))?.is_none());
 
         // Large-ish: 4 Mi floats (16 MiB).
-        let big = vec![TensorData::new("w", vec![1024, 4096], (0..4 << 20).map(|i| i as f32).collect())];
+        let big = vec![TensorData::new("w", vec![1024, 4096], (0..4 << 20).map(|i| i as Real).collect())];
         saver.gate.set_closed(true);
         saver.submit(1, big.clone(), optimizer(1.0), meta(0))?;
         // submit returned while the worker is held before writing a byte.
@@ -397,7 +398,7 @@ mod tests {
 
         // Back-to-back submits: the second waits for the first; pruning keeps 2.
         for s in 2..=4 {
-            saver.submit(s, model(s as f32), optimizer(s as f32), meta(s))?;
+            saver.submit(s, model(s as Real), optimizer(s as Real), meta(s))?;
         }
         let last = saver.flush(Duration::from_secs(120))?.ok_or("no stats")?;
         assert_eq!(last.step, 4);

@@ -1,6 +1,7 @@
 //! What the checkpoint module's tests share: a temporary directory removed on drop, and small checkpoints whose
 //! values are known (NaN, -0, infinity, a subnormal, a scalar and an empty tensor among them).
 
+use crate::Real;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -42,17 +43,17 @@ impl Drop for TempDir {
 }
 
 /// Model tensors whose values depend on `seed`, with the edge cases among them.
-pub(super) fn model(seed: f32) -> Vec<TensorData> {
+pub(super) fn model(seed: Real) -> Vec<TensorData> {
     vec![
-        TensorData::new("layers.0.weight", vec![3, 4], (0..12).map(|i| i as f32 * 0.5 + seed).collect()),
-        TensorData::new("layers.0.bias", vec![4], vec![f32::NAN, -0.0, f32::INFINITY, 1e-40]),
+        TensorData::new("layers.0.weight", vec![3, 4], (0..12).map(|i| i as Real * 0.5 + seed).collect()),
+        TensorData::new("layers.0.bias", vec![4], vec![Real::NAN, -0.0, Real::INFINITY, 1e-40]),
         TensorData::new("scale", vec![], vec![seed]),
         TensorData::new("empty", vec![0, 5], vec![]),
     ]
 }
 
 /// Optimizer state for [`model`]'s first tensor.
-pub(super) fn optimizer(seed: f32) -> Vec<TensorData> {
+pub(super) fn optimizer(seed: Real) -> Vec<TensorData> {
     vec![
         TensorData::new("m.layers.0.weight", vec![3, 4], vec![seed; 12]),
         TensorData::new("v.layers.0.weight", vec![3, 4], vec![-seed; 12]),
@@ -78,5 +79,5 @@ pub(super) fn bits(ts: &[TensorData]) -> Vec<(String, Vec<usize>, Vec<u32>)> {
 
 /// Saves steps 10, 20 and 30 (seeds 1, 2, 3); returns their directories.
 pub(super) fn save3(cd: &CheckpointDir) -> Result<Vec<PathBuf>> {
-    (1..=3u64).map(|s| cd.save(s * 10, &model(s as f32), &optimizer(s as f32), meta(s))).collect()
+    (1..=3u64).map(|s| cd.save(s * 10, &model(s as Real), &optimizer(s as Real), meta(s))).collect()
 }

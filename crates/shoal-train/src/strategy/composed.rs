@@ -27,6 +27,7 @@
 //! Memory: each rank holds its stage's parameters (its parts of them), their gradients and their optimizer state —
 //! a `1/data` shard of it under ZeRO-1 — which is what [`Strategy::param_bytes`] and the others report.
 
+use crate::{REAL_BYTES, Real};
 use std::collections::HashMap;
 use std::time::Instant;
 
@@ -117,14 +118,14 @@ impl Groups {
 /// ZeRO-1 over the data group: the cut of this rank's parameters into shards, and the shard's optimizer state.
 struct ZeroState {
     shards: Shards,
-    m: Vec<f32>,
-    v: Vec<f32>,
+    m: Vec<Real>,
+    v: Vec<Real>,
     /// Whether the moments hold anything yet (SGD's first momentum is the gradient itself).
     started: bool,
     /// This rank's shard of the step's summed gradients.
-    grad: Vec<f32>,
+    grad: Vec<Real>,
     /// Scratch for the reduce-scatter's slice.
-    mine: Vec<f32>,
+    mine: Vec<Real>,
 }
 
 /// A composed layout (see the module documentation).
@@ -140,13 +141,13 @@ pub struct Composed {
     /// Per own parameter: whether it is split across the tensor group (else whole on every tensor rank).
     split: Vec<bool>,
     /// Gradients summed over the step's micro-batches, per own parameter (with one stage; else the pipeline's).
-    acc: Vec<Vec<f32>>,
-    scalars: Vec<f32>,
+    acc: Vec<Vec<Real>>,
+    scalars: Vec<Real>,
     /// The optimizer of the own parameters (without ZeRO).
     opt: Option<Optimizer>,
     zero: Option<ZeroState>,
     /// The gradients flat, for the data group's collective (reused).
-    flat: Vec<f32>,
+    flat: Vec<Real>,
 }
 
 impl std::fmt::Debug for Composed {
@@ -183,7 +184,7 @@ impl Composed {
         self.groups.as_ref().ok_or_else(|| Error::InvalidArgument("a composed layout used before its init".into()))
     }
 
-    fn grads_mut(&mut self) -> &mut Vec<Vec<f32>> {
+    fn grads_mut(&mut self) -> &mut Vec<Vec<Real>> {
         match &mut self.pipe {
             Some(p) => p.grads_mut(),
             None => &mut self.acc,
@@ -200,7 +201,7 @@ impl Composed {
     /// of its own parameters (`local[k]`: own parameter `k`, its tensor part where it is split): the parts
     /// all-gathered over the tensor group and placed, the stages' put into a buffer of the whole model and summed
     /// over the pipeline. A collective over the world.
-    fn whole(&self, params: &Params, local: Vec<Vec<f32>>, suffix: &str) -> Result<Vec<(String, Tensor)>> {
+    fn whole(&self, params: &Params, local: Vec<Vec<Real>>, suffix: &str) -> Result<Vec<(String, Tensor)>> {
         let groups = self.groups_or_err()?;
         let wholes = if self.cfg.tensor > 1 {
             let items = local
@@ -213,7 +214,7 @@ impl Composed {
             local
         };
         let dims: Vec<Vec<usize>> = (0..params.vars().len()).map(|i| params.full_dims(i)).collect();
-        let named = |i: usize, v: Vec<f32>| -> Result<(String, Tensor)> {
+        let named = |i: usize, v: Vec<Real>| -> Result<(String, Tensor)> {
             let name = format!("{}{suffix}", params.vars()[i].0);
             Ok((name, Tensor::from_vec(v, dims[i].as_slice(), &candle_core::Device::Cpu)?))
         };
@@ -226,7 +227,7 @@ impl Composed {
             offsets.push(total);
             total += d.iter().product::<usize>();
         }
-        let mut flat = vec![0f32; total];
+        let mut flat = vec![0.0 as Real; total];
         for (k, v) in wholes.iter().enumerate() {
             let o = offsets[self.members[k]];
             flat.get_mut(o..o + v.len())
@@ -244,11 +245,11 @@ impl Composed {
 
     /// This rank's values of one optimizer moment (`"m"` or `"v"`) per own parameter (zeros where it has none yet).
     /// Under ZeRO-1 a collective over the data group.
-    fn local_moment(&self, suffix: &str) -> Result<Vec<Vec<f32>>> {
+    fn local_moment(&self, suffix: &str) -> Result<Vec<Vec<Real>>> {
         let sizes: Vec<usize> = self.own.vars().iter().map(|(_, v)| v.elem_count()).collect();
         if let Some(z) = &self.zero {
             let shard = if suffix == "m" { &z.m } else { &z.v };
-            let full = if shard.is_empty() { vec![0f32; z.shards.total] } else { z.shards.gather(shard)? };
+            let full = if shard.is_empty() { vec![0.0 as Real; z.shards.total] } else { z.shards.gather(shard)? };
             return Ok(sizes.iter().enumerate().map(|(k, &n)| full[z.shards.offsets[k]..][..n].to_vec()).collect());
         }
         let state: HashMap<String, Tensor> =
@@ -258,8 +259,8 @@ impl Composed {
             .iter()
             .zip(&sizes)
             .map(|((name, _), &n)| match state.get(&format!("{name}.{suffix}")) {
-                Some(t) => Ok(t.flatten_all()?.to_vec1::<f32>()?),
-                None => Ok(vec![0f32; n]),
+                Some(t) => Ok(t.flatten_all()?.to_vec1::<Real>()?),
+                None => Ok(vec![0.0 as Real; n]),
             })
             .collect()
     }
@@ -326,11 +327,11 @@ impl Strategy for Composed {
         self.own = Params::from_vars(self.members.iter().map(|&i| params.vars()[i].clone()).collect());
         self.split = self.members.iter().map(|&i| cfg.tensor > 1 && params.split(i).is_some()).collect();
         if self.pipe.is_none() {
-            self.acc = self.own.vars().iter().map(|(_, v)| vec![0f32; v.elem_count()]).collect();
+            self.acc = self.own.vars().iter().map(|(_, v)| vec![0.0 as Real; v.elem_count()]).collect();
         }
         if cfg.zero == 1 {
             let shards = Shards::new(Some(groups.data.clone()), &self.own, Shards::by_size(&self.own, usize::MAX))?;
-            self.flat = vec![0f32; shards.padded_max()];
+            self.flat = vec![0.0 as Real; shards.padded_max()];
             self.zero = Some(ZeroState {
                 shards,
                 m: Vec::new(),
@@ -349,7 +350,7 @@ impl Strategy for Composed {
         &mut self,
         _params: &Params,
         last: bool,
-        scalars: Vec<f32>,
+        scalars: Vec<Real>,
         f: &mut dyn FnMut(&mut dyn GradSink) -> Result<()>,
     ) -> Result<()> {
         if self.pipe.is_some() {
@@ -366,7 +367,7 @@ impl Strategy for Composed {
         Ok(())
     }
 
-    fn backward_tensors(&mut self, params: &Params, last: bool, scalars: Vec<f32>, grads: TensorGrads) -> Result<()> {
+    fn backward_tensors(&mut self, params: &Params, last: bool, scalars: Vec<Real>, grads: TensorGrads) -> Result<()> {
         if self.pipe.is_some() {
             return Err(Error::InvalidArgument(
                 "a pipeline stage runs the step's micro-batches itself (Trainer::run_micro_batches)".into(),
@@ -411,7 +412,7 @@ impl Strategy for Composed {
         self.pipe.as_ref().and_then(Pipeline::stage_layers)
     }
 
-    fn attach_step_scalars(&mut self, values: Vec<f32>) {
+    fn attach_step_scalars(&mut self, values: Vec<Real>) {
         self.scalars = values;
     }
 
@@ -479,7 +480,7 @@ impl Strategy for Composed {
         let t1 = Instant::now();
         let norm = summed[0].sqrt();
         let scale = match clip {
-            Some(max) if norm > max && norm > 0.0 => Some((max / norm) as f32),
+            Some(max) if norm > max && norm > 0.0 => Some((max / norm) as Real),
             _ => None,
         };
         let own = self.own.clone();
@@ -490,7 +491,7 @@ impl Strategy for Composed {
                     grads.iter_mut().for_each(|g| g.iter_mut().for_each(|x| *x *= s));
                 }
                 let inner = self.optimizer(opt.config());
-                let slices: Vec<&[f32]> = grads.iter().map(Vec::as_slice).collect();
+                let slices: Vec<&[Real]> = grads.iter().map(Vec::as_slice).collect();
                 inner.step_slices(&own, &slices, lr)?;
                 opt.t = inner.t;
             }
@@ -536,14 +537,14 @@ impl Strategy for Composed {
             comm_s: comm_s + t2.elapsed().as_secs_f64(),
             optimizer_s,
             grad_norm: clip.map(|_| norm),
-            scalars: summed[2..].iter().map(|v| (v / tensor) as f32).collect(),
+            scalars: summed[2..].iter().map(|v| (v / tensor) as Real).collect(),
             bubble,
         })
     }
 
     fn optimizer_bytes(&self, _opt: &Optimizer) -> usize {
         match &self.zero {
-            Some(z) => (z.m.len() + z.v.len()) * 4,
+            Some(z) => (z.m.len() + z.v.len()) * REAL_BYTES,
             None => self.opt.as_ref().map_or(0, Optimizer::state_bytes),
         }
     }
@@ -552,11 +553,11 @@ impl Strategy for Composed {
     /// shard's.
     fn gradient_bytes(&self, _params: &Params) -> usize {
         let shard = self.zero.as_ref().map_or(0, |z| z.grad.capacity() + z.mine.capacity());
-        (self.own.count() + self.flat.capacity() + shard) * 4
+        (self.own.count() + self.flat.capacity() + shard) * REAL_BYTES
     }
 
     fn param_bytes(&self, _params: &Params) -> usize {
-        self.own.count() * 4
+        self.own.count() * REAL_BYTES
     }
 
     fn model_state(&self, params: &Params) -> Result<Vec<(String, Tensor)>> {
@@ -596,7 +597,7 @@ impl Strategy for Composed {
         named: &HashMap<String, Tensor>,
     ) -> Result<()> {
         let tensor_rank = self.groups_or_err()?.tensor.rank();
-        let mut mine: HashMap<String, Vec<f32>> = HashMap::new();
+        let mut mine: HashMap<String, Vec<Real>> = HashMap::new();
         for (k, (name, var)) in self.own.vars().iter().enumerate() {
             let i = self.members[k];
             for suffix in ["m", "v"] {
@@ -609,7 +610,7 @@ impl Strategy for Composed {
                         whole.dims()
                     )));
                 }
-                let values = whole.flatten_all()?.to_vec1::<f32>()?;
+                let values = whole.flatten_all()?.to_vec1::<Real>()?;
                 let part = match params.split(i).filter(|_| self.split[k]) {
                     Some(split) => split.take(&values, tensor_rank, self.cfg.tensor)?,
                     None => values,
@@ -625,7 +626,7 @@ impl Strategy for Composed {
             Some(z) => {
                 let mut any = false;
                 for suffix in ["m", "v"] {
-                    let mut full = vec![0f32; z.shards.total];
+                    let mut full = vec![0.0 as Real; z.shards.total];
                     let mut found = false;
                     for (k, (name, _)) in self.own.vars().iter().enumerate() {
                         if let Some(v) = mine.get(&format!("{name}.{suffix}")) {

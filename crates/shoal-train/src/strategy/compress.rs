@@ -15,6 +15,8 @@
 //! moment cannot follow gradients no rank has whole, so past the warm-up it takes no new squares
 //! ([`Optimizer::freeze_second_moment`]).
 
+use crate::Real;
+use crate::kernels::{as_f32, from_f32};
 use std::collections::HashMap;
 
 use candle_core::{Device, Tensor};
@@ -49,7 +51,7 @@ pub(crate) fn gather(comm: Option<&Communicator>, z: &Compressor) -> Result<Vec<
     let own = z.state();
     let len: usize = own.iter().map(|(_, v)| v.len()).sum();
     let (n, flat) = match comm.filter(|c| c.size() > 1) {
-        None => (1, own.iter().flat_map(|(_, v)| v.iter().copied()).collect::<Vec<f32>>()),
+        None => (1, own.iter().flat_map(|(_, v)| v.iter().map(|&x| from_f32(x))).collect::<Vec<Real>>()),
         Some(c) => {
             let mut sizes = [len as i64, -(len as i64)];
             c.all_reduce(&mut sizes, ReduceOp::Max)?;
@@ -60,8 +62,8 @@ pub(crate) fn gather(comm: Option<&Communicator>, z: &Compressor) -> Result<Vec<
                     -sizes[1], sizes[0]
                 )));
             }
-            let mine: Vec<f32> = own.iter().flat_map(|(_, v)| v.iter().copied()).collect();
-            let mut all = vec![0f32; len * c.size()];
+            let mine: Vec<Real> = own.iter().flat_map(|(_, v)| v.iter().map(|&x| from_f32(x))).collect();
+            let mut all = vec![0.0 as Real; len * c.size()];
             c.all_gather(&mine, &mut all)?;
             (c.size(), all)
         }
@@ -82,24 +84,26 @@ pub(crate) fn gather(comm: Option<&Communicator>, z: &Compressor) -> Result<Vec<
 /// start), at any world size (see the module documentation).
 pub(crate) fn load(comm: Option<&Communicator>, z: &mut Compressor, named: &HashMap<String, Tensor>) -> Result<()> {
     let (rank, world) = comm.map_or((0, 1), |c| (c.rank(), c.size()));
-    let mut saved: Vec<(usize, String, Vec<f32>)> = Vec::new();
+    let mut saved: Vec<(usize, String, Vec<Real>)> = Vec::new();
     for (name, t) in named {
         let Some(rest) = name.strip_prefix(PREFIX) else { continue };
         let parsed = rest.strip_prefix("rank").and_then(|s| s.split_once('.'));
         let Some((r, part)) = parsed.and_then(|(r, p)| Some((r.parse::<usize>().ok()?, p))) else {
             return Err(Error::Checkpoint(format!("compression state {name:?}: not compression.rankR.PART.BUCKET")));
         };
-        saved.push((r, part.to_string(), t.flatten_all()?.to_vec1::<f32>()?));
+        saved.push((r, part.to_string(), t.flatten_all()?.to_vec1::<Real>()?));
     }
     if saved.is_empty() {
         return Ok(());
     }
     let saved_world = saved.iter().map(|(r, _, _)| r + 1).max().unwrap_or(1);
     if saved_world == world {
-        return Ok(z.load_state(saved.into_iter().filter(|(r, _, _)| *r == rank).map(|(_, p, v)| (p, v)).collect())?);
+        return Ok(z.load_state(
+            saved.into_iter().filter(|(r, _, _)| *r == rank).map(|(_, p, v)| (p, narrow(&v))).collect(),
+        )?);
     }
     // Another world size: the factors every rank shares, and on rank 0 the mass nobody had sent yet.
-    let mut state: std::collections::BTreeMap<String, Vec<f32>> = std::collections::BTreeMap::new();
+    let mut state: std::collections::BTreeMap<String, Vec<Real>> = std::collections::BTreeMap::new();
     saved.sort_by(|a, b| (a.0, &a.1).cmp(&(b.0, &b.1)));
     for (r, part, v) in &saved {
         if part.starts_with("q.") && *r == 0 {
@@ -122,7 +126,12 @@ pub(crate) fn load(comm: Option<&Communicator>, z: &mut Compressor, named: &Hash
         }
         tracing::info!(saved = saved_world, world, "error feedback of every saved rank given to rank 0");
     }
-    Ok(z.load_state(state.into_iter().collect())?)
+    Ok(z.load_state(state.into_iter().map(|(p, v)| (p, narrow(&v))).collect())?)
+}
+
+/// Compression state is `f32` in every build.
+fn narrow(v: &[Real]) -> Vec<f32> {
+    as_f32(v).into_owned()
 }
 
 /// Splits a checkpoint's optimizer entries into the optimizer's own and the compressor's.
@@ -139,12 +148,12 @@ pub(crate) fn moment_in(
     opt: &Optimizer,
     params: &Params,
     members: &[usize],
-    g: &mut [f32],
+    g: &mut [Real],
     world: usize,
     scaled: bool,
 ) -> Result<()> {
     let t = adamw_terms(opt)?;
-    let w = world as f32;
+    let w = world as Real;
     each_moment(opt, params, members, g, scaled, |x, m, v| {
         let y = t.beta1 * m / w + (1.0 - t.beta1) * x;
         v.map_or(y, |v| y / ((v / t.c2).sqrt() + t.eps))
@@ -161,7 +170,7 @@ pub(crate) fn moment_out(
     opt: &Optimizer,
     params: &Params,
     members: &[usize],
-    g: &mut [f32],
+    g: &mut [Real],
     scaled: bool,
 ) -> Result<()> {
     let t = adamw_terms(opt)?;
@@ -189,9 +198,9 @@ fn each_moment(
     opt: &Optimizer,
     params: &Params,
     members: &[usize],
-    g: &mut [f32],
+    g: &mut [Real],
     second: bool,
-    f: impl Fn(f32, f32, Option<f32>) -> f32,
+    f: impl Fn(Real, Real, Option<Real>) -> Real,
 ) -> Result<()> {
     let mut rest = g;
     for &i in members {

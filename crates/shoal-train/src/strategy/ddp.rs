@@ -13,6 +13,7 @@
 //! - `step` waits for the buckets, clips, and applies the same update on every rank. Bucket buffers are reused
 //!   from step to step.
 
+use crate::{REAL_BYTES, Real};
 use std::time::Instant;
 
 use candle_core::Tensor;
@@ -37,11 +38,11 @@ pub struct DdpConfig {
 
 enum Bucket {
     /// Being all-reduced on the communicator's thread.
-    Pending(Pending<Vec<f32>>),
+    Pending(Pending<Vec<Real>>),
     /// Final (nothing to reduce).
-    Ready(Vec<f32>),
+    Ready(Vec<Real>),
     /// To all-reduce on the calling thread in `step`.
-    Deferred(Vec<f32>),
+    Deferred(Vec<Real>),
 }
 
 /// Data parallel with bucketed, overlapped all-reduces (see the module documentation).
@@ -51,13 +52,13 @@ pub struct Ddp {
     /// Flat offset of each parameter (parameter order).
     offsets: Vec<usize>,
     /// Gradients accumulated over earlier micro-batches, flat in parameter order.
-    acc: Option<Vec<f32>>,
+    acc: Option<Vec<Real>>,
     /// Buckets of the current step, each with the parameter indices it holds (reverse order).
     buckets: Vec<(Vec<usize>, Bucket)>,
     /// Gradients kept as tensors when there is nothing to reduce, with the step's scalars.
-    direct: Option<(Vec<Tensor>, Vec<f32>)>,
+    direct: Option<(Vec<Tensor>, Vec<Real>)>,
     /// Bucket buffers of the last step, reused by the next (no allocation, no page faults).
-    spare: Vec<Vec<f32>>,
+    spare: Vec<Vec<Real>>,
     /// `[compression]`: each bucket summed through it, on the calling thread in `step`.
     compress: Option<Compressor>,
     /// `[compression] momentum`: past the warm-up, each rank sends its AdamW first moment instead of its gradients.
@@ -65,7 +66,7 @@ pub struct Ddp {
     /// `[robust]`: each bucket all-gathered and combined by this rule bearing this many attackers, in `step`.
     robust: Option<(shoal_ps::Rule, usize)>,
     /// The gathered buckets of the robust rule, reused.
-    gathered: Vec<f32>,
+    gathered: Vec<Real>,
     /// `[chaos]`, an experiment: these ranks' buckets forged by the attack where they are gathered.
     attack: Option<(shoal_ps::Attack, Vec<usize>)>,
 }
@@ -137,24 +138,24 @@ struct Collector<'a> {
     /// Next index allowed (every index below it, and it, may still come).
     next: Option<usize>,
     /// Scalars that ride in the last bucket.
-    scalars: Vec<f32>,
+    scalars: Vec<Real>,
     mode: Mode<'a>,
 }
 
 enum Mode<'a> {
     /// Not the last micro-batch: add into the accumulator.
-    Accumulate { acc: &'a mut Vec<f32>, tmp: Vec<f32> },
+    Accumulate { acc: &'a mut Vec<Real>, tmp: Vec<Real> },
     /// The last micro-batch: bucket, add what earlier micro-batches accumulated, launch.
     Reduce {
         comm: Option<Communicator>,
         overlap: bool,
-        acc: Option<Vec<f32>>,
-        cur: Vec<f32>,
+        acc: Option<Vec<Real>>,
+        cur: Vec<Real>,
         members: Vec<usize>,
         limit: usize,
         bucket_bytes: usize,
         buckets: &'a mut Vec<(Vec<usize>, Bucket)>,
-        spare: &'a mut Vec<Vec<f32>>,
+        spare: &'a mut Vec<Vec<Real>>,
     },
 }
 
@@ -170,7 +171,7 @@ impl Collector<'_> {
         Ok(())
     }
 
-    fn put_inner(&mut self, index: usize, fill: &mut dyn FnMut(&mut [f32]) -> Result<()>) -> Result<()> {
+    fn put_inner(&mut self, index: usize, fill: &mut dyn FnMut(&mut [Real]) -> Result<()>) -> Result<()> {
         let n = self.vars[index].1.elem_count();
         let off = self.offsets[index];
         self.next = index.checked_sub(1);
@@ -196,7 +197,7 @@ impl Collector<'_> {
                 if cur.len() >= *limit {
                     let data = std::mem::replace(cur, spare.pop().unwrap_or_default());
                     launch(comm.as_ref(), *overlap, data, std::mem::take(members), buckets);
-                    *limit = (*bucket_bytes / 4).max(1);
+                    *limit = (*bucket_bytes / REAL_BYTES).max(1);
                 }
             }
         }
@@ -217,13 +218,13 @@ impl Collector<'_> {
 }
 
 impl GradSink for Collector<'_> {
-    fn put(&mut self, index: usize, fill: &mut dyn FnMut(&mut [f32]) -> Result<()>) -> Result<()> {
+    fn put(&mut self, index: usize, fill: &mut dyn FnMut(&mut [Real]) -> Result<()>) -> Result<()> {
         check_order(index, self.vars.len(), self.next)?;
         self.zero_down_to(Some(index))?;
         self.put_inner(index, fill)
     }
 
-    fn attach_scalars(&mut self, values: &[f32]) {
+    fn attach_scalars(&mut self, values: &[Real]) {
         self.scalars.clear();
         self.scalars.extend_from_slice(values);
     }
@@ -232,7 +233,7 @@ impl GradSink for Collector<'_> {
 fn launch(
     comm: Option<&Communicator>,
     overlap: bool,
-    data: Vec<f32>,
+    data: Vec<Real>,
     members: Vec<usize>,
     buckets: &mut Vec<(Vec<usize>, Bucket)>,
 ) {
@@ -263,7 +264,7 @@ impl Strategy for Ddp {
         &mut self,
         params: &Params,
         last: bool,
-        scalars: Vec<f32>,
+        scalars: Vec<Real>,
         f: &mut dyn FnMut(&mut dyn GradSink) -> Result<()>,
     ) -> Result<()> {
         let n = params.vars().len();
@@ -285,7 +286,7 @@ impl Strategy for Ddp {
         // The first bucket is small, so communication starts early in backward (as in PyTorch's DDP); without
         // overlap there is nothing to start early.
         let first = if self.cfg.overlap { self.cfg.first_bucket_bytes.min(bucket_bytes) } else { bucket_bytes };
-        let limit = (first / 4).max(1);
+        let limit = (first / REAL_BYTES).max(1);
         let cur = self.spare.pop().unwrap_or_default();
         let mut c = Collector {
             vars: params.vars(),
@@ -309,7 +310,7 @@ impl Strategy for Ddp {
         c.finish()
     }
 
-    fn backward_tensors(&mut self, params: &Params, last: bool, scalars: Vec<f32>, grads: TensorGrads) -> Result<()> {
+    fn backward_tensors(&mut self, params: &Params, last: bool, scalars: Vec<Real>, grads: TensorGrads) -> Result<()> {
         if last && self.world() <= 1 && self.acc.is_none() {
             // One worker, one micro-batch: nothing to reduce, keep the tensors.
             let direct = params
@@ -358,7 +359,7 @@ impl Strategy for Ddp {
             });
         }
         let vars = params.vars();
-        let mut datas: Vec<(Vec<usize>, Vec<f32>)> = Vec::with_capacity(self.buckets.len());
+        let mut datas: Vec<(Vec<usize>, Vec<Real>)> = Vec::with_capacity(self.buckets.len());
         if let Some(z) = &mut self.compress {
             z.set_step(opt.t);
             if self.momentum {
@@ -385,7 +386,7 @@ impl Strategy for Ddp {
                             if moment {
                                 super::compress::moment_in(opt, params, &members, g, c.size(), scaled)?;
                             }
-                            z.all_reduce(c, k, g, &matrices)?;
+                            crate::kernels::with_f32_mut(g, |g| z.all_reduce(c, k, g, &matrices))?;
                             if moment {
                                 super::compress::moment_out(opt, params, &members, g, scaled)?;
                             }
@@ -411,11 +412,11 @@ impl Strategy for Ddp {
         }
         let comm_s = t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
-        let mut grads: Vec<Option<&mut [f32]>> = (0..vars.len()).map(|_| None).collect();
+        let mut grads: Vec<Option<&mut [Real]>> = (0..vars.len()).map(|_| None).collect();
         let mut scalars = Vec::new();
         let last = datas.len().saturating_sub(1);
         for (k, (members, data)) in datas.iter_mut().enumerate() {
-            let mut rest: &mut [f32] = data;
+            let mut rest: &mut [Real] = data;
             for &i in members.iter() {
                 let (name, var) = &vars[i];
                 let n = var.elem_count();
@@ -430,7 +431,7 @@ impl Strategy for Ddp {
                 scalars = rest.to_vec();
             }
         }
-        let mut grads: Vec<&mut [f32]> = grads
+        let mut grads: Vec<&mut [Real]> = grads
             .into_iter()
             .enumerate()
             .map(|(i, g)| {
@@ -440,7 +441,7 @@ impl Strategy for Ddp {
             })
             .collect::<Result<_>>()?;
         let grad_norm = clip.map(|max| clip_grad_norm_slices(&mut grads, max));
-        let grads: Vec<&[f32]> = grads.into_iter().map(|g| &*g).collect();
+        let grads: Vec<&[Real]> = grads.into_iter().map(|g| &*g).collect();
         opt.step_slices(params, &grads, lr)?;
         for (_, mut data) in datas {
             data.clear();

@@ -60,6 +60,7 @@ pub mod tensor;
 pub mod zero;
 pub mod zero3;
 
+use crate::{REAL_BYTES, Real};
 use candle_core::{Tensor, Var};
 use shoal_comm::Communicator;
 
@@ -76,11 +77,11 @@ use crate::params::Params;
 pub trait GradSink {
     /// Gives `fill` the gradient buffer of parameter `index`. Indices must strictly decrease from one call to the
     /// next; a parameter left out has a zero gradient.
-    fn put(&mut self, index: usize, fill: &mut dyn FnMut(&mut [f32]) -> Result<()>) -> Result<()>;
+    fn put(&mut self, index: usize, fill: &mut dyn FnMut(&mut [Real]) -> Result<()>) -> Result<()>;
 
     /// Like [`crate::Trainer::attach_scalars`], for values only known once the backward pass has run (the
     /// micro-batch's loss); the last call wins.
-    fn attach_scalars(&mut self, values: &[f32]);
+    fn attach_scalars(&mut self, values: &[Real]);
 }
 
 /// Time spent in one step's end ([`Strategy::step`]).
@@ -93,7 +94,7 @@ pub struct StepTimes {
     /// Global gradient norm before clipping (when clipping is on).
     pub grad_norm: Option<f64>,
     /// The scalars given with the step's last micro-batch, summed over ranks.
-    pub scalars: Vec<f32>,
+    pub scalars: Vec<Real>,
     /// A pipeline's idle time in the step (`None` for a strategy that does not cut the model into stages).
     pub bubble: Option<Bubble>,
 }
@@ -134,12 +135,12 @@ pub trait Strategy: Send {
         &mut self,
         params: &Params,
         last: bool,
-        scalars: Vec<f32>,
+        scalars: Vec<Real>,
         f: &mut dyn FnMut(&mut dyn GradSink) -> Result<()>,
     ) -> Result<()>;
 
     /// One micro-batch's gradients from autograd.
-    fn backward_tensors(&mut self, params: &Params, last: bool, scalars: Vec<f32>, grads: TensorGrads) -> Result<()>;
+    fn backward_tensors(&mut self, params: &Params, last: bool, scalars: Vec<Real>, grads: TensorGrads) -> Result<()>;
 
     /// Whether each rank holds only a part of the model's layers (a pipeline stage): then the trainer hands the
     /// strategy the whole step's micro-batches ([`Strategy::run_micro_batches`]) instead of one backward at a time,
@@ -183,7 +184,7 @@ pub trait Strategy: Send {
 
     /// The scalars to sum over ranks at the next [`Strategy::step`], for a strategy that runs the micro-batches
     /// itself (the others take them with the last backward).
-    fn attach_step_scalars(&mut self, _values: Vec<f32>) {}
+    fn attach_step_scalars(&mut self, _values: Vec<Real>) {}
 
     /// Ends the step: the gradients combined across ranks, clipped to a global norm of `clip`, and `opt` applied
     /// with `lr`, the same update on every rank that holds a parameter.
@@ -196,12 +197,12 @@ pub trait Strategy: Send {
 
     /// Bytes of gradient buffers this rank holds for a step (by default one value per parameter).
     fn gradient_bytes(&self, params: &Params) -> usize {
-        params.count() * 4
+        params.count() * REAL_BYTES
     }
 
     /// Bytes of parameters this rank holds (by default every parameter, whole).
     fn param_bytes(&self, params: &Params) -> usize {
-        params.count() * 4
+        params.count() * REAL_BYTES
     }
 
     /// The parameters as whole named tensors, for a checkpoint or to read them (by default the parameters' own
@@ -336,7 +337,7 @@ pub(crate) fn in_optimizer_order(params: &Params, state: &mut [(String, Tensor)]
 }
 
 /// Adds autograd's gradients into per-parameter accumulators (a micro-batch's share of the step's).
-pub(crate) fn add_tensors(acc: &mut [Vec<f32>], params: &Params, grads: &TensorGrads) -> Result<()> {
+pub(crate) fn add_tensors(acc: &mut [Vec<Real>], params: &Params, grads: &TensorGrads) -> Result<()> {
     for (i, g) in grads.iter().enumerate() {
         let Some(g) = g else { continue };
         let acc = acc.get_mut(i).ok_or_else(|| {
@@ -348,7 +349,7 @@ pub(crate) fn add_tensors(acc: &mut [Vec<f32>], params: &Params, grads: &TensorG
 }
 
 /// Adds a tensor's values into `acc`, which must be exactly as long (read in place: no copy between).
-pub(crate) fn add_f32(acc: &mut [f32], t: &Tensor) -> Result<()> {
+pub(crate) fn add_f32(acc: &mut [Real], t: &Tensor) -> Result<()> {
     let t = t.contiguous()?;
     let n = with_slice(&t, |s| {
         if s.len() == acc.len() {
@@ -363,7 +364,7 @@ pub(crate) fn add_f32(acc: &mut [f32], t: &Tensor) -> Result<()> {
 }
 
 /// Copies a tensor's values into `out`, which must be exactly as long.
-pub(crate) fn copy_f32(out: &mut [f32], t: &Tensor) -> Result<()> {
+pub(crate) fn copy_f32(out: &mut [Real], t: &Tensor) -> Result<()> {
     let t = t.contiguous()?;
     let n = with_slice(&t, |s| {
         let n = s.len().min(out.len());

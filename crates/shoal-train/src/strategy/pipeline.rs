@@ -20,6 +20,7 @@
 //!   model (zeros elsewhere) and summed with an all-reduce, for the parameters and for each optimizer moment. A
 //!   pipeline checkpoint resumes under DDP or ZeRO at any world size, and theirs under a pipeline.
 
+use crate::{REAL_BYTES, Real};
 use std::collections::HashMap;
 use std::ops::Range;
 use std::time::Instant;
@@ -90,8 +91,8 @@ pub struct Pipeline {
     /// The stage's optimizer (made at the first step or restore, with the trainer's configuration).
     opt: Option<Optimizer>,
     /// Gradients summed over the step's micro-batches, per stage parameter.
-    acc: Vec<Vec<f32>>,
-    scalars: Vec<f32>,
+    acc: Vec<Vec<Real>>,
+    scalars: Vec<Real>,
     /// The last schedule's idle and total seconds.
     idle_s: f64,
     span_s: f64,
@@ -234,7 +235,7 @@ impl Pipeline {
 
     /// The step's gradients of the stage's parameters, summed over its micro-batches (one buffer per parameter, in
     /// order): for a strategy that combines them itself before its own update, leaving them zero for the next step.
-    pub(crate) fn grads_mut(&mut self) -> &mut Vec<Vec<f32>> {
+    pub(crate) fn grads_mut(&mut self) -> &mut Vec<Vec<Real>> {
         &mut self.acc
     }
 
@@ -284,7 +285,7 @@ impl Pipeline {
             }
         }
         self.own = Params::from_vars(self.members.iter().map(|&i| params.vars()[i].clone()).collect());
-        self.acc = self.own.vars().iter().map(|(_, v)| vec![0f32; v.elem_count()]).collect();
+        self.acc = self.own.vars().iter().map(|(_, v)| vec![0.0 as Real; v.elem_count()]).collect();
         params.layers().cut(Some(self.chunks[0].clone()));
         Ok(())
     }
@@ -353,7 +354,7 @@ impl Pipeline {
         for (h, d) in header[1..].iter_mut().zip(dims) {
             *h = *d as i64;
         }
-        let values = t.flatten_all()?.to_vec1::<f32>()?;
+        let values = t.flatten_all()?.to_vec1::<Real>()?;
         let c = self.comm_or_err()?;
         let t0 = Instant::now();
         let next = self.shape(0).next(self.stage);
@@ -374,7 +375,7 @@ impl Pipeline {
         if rank == 0 || rank >= HEADER {
             return Err(Error::InvalidArgument(format!("stage {}: a malformed activation header", self.stage)));
         }
-        let mut values = vec![0f32; dims.iter().product()];
+        let mut values = vec![0.0 as Real; dims.iter().product()];
         c.recv(&mut values, prev)?;
         let idle = t0.elapsed().as_secs_f64();
         Ok((Var::from_tensor(&Tensor::from_vec(values, dims, &candle_core::Device::Cpu)?)?, idle))
@@ -410,9 +411,9 @@ impl Pipeline {
 
     /// Every stage's values of one kind (the parameters, or one optimizer moment), each rank's own put into a
     /// buffer of the whole model and the buffers summed: whole named tensors on every rank (a collective).
-    fn gather(&self, params: &Params, own: &[Vec<f32>], suffix: &str) -> Result<Vec<(String, Tensor)>> {
+    fn gather(&self, params: &Params, own: &[Vec<Real>], suffix: &str) -> Result<Vec<(String, Tensor)>> {
         let (offsets, total) = super::flat_offsets(params);
-        let mut flat = vec![0f32; total];
+        let mut flat = vec![0.0 as Real; total];
         for (k, &i) in self.members.iter().enumerate() {
             let values = own.get(k).ok_or_else(|| Error::InvalidArgument("a stage's state is incomplete".into()))?;
             flat[offsets[i]..offsets[i] + values.len()].copy_from_slice(values);
@@ -435,8 +436,8 @@ fn layer_sizes(params: &Params, ranges: &[(String, Range<usize>)]) -> Vec<usize>
     ranges.iter().map(|(_, m)| m.clone().map(|i| params.full_dims(i).iter().product::<usize>()).sum()).collect()
 }
 
-fn values_of(t: &Tensor) -> Result<Vec<f32>> {
-    Ok(t.flatten_all()?.to_vec1::<f32>()?)
+fn values_of(t: &Tensor) -> Result<Vec<Real>> {
+    Ok(t.flatten_all()?.to_vec1::<Real>()?)
 }
 
 impl Strategy for Pipeline {
@@ -487,7 +488,7 @@ impl Strategy for Pipeline {
         &mut self,
         _params: &Params,
         _last: bool,
-        _scalars: Vec<f32>,
+        _scalars: Vec<Real>,
         _f: &mut dyn FnMut(&mut dyn GradSink) -> Result<()>,
     ) -> Result<()> {
         Err(Error::InvalidArgument(
@@ -499,7 +500,7 @@ impl Strategy for Pipeline {
         &mut self,
         _params: &Params,
         _last: bool,
-        _scalars: Vec<f32>,
+        _scalars: Vec<Real>,
         _grads: TensorGrads,
     ) -> Result<()> {
         Err(Error::InvalidArgument(
@@ -541,7 +542,7 @@ impl Strategy for Pipeline {
         let mut held: HashMap<(usize, usize), Held> = HashMap::new();
         let mut outgoing: HashMap<(usize, usize), Tensor> = HashMap::new();
         let mut grads_in: HashMap<(usize, usize), Tensor> = HashMap::new();
-        let mut grads_out: HashMap<(usize, usize), Vec<f32>> = HashMap::new();
+        let mut grads_out: HashMap<(usize, usize), Vec<Real>> = HashMap::new();
         let missing = |what: &str, i: usize, c: usize| {
             Error::InvalidArgument(format!("pipeline schedule: no {what} for micro-batch {i} (chunk {c})"))
         };
@@ -573,7 +574,7 @@ impl Strategy for Pipeline {
                 }
                 Op::RecvGrad(i, c) => {
                     let shape = held.get(&(i, c)).ok_or_else(|| missing("forward", i, c))?.output.shape().clone();
-                    let mut values = vec![0f32; shape.elem_count()];
+                    let mut values = vec![0.0 as Real; shape.elem_count()];
                     let t0 = Instant::now();
                     self.comm_or_err()?.recv(&mut values, self.shape(0).next(self.stage))?;
                     idle += t0.elapsed().as_secs_f64();
@@ -594,7 +595,7 @@ impl Strategy for Pipeline {
                     if let Some(x) = &h.input {
                         let dx = match grads.get(x.as_tensor()) {
                             Some(g) => values_of(g)?,
-                            None => vec![0f32; x.elem_count()],
+                            None => vec![0.0 as Real; x.elem_count()],
                         };
                         grads_out.insert((i, c), dx);
                     }
@@ -647,7 +648,7 @@ impl Strategy for Pipeline {
         Ok(None)
     }
 
-    fn attach_step_scalars(&mut self, values: Vec<f32>) {
+    fn attach_step_scalars(&mut self, values: Vec<Real>) {
         self.scalars = values;
     }
 
@@ -670,13 +671,13 @@ impl Strategy for Pipeline {
             && norm > max
             && norm > 0.0
         {
-            let s = (max / norm) as f32;
+            let s = (max / norm) as Real;
             self.acc.iter_mut().for_each(|g| g.iter_mut().for_each(|x| *x *= s));
         }
         let mut acc = std::mem::take(&mut self.acc);
         let own = self.own.clone();
         let stage_opt = self.optimizer(opt.config());
-        let slices: Vec<&[f32]> = acc.iter().map(Vec::as_slice).collect();
+        let slices: Vec<&[Real]> = acc.iter().map(Vec::as_slice).collect();
         let stepped = stage_opt.step_slices(&own, &slices, lr);
         opt.t = stage_opt.t;
         acc.iter_mut().for_each(|g| g.fill(0.0));
@@ -694,7 +695,7 @@ impl Strategy for Pipeline {
             comm_s,
             optimizer_s: t1.elapsed().as_secs_f64(),
             grad_norm,
-            scalars: summed[2..].iter().map(|v| *v as f32).collect(),
+            scalars: summed[2..].iter().map(|v| *v as Real).collect(),
             bubble: Some(bubble),
         })
     }
@@ -704,11 +705,11 @@ impl Strategy for Pipeline {
     }
 
     fn gradient_bytes(&self, _params: &Params) -> usize {
-        self.own.count() * 4
+        self.own.count() * REAL_BYTES
     }
 
     fn param_bytes(&self, _params: &Params) -> usize {
-        self.own.count() * 4
+        self.own.count() * REAL_BYTES
     }
 
     fn model_state(&self, params: &Params) -> Result<Vec<(String, Tensor)>> {
@@ -734,7 +735,7 @@ impl Strategy for Pipeline {
                 .iter()
                 .map(|(name, v)| match mine.get(&format!("{name}{suffix}")) {
                     Some(t) => values_of(t),
-                    None => Ok(vec![0f32; v.elem_count()]),
+                    None => Ok(vec![0.0 as Real; v.elem_count()]),
                 })
                 .collect::<Result<Vec<_>>>()?;
             out.extend(self.gather(params, &own, &suffix)?);

@@ -10,6 +10,8 @@
 //! estimate of their sum). Checkpoints hold whole tensors, as every strategy's: the values this worker holds, and
 //! the servers' optimizer state pulled from them; at rank 0's checkpoints the servers also save their shards.
 
+use crate::Real;
+use crate::kernels::{as_f32, from_f32, with_f32_mut};
 use std::time::{Duration, Instant};
 
 use candle_core::Tensor;
@@ -56,11 +58,11 @@ pub struct Ps {
     cuts: Vec<std::ops::Range<usize>>,
     offsets: Vec<usize>,
     /// This worker's copy of the values, as one flat run.
-    flat: Vec<f32>,
+    flat: Vec<Real>,
     /// The step's gradient, as one flat run.
-    grad: Vec<f32>,
+    grad: Vec<Real>,
     next: Option<usize>,
-    scalars: Vec<f32>,
+    scalars: Vec<Real>,
 }
 
 impl std::fmt::Debug for Ps {
@@ -104,19 +106,22 @@ impl Ps {
 
     /// Pulls every server's newest values into the parameters.
     fn pull(&mut self, params: &Params) -> Result<()> {
-        let parts = split_mut(&mut self.flat, &self.cuts).into_iter().map(|out| Part {
-            push: None,
-            push_spans: &[],
-            pull: Some(out),
-            pull_spans: &[],
-        });
-        self.client.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner).exchange(0.0, parts.collect())?;
+        let client = self.client.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner);
+        with_f32_mut(&mut self.flat, |flat| {
+            let parts = split_mut(flat, &self.cuts).into_iter().map(|out| Part {
+                push: None,
+                push_spans: &[],
+                pull: Some(out),
+                pull_spans: &[],
+            });
+            client.exchange(0.0, parts.collect())
+        })?;
         params.load_flat(&self.flat)
     }
 }
 
 /// `v` cut at `cuts` (which cover it in order).
-fn split_mut<'a>(mut v: &'a mut [f32], cuts: &[std::ops::Range<usize>]) -> Vec<&'a mut [f32]> {
+fn split_mut<'a, T>(mut v: &'a mut [T], cuts: &[std::ops::Range<usize>]) -> Vec<&'a mut [T]> {
     let mut out = Vec::with_capacity(cuts.len());
     for r in cuts {
         let (a, b) = std::mem::take(&mut v).split_at_mut(r.len());
@@ -127,15 +132,15 @@ fn split_mut<'a>(mut v: &'a mut [f32], cuts: &[std::ops::Range<usize>]) -> Vec<&
 }
 
 struct Sink<'a> {
-    grad: &'a mut [f32],
+    grad: &'a mut [Real],
     offsets: &'a [usize],
     next: &'a mut Option<usize>,
-    scratch: Vec<f32>,
-    scalars: &'a mut Vec<f32>,
+    scratch: Vec<Real>,
+    scalars: &'a mut Vec<Real>,
 }
 
 impl GradSink for Sink<'_> {
-    fn put(&mut self, index: usize, fill: &mut dyn FnMut(&mut [f32]) -> Result<()>) -> Result<()> {
+    fn put(&mut self, index: usize, fill: &mut dyn FnMut(&mut [Real]) -> Result<()>) -> Result<()> {
         check_order(index, self.offsets.len(), *self.next)?;
         *self.next = index.checked_sub(1);
         let start = self.offsets[index];
@@ -147,7 +152,7 @@ impl GradSink for Sink<'_> {
         Ok(())
     }
 
-    fn attach_scalars(&mut self, values: &[f32]) {
+    fn attach_scalars(&mut self, values: &[Real]) {
         *self.scalars = values.to_vec();
     }
 }
@@ -166,6 +171,7 @@ impl Strategy for Ps {
     fn init(&mut self, params: &Params) -> Result<()> {
         if self.rank() == 0 {
             let flat = params.flatten()?;
+            let flat = as_f32(&flat);
             let parts: Vec<[&[f32]; 3]> = self.cuts.iter().map(|r| [&flat[r.clone()], &[][..], &[][..]]).collect();
             self.client().init(false, 0, &parts)?;
         }
@@ -176,7 +182,7 @@ impl Strategy for Ps {
         &mut self,
         _params: &Params,
         last: bool,
-        scalars: Vec<f32>,
+        scalars: Vec<Real>,
         f: &mut dyn FnMut(&mut dyn GradSink) -> Result<()>,
     ) -> Result<()> {
         self.next = Some(self.offsets.len().saturating_sub(1));
@@ -194,7 +200,7 @@ impl Strategy for Ps {
         Ok(())
     }
 
-    fn backward_tensors(&mut self, _params: &Params, last: bool, scalars: Vec<f32>, grads: TensorGrads) -> Result<()> {
+    fn backward_tensors(&mut self, _params: &Params, last: bool, scalars: Vec<Real>, grads: TensorGrads) -> Result<()> {
         for (i, g) in grads.iter().enumerate() {
             let Some(g) = g else { continue };
             let start = self.offsets[i];
@@ -207,7 +213,7 @@ impl Strategy for Ps {
         Ok(())
     }
 
-    fn attach_step_scalars(&mut self, values: Vec<f32>) {
+    fn attach_step_scalars(&mut self, values: Vec<Real>) {
         self.scalars = values;
     }
 
@@ -228,18 +234,22 @@ impl Strategy for Ps {
             }
             (Mode::Sync, _) => {}
             _ => {
-                let w = self.workers() as f32;
+                let w = self.workers() as Real;
                 scalars.iter_mut().for_each(|x| *x *= w);
             }
         }
-        let pushes: Vec<&[f32]> = self.cuts.iter().map(|r| &self.grad[r.clone()]).collect();
-        let pulls = split_mut(&mut self.flat, &self.cuts);
-        let parts = pushes
-            .into_iter()
-            .zip(pulls)
-            .map(|(g, out)| Part { push: Some(g), push_spans: &[], pull: Some(out), pull_spans: &[] })
-            .collect();
-        self.client.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner).exchange(lr, parts)?;
+        let grad = as_f32(&self.grad);
+        let pushes: Vec<&[f32]> = self.cuts.iter().map(|r| &grad[r.clone()]).collect();
+        let client = self.client.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner);
+        with_f32_mut(&mut self.flat, |flat| {
+            let parts = pushes
+                .into_iter()
+                .zip(split_mut(flat, &self.cuts))
+                .map(|(g, out)| Part { push: Some(g), push_spans: &[], pull: Some(out), pull_spans: &[] })
+                .collect();
+            client.exchange(lr, parts)
+        })?;
+        drop(grad);
         params.load_flat(&self.flat)?;
         self.grad.iter_mut().for_each(|g| *g = 0.0);
         opt.t += 1;
@@ -270,13 +280,13 @@ impl Strategy for Ps {
         }
         let state = client.state()?;
         drop(client);
-        let flat = |k: usize| -> Vec<f32> {
+        let flat = |k: usize| -> Vec<Real> {
             state
                 .iter()
                 .zip(&self.cuts)
                 .flat_map(|(s, r)| {
                     let part = if k == 0 { &s.2 } else { &s.3 };
-                    if part.is_empty() { vec![0.0; r.len()] } else { part.clone() }
+                    if part.is_empty() { vec![0.0; r.len()] } else { part.iter().map(|&v| from_f32(v)).collect() }
                 })
                 .collect()
         };
@@ -316,7 +326,7 @@ impl Strategy for Ps {
                 if !params.vars().iter().any(|(n, _)| named.contains_key(&format!("{n}.{suffix}"))) {
                     continue;
                 }
-                let mut all = vec![0f32; values.len()];
+                let mut all = vec![0.0 as Real; values.len()];
                 for (i, (name, var)) in params.vars().iter().enumerate() {
                     if let Some(x) = named.get(&format!("{name}.{suffix}")) {
                         if x.elem_count() != var.elem_count() {
@@ -332,6 +342,8 @@ impl Strategy for Ps {
                 }
                 moments[k] = all;
             }
+            let values = as_f32(&values);
+            let moments = moments.each_ref().map(|m| as_f32(m));
             let parts: Vec<[&[f32]; 3]> = self
                 .cuts
                 .iter()

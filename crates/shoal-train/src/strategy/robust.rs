@@ -6,6 +6,7 @@
 //! gradients are summed as usual. Every rank combines the same gathered bytes in the same order, so all end with
 //! the same bits. `[chaos]` simulates attackers there, for experiments.
 
+use crate::Real;
 use shoal_comm::{Communicator, ReduceOp};
 use shoal_ps::{Attack, Rule};
 
@@ -19,9 +20,9 @@ pub(crate) fn all_reduce(
     comm: &Communicator,
     rule: Rule,
     f: usize,
-    data: &mut [f32],
+    data: &mut [Real],
     grads: usize,
-    gathered: &mut Vec<f32>,
+    gathered: &mut Vec<Real>,
     attack: Option<(&Attack, &[usize], u64)>,
 ) -> Result<()> {
     let w = comm.size();
@@ -32,9 +33,9 @@ pub(crate) fn all_reduce(
     if let Some((attack, liars, seed)) = attack {
         attack.apply(gathered, g.len(), liars, seed)?;
     }
-    let parts: Vec<&[f32]> = gathered.chunks(g.len().max(1)).take(w).collect();
+    let parts: Vec<&[Real]> = gathered.chunks(g.len().max(1)).take(w).collect();
     shoal_ps::aggregate(rule, f, &parts, g)?;
-    let scale = w as f32;
+    let scale = w as Real;
     g.iter_mut().for_each(|x| *x *= scale);
     if !scalars.is_empty() {
         comm.all_reduce(scalars, ReduceOp::Sum)?;

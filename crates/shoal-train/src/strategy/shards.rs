@@ -7,6 +7,7 @@
 //! at its end; a rank's shard is its slice of every bucket, one after the other. A bucket's gradients are
 //! reduce-scattered into the slices, a bucket's slices all-gathered into the bucket.
 
+use crate::Real;
 use std::ops::Range;
 
 use shoal_comm::{Communicator, Compressor, Pending, ReduceOp};
@@ -35,13 +36,13 @@ pub(crate) struct Shards {
 /// A bucket's gather: under way on the communicator's thread, or done (one rank).
 #[derive(Debug)]
 pub(crate) enum Gather {
-    Pending(Pending<Vec<f32>>),
-    Ready(Vec<f32>),
+    Pending(Pending<Vec<Real>>),
+    Ready(Vec<Real>),
 }
 
 impl Gather {
     /// The bucket's values, padded (its slices one after the other).
-    pub(crate) fn wait(self) -> Result<Vec<f32>> {
+    pub(crate) fn wait(self) -> Result<Vec<Real>> {
         match self {
             Gather::Pending(p) => Ok(p.wait()?),
             Gather::Ready(v) => Ok(v),
@@ -134,9 +135,9 @@ impl Shards {
     pub(crate) fn reduce_bucket(
         &self,
         b: usize,
-        data: &[f32],
-        mine: &mut Vec<f32>,
-        out: &mut [f32],
+        data: &[Real],
+        mine: &mut Vec<Real>,
+        out: &mut [Real],
         compress: Option<&mut Compressor>,
     ) -> Result<()> {
         let s = self.slice_len(b);
@@ -144,7 +145,10 @@ impl Shards {
         mine.clear();
         mine.resize(s, 0.0);
         match (self.others(), compress) {
-            (Some(c), Some(z)) => z.reduce_scatter(c, b, padded, mine)?,
+            (Some(c), Some(z)) => {
+                let padded = crate::kernels::as_f32(padded);
+                crate::kernels::with_f32_mut(mine, |mine| z.reduce_scatter(c, b, &padded, mine))?
+            }
             (Some(c), None) => c.reduce_scatter(padded, mine, ReduceOp::Sum)?,
             (None, _) => mine.copy_from_slice(&padded[..s]),
         }
@@ -156,9 +160,9 @@ impl Shards {
     }
 
     /// Bucket `b` gathered from every rank's slice of `shard`: its values, padded.
-    pub(crate) fn gather_bucket(&self, b: usize, shard: &[f32]) -> Result<Vec<f32>> {
+    pub(crate) fn gather_bucket(&self, b: usize, shard: &[Real]) -> Result<Vec<Real>> {
         let (s, o) = (self.slice_len(b), self.shard_offsets[b]);
-        let mut all = vec![0f32; s * self.world()];
+        let mut all = vec![0.0 as Real; s * self.world()];
         match self.others() {
             Some(c) => c.all_gather(&shard[o..o + s], &mut all)?,
             None => all.copy_from_slice(&shard[o..o + s]),
@@ -167,7 +171,7 @@ impl Shards {
     }
 
     /// [`Self::gather_bucket`] on the communicator's thread.
-    pub(crate) fn gather_bucket_async(&self, b: usize, shard: &[f32]) -> Gather {
+    pub(crate) fn gather_bucket_async(&self, b: usize, shard: &[Real]) -> Gather {
         let (s, o) = (self.slice_len(b), self.shard_offsets[b]);
         match self.others() {
             Some(c) => Gather::Pending(c.all_gather_async(shard[o..o + s].to_vec())),
@@ -176,8 +180,8 @@ impl Shards {
     }
 
     /// Every rank's shard gathered into the whole flat space.
-    pub(crate) fn gather(&self, shard: &[f32]) -> Result<Vec<f32>> {
-        let mut full = vec![0f32; self.total];
+    pub(crate) fn gather(&self, shard: &[Real]) -> Result<Vec<Real>> {
+        let mut full = vec![0.0 as Real; self.total];
         for (b, (_, flat)) in self.buckets.iter().enumerate() {
             let all = self.gather_bucket(b, shard)?;
             full[flat.clone()].copy_from_slice(&all[..flat.len()]);
@@ -186,8 +190,8 @@ impl Shards {
     }
 
     /// This rank's shard of the parameters (zeros in the padding), read in place from the ones it overlaps.
-    pub(crate) fn read_shard(&self, params: &Params) -> Result<Vec<f32>> {
-        let mut out = vec![0f32; self.shard];
+    pub(crate) fn read_shard(&self, params: &Params) -> Result<Vec<Real>> {
+        let mut out = vec![0.0 as Real; self.shard];
         for (b, (members, flat)) in self.buckets.iter().enumerate() {
             let s = self.slice_len(b);
             let start = flat.start + self.rank() * s;
@@ -209,7 +213,7 @@ impl Shards {
     }
 
     /// Writes a whole flat vector into the parameters, in place.
-    pub(crate) fn write_params(&self, params: &Params, full: &[f32]) -> Result<()> {
+    pub(crate) fn write_params(&self, params: &Params, full: &[Real]) -> Result<()> {
         for (i, (_, var)) in params.vars().iter().enumerate() {
             let (lo, n) = (self.offsets[i], var.elem_count());
             with_slice_mut(var.as_tensor(), |p| p.copy_from_slice(&full[lo..lo + n]))?;
@@ -218,8 +222,8 @@ impl Shards {
     }
 
     /// This rank's shard of a whole flat vector (zeros in the padding).
-    pub(crate) fn cut(&self, full: &[f32]) -> Vec<f32> {
-        let mut out = vec![0f32; self.shard];
+    pub(crate) fn cut(&self, full: &[Real]) -> Vec<Real> {
+        let mut out = vec![0.0 as Real; self.shard];
         for (b, (_, flat)) in self.buckets.iter().enumerate() {
             let s = self.slice_len(b);
             let start = flat.start + self.rank() * s;

@@ -22,6 +22,7 @@
 //! Memory: each rank's parameters, gradients and optimizer state are its parts plus the replicated parameters —
 //! what [`Strategy::param_bytes`] and the others report, since the model's tensors are the parts themselves.
 
+use crate::Real;
 use std::collections::HashMap;
 use std::time::Instant;
 
@@ -40,8 +41,8 @@ pub struct TensorParallel {
     comm: Option<Communicator>,
     parts: usize,
     /// Gradients summed over the step's micro-batches, per parameter.
-    acc: Vec<Vec<f32>>,
-    scalars: Vec<f32>,
+    acc: Vec<Vec<Real>>,
+    scalars: Vec<Real>,
 }
 
 impl std::fmt::Debug for TensorParallel {
@@ -52,22 +53,22 @@ impl std::fmt::Debug for TensorParallel {
 
 /// Adds a hand-written backward pass's gradients into the step's sums (`acc`: one buffer per parameter).
 pub(crate) struct Adder<'a> {
-    pub(crate) acc: &'a mut [Vec<f32>],
+    pub(crate) acc: &'a mut [Vec<Real>],
     pub(crate) next: Option<usize>,
-    pub(crate) scalars: Option<Vec<f32>>,
+    pub(crate) scalars: Option<Vec<Real>>,
 }
 
 impl GradSink for Adder<'_> {
-    fn put(&mut self, index: usize, fill: &mut dyn FnMut(&mut [f32]) -> Result<()>) -> Result<()> {
+    fn put(&mut self, index: usize, fill: &mut dyn FnMut(&mut [Real]) -> Result<()>) -> Result<()> {
         check_order(index, self.acc.len(), self.next)?;
-        let mut buf = vec![0f32; self.acc[index].len()];
+        let mut buf = vec![0.0 as Real; self.acc[index].len()];
         fill(&mut buf)?;
         self.acc[index].iter_mut().zip(&buf).for_each(|(a, g)| *a += g);
         self.next = index.checked_sub(1);
         Ok(())
     }
 
-    fn attach_scalars(&mut self, values: &[f32]) {
+    fn attach_scalars(&mut self, values: &[Real]) {
         self.scalars = Some(values.to_vec());
     }
 }
@@ -94,7 +95,7 @@ impl TensorParallel {
             .into_iter()
             .map(|(name, split, t)| {
                 let dims = split.as_ref().map_or_else(|| t.dims().to_vec(), |s| s.full.clone());
-                Ok(((name, dims), (split, t.flatten_all()?.to_vec1::<f32>()?)))
+                Ok(((name, dims), (split, t.flatten_all()?.to_vec1::<Real>()?)))
             })
             .collect::<Result<Vec<_>>>()?
             .into_iter()
@@ -111,7 +112,7 @@ impl TensorParallel {
 /// Whole values from `items` (how each is cut, this rank's values) on every rank of the tensor-parallel group
 /// `comm`: the split ones' parts all-gathered (one collective for all of them) and put in place, the others as they
 /// are.
-pub(crate) fn gather_parts(comm: &Communicator, items: Vec<(Option<Split>, Vec<f32>)>) -> Result<Vec<Vec<f32>>> {
+pub(crate) fn gather_parts(comm: &Communicator, items: Vec<(Option<Split>, Vec<Real>)>) -> Result<Vec<Vec<Real>>> {
     let parts = comm.size();
     let mut local = Vec::new();
     let mut at = Vec::with_capacity(items.len());
@@ -124,14 +125,14 @@ pub(crate) fn gather_parts(comm: &Communicator, items: Vec<(Option<Split>, Vec<f
         }
     }
     let n = local.len();
-    let mut all = vec![0f32; n * parts];
+    let mut all = vec![0.0 as Real; n * parts];
     comm.all_gather(&local, &mut all)?;
     items
         .into_iter()
         .zip(at)
         .map(|((split, v), at)| match (split, at) {
             (Some(split), Some((o, l))) => {
-                let shards: Vec<&[f32]> = (0..parts).map(|r| &all[r * n + o..r * n + o + l]).collect();
+                let shards: Vec<&[Real]> = (0..parts).map(|r| &all[r * n + o..r * n + o + l]).collect();
                 split.place(&shards)
             }
             _ => Ok(v),
@@ -175,8 +176,8 @@ pub(crate) fn connect_group(comm: &Communicator, params: &Params) -> Result<()> 
 
 /// Makes rank 0's gradients of the replicated parameters (`acc[k]` for each `k` of `replicated`) every rank's of
 /// the tensor-parallel group `comm` (one broadcast): they are the same already, and this keeps them so bit for bit.
-pub(crate) fn broadcast_grads(comm: &Communicator, acc: &mut [Vec<f32>], replicated: &[usize]) -> Result<()> {
-    let mut flat: Vec<f32> = replicated.iter().flat_map(|&i| acc[i].iter().copied()).collect();
+pub(crate) fn broadcast_grads(comm: &Communicator, acc: &mut [Vec<Real>], replicated: &[usize]) -> Result<()> {
+    let mut flat: Vec<Real> = replicated.iter().flat_map(|&i| acc[i].iter().copied()).collect();
     comm.broadcast(&mut flat, 0)?;
     let mut off = 0;
     for &i in replicated {
@@ -198,7 +199,7 @@ impl Strategy for TensorParallel {
 
     fn init(&mut self, params: &Params) -> Result<()> {
         connect_group(self.comm_or_err()?, params)?;
-        self.acc = params.vars().iter().map(|(_, v)| vec![0f32; v.elem_count()]).collect();
+        self.acc = params.vars().iter().map(|(_, v)| vec![0.0 as Real; v.elem_count()]).collect();
         Ok(())
     }
 
@@ -206,7 +207,7 @@ impl Strategy for TensorParallel {
         &mut self,
         _params: &Params,
         last: bool,
-        scalars: Vec<f32>,
+        scalars: Vec<Real>,
         f: &mut dyn FnMut(&mut dyn GradSink) -> Result<()>,
     ) -> Result<()> {
         let next = self.acc.len().checked_sub(1);
@@ -218,7 +219,7 @@ impl Strategy for TensorParallel {
         Ok(())
     }
 
-    fn backward_tensors(&mut self, params: &Params, last: bool, scalars: Vec<f32>, grads: TensorGrads) -> Result<()> {
+    fn backward_tensors(&mut self, params: &Params, last: bool, scalars: Vec<Real>, grads: TensorGrads) -> Result<()> {
         super::add_tensors(&mut self.acc, params, &grads)?;
         if last {
             self.scalars = scalars;
@@ -249,10 +250,10 @@ impl Strategy for TensorParallel {
             && norm > c
             && norm > 0.0
         {
-            let s = (c / norm) as f32;
+            let s = (c / norm) as Real;
             self.acc.iter_mut().for_each(|g| g.iter_mut().for_each(|x| *x *= s));
         }
-        let grads: Vec<&[f32]> = self.acc.iter().map(Vec::as_slice).collect();
+        let grads: Vec<&[Real]> = self.acc.iter().map(Vec::as_slice).collect();
         opt.step_slices(params, &grads, lr)?;
         self.acc.iter_mut().for_each(|g| g.fill(0.0));
         let parts = self.parts as f64;
@@ -260,7 +261,7 @@ impl Strategy for TensorParallel {
             comm_s,
             optimizer_s: t1.elapsed().as_secs_f64(),
             grad_norm: clip.map(|_| norm),
-            scalars: sums[1..].iter().map(|v| (v / parts) as f32).collect(),
+            scalars: sums[1..].iter().map(|v| (v / parts) as Real).collect(),
             bubble: None,
         })
     }
@@ -304,7 +305,7 @@ impl Strategy for TensorParallel {
                 let Some(whole) = named.get(&key) else { continue };
                 let part = match params.split(i) {
                     Some(split) if whole.dims() == split.full.as_slice() => {
-                        let values = whole.flatten_all()?.to_vec1::<f32>()?;
+                        let values = whole.flatten_all()?.to_vec1::<Real>()?;
                         Tensor::from_vec(
                             split.take(&values, shard.rank(), shard.parts())?,
                             var.shape(),

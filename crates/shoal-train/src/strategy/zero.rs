@@ -24,6 +24,7 @@
 //!   its shard of the parameters the checkpoint put in the model before `init`): its checkpoints are DDP's,
 //!   resumable under any strategy and world size.
 
+use crate::{REAL_BYTES, Real};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
@@ -52,20 +53,20 @@ pub struct Zero {
     /// Stage 3: this rank's shard of the parameters, and the store that gathers the model's layers from it.
     layers: Option<Arc<LayerShards>>,
     /// Stage 1: this step's gradients, flat. Stages 2 and 3: one bucket being filled.
-    acc: Vec<f32>,
+    acc: Vec<Real>,
     /// Stages 2 and 3: this rank's summed gradients, accumulated bucket by bucket over the step's micro-batches.
-    grad: Vec<f32>,
+    grad: Vec<Real>,
     /// The step's scalars (summed over ranks in `step`).
-    scalars: Vec<f32>,
+    scalars: Vec<Real>,
     /// The optimizer's state for this rank's shard: SGD's momentum or AdamW's first moment, AdamW's second.
-    m: Vec<f32>,
-    v: Vec<f32>,
+    m: Vec<Real>,
+    v: Vec<Real>,
     /// Whether the moments hold anything yet (SGD's first momentum is the gradient itself).
     started: bool,
     /// A parameter's gradient as the model writes it, reused from one call to the next.
-    tmp: Vec<f32>,
+    tmp: Vec<Real>,
     /// This rank's reduced slice of a bucket (reused).
-    mine: Vec<f32>,
+    mine: Vec<Real>,
     /// `[compression]`: each bucket's reduce-scatter through it.
     compress: Option<Compressor>,
 }
@@ -128,7 +129,7 @@ impl Zero {
     }
 
     /// Reduce-scatters bucket `b`'s gradients (`data`, its flat values) and adds this rank's slice into `out`.
-    fn reduce_bucket(&mut self, b: usize, data: &[f32], out: &mut [f32]) -> Result<()> {
+    fn reduce_bucket(&mut self, b: usize, data: &[Real], out: &mut [Real]) -> Result<()> {
         self.shards.reduce_bucket(b, data, &mut self.mine, out, self.compress.as_mut())
     }
 
@@ -140,7 +141,7 @@ impl Zero {
     }
 
     /// Whole named tensors, one per parameter, from a whole flat vector (`suffix`: appended to the names).
-    fn named(&self, params: &Params, full: &[f32], suffix: &str) -> Result<Vec<(String, Tensor)>> {
+    fn named(&self, params: &Params, full: &[Real], suffix: &str) -> Result<Vec<(String, Tensor)>> {
         params
             .vars()
             .iter()
@@ -159,7 +160,7 @@ impl Zero {
 struct Adder<'a> {
     z: &'a mut Zero,
     vars: &'a [(String, candle_core::Var)],
-    tmp: Vec<f32>,
+    tmp: Vec<Real>,
     next: Option<usize>,
     /// Stages 2 and 3: the bucket being filled.
     bucket: usize,
@@ -189,7 +190,7 @@ impl Adder<'_> {
 }
 
 impl GradSink for Adder<'_> {
-    fn put(&mut self, index: usize, fill: &mut dyn FnMut(&mut [f32]) -> Result<()>) -> Result<()> {
+    fn put(&mut self, index: usize, fill: &mut dyn FnMut(&mut [Real]) -> Result<()>) -> Result<()> {
         check_order(index, self.vars.len(), self.next)?;
         self.next = index.checked_sub(1);
         self.flush_above(Some(index))?;
@@ -212,7 +213,7 @@ impl GradSink for Adder<'_> {
         Ok(())
     }
 
-    fn attach_scalars(&mut self, values: &[f32]) {
+    fn attach_scalars(&mut self, values: &[Real]) {
         self.z.scalars.clear();
         self.z.scalars.extend_from_slice(values);
     }
@@ -259,7 +260,7 @@ impl Strategy for Zero {
         &mut self,
         params: &Params,
         last: bool,
-        scalars: Vec<f32>,
+        scalars: Vec<Real>,
         f: &mut dyn FnMut(&mut dyn GradSink) -> Result<()>,
     ) -> Result<()> {
         let tmp = std::mem::take(&mut self.tmp);
@@ -274,7 +275,7 @@ impl Strategy for Zero {
         Ok(())
     }
 
-    fn backward_tensors(&mut self, params: &Params, last: bool, scalars: Vec<f32>, grads: TensorGrads) -> Result<()> {
+    fn backward_tensors(&mut self, params: &Params, last: bool, scalars: Vec<Real>, grads: TensorGrads) -> Result<()> {
         self.backward(params, last, scalars, &mut |sink| put_tensors(sink, &grads))
     }
 
@@ -287,7 +288,7 @@ impl Strategy for Zero {
         let mut grad = if self.stage >= 2 {
             std::mem::replace(&mut self.grad, vec![0.0; shard])
         } else {
-            let mut g = vec![0f32; shard];
+            let mut g = vec![0.0 as Real; shard];
             let acc = std::mem::take(&mut self.acc);
             for b in 0..self.shards.buckets.len() {
                 self.reduce_bucket(b, &acc, &mut g)?;
@@ -314,7 +315,7 @@ impl Strategy for Zero {
             }
             let norm = sq[0].sqrt();
             if norm > max && norm > 0.0 {
-                let s = (max / norm) as f32;
+                let s = (max / norm) as Real;
                 grad.iter_mut().for_each(|x| *x *= s);
             }
             grad_norm = Some(norm);
@@ -327,7 +328,7 @@ impl Strategy for Zero {
         }
         let (cfg, t, first) = (opt.config(), opt.t, !self.started);
         let (m, v) = (&mut self.m, &mut self.v);
-        let mut apply = |p: &mut [f32]| -> Result<()> {
+        let mut apply = |p: &mut [Real]| -> Result<()> {
             Ok(match cfg {
                 OptimConfig::Sgd { momentum: 0.0, .. } => update(cfg, t, lr, p, &grad, None, None),
                 OptimConfig::Sgd { .. } => {
@@ -362,13 +363,13 @@ impl Strategy for Zero {
     }
 
     fn optimizer_bytes(&self, _opt: &Optimizer) -> usize {
-        (self.m.len() + self.v.len()) * 4
+        (self.m.len() + self.v.len()) * REAL_BYTES
     }
 
     /// Stage 1: the whole flat gradient, and a parameter's gradient as the model writes it. Stages 2 and 3: one
     /// bucket and this rank's shard. Each padded to a multiple of the world size, with the reduce-scatter's slice.
     fn gradient_bytes(&self, _params: &Params) -> usize {
-        (self.acc.len() + self.grad.len() + self.mine.capacity() + self.tmp.capacity()) * 4
+        (self.acc.len() + self.grad.len() + self.mine.capacity() + self.tmp.capacity()) * REAL_BYTES
     }
 
     /// Stage 3: this rank's shard of the parameters and the most of whole layers it held at once (in use, being
@@ -376,7 +377,7 @@ impl Strategy for Zero {
     fn param_bytes(&self, params: &Params) -> usize {
         match &self.layers {
             Some(store) => store.held_bytes(),
-            None => params.count() * 4,
+            None => params.count() * REAL_BYTES,
         }
     }
 
@@ -437,7 +438,7 @@ impl Strategy for Zero {
         }
         let mut any = false;
         for suffix in ["m", "v"] {
-            let mut full = vec![0f32; self.shards.total];
+            let mut full = vec![0.0 as Real; self.shards.total];
             let mut found = false;
             for (i, (name, var)) in params.vars().iter().enumerate() {
                 let Some(x) = named.get(&format!("{name}.{suffix}")) else { continue };
@@ -448,7 +449,7 @@ impl Strategy for Zero {
                         var.dims()
                     )));
                 }
-                let vals = x.flatten_all()?.to_vec1::<f32>()?;
+                let vals = x.flatten_all()?.to_vec1::<Real>()?;
                 let o = self.shards.offsets[i];
                 full[o..o + vals.len()].copy_from_slice(&vals);
                 found = true;

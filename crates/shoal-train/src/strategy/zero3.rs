@@ -9,6 +9,7 @@
 //! (briefly also a gathered bucket being copied into its tensors). [`LayerShards::held_bytes`] reports that from the
 //! buffers themselves: the shard, and the most bytes of whole layers held at once so far.
 
+use crate::{REAL_BYTES, Real};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use candle_core::Tensor;
@@ -29,7 +30,7 @@ struct Slot {
 
 struct State {
     /// This rank's shard of the parameters (zeros in the padding).
-    shard: Vec<f32>,
+    shard: Vec<Real>,
     /// Which layers are whole in their tensors.
     resident: Vec<bool>,
     /// The gather started for the next layer, and the bytes it brings.
@@ -74,7 +75,7 @@ impl LayerShards {
         for l in 0..count {
             let bucket = count - 1 - l;
             let (members, flat) = &shards.buckets[bucket];
-            let mut slot = Slot { bucket, params: Vec::new(), bytes: flat.len() * 4 };
+            let mut slot = Slot { bucket, params: Vec::new(), bytes: flat.len() * REAL_BYTES };
             for i in members.clone() {
                 let (name, var) = &params.vars()[i];
                 let t = var.as_tensor();
@@ -104,12 +105,12 @@ impl LayerShards {
     }
 
     /// Runs `f` on this rank's shard of the parameters (the optimizer's update, in place).
-    pub(crate) fn with_shard<R>(&self, f: impl FnOnce(&mut [f32]) -> R) -> R {
+    pub(crate) fn with_shard<R>(&self, f: impl FnOnce(&mut [Real]) -> R) -> R {
         f(&mut self.lock().shard)
     }
 
     /// Every rank's shard gathered into the whole flat parameter space (a collective).
-    pub(crate) fn gather_all(&self) -> Result<Vec<f32>> {
+    pub(crate) fn gather_all(&self) -> Result<Vec<Real>> {
         let s = self.lock();
         self.shards.gather(&s.shard)
     }
@@ -117,7 +118,7 @@ impl LayerShards {
     /// Bytes of parameters this rank holds: its shard, and the most bytes of whole layers it has held at once.
     pub(crate) fn held_bytes(&self) -> usize {
         let s = self.lock();
-        s.shard.capacity() * 4 + s.peak
+        s.shard.capacity() * REAL_BYTES + s.peak
     }
 
     fn check(&self, layer: usize) -> Result<()> {
@@ -129,10 +130,10 @@ impl LayerShards {
 
     /// Puts a gathered bucket's values into its layer's tensors: the largest parameter takes the gathered buffer
     /// itself (its values moved to the front, the rest cut off), so a layer is not held twice while it is copied.
-    fn fill(&self, s: &mut State, layer: usize, mut gathered: Vec<f32>) -> Result<()> {
+    fn fill(&self, s: &mut State, layer: usize, mut gathered: Vec<Real>) -> Result<()> {
         let slot = &self.layers[layer];
         // Counted since its gather started.
-        let bucket_bytes = gathered.capacity() * 4;
+        let bucket_bytes = gathered.capacity() * REAL_BYTES;
         let short = |off: usize, n: usize| {
             Error::InvalidArgument(format!("layer {layer}: gathered {} values, {} wanted", gathered.len(), off + n))
         };
@@ -141,7 +142,7 @@ impl LayerShards {
             let n = t.elem_count();
             let values = gathered.get(*off..*off + n).ok_or_else(|| short(*off, n))?;
             replace_storage(t, values.to_vec())?;
-            s.grow(n * 4);
+            s.grow(n * REAL_BYTES);
         }
         if let Some(&(ref t, off)) = slot.params.get(largest) {
             let n = t.elem_count();
@@ -153,7 +154,7 @@ impl LayerShards {
             gathered.shrink_to_fit();
             replace_storage(t, gathered)?;
             s.shrink(bucket_bytes);
-            s.grow(n * 4);
+            s.grow(n * REAL_BYTES);
         }
         s.resident[layer] = true;
         Ok(())
@@ -174,7 +175,7 @@ impl LayerStore for LayerShards {
                         g.wait()?;
                         s.shrink(bytes);
                     }
-                    let bytes = self.shards.slice_len(self.layers[layer].bucket) * self.shards.world() * 4;
+                    let bytes = self.shards.slice_len(self.layers[layer].bucket) * self.shards.world() * REAL_BYTES;
                     s.grow(bytes);
                     self.shards.gather_bucket(self.layers[layer].bucket, &s.shard)?
                 }
@@ -185,7 +186,7 @@ impl LayerStore for LayerShards {
             self.check(n)?;
             if !s.resident[n] && s.pending.is_none() {
                 let bucket = self.layers[n].bucket;
-                let bytes = self.shards.slice_len(bucket) * self.shards.world() * 4;
+                let bytes = self.shards.slice_len(bucket) * self.shards.world() * REAL_BYTES;
                 let g = self.shards.gather_bucket_async(bucket, &s.shard);
                 s.grow(bytes);
                 s.pending = Some((n, g, bytes));

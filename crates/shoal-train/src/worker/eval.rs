@@ -1,6 +1,7 @@
 //! Evaluation: the mean loss and accuracy over the eval set (sharded across ranks), its line in `eval.jsonl`, and
 //! for text the unigram baseline a language model must beat.
 
+use crate::Real;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -54,7 +55,7 @@ pub(super) fn evaluate(
             let (loss, c) = loss_and_correct(model, &t.input, &t.target)?;
             passes += 1;
             let targets = t.target.elem_count() as f64;
-            loss_sum += loss.to_scalar::<f32>()? as f64 * targets;
+            loss_sum += loss.to_scalar::<Real>()? as f64 * targets;
             correct += c as f64;
             tokens += targets;
             rows += t.rows as f64;
@@ -94,9 +95,9 @@ fn evaluate_stages(
             let logits = trainer.forward_stage(|| Ok(model.forward(&t.input)?))?;
             if let Some(logits) = logits {
                 let loss = model.loss(&logits, &t.target)?;
-                let c = model.correct(&logits, &t.target)? as f32;
+                let c = model.correct(&logits, &t.target)? as Real;
                 let targets = t.target.elem_count() as f64;
-                loss_sum += loss.to_scalar::<f32>()? as f64 * targets;
+                loss_sum += loss.to_scalar::<Real>()? as f64 * targets;
                 correct += f64::from(c);
                 tokens += targets;
             }

@@ -10,6 +10,7 @@
 //!   newcomer takes the same path from nothing), else — a strategy that shards the state lost a shard with a member
 //!   — the newest in-memory copy or checkpoint, re-sharded for the new size, with the processes kept.
 
+use crate::Real;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -117,7 +118,7 @@ pub(super) struct Rejoined {
 ///   processes stay, the steps since that copy are trained again.
 pub(super) fn rejoin(spec: &JobSpec, setup: &mut Setup, mine: Option<&Given>, params: Params) -> Result<Rejoined> {
     let whole = mine.is_none_or(|g| g.state.is_some());
-    let mut agreed = [if whole { 1f32 } else { 0.0 }];
+    let mut agreed: [Real; 1] = [if whole { 1.0 } else { 0.0 }];
     setup.comm.all_reduce(&mut agreed, ReduceOp::Min)?;
     let none = HashMap::new();
     if agreed[0] >= 1.0 {
@@ -170,7 +171,7 @@ fn sync(
             let shapes: Vec<(String, Vec<usize>)> = state.iter().map(|(n, t)| (n.clone(), t.dims().to_vec())).collect();
             let mut values = Vec::with_capacity(shapes.iter().map(|(_, s)| s.iter().product::<usize>()).sum());
             for (_, t) in state {
-                values.extend(t.flatten_all()?.to_vec1::<f32>()?);
+                values.extend(t.flatten_all()?.to_vec1::<Real>()?);
             }
             let header = Header { boundary: b.clone(), optimizer_t, shapes };
             (Some(serde_json::to_vec(&header).map_err(|e| Error::InvalidArgument(e.to_string()))?), values)
@@ -200,7 +201,7 @@ fn sync(
             .map_err(|e| Error::InvalidArgument(format!("the group's state from rank 0 does not parse: {e}")))?
     };
     let total: usize = header.shapes.iter().map(|(_, s)| s.iter().product::<usize>()).sum();
-    let mut values = if root { values } else { vec![0f32; total] };
+    let mut values = if root { values } else { vec![0.0 as Real; total] };
     if values.len() != total {
         return Err(Error::InvalidArgument(format!(
             "optimizer state of {} values, its shapes say {total}",

@@ -6,6 +6,7 @@
 //! files, each piece of a tensor under the tensor's name with its offset in the manifest), and a resumed job's
 //! server starts from its newest save.
 
+use crate::kernels::{from_f32, to_f32};
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -149,7 +150,8 @@ impl Persist for ShardDir {
             self.pieces
                 .iter()
                 .map(|(n, r, shape)| {
-                    let part = all.get(at..at + r.len()).map(<[f32]>::to_vec).unwrap_or_default();
+                    let part =
+                        all.get(at..at + r.len()).map(|p| p.iter().map(|&v| from_f32(v)).collect()).unwrap_or_default();
                     at += r.len();
                     TensorData::new(format!("{n}{suffix}"), shape.clone(), part)
                 })
@@ -201,7 +203,7 @@ impl Persist for ShardDir {
             for (n, r, _) in &self.pieces {
                 let name = format!("{n}{suffix}");
                 match tensors.iter().find(|t| t.name == name) {
-                    Some(t) if t.data.len() == r.len() => out.extend_from_slice(&t.data),
+                    Some(t) if t.data.len() == r.len() => out.extend(t.data.iter().map(|&v| to_f32(v))),
                     Some(_) | None if suffix.is_empty() => {
                         return Err(PsError::Checkpoint(format!("{where_}: piece {name} is missing or mis-sized")));
                     }

@@ -5,6 +5,7 @@
 //! rendezvous, resume, the final report) nothing is lost by ending at once, and the signal does that, as it would
 //! without a handler (exit status 143).
 
+use crate::Real;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 /// Whether the step loop takes a stop at its next boundary (else a SIGTERM ends the process at once).
@@ -47,7 +48,7 @@ impl Graceful {
     }
 
     /// This rank's part of the step's stop vote: 1 when a stop was asked for, else 0.
-    pub(super) fn vote(&self) -> f32 {
+    pub(super) fn vote(&self) -> Real {
         if ASKED.load(Ordering::SeqCst) { 1.0 } else { 0.0 }
     }
 }

@@ -4,6 +4,7 @@
 //! way, by the first rank of each host, into `/dev/shm`; skipped when the previous one is still being written, so
 //! it never waits for a save), and an evaluation every `train.eval_every` steps.
 
+use crate::{REAL_BYTES, Real};
 use std::fs::File;
 use std::io::Write;
 use std::path::Path;
@@ -232,7 +233,7 @@ impl StepLoop {
             let step_started = Instant::now();
             let bytes_before = trainer.bytes_sent();
             let vote = graceful.vote();
-            let moving = f32::from(u8::from(regroups && beat.is_some_and(|b| b.regroup_pending())));
+            let moving = Real::from(u8::from(regroups && beat.is_some_and(|b| b.regroup_pending())));
             let held = crate::memory::PeakOver::start();
             let (mut data_s, mut compute_s) = (0f64, 0f64);
             let mut local_loss = 0f64;
@@ -265,20 +266,20 @@ impl StepLoop {
                         |i| Ok(model.forward(&parts[i].0.input)?),
                         |i, logits| {
                             let l = (model.loss(logits, &parts[i].0.target)? * parts[i].1)?;
-                            local_loss += l.to_scalar::<f32>()? as f64;
+                            local_loss += l.to_scalar::<Real>()? as f64;
                             Ok(l)
                         },
                     )?;
                     if last {
-                        trainer.attach_scalars(&[local_loss as f32, vote, moving]);
+                        trainer.attach_scalars(&[local_loss as Real, vote, moving]);
                     }
                     compute_s += c0.elapsed().as_secs_f64();
                     continue;
                 }
                 match (to_flat(&batch.samples)?, hand) {
                     (Some(flat), Some(hand)) => trainer.backward_with(last, |sink| {
-                        local_loss += f64::from(hand.loss_and_grads(&flat, weight as f32, sink)?);
-                        sink.attach_scalars(&[local_loss as f32, vote, moving]);
+                        local_loss += f64::from(hand.loss_and_grads(&flat, weight as Real, sink)?);
+                        sink.attach_scalars(&[local_loss as Real, vote, moving]);
                         Ok(())
                     })?,
                     (flat, _) => {
@@ -286,13 +287,13 @@ impl StepLoop {
                             Some(x) => {
                                 let logits = model.forward(&x.input)?;
                                 let l = (model.loss(&logits, &x.target)? * weight)?;
-                                local_loss += l.to_scalar::<f32>()? as f64;
+                                local_loss += l.to_scalar::<Real>()? as f64;
                                 Some(l)
                             }
                             None => None,
                         };
                         if last {
-                            trainer.attach_scalars(&[local_loss as f32, vote, moving]);
+                            trainer.attach_scalars(&[local_loss as Real, vote, moving]);
                         }
                         trainer.backward(loss.as_ref(), last)?;
                     }
@@ -445,7 +446,7 @@ impl StepLoop {
                     let (model_h, opt_h, meta) = (model_h.clone(), opt_h.clone(), meta.clone());
                     // A small state is copied here at once (less than a thread's start); a large one on a
                     // thread while the next step computes.
-                    let bytes: usize = model_h.iter().chain(&opt_h).map(|(_, t)| t.elem_count() * 4).sum();
+                    let bytes: usize = model_h.iter().chain(&opt_h).map(|(_, t)| t.elem_count() * REAL_BYTES).sum();
                     memory_snapshot = Some(if bytes <= INLINE_COPY_BYTES {
                         MemorySnapshot::Copied(
                             tensors_of(model_h, &mut spare)

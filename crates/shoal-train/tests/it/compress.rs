@@ -4,6 +4,7 @@
 //! run does.
 
 use shoal_comm::{Codec, CompressConfig};
+use shoal_train::Real;
 
 use crate::equivalence::{Run, train_world_from, train_world_with_losses};
 
@@ -37,13 +38,13 @@ const CODECS: [Codec; 8] = [
 ];
 
 /// The mean of the first and of the last five losses.
-fn ends(losses: &[f32]) -> (f32, f32) {
-    let mean = |s: &[f32]| s.iter().sum::<f32>() / s.len() as f32;
+fn ends(losses: &[Real]) -> (Real, Real) {
+    let mean = |s: &[Real]| s.iter().sum::<Real>() / s.len() as Real;
     (mean(&losses[..5]), mean(&losses[losses.len() - 5..]))
 }
 
 /// The loss falls under the codec, to near where it falls uncompressed.
-fn trains_like(what: &str, plain: &[f32], got: &[f32]) {
+fn trains_like(what: &str, plain: &[Real], got: &[Real]) {
     let ((p0, p1), (g0, g1)) = (ends(plain), ends(got));
     assert!(g1 < g0 * 0.6, "{what}: the loss fell from {g0} to {g1} only");
     assert!(g1 < p1 * 1.5 + 0.02, "{what}: final loss {g1}, uncompressed {p1} (from {p0})");

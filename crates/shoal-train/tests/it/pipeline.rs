@@ -3,6 +3,7 @@
 //! each stage holds about half of the model; checkpoints move between a pipeline and DDP at other world sizes, and
 //! between the interleaved schedule, 1F1B and one process.
 
+use shoal_train::Real;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -55,7 +56,7 @@ struct PipeRun {
 /// and each step's bubble.
 struct Out {
     saved: Saved,
-    losses: Vec<f32>,
+    losses: Vec<Real>,
     param_bytes: usize,
     model_bytes: usize,
     bubble: Option<Bubble>,
@@ -77,8 +78,8 @@ fn build(net: Net, params: &mut Params, rng: &mut SeededRng) -> Box<dyn Model> {
     }
 }
 
-fn values(named: Vec<(String, candle_core::Tensor)>) -> Vec<(String, Vec<f32>)> {
-    named.into_iter().map(|(n, t)| (n, t.flatten_all().and_then(|t| t.to_vec1::<f32>()).expect("values"))).collect()
+fn values(named: Vec<(String, candle_core::Tensor)>) -> Vec<(String, Vec<Real>)> {
+    named.into_iter().map(|(n, t)| (n, t.flatten_all().and_then(|t| t.to_vec1::<Real>()).expect("values"))).collect()
 }
 
 fn rank_run(run: &PipeRun, comm: Option<Communicator>, rank: usize, from: Option<&Saved>) -> Out {
@@ -146,14 +147,14 @@ fn rank_run(run: &PipeRun, comm: Option<Communicator>, rank: usize, from: Option
                 (to_tensors(&samples[r]).expect("tensors").expect("a batch"), w)
             })
             .collect();
-        let mut local_loss = 0f32;
+        let mut local_loss: Real = 0.0;
         trainer
             .run_micro_batches(
                 chunks.len(),
                 |i| Ok(model.forward(&chunks[i].0.input)?),
                 |i, logits| {
                     let l = (candle_nn::loss::cross_entropy(logits, &chunks[i].0.target)? * chunks[i].1)?;
-                    local_loss += l.to_scalar::<f32>()?;
+                    local_loss += l.to_scalar::<Real>()?;
                     Ok(l)
                 },
             )
@@ -219,7 +220,7 @@ fn gpt(stages: usize, schedule: PipelineSchedule, steps: usize) -> PipeRun {
     }
 }
 
-fn assert_losses_close(want: &[f32], got: &[f32], tol: f32, what: &str) {
+fn assert_losses_close(want: &[Real], got: &[Real], tol: Real, what: &str) {
     assert_eq!(want.len(), got.len(), "{what}: steps");
     for (s, (a, b)) in want.iter().zip(got).enumerate() {
         assert!((a - b).abs() <= tol * a.abs().max(1.0), "{what}: step {} loss {b}, one process {a}", s + 1);

@@ -3,6 +3,7 @@
 //! trains.
 
 use shoal_ps::{Attack, Rule};
+use shoal_train::Real;
 
 use crate::equivalence::{Run, train_world_with_losses};
 
@@ -11,14 +12,14 @@ fn run(robust: Option<(Rule, usize)>) -> Run {
 }
 
 /// The largest difference over the largest value, tensor by tensor.
-fn worst(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) -> f32 {
+fn worst(a: &[(String, Vec<Real>)], b: &[(String, Vec<Real>)]) -> Real {
     a.iter()
         .zip(b)
         .map(|((_, x), (_, y))| {
-            let scale = y.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-12);
-            x.iter().zip(y).map(|(p, q)| (p - q).abs()).fold(0f32, f32::max) / scale
+            let scale = y.iter().fold(0.0 as Real, |m, v| m.max(v.abs())).max(1e-12);
+            x.iter().zip(y).map(|(p, q)| (p - q).abs()).fold(0.0 as Real, Real::max) / scale
         })
-        .fold(0f32, f32::max)
+        .fold(0.0 as Real, Real::max)
 }
 
 #[test]
@@ -35,8 +36,8 @@ fn the_robust_mean_is_the_sum_ddp_computes() {
 #[test]
 fn every_robust_rule_keeps_the_ranks_identical_and_trains() {
     let (_, plain) = train_world_with_losses(run(None), 5, None);
-    let last = |l: &[f32]| l[l.len() - 5..].iter().sum::<f32>() / 5.0;
-    let first = |l: &[f32]| l[..5].iter().sum::<f32>() / 5.0;
+    let last = |l: &[Real]| l[l.len() - 5..].iter().sum::<Real>() / 5.0;
+    let first = |l: &[Real]| l[..5].iter().sum::<Real>() / 5.0;
     for rule in [Rule::Median, Rule::TrimmedMean, Rule::Krum, Rule::MultiKrum, Rule::GeoMed] {
         // `train_world_with_losses` checks that every rank ends with the same parameters.
         let (_, losses) = train_world_with_losses(run(Some((rule, 1))), 5, None);
@@ -56,7 +57,7 @@ fn every_robust_rule_keeps_the_ranks_identical_and_trains() {
 fn one_sign_flipper_of_five_defeats_the_mean_and_not_the_robust_rules() {
     let flip = Some((Attack::SignFlip { scale: 10.0 }, 4));
     let (_, plain) = train_world_with_losses(run(None), 5, None);
-    let last = |l: &[f32]| l[l.len() - 5..].iter().sum::<f32>() / 5.0;
+    let last = |l: &[Real]| l[l.len() - 5..].iter().sum::<Real>() / 5.0;
     let (_, mean) = train_world_with_losses(Run { attack: flip, ..run(Some((Rule::Mean, 0))) }, 5, None);
     let held = last(&mean).partial_cmp(&mean[0]).is_none_or(|o| o != std::cmp::Ordering::Less);
     assert!(held, "the mean still learned under the attack: {} from {}", last(&mean), mean[0]);

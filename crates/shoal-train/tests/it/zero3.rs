@@ -2,6 +2,7 @@
 //! global batch, through autograd and the hand-written backward, with and without prefetch; a rank with no data
 //! keeps in step; checkpoints move between ZeRO-3 and DDP; models it cannot shard are refused with a reason.
 
+use shoal_train::Real;
 use std::time::Duration;
 
 use candle_core::{Device, Tensor, Var};
@@ -42,7 +43,7 @@ fn gpt(zero: u8, steps: usize, grad_accum: usize, prefetch: bool) -> Run {
 /// (softmax over the keys ignores what adds the same to every key's score), so what a step computes for it is
 /// rounding noise, which AdamW's `m / sqrt(v)` scales up to a full step: there one process and N ranks (DDP as much
 /// as ZeRO) differ by about 1e-3 relative after 20 steps, and by at most 2e-5 everywhere else.
-pub(crate) fn without_key_biases(params: Vec<(String, Vec<f32>)>) -> Vec<(String, Vec<f32>)> {
+pub(crate) fn without_key_biases(params: Vec<(String, Vec<Real>)>) -> Vec<(String, Vec<Real>)> {
     params
         .into_iter()
         .map(|(n, v)| {
@@ -125,7 +126,7 @@ fn build(which: Which, params: &mut Params) -> Box<dyn Model> {
 }
 
 /// Two steps on `n` ranks, only rank 0 with data (the same 6 samples each step); the parameters after.
-fn idle_step(which: Which, hand: bool, n: usize) -> Vec<(String, Vec<f32>)> {
+fn idle_step(which: Which, hand: bool, n: usize) -> Vec<(String, Vec<Real>)> {
     let comms: Vec<Option<Communicator>> = if n == 1 { vec![None] } else { world(n).into_iter().map(Some).collect() };
     let hs: Vec<_> = comms
         .into_iter()
@@ -161,7 +162,7 @@ fn idle_step(which: Which, hand: bool, n: usize) -> Vec<(String, Vec<f32>)> {
                     .model_state()
                     .expect("state")
                     .into_iter()
-                    .map(|(n, t)| (n, t.flatten_all().and_then(|t| t.to_vec1::<f32>()).expect("values")))
+                    .map(|(n, t)| (n, t.flatten_all().and_then(|t| t.to_vec1::<Real>()).expect("values")))
                     .collect::<Vec<_>>()
             })
         })
@@ -177,7 +178,7 @@ fn zero3_refuses_what_it_cannot_shard() {
     let cfg = || TrainerConfig { optimizer: ADAMW, ..TrainerConfig::default() };
     let err = |r: shoal_train::Result<Trainer>| r.err().map(|e| e.to_string()).unwrap_or_default();
 
-    let w = Var::from_vec(vec![1f32, 2.0, 3.0], 3, &Device::Cpu).expect("var");
+    let w = Var::from_vec(vec![1.0 as Real, 2.0, 3.0], 3, &Device::Cpu).expect("var");
     let bare = Params::from_vars(vec![("w".into(), w)]);
     let e = err(Trainer::with_strategy(bare, Box::new(Zero3::new(None, true)), cfg()));
     assert!(e.contains("declares no layers"), "{e}");

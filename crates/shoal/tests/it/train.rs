@@ -93,6 +93,15 @@ fn bad_job_specs_are_refused_naming_the_key_before_anything_starts() {
             "name = \"x\"\n[train]\nmodel = \"mlp\"\ndataset = \"digits\"\nglobal_batch = \"many\"\nsteps = 5\nlr = 0.1\n",
             "train.global_batch",
         ),
+        (
+            "name = \"x\"\n[train]\nmodel = \"mlp\"\ndataset = \"digits\"\nglobal_batch = 8\nsteps = 5\nlr = 0.1\ndtype = \"f16\"\n",
+            "train.dtype",
+        ),
+        // This build computes in f32: f64 needs a shoal built with the `f64` feature, and the error says so.
+        (
+            "name = \"x\"\n[train]\nmodel = \"mlp\"\ndataset = \"digits\"\nglobal_batch = 8\nsteps = 5\nlr = 0.1\ndtype = \"f64\"\n",
+            "train.dtype: \"f64\": this shoal was built to compute in f32; run a shoal built with `--features f64`",
+        ),
         ("name = \"x\"\n[train\n", "line"),
     ] {
         let job = dir.join("job.toml");
