@@ -54,6 +54,8 @@ pub use dataset::{
 pub use error::{Error, Result};
 pub use loader::{Batch, Loader, LoaderConfig, LoaderStats};
 pub use partition::{Partition, block};
-pub use sampler::{CyclingBatches, DistributedSampler, EpochBatches, RankBatch, SamplerConfig, SamplerState, Tail};
+pub use sampler::{
+    CyclingBatches, DistributedSampler, EpochBatches, LANE_WINDOW, Lanes, RankBatch, SamplerConfig, SamplerState, Tail,
+};
 pub use shoal_spec::data::{Options, Split, catalogue};
 pub use stream::TextFile;

@@ -15,6 +15,14 @@
 //! - `Pad`: the last global batch is filled up with the first samples of the epoch's order, so those are seen
 //!   twice; every global batch is full and nothing is skipped.
 //!
+//! A dataset read in blocks (a lake table's row groups, [`crate::lake::LakeTable`]) is ordered by [`Lanes`] instead
+//! of a permutation of every index: each epoch the blocks are shuffled and laid end to end, that stream is cut into
+//! `lanes` equal runs, and every global batch takes `global_batch / lanes` consecutive rows of each run, shuffled
+//! within windows of [`LANE_WINDOW`] rows. A rank's share of a global batch is then a few whole runs' parts, so the
+//! ranks read different blocks, each block from start to end, holding a few at a time; the global batch still
+//! depends only on `(seed, epoch, position)`, not on the world size. The runs' tails that do not fill a global batch
+//! are left out of the epoch (a different set each epoch).
+//!
 //! A global batch larger than the dataset is refused under `Partial` (every step would silently take the whole
 //! dataset instead) and `DropLast` (nothing would be left); only `Pad` fills it up.
 
@@ -94,6 +102,40 @@ pub struct RankBatch {
     pub next: SamplerState,
 }
 
+/// Rows of a lane shuffled together.
+pub const LANE_WINDOW: usize = 4096;
+
+/// The order of a dataset read in blocks (see the [module docs](self)).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lanes {
+    /// The blocks' index ranges, in the dataset's order; together they cover `0..len` once.
+    pub blocks: Arc<[std::ops::Range<usize>]>,
+    /// Runs every global batch draws from in equal parts: must divide the global batch.
+    pub lanes: usize,
+}
+
+/// One epoch of a [`Lanes`] order: the blocks in the epoch's order, with where each starts in the stream.
+#[derive(Debug)]
+struct LaneEpoch {
+    blocks: Vec<std::ops::Range<usize>>,
+    starts: Vec<usize>,
+    /// Rows of the stream each lane owns, and the part of them an epoch reads (a whole number of `per`).
+    lane_len: usize,
+    usable: usize,
+    /// Rows of each lane in a global batch, and the lanes.
+    per: usize,
+    lanes: usize,
+    key: [u64; 2],
+}
+
+/// How an epoch's positions become dataset indices.
+#[derive(Debug, Clone)]
+enum Order {
+    Index,
+    Permutation(Arc<[usize]>),
+    Lanes(Arc<LaneEpoch>),
+}
+
 /// A deterministic, resumable sampler giving each rank its share of each global batch. See the [module docs](self).
 #[derive(Debug, Clone)]
 pub struct DistributedSampler {
@@ -101,7 +143,8 @@ pub struct DistributedSampler {
     world_size: usize,
     rank: usize,
     state: SamplerState,
-    order: Option<Arc<[usize]>>,
+    order: Order,
+    lanes: Option<Lanes>,
 }
 
 impl DistributedSampler {
@@ -137,7 +180,46 @@ impl DistributedSampler {
                 format!("{} exceeds the {} samples and the tail policy is drop_last", cfg.global_batch, cfg.len),
             ));
         }
-        let mut s = DistributedSampler { cfg, world_size, rank, state: SamplerState::default(), order: None };
+        let mut s = DistributedSampler {
+            cfg,
+            world_size,
+            rank,
+            state: SamplerState::default(),
+            order: Order::Index,
+            lanes: None,
+        };
+        s.set_epoch(0);
+        Ok(s)
+    }
+
+    /// A sampler over a dataset read in blocks, ordered by `lanes` (see the [module docs](self)); `cfg.len` is the
+    /// dataset's length and the tail policy is `DropLast` whatever `cfg` says. Errors as [`DistributedSampler::new`],
+    /// and: lanes that do not divide the global batch, blocks that do not cover the dataset, runs shorter than a
+    /// global batch's part.
+    pub fn with_lanes(cfg: SamplerConfig, lanes: Lanes, world_size: usize, rank: usize) -> Result<Self> {
+        let l = lanes.lanes;
+        if l == 0 || !cfg.global_batch.is_multiple_of(l) {
+            return Err(invalid("lanes", format!("{l} does not divide the global batch {}", cfg.global_batch)));
+        }
+        let covered: usize = lanes.blocks.iter().map(|b| b.len()).sum();
+        if covered != cfg.len {
+            return Err(invalid("lanes", format!("the blocks cover {covered} rows of {}", cfg.len)));
+        }
+        let per = cfg.global_batch / l;
+        let lane_len = cfg.len / l;
+        let usable = lane_len / per * per * l;
+        if usable == 0 {
+            return Err(invalid(
+                "global_batch",
+                format!(
+                    "{} needs at least {} rows in each of {l} lanes; the dataset has {}",
+                    cfg.global_batch, per, cfg.len
+                ),
+            ));
+        }
+        let cfg = SamplerConfig { len: usable, tail: Tail::DropLast, ..cfg };
+        let mut s = DistributedSampler::new(cfg, world_size, rank)?;
+        s.lanes = Some(lanes);
         s.set_epoch(0);
         Ok(s)
     }
@@ -166,10 +248,40 @@ impl DistributedSampler {
     /// Moves to the start of `epoch`.
     pub fn set_epoch(&mut self, epoch: u64) {
         self.state = SamplerState { epoch, position: 0 };
-        self.order = self
-            .cfg
-            .shuffle
-            .then(|| crate::rng::permutation(self.cfg.len, &[self.cfg.seed, epoch, self.cfg.len as u64]).into());
+        self.order = match &self.lanes {
+            Some(lanes) => Order::Lanes(Arc::new(self.lane_epoch(lanes, epoch))),
+            None if self.cfg.shuffle => Order::Permutation(
+                crate::rng::permutation(self.cfg.len, &[self.cfg.seed, epoch, self.cfg.len as u64]).into(),
+            ),
+            None => Order::Index,
+        };
+    }
+
+    fn lane_epoch(&self, lanes: &Lanes, epoch: u64) -> LaneEpoch {
+        let n = lanes.blocks.len();
+        let blocks: Vec<_> = if self.cfg.shuffle {
+            crate::rng::permutation(n, &[self.cfg.seed, epoch, n as u64, 0x1a7e])
+                .iter()
+                .map(|&k| lanes.blocks[k].clone())
+                .collect()
+        } else {
+            lanes.blocks.to_vec()
+        };
+        let mut starts = Vec::with_capacity(n);
+        let mut at = 0;
+        for b in &blocks {
+            starts.push(at);
+            at += b.len();
+        }
+        LaneEpoch {
+            blocks,
+            starts,
+            lane_len: at / lanes.lanes,
+            usable: self.cfg.len / lanes.lanes,
+            per: self.cfg.global_batch / lanes.lanes,
+            lanes: lanes.lanes,
+            key: [self.cfg.seed, epoch],
+        }
     }
 
     /// The cursor, for a checkpoint.
@@ -197,7 +309,11 @@ impl DistributedSampler {
 
     fn at(&self, position: usize) -> usize {
         let p = position % self.cfg.len; // wraps only for `Pad`
-        self.order.as_ref().map_or(p, |o| o[p])
+        match &self.order {
+            Order::Index => p,
+            Order::Permutation(o) => o[p],
+            Order::Lanes(e) => e.index(p, self.cfg.shuffle),
+        }
     }
 
     /// The whole global batch (all ranks' indices, rank 0's first) at the current position, without moving.
@@ -243,6 +359,49 @@ impl DistributedSampler {
     /// All batches from here on, across epochs, without end.
     pub fn cycling_batches(&self) -> CyclingBatches {
         CyclingBatches(self.clone())
+    }
+}
+
+impl LaneEpoch {
+    /// The dataset index at `position` of the epoch.
+    fn index(&self, position: usize, shuffle: bool) -> usize {
+        let global = self.per * self.lanes;
+        let (batch, offset) = (position / global, position % global);
+        let (lane, i) = (offset / self.per, offset % self.per);
+        let mut k = batch * self.per + i;
+        if shuffle {
+            let w = k / LANE_WINDOW;
+            let size = LANE_WINDOW.min(self.usable - w * LANE_WINDOW);
+            k = w * LANE_WINDOW + permute(k % LANE_WINDOW, size, &[self.key[0], self.key[1], lane as u64, w as u64]);
+        }
+        let s = lane * self.lane_len + k;
+        let j = self.starts.partition_point(|&st| st <= s).saturating_sub(1);
+        self.blocks[j].start + (s - self.starts[j])
+    }
+}
+
+/// `i`'s place in a permutation of `0..n` keyed by `key`: a 4-round Feistel network over the smallest even number
+/// of bits that holds `n`, walked round its cycle until it lands inside `0..n`.
+fn permute(i: usize, n: usize, key: &[u64]) -> usize {
+    if n <= 1 {
+        return i;
+    }
+    let bits = (usize::BITS - (n - 1).leading_zeros()).max(2);
+    let half = bits.div_ceil(2);
+    let mask = (1u64 << half) - 1;
+    let round_keys: Vec<u64> = (0..4u64)
+        .map(|r| crate::rng::SplitMix64::from_key(&[key.iter().fold(r, |h, &k| h.rotate_left(17) ^ k), r]).next_u64())
+        .collect();
+    let mut x = i as u64;
+    loop {
+        for rk in &round_keys {
+            let (l, r) = (x >> half, x & mask);
+            let f = crate::rng::SplitMix64::from_key(&[r, *rk]).next_u64() & mask;
+            x = (r << half) | (l ^ f);
+        }
+        if (x as usize) < n {
+            return x as usize;
+        }
     }
 }
 
@@ -422,5 +581,79 @@ mod tests {
         s.restore(SamplerState { epoch: 3, position: 10 }).expect("end of epoch is a boundary");
         assert!(s.next_batch().is_none());
         assert_eq!(s.next_batch_cycling().epoch, 4);
+    }
+
+    /// Blocks of uneven sizes (like row groups) covering `0..len`.
+    fn blocks(len: usize) -> Lanes {
+        let mut out = Vec::new();
+        let mut at = 0;
+        let mut k = 0;
+        while at < len {
+            let n = (97 + 61 * (k % 5)).min(len - at);
+            out.push(at..at + n);
+            at += n;
+            k += 1;
+        }
+        Lanes { blocks: out.into(), lanes: 4 }
+    }
+
+    /// Lanes: no index twice in an epoch, the same global batches at any world size, each rank's share read from
+    /// its own blocks (at 2 and 4 ranks, which divide the 4 lanes: a block is read by at most 2 ranks, where a lane
+    /// boundary cuts it), and every epoch a different order.
+    #[test]
+    fn lanes_read_disjoint_blocks_per_rank_with_the_same_global_batches() -> Result<()> {
+        let len = 3001;
+        let cfg = SamplerConfig { seed: 7, ..SamplerConfig::new(len, 64) };
+        let lanes = blocks(len);
+        let run = |world: usize| -> Result<Vec<Vec<usize>>> {
+            let mut ss = (0..world)
+                .map(|r| DistributedSampler::with_lanes(cfg, lanes.clone(), world, r))
+                .collect::<Result<Vec<_>>>()?;
+            Ok(run_epoch(&mut ss))
+        };
+        let one = run(1)?;
+        assert_eq!(one.len(), len / 4 / 16);
+        let c = counts(len, &one);
+        assert!(c.iter().all(|&n| n <= 1), "an index twice in an epoch");
+        assert_eq!(c.iter().sum::<usize>(), one.len() * 64);
+        for world in [2, 3, 4] {
+            assert_eq!(run(world)?, one, "global batches at {world} ranks");
+        }
+        let block_of = |i: usize| lanes.blocks.iter().position(|b| b.contains(&i)).unwrap_or(usize::MAX);
+        for world in [2, 4] {
+            let mut readers: std::collections::HashMap<usize, std::collections::HashSet<usize>> = Default::default();
+            for s in &one {
+                for (r, share) in s.chunks(64 / world).enumerate() {
+                    for &i in share {
+                        readers.entry(block_of(i)).or_default().insert(r);
+                    }
+                }
+            }
+            assert!(readers.values().all(|r| r.len() <= 2), "{world} ranks: a block read by more than 2 ranks");
+            let shared = readers.values().filter(|r| r.len() == 2).count();
+            assert!(
+                shared < world,
+                "{world} ranks: {shared} blocks shared (lane boundaries cut at most {})",
+                world - 1
+            );
+        }
+        let mut s = DistributedSampler::with_lanes(cfg, lanes.clone(), 1, 0)?;
+        let first = s.peek_global();
+        s.set_epoch(1);
+        assert_ne!(s.peek_global(), first, "epochs differ");
+        assert!(DistributedSampler::with_lanes(SamplerConfig::new(len, 66), lanes, 1, 0).is_err(), "4 ∤ 66");
+        Ok(())
+    }
+
+    #[test]
+    fn the_feistel_permutation_is_a_bijection() {
+        for n in [1, 2, 3, 7, 64, 1000, 4096] {
+            let mut seen = vec![false; n];
+            for i in 0..n {
+                let j = permute(i, n, &[3, n as u64]);
+                assert!(j < n && !seen[j], "n {n}: {i} -> {j}");
+                seen[j] = true;
+            }
+        }
     }
 }

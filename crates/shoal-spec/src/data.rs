@@ -43,7 +43,31 @@ pub struct Options {
     pub classes: Option<usize>,
     /// `synthetic`: training samples (default 60,000).
     pub samples: Option<usize>,
+    /// A dataset in a data lake ([`is_lake`]): the files' format, `parquet`, `csv` or `jsonl` (default: from the
+    /// extension).
+    pub format: Option<String>,
+    /// A lake dataset: the columns that are a sample's features, in order (numbers or booleans).
+    pub feature_columns: Option<Vec<String>>,
+    /// A lake dataset: the column of a sample's class, an integer in `0..classes` (`classes` required with it).
+    pub label_column: Option<String>,
+    /// A lake dataset: a second location holding the held-out data (instead of `eval_fraction` of the first).
+    pub eval: Option<String>,
+    /// A lake dataset: the streams every global batch draws from in equal parts (default 8; see shoal-data's
+    /// sampler). Each worker reads its part of them, so workers read different row groups.
+    pub lanes: Option<usize>,
 }
+
+/// Whether `train.dataset` names data in a data lake (a URL such as `s3://bucket/prefix/` or `file:///data/x.parquet`,
+/// or a local path starting with `/` or `.`) rather than a built-in dataset.
+pub fn is_lake(dataset: &str) -> bool {
+    dataset.contains("://") || dataset.starts_with('/') || dataset.starts_with('.')
+}
+
+/// The formats a lake dataset may be in.
+pub const LAKE_FORMATS: [&str; 3] = ["parquet", "csv", "jsonl"];
+
+/// The default of `lanes`.
+pub const DEFAULT_LANES: usize = 8;
 
 /// What a dataset holds, for choosing a model and for listings (`shoal datasets --json`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -154,8 +178,11 @@ pub struct Checked {
     pub features: usize,
     pub classes: usize,
     pub samples: usize,
-    /// Samples of the chosen split (windows, for text).
+    /// Samples of the chosen split (windows, for text); 0 for a lake dataset, whose rows are counted when its
+    /// files are opened.
     pub len: usize,
+    /// A lake dataset's lanes (else 0).
+    pub lanes: usize,
 }
 
 fn bad(dataset: &str, option: &'static str, reason: impl Into<String>) -> DataError {
@@ -163,13 +190,18 @@ fn bad(dataset: &str, option: &'static str, reason: impl Into<String>) -> DataEr
 }
 
 fn reject(name: &str, options: &Options, allowed: &[&str]) -> Result<(), DataError> {
-    let set: [(&'static str, bool); 6] = [
+    let set: [(&'static str, bool); 11] = [
         ("seed", options.seed.is_some()),
         ("context", options.context.is_some()),
         ("stride", options.stride.is_some()),
         ("features", options.features.is_some()),
         ("classes", options.classes.is_some()),
         ("samples", options.samples.is_some()),
+        ("format", options.format.is_some()),
+        ("feature_columns", options.feature_columns.is_some()),
+        ("label_column", options.label_column.is_some()),
+        ("eval", options.eval.is_some()),
+        ("lanes", options.lanes.is_some()),
     ];
     match set.iter().find(|(opt, on)| *on && !allowed.contains(opt)) {
         Some((opt, _)) => Err(bad(name, opt, "does not apply to this dataset")),
@@ -232,6 +264,7 @@ pub fn check(name: &str, options: &Options) -> Result<Checked, DataError> {
         classes: 0,
         samples: 0,
         len: 0,
+        lanes: 0,
     };
     match name {
         "digits" => {
@@ -262,6 +295,42 @@ pub fn check(name: &str, options: &Options) -> Result<Checked, DataError> {
                 Split::All | Split::Train => c.samples,
                 Split::Eval => ((c.samples as f64 * c.eval_fraction).round() as usize).max(1),
             };
+        }
+        lake if is_lake(lake) => {
+            reject(name, options, &["classes", "format", "feature_columns", "label_column", "eval", "lanes"])?;
+            if let Some(f) = options.format.as_deref().filter(|f| !LAKE_FORMATS.contains(f)) {
+                return Err(bad(name, "format", format!("{f:?} is not one of {}", LAKE_FORMATS.join(", "))));
+            }
+            let features = options.feature_columns.as_ref().filter(|f| !f.is_empty()).ok_or_else(|| {
+                bad(name, "feature_columns", "a lake dataset names its feature columns (a list of column names)")
+            })?;
+            if let Some(dup) = features.iter().enumerate().find(|(i, f)| features[..*i].contains(f)) {
+                return Err(bad(name, "feature_columns", format!("{:?} is named twice", dup.1)));
+            }
+            let label = options
+                .label_column
+                .as_deref()
+                .filter(|l| !l.is_empty())
+                .ok_or_else(|| bad(name, "label_column", "a lake dataset names the column of its classes"))?;
+            if features.iter().any(|f| f == label) {
+                return Err(bad(name, "label_column", format!("{label:?} is a feature column too")));
+            }
+            c.classes = positive(name, "classes", options.classes, 0, 1 << 24)
+                .map_err(|_| bad(name, "classes", "a lake dataset says how many classes its label column has"))?;
+            c.features = features.len();
+            c.lanes = positive(name, "lanes", options.lanes, DEFAULT_LANES, 1024)?;
+            match (&options.eval, options.eval_fraction) {
+                (Some(_), Some(_)) => {
+                    return Err(bad(name, "eval", "give either eval (a second location) or eval_fraction, not both"));
+                }
+                (Some(e), None) if !is_lake(e) => {
+                    return Err(bad(name, "eval", format!("{e:?} is not a location (a URL or a path)")));
+                }
+                (Some(_), None) => c.eval_fraction = 0.0,
+                (None, _) => c.eval_fraction = fraction(name, options)?,
+            }
+            // Rows are counted when the files are opened.
+            c.len = 0;
         }
         _ => return Err(DataError::Unknown { name: name.to_owned(), known: NAMES.join(", ") }),
     }

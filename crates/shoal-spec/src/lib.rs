@@ -1305,6 +1305,16 @@ impl TrainSpec {
     /// The dataset's kind, features and classes with these options (without loading it); an error naming
     /// `train.dataset` when it is unknown.
     pub fn data_shape(&self) -> Result<DataShape> {
+        if data::is_lake(&self.dataset) {
+            let opts = Options { split: Split::Train, ..self.data.clone() };
+            let c = data::check(&self.dataset, &opts).map_err(|e| match e {
+                data::DataError::BadOption { option, reason, .. } => {
+                    SpecError::at(format!("train.data.{option}"), reason)
+                }
+                other => SpecError::at("train.data", other.to_string()),
+            })?;
+            return Ok(DataShape { kind: Kind::Tabular, features: c.features, classes: c.classes });
+        }
         let cat = data::catalogue();
         let Some(info) = cat.iter().find(|i| i.name == self.dataset) else {
             let known: Vec<&str> = cat.iter().map(|i| i.name.as_str()).collect();
@@ -2190,9 +2200,18 @@ impl TrainSpec {
                 }
                 other => SpecError::at("train.data", other.to_string()),
             })?;
-            if split == Split::Train {
+            if split == Split::Train && !data::is_lake(&self.dataset) {
                 self.validate_batch_fits(c.len)?;
             }
+        }
+        if let Some(l) = self.data.lanes.filter(|l| !self.micro_batch().is_multiple_of(*l)) {
+            return Err(SpecError::at(
+                "train.data.lanes",
+                format!(
+                    "{l} does not divide the {} samples of a micro-batch (global_batch / grad_accum)",
+                    self.micro_batch()
+                ),
+            ));
         }
         Ok(())
     }

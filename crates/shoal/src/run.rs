@@ -182,6 +182,11 @@ pub fn run_job(
 ) -> Result<ExitCode> {
     // Every error of the spec names the file and its key path, before any process starts.
     let spec = shoal_train::spec::load_job(job).map_err(|e| anyhow::anyhow!("{e}"))?;
+    if shoal_train::spec::data::is_lake(&spec.train.dataset) {
+        // A lake dataset's files and columns, checked where they are before any process starts.
+        shoal_train::worker::open_data(&spec.train)
+            .map_err(|e| anyhow::anyhow!("{}: train.dataset: {e}", job.display()))?;
+    }
     let hosts = nodes.as_ref().map_or(1, |n| n.count);
     let world = worker_count(&spec, ranks.map(|n| n * hosts), job)?;
     if world % hosts != 0 {

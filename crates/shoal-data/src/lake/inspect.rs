@@ -138,7 +138,7 @@ async fn parquet_meta(source: &Source, f: &LakeFile) -> Result<(arrow_schema::Sc
 }
 
 /// A CSV (with a header) or JSONL file's schema, inferred from its first records.
-async fn text_schema(source: &Source, f: &LakeFile, format: Format) -> Result<arrow_schema::Schema> {
+pub(super) async fn text_schema(source: &Source, f: &LakeFile, format: Format) -> Result<arrow_schema::Schema> {
     let end = f.bytes.min(SCHEMA_PROBE);
     let head = source.store.get_range(&f.path, 0..end).await.map_err(|e| bad(&f.url, e))?;
     // Whole records only, unless the file is all there.

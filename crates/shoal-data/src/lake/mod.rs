@@ -9,6 +9,8 @@
 
 pub mod inspect;
 pub mod source;
+pub mod table;
 
 pub use inspect::{Column, FileReport, Inspection, inspect};
 pub use source::{Format, LakeFile, Source, open_store};
+pub use table::{LakeTable, Rows, TableSpec, open_splits};

@@ -39,7 +39,7 @@ use crate::spec::JobSpec;
 pub use eval::unigram_baseline;
 pub use heartbeat::{INTERVAL as HEARTBEAT_INTERVAL, TAG_HEADER as HEARTBEAT_TAG_HEADER, heartbeat_file};
 pub use report::write_json;
-pub use setup::{build_model, checkpoint_remote, checkpoint_root};
+pub use setup::{build_model, checkpoint_remote, checkpoint_root, open_data};
 pub use wire::{EvalMetrics, StepMetrics, StepTime, Summary, metrics_file};
 
 /// How a worker runs.

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use shoal_comm::Communicator;
-use shoal_data::{Dataset, DistributedSampler, SamplerConfig, Split};
+use shoal_data::{Dataset, DistributedSampler, Lanes, Options, SamplerConfig, Split};
 
 use crate::checkpoint::{CheckpointDir, MemoryStore};
 use crate::error::{Error, Result};
@@ -45,6 +45,8 @@ pub(super) struct Setup {
     pub(super) parameters: usize,
     pub(super) eval: Arc<dyn Dataset>,
     pub(super) train: Arc<dyn Dataset>,
+    /// A lake dataset's blocks, which its sampler reads in lanes (`None`: a built-in dataset).
+    pub(super) lanes: Option<Lanes>,
     pub(super) comm: Communicator,
     /// The platform's attempt (`None` under `shoal run`): the worker then sends heartbeats.
     pub(super) attempt: Option<i64>,
@@ -127,11 +129,7 @@ pub(super) fn setup(asked: &JobSpec, output: &Path) -> Result<(Setup, Params)> {
     };
     spec.validate_world(world).map_err(|e| Error::Spec(e.to_string()))?;
     let t = &spec.train;
-    let mut data_opts = t.data_options();
-    data_opts.split = Split::Train;
-    let train: Arc<dyn Dataset> = Arc::from(shoal_data::builtin(&t.dataset, &data_opts)?);
-    data_opts.split = Split::Eval;
-    let eval: Arc<dyn Dataset> = Arc::from(shoal_data::builtin(&t.dataset, &data_opts)?);
+    let (train, eval, lanes) = open_data(t)?;
 
     let mut rng = SeededRng::new(t.seed);
     // Under tensor parallelism each rank builds only its part of the model (the tensor index varies fastest).
@@ -156,6 +154,7 @@ pub(super) fn setup(asked: &JobSpec, output: &Path) -> Result<(Setup, Params)> {
             parameters,
             eval,
             train,
+            lanes,
             comm,
             attempt,
             link,
@@ -165,6 +164,42 @@ pub(super) fn setup(asked: &JobSpec, output: &Path) -> Result<(Setup, Params)> {
         },
         params,
     ))
+}
+
+/// A job's training data, held-out data, and for a lake dataset the blocks its sampler reads in lanes.
+pub type JobData = (Arc<dyn Dataset>, Arc<dyn Dataset>, Option<Lanes>);
+
+/// The job's training and held-out data: a built-in dataset's splits, or a lake dataset's rows (`train.dataset` a
+/// location) read where they are, with the blocks its sampler reads in lanes.
+pub fn open_data(t: &crate::spec::TrainSpec) -> Result<JobData> {
+    let o = t.data_options();
+    if !crate::spec::data::is_lake(&t.dataset) {
+        let train = shoal_data::builtin(&t.dataset, &Options { split: Split::Train, ..o.clone() })?;
+        let eval = shoal_data::builtin(&t.dataset, &Options { split: Split::Eval, ..o })?;
+        return Ok((Arc::from(train), Arc::from(eval), None));
+    }
+    let spec = shoal_data::lake::TableSpec {
+        location: t.dataset.clone(),
+        format: o.format.as_deref().and_then(shoal_data::lake::Format::parse),
+        features: o.feature_columns.clone().unwrap_or_default(),
+        label: o.label_column.clone().unwrap_or_default(),
+        classes: o.classes.unwrap_or(0),
+        cache_bytes: LAKE_CACHE_BYTES,
+    };
+    let (train, eval) = shoal_data::lake::open_splits(spec, o.eval.as_deref(), o.eval_fraction.unwrap_or(0.1))?;
+    let lanes = Lanes { blocks: train.blocks().into(), lanes: lanes_of(t) };
+    Ok((Arc::new(train), Arc::new(eval), Some(lanes)))
+}
+
+/// Decoded blocks of a lake dataset a process holds at most (besides the one it reads).
+const LAKE_CACHE_BYTES: usize = 192 << 20;
+
+/// `train.data.lanes`, or by default the largest divisor of the micro-batch up to 8.
+fn lanes_of(t: &crate::spec::TrainSpec) -> usize {
+    let micro = t.micro_batch();
+    t.data
+        .lanes
+        .unwrap_or_else(|| (1..=crate::spec::data::DEFAULT_LANES).rev().find(|l| micro.is_multiple_of(*l)).unwrap_or(1))
 }
 
 /// The link to the control plane a task's heartbeats go over (on the platform; `None` under `shoal run`, or while
@@ -303,11 +338,12 @@ pub(super) fn training(spec: &JobSpec, setup: &Setup, params: Params) -> Result<
     // The stages of a pipeline, or a tensor-parallel group, share every batch: the data is split over the
     // data-parallel replicas only (a rank's replica: its index past the tensor index, which varies fastest).
     let replicas = world / spec.model_parallel();
-    let sampler = DistributedSampler::new(
-        SamplerConfig { seed: t.seed, ..SamplerConfig::new(setup.train.len(), micro) },
-        replicas,
-        (rank / spec.tensor_degree()) % replicas,
-    )?;
+    let cfg = SamplerConfig { seed: t.seed, ..SamplerConfig::new(setup.train.len(), micro) };
+    let replica = (rank / spec.tensor_degree()) % replicas;
+    let sampler = match &setup.lanes {
+        Some(lanes) => DistributedSampler::with_lanes(cfg, lanes.clone(), replicas, replica)?,
+        None => DistributedSampler::new(cfg, replicas, replica)?,
+    };
     Ok(Training { sampler, micro, overlap, ran, chose, trainer })
 }
 

@@ -13,6 +13,7 @@ mod faults;
 mod hosts;
 mod kubelet;
 mod kubernetes;
+mod lake;
 mod multihost;
 mod platform;
 mod ps;

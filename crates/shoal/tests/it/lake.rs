@@ -1,0 +1,214 @@
+//! Training on data where it lives: a planted classification table as Parquet, CSV and JSONL, in a real S3 server
+//! (s3s-fs, started by the test) and on disk. A model trained on the Parquet files from S3 ends with the parameters
+//! and the held-out accuracy of the same files read from disk; CSV and JSONL train as well; a resumed run goes on
+//! bit for bit; a missing or non-numeric column is refused naming it and the file, before any rank starts.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::Arc;
+
+use arrow_array::{Float32Array, Int64Array, RecordBatch, StringArray};
+use arrow_schema::{DataType, Field, Schema};
+use parquet::arrow::ArrowWriter;
+use parquet::file::properties::WriterProperties;
+
+use crate::support_s3::S3;
+
+type Res<T> = Result<T, String>;
+
+const FEATURES: usize = 6;
+const CLASSES: usize = 4;
+
+fn tmpdir(tag: &str) -> Res<PathBuf> {
+    let d = std::env::temp_dir().join(format!("shoal-lake-test-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).map_err(|e| e.to_string())?;
+    Ok(d)
+}
+
+/// Row `i` of the planted table: features from a fixed hash, the class the largest of 4 fixed linear scores.
+fn row(i: u64) -> ([f32; FEATURES], i64) {
+    let mut x = [0f32; FEATURES];
+    let mut s = i.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0x5EED;
+    for v in &mut x {
+        s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = s;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        *v = ((z >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0;
+    }
+    let score = |c: usize| -> f32 { x.iter().enumerate().map(|(j, v)| v * (((j * 7 + c * 3) % 5) as f32 - 2.0)).sum() };
+    let class = (0..CLASSES).max_by(|&a, &b| score(a).total_cmp(&score(b))).unwrap_or(0);
+    (x, class as i64)
+}
+
+fn names() -> Vec<String> {
+    (0..FEATURES).map(|j| format!("f{j}")).collect()
+}
+
+/// Rows `rows` of the table as Parquet (500 rows a row group), with a text column beside.
+fn parquet(path: &Path, rows: std::ops::Range<u64>) -> Res<()> {
+    let mut fields: Vec<Field> = names().iter().map(|n| Field::new(n, DataType::Float32, false)).collect();
+    fields.push(Field::new("label", DataType::Int64, false));
+    fields.push(Field::new("note", DataType::Utf8, false));
+    let schema = Arc::new(Schema::new(fields));
+    let data: Vec<_> = rows.clone().map(row).collect();
+    let mut cols: Vec<Arc<dyn arrow_array::Array>> =
+        (0..FEATURES).map(|j| Arc::new(Float32Array::from_iter_values(data.iter().map(|(x, _)| x[j]))) as _).collect();
+    cols.push(Arc::new(Int64Array::from_iter_values(data.iter().map(|(_, c)| *c))));
+    cols.push(Arc::new(StringArray::from_iter_values(rows.map(|i| format!("row {i}")))));
+    let batch = RecordBatch::try_new(schema.clone(), cols).map_err(|e| e.to_string())?;
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
+    }
+    let file = std::fs::File::create(path).map_err(|e| e.to_string())?;
+    let props = WriterProperties::builder().set_max_row_group_row_count(Some(500)).build();
+    let mut w = ArrowWriter::try_new(file, schema, Some(props)).map_err(|e| e.to_string())?;
+    w.write(&batch).map_err(|e| e.to_string())?;
+    w.close().map_err(|e| e.to_string())?;
+    Ok(())
+}
+
+/// The same rows as CSV (with a header) or JSONL.
+fn text(path: &Path, rows: std::ops::Range<u64>, csv: bool) -> Res<()> {
+    let mut out = String::new();
+    if csv {
+        out.push_str(&names().join(","));
+        out.push_str(",label,note\n");
+    }
+    for i in rows {
+        let (x, c) = row(i);
+        if csv {
+            for v in x {
+                let _ = write!(out, "{v},");
+            }
+            let _ = writeln!(out, "{c},row {i}");
+        } else {
+            let fs: Vec<String> = x.iter().enumerate().map(|(j, v)| format!("\"f{j}\":{v}")).collect();
+            let _ = writeln!(out, "{{{},\"label\":{c},\"note\":\"row {i}\"}}", fs.join(","));
+        }
+    }
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
+    }
+    std::fs::write(path, out).map_err(|e| e.to_string())
+}
+
+/// A job training an MLP on `dataset` (the table's six features, four classes) for `steps` steps.
+fn job(dir: &Path, name: &str, dataset: &str, steps: usize, extra: &str) -> Res<PathBuf> {
+    let cols: Vec<String> = names().iter().map(|n| format!("\"{n}\"")).collect();
+    let body = format!(
+        "name = \"{name}\"\n[train]\ndataset = \"{dataset}\"\nglobal_batch = 64\nsteps = {steps}\nseed = 3\n\
+         optimizer = \"adamw\"\nlr = 0.01\nschedule = \"constant\"\neval_every = 0\n[train.model]\nkind = \"mlp\"\n\
+         hidden = [32]\n[train.data]\nfeature_columns = [{}]\nlabel_column = \"label\"\nclasses = {CLASSES}\n{extra}\
+         [checkpoint]\nevery = 10\n",
+        cols.join(", ")
+    );
+    let path = dir.join(format!("{name}.toml"));
+    std::fs::write(&path, body).map_err(|e| e.to_string())?;
+    Ok(path)
+}
+
+fn shoal(envs: &[(String, String)], args: &[&str]) -> Res<Output> {
+    Command::new(env!("CARGO_BIN_EXE_shoal"))
+        .args(args)
+        .envs(envs.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+        .env("RAYON_NUM_THREADS", "1")
+        .output()
+        .map_err(|e| e.to_string())
+}
+
+/// `shoal run -n 2` of `job` into `out` (`--resume` when asked); the run's `summary.json`.
+fn run(envs: &[(String, String)], job: &Path, out: &Path, resume: bool) -> Res<serde_json::Value> {
+    let (job, outs) = (job.display().to_string(), out.display().to_string());
+    let mut args = vec!["run", "-n", "2", "--output", &outs];
+    if resume {
+        args.push("--resume");
+    }
+    args.push(&job);
+    let o = shoal(envs, &args)?;
+    if !o.status.success() {
+        return Err(format!("{job}: {}", String::from_utf8_lossy(&o.stderr)));
+    }
+    let text = std::fs::read_to_string(out.join("summary.json")).map_err(|e| e.to_string())?;
+    serde_json::from_str(&text).map_err(|e| e.to_string())
+}
+
+/// The model tensors a run's last checkpoint holds.
+fn model(out: &Path, step: usize) -> Res<Vec<(String, Vec<u8>)>> {
+    let bytes =
+        std::fs::read(out.join(format!("checkpoints/step-{step:06}/model.safetensors"))).map_err(|e| e.to_string())?;
+    let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| e.to_string())?;
+    let mut t: Vec<(String, Vec<u8>)> = st.tensors().into_iter().map(|(n, v)| (n, v.data().to_vec())).collect();
+    t.sort();
+    Ok(t)
+}
+
+fn accuracy(s: &serde_json::Value) -> Res<f64> {
+    s["eval_accuracy"].as_f64().ok_or_else(|| format!("no eval_accuracy in {s}"))
+}
+
+#[test]
+fn a_model_trained_on_parquet_from_s3_ends_where_the_same_files_from_disk_do() -> Res<()> {
+    let s3 = S3::start(&["lake"])?;
+    let local = tmpdir("train")?;
+    for (k, rows) in [(0, 0..2600), (1, 2600..4000)] {
+        let name = format!("part-{k}.parquet");
+        parquet(&local.join("table").join(&name), rows.clone())?;
+        parquet(&s3.object_path("lake", &format!("table/{name}")), rows.clone())?;
+        text(&s3.object_path("lake", &format!("csv/part-{k}.csv")), rows.clone(), true)?;
+        text(&s3.object_path("lake", &format!("jsonl/part-{k}.jsonl")), rows, false)?;
+    }
+    let env = s3.env().into_iter().map(|(k, v)| (k.to_string(), v.to_string())).collect::<Vec<_>>();
+
+    let from_s3 = run(&env, &job(&local, "s3", "s3://lake/table/*.parquet", 40, "")?, &local.join("out-s3"), false)?;
+    let disk_url = format!("{}/table/", local.display());
+    let from_disk = run(&[], &job(&local, "disk", &disk_url, 40, "")?, &local.join("out-disk"), false)?;
+    let acc = accuracy(&from_s3)?;
+    assert!(acc > 0.8, "the MLP learns the planted classes from S3: held-out accuracy {acc}");
+    assert_eq!(acc, accuracy(&from_disk)?, "the same held-out accuracy from disk");
+    assert_eq!(from_s3["final_loss"], from_disk["final_loss"]);
+    assert_eq!(model(&local.join("out-s3"), 40)?, model(&local.join("out-disk"), 40)?, "the same parameters");
+
+    // Stopped at step 20 and resumed to 40: the same parameters as the straight run.
+    let half = job(&local, "half", "s3://lake/table/*.parquet", 20, "")?;
+    run(&env, &half, &local.join("out-half"), false)?;
+    let rest = job(&local, "half", "s3://lake/table/*.parquet", 40, "")?;
+    run(&env, &rest, &local.join("out-half"), true)?;
+    assert_eq!(model(&local.join("out-half"), 40)?, model(&local.join("out-s3"), 40)?, "resumed at step 20");
+
+    // CSV and JSONL from S3 train too (their blocks are whole files here, so their order differs from Parquet's).
+    for format in ["csv", "jsonl"] {
+        let url = format!("s3://lake/{format}/");
+        let s = run(&env, &job(&local, format, &url, 40, "")?, &local.join(format!("out-{format}")), false)?;
+        let acc = accuracy(&s)?;
+        assert!(acc > 0.8, "{format}: held-out accuracy {acc}");
+    }
+    let _ = std::fs::remove_dir_all(local);
+    Ok(())
+}
+
+#[test]
+fn missing_and_non_numeric_columns_are_refused_naming_the_column_and_the_file() -> Res<()> {
+    let s3 = S3::start(&["lake"])?;
+    let local = tmpdir("refuse")?;
+    parquet(&s3.object_path("lake", "t/part-0.parquet"), 0..600)?;
+    let env = s3.env().into_iter().map(|(k, v)| (k.to_string(), v.to_string())).collect::<Vec<_>>();
+    for (extra_cols, needle) in
+        [("f0\", \"nope", "has no column \"nope\""), ("f0\", \"note", "feature column \"note\" is Utf8, not a number")]
+    {
+        let job = job(&local, "bad", "s3://lake/t/*.parquet", 5, "")?;
+        let body = std::fs::read_to_string(&job).map_err(|e| e.to_string())?;
+        let body = body.replacen("feature_columns = [\"f0", &format!("feature_columns = [\"{extra_cols}"), 1);
+        std::fs::write(&job, body).map_err(|e| e.to_string())?;
+        let o = shoal(&env, &["run", "-n", "2", &job.display().to_string()])?;
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "{needle}: {err}");
+        assert!(err.contains(needle), "the error names the column ({needle}): {err}");
+        assert!(err.contains("s3://lake/t/part-0.parquet"), "the error names the file: {err}");
+        assert!(!err.contains("[rank"), "no rank starts: {err}");
+    }
+    let _ = std::fs::remove_dir_all(local);
+    Ok(())
+}
