@@ -151,6 +151,12 @@ impl DistributedSampler {
     /// A sampler at epoch 0, position 0. Errors: an empty dataset, a zero global batch, a global batch smaller than
     /// the world size, `Partial` or `DropLast` with fewer samples than one global batch, a bad rank.
     pub fn new(cfg: SamplerConfig, world_size: usize, rank: usize) -> Result<Self> {
+        Self::build(cfg, None, world_size, rank)
+    }
+
+    /// [`new`](Self::new) with an order by lanes: the epoch's order is made once, by lanes (a permutation of every
+    /// index of a large table would take memory in proportion to it).
+    fn build(cfg: SamplerConfig, lanes: Option<Lanes>, world_size: usize, rank: usize) -> Result<Self> {
         check_rank(world_size, rank)?;
         if cfg.len == 0 {
             return Err(invalid("sampler", "the dataset is empty"));
@@ -180,14 +186,8 @@ impl DistributedSampler {
                 format!("{} exceeds the {} samples and the tail policy is drop_last", cfg.global_batch, cfg.len),
             ));
         }
-        let mut s = DistributedSampler {
-            cfg,
-            world_size,
-            rank,
-            state: SamplerState::default(),
-            order: Order::Index,
-            lanes: None,
-        };
+        let mut s =
+            DistributedSampler { cfg, world_size, rank, state: SamplerState::default(), order: Order::Index, lanes };
         s.set_epoch(0);
         Ok(s)
     }
@@ -218,10 +218,7 @@ impl DistributedSampler {
             ));
         }
         let cfg = SamplerConfig { len: usable, tail: Tail::DropLast, ..cfg };
-        let mut s = DistributedSampler::new(cfg, world_size, rank)?;
-        s.lanes = Some(lanes);
-        s.set_epoch(0);
-        Ok(s)
+        DistributedSampler::build(cfg, Some(lanes), world_size, rank)
     }
 
     pub fn config(&self) -> &SamplerConfig {

@@ -196,7 +196,7 @@ pub struct Row {
 }
 
 /// This process's peak resident set size (VmHWM) in bytes.
-fn peak_rss() -> u64 {
+pub(crate) fn peak_rss() -> u64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|s| {

@@ -8,6 +8,7 @@
 //! `AWS_SECRET_ACCESS_KEY`, `AWS_REGION`, `AWS_ENDPOINT`, `AWS_ALLOW_HTTP`, `GOOGLE_*`, `AZURE_*`).
 
 pub mod inspect;
+pub mod planted;
 pub mod source;
 pub mod table;
 

@@ -95,6 +95,10 @@ enum Reading {
     Text(Arc<Schema>),
 }
 
+/// Decoded blocks a table keeps by default: enough for a rank's lanes' current and next blocks at the usual row
+/// group sizes (a rank of a 2 GB table read in 8 lanes peaks under 300 MB resident).
+pub const DEFAULT_CACHE_BYTES: usize = 64 << 20;
+
 /// A lake table as a [`Dataset`]. See the [module docs](self).
 #[derive(Debug)]
 pub struct LakeTable {

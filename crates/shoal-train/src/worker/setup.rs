@@ -184,15 +184,12 @@ pub fn open_data(t: &crate::spec::TrainSpec) -> Result<JobData> {
         features: o.feature_columns.clone().unwrap_or_default(),
         label: o.label_column.clone().unwrap_or_default(),
         classes: o.classes.unwrap_or(0),
-        cache_bytes: LAKE_CACHE_BYTES,
+        cache_bytes: shoal_data::lake::table::DEFAULT_CACHE_BYTES,
     };
     let (train, eval) = shoal_data::lake::open_splits(spec, o.eval.as_deref(), o.eval_fraction.unwrap_or(0.1))?;
     let lanes = Lanes { blocks: train.blocks().into(), lanes: lanes_of(t) };
     Ok((Arc::new(train), Arc::new(eval), Some(lanes)))
 }
-
-/// Decoded blocks of a lake dataset a process holds at most (besides the one it reads).
-const LAKE_CACHE_BYTES: usize = 192 << 20;
 
 /// `train.data.lanes`, or by default the largest divisor of the micro-batch up to 8.
 fn lanes_of(t: &crate::spec::TrainSpec) -> usize {

@@ -212,3 +212,34 @@ fn missing_and_non_numeric_columns_are_refused_naming_the_column_and_the_file() 
     let _ = std::fs::remove_dir_all(local);
     Ok(())
 }
+
+#[test]
+fn a_table_uploaded_by_data_make_reads_the_same_rows_from_s3_as_from_disk() -> Res<()> {
+    let s3 = S3::start(&["lake"])?;
+    let local = tmpdir("bench")?;
+    let env = s3.env().into_iter().map(|(k, v)| (k.to_string(), v.to_string())).collect::<Vec<_>>();
+    let path = local.join("t.parquet");
+    let p = path.display().to_string();
+    let made =
+        shoal(&env, &["data", "make", &p, "--rows", "50000", "--row-group", "4096", "--to", "s3://lake/t/t.parquet"])?;
+    assert!(made.status.success(), "data make: {}", String::from_utf8_lossy(&made.stderr));
+    let on_s3 = std::fs::metadata(s3.object_path("lake", "t/t.parquet")).map_err(|e| e.to_string())?.len();
+    assert_eq!(on_s3, std::fs::metadata(&path).map_err(|e| e.to_string())?.len(), "the upload holds every byte");
+
+    let o = shoal(&env, &["data", "bench", "s3://lake/t/t.parquet", "--against", &p, "--json"])?;
+    assert!(o.status.success(), "data bench: {}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).map_err(|e| e.to_string())?;
+    let sources = v["sources"].as_array().ok_or_else(|| format!("no sources in {v}"))?;
+    assert_eq!(sources.len(), 2, "{v}");
+    // 8 lanes of 50,000 rows in global batches of 256: each lane's 6,250 rows hold 195 whole parts of 32.
+    for s in sources {
+        assert_eq!(s["rows"], 195 * 256, "every rank's rows of an epoch, from {}", s["url"]);
+        let ratio = s["fetched_over_projected"].as_f64().ok_or("no fetched_over_projected")?;
+        assert!((1.0..=1.2).contains(&ratio), "only the wanted columns fetched, about once: {ratio} from {}", s["url"]);
+        assert!(s["peak_rss_bytes"].as_u64().is_some_and(|b| b > 0), "{s}");
+    }
+    assert_eq!(sources[0]["fetched_bytes"], sources[1]["fetched_bytes"], "the same reads from either");
+    assert!(v["ratio"].as_f64().is_some_and(|r| r > 0.0), "{v}");
+    let _ = std::fs::remove_dir_all(local);
+    Ok(())
+}
