@@ -10,6 +10,7 @@
 //! | `SHOAL_TRANSPORT`, `SHOAL_ALGO` | optional: `auto`/`tcp`/`shm`, `auto`/`ring`/`tree`/`hier` |
 //! | `SHOAL_TIMEOUT` | optional: per-operation limit, e.g. `30s`, `500ms`, `2m` |
 //! | `SHOAL_FAULT_COMM_DELAY` | fault injection (feature `failpoints` only): every collective first sleeps this long (e.g. `20ms`), to test diagnosis |
+//! | `SHOAL_FAULT_SLOW_RANK` | fault injection (feature `failpoints` only): `R:F` makes rank R compute F times as long (e.g. `1:2`), to test balancing |
 //! | `SHOAL_HOST_ID` | optional: overrides the host identity (tests of multi-host layouts) |
 //! | `SHOAL_SERVER`, `SHOAL_SERVER_CA` | optional: the control plane's URL, where a task sends its heartbeats (signed with the job secret), and the PEM file of certificates to trust for it |
 //! | `SHOAL_RENDEZVOUS_HOST` | optional: `1` makes rank 0 host the store at `SHOAL_RENDEZVOUS` itself (for launchers that start no store, e.g. `srun` or `mpirun`) |
@@ -44,6 +45,8 @@ pub mod var {
     pub const FAULT_COMM_DELAY: &str = "SHOAL_FAULT_COMM_DELAY";
     /// Fault injection (feature `failpoints`): every training batch takes this long to load.
     pub const FAULT_DATA_DELAY: &str = "SHOAL_FAULT_DATA_DELAY";
+    /// Fault injection (feature `failpoints`): `R:F` makes rank R's forward and backward take F times as long.
+    pub const FAULT_SLOW_RANK: &str = "SHOAL_FAULT_SLOW_RANK";
     pub const HOST_ID: &str = "SHOAL_HOST_ID";
     /// A task that joins a running group in place: the group's generation, and the task's number in its attempt.
     pub const GENERATION: &str = "SHOAL_GENERATION";
@@ -139,6 +142,25 @@ pub fn fault_delay(name: &str) -> Result<Duration> {
             "{name} is a fault-injection test hook, compiled only into builds with the `failpoints` feature"
         )))
     }
+}
+
+/// `SHOAL_FAULT_SLOW_RANK` (`R:F`): the rank whose computation is slowed, and by what factor (≥ 1); gated as
+/// [`fault_delay`].
+pub fn fault_slow_rank() -> Result<Option<(usize, f64)>> {
+    let name = var::FAULT_SLOW_RANK;
+    let Ok(t) = std::env::var(name) else { return Ok(None) };
+    if !cfg!(feature = "failpoints") {
+        return Err(Error::InvalidArgument(format!(
+            "{name} is a fault-injection test hook, compiled only into builds with the `failpoints` feature"
+        )));
+    }
+    let bad = || Error::InvalidArgument(format!("{name}: {t:?} is not RANK:FACTOR (e.g. 1:2)"));
+    let (r, f) = t.split_once(':').ok_or_else(bad)?;
+    let (r, f) = (r.trim().parse::<usize>().map_err(|_| bad())?, f.trim().parse::<f64>().map_err(|_| bad())?);
+    if !(f.is_finite() && f >= 1.0) {
+        return Err(bad());
+    }
+    Ok(Some((r, f)))
 }
 
 /// A loopback port free now, for a rendezvous store or `MASTER_PORT` (the kernel's choice; free until someone

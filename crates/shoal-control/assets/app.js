@@ -50,6 +50,11 @@ function fmtNum(v, digits = 3) {
   if (a < 1e-3) return v.toExponential(2).replace(/\.?0+e/, 'e');
   return String(+v.toPrecision(digits));
 }
+// A fraction as a percentage.
+function fmtPct01(v) {
+  v = num(v);
+  return v === null ? DASH : fmtPct(v * 100);
+}
 function fmtInt(v) {
   v = num(v);
   return v === null ? DASH : Math.round(v).toLocaleString('en-US');
@@ -1147,6 +1152,7 @@ async function jobView(ctx, root, seg) {
   const tputEl = h('div', { class: 'chart' });
   const barsEl = h('div', { class: 'bars' }, h('div', { class: 'empty' }, 'waiting for data…'));
   const computeEl = h('div', { class: 'chart' });
+  const shareEl = h('div', { class: 'chart' });
   const memoryEl = h('div', { class: 'bars', id: 'memory-bars' }, h('div', { class: 'empty' }, 'waiting for data…'));
   const cpuEl = h('div', { class: 'chart' });
   const rssEl = h('div', { class: 'chart' });
@@ -1177,6 +1183,7 @@ async function jobView(ctx, root, seg) {
       card('Step time breakdown', 'median of the last 50 logged steps, per rank',
         h('div', { class: 'legend' }, PHASES.map(([, label, color]) => h('span', { style: { '--c': color } }, label))), barsEl),
       card('Compute time per rank', 'seconds per step', computeEl),
+      card('Batch share per rank', 'each rank\'s part of the global batch (train.balance = "dynamic")', shareEl),
       card('Memory per rank', 'what each rank holds for training, from its buffers (last step)',
         h('div', { class: 'legend' }, MEMORY.map(([, label, color]) => h('span', { style: { '--c': color } }, label))), memoryEl),
       ...samplesCards,
@@ -1200,6 +1207,7 @@ async function jobView(ctx, root, seg) {
   logLoss.addEventListener('change', () => lossChart.setLog(logLoss.checked));
   const tputChart = new LineChart(ctx, tputEl, { sync: 'steps', yMin: 0 });
   const computeChart = new LineChart(ctx, computeEl, { sync: 'steps', yMin: 0, yFmt: fmtSecs });
+  const shareChart = new LineChart(ctx, shareEl, { sync: 'steps', yMin: 0, yFmt: fmtPct01 });
   const cpuChart = new LineChart(ctx, cpuEl, { xTime: true, yMin: 0, yFmt: fmtPct, sync: 'time', empty: 'no resource samples yet' });
   const rssChart = new LineChart(ctx, rssEl, { xTime: true, yMin: 0, yFmt: fmtBytes, binary: true, sync: 'time', empty: 'no resource samples yet' });
   const netChart = new LineChart(ctx, netEl, { xTime: true, yMin: 0, yFmt: fmtRate, binary: true, sync: 'time', empty: 'no resource samples yet' });
@@ -1334,6 +1342,12 @@ async function jobView(ctx, root, seg) {
 
     computeChart.set(ranks.map((r, i) => ({ label: `rank ${r}`, color: PALETTE[i % PALETTE.length] })),
       align(ranks.map((r) => ({ x: train.get(r).x, y: train.get(r).col('compute_s') }))));
+    const balanced = ranks.some((r) => train.get(r).last('share') !== null);
+    shareEl.closest('section').hidden = !balanced;
+    if (balanced) {
+      shareChart.set(ranks.map((r, i) => ({ label: `rank ${r}`, color: PALETTE[i % PALETTE.length] })),
+        align(ranks.map((r) => ({ x: train.get(r).x, y: train.get(r).col('share') }))));
+    }
     renderBars(ranks);
     renderMemory(ranks);
   }

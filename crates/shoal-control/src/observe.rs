@@ -580,6 +580,12 @@ async fn scrape(c: &Control, team: Option<&str>) -> Result<String> {
          step's peak)",
         &["job", "rank", "kind"],
     );
+    let share = gauge(
+        &reg,
+        "shoal_task_batch_share",
+        "A worker's part of the global batch under train.balance = \"dynamic\" (the ranks' parts sum to 1)",
+        &["job", "rank"],
+    );
     for j in jobs.iter().filter(|j| matches!(j.state, JobState::Running | JobState::Preempted)) {
         let labels = [j.id.as_str(), j.name.as_str()];
         if let Some(g) = &restarts {
@@ -605,6 +611,9 @@ async fn scrape(c: &Control, team: Option<&str>) -> Result<String> {
                 let last = c.db.last_metric_step(&j.id, rank).await?;
                 let Some(m) = c.db.metrics(&j.id, Some(rank), last - 1, 1).await?.into_iter().next() else { continue };
                 let r = rank.to_string();
+                if let (Some(g), Some(v)) = (&share, m.data.get("share").and_then(Value::as_f64)) {
+                    g.with_label_values(&[j.id.as_str(), r.as_str()]).set(v);
+                }
                 for (kind, key) in [
                     ("params", "params_bytes"),
                     ("grads", "grads_bytes"),

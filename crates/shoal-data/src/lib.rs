@@ -55,7 +55,8 @@ pub use error::{Error, Result};
 pub use loader::{Batch, Loader, LoaderConfig, LoaderStats};
 pub use partition::{Partition, block};
 pub use sampler::{
-    CyclingBatches, DistributedSampler, EpochBatches, LANE_WINDOW, Lanes, RankBatch, SamplerConfig, SamplerState, Tail,
+    CyclingBatches, DistributedSampler, EpochBatches, LANE_WINDOW, Lanes, RankBatch, SamplerConfig, SamplerState,
+    Shares, Tail, weighted_share,
 };
 pub use shoal_spec::data::{Options, Split, catalogue};
 pub use stream::TextFile;

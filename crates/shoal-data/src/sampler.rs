@@ -23,6 +23,10 @@
 //! depends only on `(seed, epoch, position)`, not on the world size. The runs' tails that do not fill a global batch
 //! are left out of the epoch (a different set each epoch).
 //!
+//! With [`Shares`] (`train.balance = "dynamic"`), a global batch is cut into contiguous rank shares in proportion
+//! to integer weights instead of equally; the shares change only at global batch numbers set in advance, the same
+//! on every rank, so the global batch itself is untouched and every sample is still taken once.
+//!
 //! A global batch larger than the dataset is refused under `Partial` (every step would silently take the whole
 //! dataset instead) and `DropLast` (nothing would be left); only `Pad` fills it up.
 
@@ -114,6 +118,49 @@ pub struct Lanes {
     pub lanes: usize,
 }
 
+/// Rank shares set during training (see the [module docs](self)): from a global batch number on (counted over
+/// epochs, `epoch × batches_per_epoch + step`), global batches are cut in proportion to integer weights, one a
+/// rank. Shared by the sampler's clones (the loader's among them) and the loop that sets them.
+#[derive(Debug, Default)]
+pub struct Shares {
+    plan: std::sync::Mutex<Vec<(u64, Arc<[u32]>)>>,
+}
+
+impl Shares {
+    /// From global batch number `from` on, cut batches by `weights` (one a rank; all zero means equally). Settings
+    /// must come in increasing `from`; an earlier one than the last is ignored.
+    pub fn set_from(&self, from: u64, weights: Vec<u32>) {
+        let mut plan = self.plan.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if plan.last().is_none_or(|(f, _)| *f <= from) {
+            plan.push((from, weights.into()));
+        }
+    }
+
+    /// The weights set last, if any.
+    pub fn latest(&self) -> Option<Arc<[u32]>> {
+        let plan = self.plan.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        plan.last().map(|(_, w)| Arc::clone(w))
+    }
+
+    /// The weights that cut global batch `batch`, if any were set for it.
+    pub fn at(&self, batch: u64) -> Option<Arc<[u32]>> {
+        let plan = self.plan.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        plan.iter().rev().find(|(f, _)| *f <= batch).map(|(_, w)| Arc::clone(w))
+    }
+}
+
+/// Rank `rank`'s contiguous part of `n` items cut in proportion to `weights` (equally when they sum to zero or do
+/// not have one a rank).
+pub fn weighted_share(n: usize, weights: &[u32], world: usize, rank: usize) -> std::ops::Range<usize> {
+    let total: u64 = weights.iter().map(|&w| u64::from(w)).sum();
+    if weights.len() != world || total == 0 {
+        return block(n, world, rank);
+    }
+    let cum = |r: usize| weights[..r].iter().map(|&w| u64::from(w)).sum::<u64>();
+    let at = |c: u64| usize::try_from(n as u128 * u128::from(c) / u128::from(total)).unwrap_or(n);
+    at(cum(rank))..at(cum(rank + 1))
+}
+
 /// One epoch of a [`Lanes`] order: the blocks in the epoch's order, with where each starts in the stream.
 #[derive(Debug)]
 struct LaneEpoch {
@@ -145,6 +192,7 @@ pub struct DistributedSampler {
     state: SamplerState,
     order: Order,
     lanes: Option<Lanes>,
+    shares: Option<Arc<Shares>>,
 }
 
 impl DistributedSampler {
@@ -186,8 +234,15 @@ impl DistributedSampler {
                 format!("{} exceeds the {} samples and the tail policy is drop_last", cfg.global_batch, cfg.len),
             ));
         }
-        let mut s =
-            DistributedSampler { cfg, world_size, rank, state: SamplerState::default(), order: Order::Index, lanes };
+        let mut s = DistributedSampler {
+            cfg,
+            world_size,
+            rank,
+            state: SamplerState::default(),
+            order: Order::Index,
+            lanes,
+            shares: None,
+        };
         s.set_epoch(0);
         Ok(s)
     }
@@ -219,6 +274,26 @@ impl DistributedSampler {
         }
         let cfg = SamplerConfig { len: usable, tail: Tail::DropLast, ..cfg };
         DistributedSampler::build(cfg, Some(lanes), world_size, rank)
+    }
+
+    /// Cuts global batches by `shares` from now on (and in every clone made after).
+    pub fn with_shares(mut self, shares: Arc<Shares>) -> Self {
+        self.shares = Some(shares);
+        self
+    }
+
+    /// The number of the global batch at the current position, counted over epochs (what [`Shares`] are set by).
+    pub fn batch_number(&self) -> u64 {
+        self.batch_number_at(self.state)
+    }
+
+    /// The number of the next global batch a sampler at `state` gives.
+    pub fn batch_number_at(&self, state: SamplerState) -> u64 {
+        let bpe = self.batches_per_epoch() as u64;
+        match state.position >= self.cfg.samples_per_epoch() {
+            true => (state.epoch + 1) * bpe,
+            false => state.epoch * bpe + (state.position / self.cfg.global_batch) as u64,
+        }
     }
 
     pub fn config(&self) -> &SamplerConfig {
@@ -327,7 +402,11 @@ impl DistributedSampler {
         if start >= end {
             return None;
         }
-        let share = block(end - start, self.world_size, self.rank);
+        let weights = self.shares.as_ref().and_then(|s| s.at(self.batch_number()));
+        let share = match weights {
+            Some(w) => weighted_share(end - start, &w, self.world_size, self.rank),
+            None => block(end - start, self.world_size, self.rank),
+        };
         let indices = (start + share.start..start + share.end).map(|p| self.at(p)).collect();
         self.state.position = end;
         Some(RankBatch {
@@ -652,5 +731,36 @@ mod tests {
                 seen[j] = true;
             }
         }
+    }
+
+    #[test]
+    fn shares_cut_the_same_global_batches_unevenly_from_the_batch_they_are_set_for() -> Result<()> {
+        let cfg = SamplerConfig::new(1000, 60);
+        let shares: Vec<Arc<Shares>> = (0..3).map(|_| Arc::new(Shares::default())).collect();
+        let mut ranks: Vec<DistributedSampler> = (0..3)
+            .map(|r| Ok(DistributedSampler::new(cfg, 3, r)?.with_shares(Arc::clone(&shares[r]))))
+            .collect::<Result<_>>()?;
+        let plain = DistributedSampler::new(cfg, 1, 0)?;
+        let mut whole = plain.cycling_batches();
+        for b in 0..40u64 {
+            if b == 5 {
+                for s in &shares {
+                    s.set_from(7, vec![1, 2, 3]);
+                }
+            }
+            let parts: Vec<RankBatch> = ranks.iter_mut().map(DistributedSampler::next_batch_cycling).collect();
+            let joined: Vec<usize> = parts.iter().flat_map(|p| p.indices.iter().copied()).collect();
+            let expected = whole.next().map(|p| p.indices).unwrap_or_default();
+            assert_eq!(joined, expected, "batch {b}: the ranks' shares make up the single-rank global batch");
+            let sizes: Vec<usize> = parts.iter().map(|p| p.indices.len()).collect();
+            let want = if b < 7 || expected.len() < 60 { None } else { Some(vec![10, 20, 30]) };
+            if let Some(w) = want {
+                assert_eq!(sizes, w, "batch {b}: shares 1:2:3");
+            } else if expected.len() == 60 {
+                assert_eq!(sizes, vec![20, 20, 20], "batch {b}: equal shares before they are set");
+            }
+        }
+        assert_eq!(weighted_share(7, &[0, 0], 2, 1), block(7, 2, 1), "zero weights share equally");
+        Ok(())
     }
 }

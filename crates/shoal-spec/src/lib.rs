@@ -743,6 +743,20 @@ impl Dtype {
     }
 }
 
+/// How the global batch is shared among the ranks (`train.balance`).
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Balance {
+    /// Equal shares.
+    #[default]
+    Static,
+    /// Shares re-set every `train.balance_every` steps in proportion to each rank's measured compute rate, so a
+    /// slower worker takes fewer samples; the gradient stays the global batch's mean (each rank's loss is weighted
+    /// by its share).
+    Dynamic,
+}
+
 /// When the gradient all-reduce runs.
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -773,6 +787,12 @@ pub struct TrainSpec {
     /// What every value of training is computed in (default `f32`).
     #[serde(default, skip_serializing_if = "is_f32")]
     pub dtype: Dtype,
+    /// How the global batch is shared among the ranks (default `static`: equally).
+    #[serde(default, skip_serializing_if = "is_static")]
+    pub balance: Balance,
+    /// Under `balance = "dynamic"`: steps between two settings of the shares (default 10).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub balance_every: Option<usize>,
     /// Samples per optimizer step, over all ranks and all accumulation micro-steps together.
     #[cfg_attr(feature = "openapi", schema(minimum = 1))]
     pub global_batch: usize,
@@ -835,6 +855,9 @@ pub struct TrainSpec {
 
 fn one() -> usize {
     1
+}
+fn is_static(b: &Balance) -> bool {
+    *b == Balance::Static
 }
 fn is_f32(d: &Dtype) -> bool {
     *d == Dtype::F32
@@ -1524,10 +1547,43 @@ impl JobSpec {
             ),
             platform(self.chaos.as_ref().map_or(Ok(()), |c| c.validate(self.robust.as_ref()))),
             self.validate_ps(),
+            self.validate_balance(),
         ]
         .into_iter()
         .filter_map(Result::err)
         .collect()
+    }
+
+    /// `train.balance = "dynamic"` needs ranks that each compute the whole model on their share of the batch and
+    /// sum their gradients: a data-parallel strategy, without a robust rule (which weighs every rank alike).
+    fn validate_balance(&self) -> Result<()> {
+        let t = &self.train;
+        if t.balance == Balance::Static {
+            return match t.balance_every {
+                Some(_) => Err(SpecError::at("train.balance_every", "applies to train.balance = \"dynamic\" only")),
+                None => Ok(()),
+            };
+        }
+        if !t.strategy.is_data_parallel() {
+            return Err(SpecError::at(
+                "train.balance",
+                format!(
+                    "\"dynamic\" shares the batch among data-parallel ranks (ddp, zero1, zero2, zero3), not under \
+                     train.strategy = \"{}\"",
+                    t.strategy
+                ),
+            ));
+        }
+        if self.robust.is_some() {
+            return Err(SpecError::at(
+                "train.balance",
+                "\"dynamic\" gives ranks unequal shares, which a [robust] rule would weigh alike: use one or the other",
+            ));
+        }
+        if t.balance_every == Some(0) {
+            return Err(SpecError::at("train.balance_every", "must be >= 1"));
+        }
+        Ok(())
     }
 
     /// `[ps]` against the strategy: the table belongs to `train.strategy = "ps"`, whose servers each hold part of

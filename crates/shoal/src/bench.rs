@@ -48,6 +48,9 @@ pub enum BenchWhat {
     /// A3C on CartPole with actors as the parameter servers' workers: seconds to solve with 1 actor and with more
     /// (see `bench_workloads`).
     A3c,
+    /// Batch rebalancing: two workers, one slowed to half speed from outside, static shares against dynamic (see
+    /// `bench_balance`).
+    Balance,
 }
 
 impl BenchWhat {
@@ -58,9 +61,12 @@ impl BenchWhat {
             BenchWhat::Broadcast => Some(BenchOp::Broadcast),
             BenchWhat::Allgather => Some(BenchOp::Allgather),
             BenchWhat::Reducescatter => Some(BenchOp::Reducescatter),
-            BenchWhat::Checkpoint | BenchWhat::Compress | BenchWhat::Ps | BenchWhat::Recommender | BenchWhat::A3c => {
-                None
-            }
+            BenchWhat::Checkpoint
+            | BenchWhat::Compress
+            | BenchWhat::Ps
+            | BenchWhat::Recommender
+            | BenchWhat::A3c
+            | BenchWhat::Balance => None,
         }
     }
 }

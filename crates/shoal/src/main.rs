@@ -1,6 +1,7 @@
 //! The `shoal` command: thin argument parsing and output over the library crates.
 
 mod bench;
+mod bench_balance;
 mod bench_ckpt;
 mod bench_compress;
 mod bench_ps;
@@ -251,6 +252,7 @@ fn main() -> std::process::ExitCode {
         Cmd::Bench { op: bench::BenchWhat::Ps, args } => bench_ps::run(&args),
         Cmd::Bench { op: bench::BenchWhat::Recommender, args } => bench_workloads::recommender(&args),
         Cmd::Bench { op: bench::BenchWhat::A3c, args } => bench_workloads::a3c(&args),
+        Cmd::Bench { op: bench::BenchWhat::Balance, args } => bench_balance::run_balance(&args),
         Cmd::Bench { op, args } if op.collective().is_none() => bench_ckpt::run(&args),
         Cmd::Bench { op, args } => bench::run_bench(op, &args),
         Cmd::BenchRank { spec } => bench::run_rank(&spec).map(|()| true),

@@ -163,6 +163,16 @@ pub(super) fn finish(
         bubble_fraction: median(bubble_t),
         bubble_theory,
         stage_layers: tr.trainer.stage_layers().map(|c| c.iter().map(|l| [l.start, l.end]).collect()),
+        shares: tr.shares.as_ref().map(|s| {
+            let n = tr.sampler.world_size();
+            match s.latest() {
+                Some(w) if w.len() == n && w.iter().any(|&x| x > 0) => {
+                    let total: f64 = w.iter().map(|&x| f64::from(x)).sum();
+                    w.iter().map(|&x| f64::from(x) / total).collect()
+                }
+                _ => vec![1.0 / n as f64; n],
+            }
+        }),
     };
     comm.barrier()?;
     if rank == 0 {

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use shoal_comm::Communicator;
-use shoal_data::{Dataset, DistributedSampler, Lanes, Options, SamplerConfig, Split};
+use shoal_data::{Dataset, DistributedSampler, Lanes, Options, SamplerConfig, Shares, Split};
 
 use crate::checkpoint::{CheckpointDir, MemoryStore};
 use crate::error::{Error, Result};
@@ -65,6 +65,9 @@ pub(super) struct Setup {
 /// The trainer and the sampler of this rank's batches.
 pub(super) struct Training {
     pub(super) sampler: DistributedSampler,
+    /// Under `train.balance = "dynamic"`: the rank shares the step loop sets and the sampler (and its loader's
+    /// copy) cuts the global batches by.
+    pub(super) shares: Option<Arc<Shares>>,
     /// Samples of one micro-batch.
     pub(super) micro: usize,
     /// Whether gradient all-reduces overlap backward (`train.overlap`, resolved).
@@ -341,7 +344,12 @@ pub(super) fn training(spec: &JobSpec, setup: &Setup, params: Params) -> Result<
         Some(lanes) => DistributedSampler::with_lanes(cfg, lanes.clone(), replicas, replica)?,
         None => DistributedSampler::new(cfg, replicas, replica)?,
     };
-    Ok(Training { sampler, micro, overlap, ran, chose, trainer })
+    let shares = (t.balance == crate::spec::Balance::Dynamic).then(|| Arc::new(Shares::default()));
+    let sampler = match &shares {
+        Some(s) => sampler.with_shares(Arc::clone(s)),
+        None => sampler,
+    };
+    Ok(Training { sampler, shares, micro, overlap, ran, chose, trainer })
 }
 
 /// The longest a parameter server holds a request back, or waits to hear from any worker: the communicator's

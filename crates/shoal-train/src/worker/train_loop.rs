@@ -8,9 +8,10 @@ use crate::{REAL_BYTES, Real};
 use std::fs::File;
 use std::io::Write;
 use std::path::Path;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use shoal_data::{Loader, LoaderConfig};
+use shoal_data::{DistributedSampler, Loader, LoaderConfig, SamplerState, Shares};
 
 use super::eval::{EvalLog, evaluate};
 use super::heartbeat::Phase;
@@ -20,7 +21,7 @@ use crate::batch::{Flat, to_flat, to_tensors};
 use crate::checkpoint::{AsyncSaver, CheckpointError, MEMORY_KEEP, ManifestMeta, TensorData, tensors_of};
 use crate::error::{Error, Result};
 use crate::optim::learning_rate;
-use crate::spec::{JobSpec, ModelKind, Schedule};
+use crate::spec::{JobSpec, ModelKind, Schedule, TrainSpec};
 
 /// What the step loop reads from and writes to, kept until the worker returns.
 pub(super) struct StepLoop {
@@ -229,6 +230,8 @@ impl StepLoop {
         let (mut bubble_t, mut bubble_theory) = (Vec::new(), None);
         let mut bytes_t: Vec<u64> = Vec::new();
         let mut cut = trainer.stage_layers();
+        let mut balance = Balancer::new(t, tr.shares.clone(), sampler)?;
+        let slow = shoal_comm::env::fault_slow_rank()?.and_then(|(r, f)| (r == rank).then_some(f));
         for step in start_step..t.steps {
             let step_started = Instant::now();
             let bytes_before = trainer.bytes_sent();
@@ -238,6 +241,10 @@ impl StepLoop {
             let (mut data_s, mut compute_s) = (0f64, 0f64);
             let mut local_loss = 0f64;
             let mut global_samples = 0usize;
+            let mut mine = 0usize;
+            // Under `train.balance = "dynamic"`: this rank's measured rate, summed into every rank's scalars.
+            let rates = balance.as_ref().map_or_else(Vec::new, |b| b.rates(step));
+            let scalars = |loss: f64| [[loss as Real, vote, moving].as_slice(), &rates].concat();
             for k in 0..t.grad_accum {
                 let d0 = Instant::now();
                 let batch = loader
@@ -247,6 +254,7 @@ impl StepLoop {
                 let c0 = Instant::now();
                 let weight = batch.samples.len() as f64 / (batch.global_size * t.grad_accum) as f64;
                 global_samples += batch.global_size;
+                mine += batch.samples.len();
                 sampler_state = batch.next;
                 let last = k + 1 == t.grad_accum;
                 if trainer.splits_model() {
@@ -271,7 +279,7 @@ impl StepLoop {
                         },
                     )?;
                     if last {
-                        trainer.attach_scalars(&[local_loss as Real, vote, moving]);
+                        trainer.attach_scalars(&scalars(local_loss));
                     }
                     compute_s += c0.elapsed().as_secs_f64();
                     continue;
@@ -279,7 +287,7 @@ impl StepLoop {
                 match (to_flat(&batch.samples)?, hand) {
                     (Some(flat), Some(hand)) => trainer.backward_with(last, |sink| {
                         local_loss += f64::from(hand.loss_and_grads(&flat, weight as Real, sink)?);
-                        sink.attach_scalars(&[local_loss as Real, vote, moving]);
+                        sink.attach_scalars(&scalars(local_loss));
                         Ok(())
                     })?,
                     (flat, _) => {
@@ -293,12 +301,17 @@ impl StepLoop {
                             None => None,
                         };
                         if last {
-                            trainer.attach_scalars(&[local_loss as Real, vote, moving]);
+                            trainer.attach_scalars(&scalars(local_loss));
                         }
                         trainer.backward(loss.as_ref(), last)?;
                     }
                 }
                 compute_s += c0.elapsed().as_secs_f64();
+            }
+            if let Some(f) = slow {
+                // Fault injection (feature `failpoints`): this rank computes `f` times as long.
+                std::thread::sleep(Duration::from_secs_f64(compute_s * (f - 1.0)));
+                compute_s *= f;
             }
             let lr = learning_rate(step, t.steps, t.lr, t.warmup_steps, t.min_lr, t.schedule == Schedule::Cosine);
             // A checkpoint's hand-over may wait for the saver: not a hang (the control loop judges only training).
@@ -329,6 +342,9 @@ impl StepLoop {
             let stopping = asked || phase_end == Some(step + 1);
             regroup = times.scalars.get(2).is_some_and(|v| *v > 0.0) && step + 1 < t.steps;
             self.boundary = super::regroup::Boundary { step: step + 1, sampler: sampler_state, loss: last_loss };
+            if let Some(b) = balance.as_mut() {
+                b.after_step(step, mine, compute_s, &times.scalars, sampler_state);
+            }
             samples_seen += global_samples;
             data_t.push(data_s);
             compute_t.push(compute_s);
@@ -385,6 +401,7 @@ impl StepLoop {
                     grads_bytes: trainer.gradient_bytes() as u64,
                     optimizer_bytes: trainer.optimizer_bytes() as u64,
                     activations_bytes: step_peak.map(|p| p as u64),
+                    share: balance.as_ref().map(|_| mine as f64 / global_samples.max(1) as f64),
                     bubble_fraction: times.bubble.map(|b| b.rank),
                     bubble_theory: times.bubble.map(|b| b.theory),
                 };
@@ -555,6 +572,74 @@ enum MemorySnapshot {
 }
 
 /// Waits for a pending snapshot and hands it to the saver; returns the seconds waited.
+/// `train.balance = "dynamic"`: every `train.balance_every` steps each rank's compute rate over the steps since the
+/// last setting (samples per second of its forward and backward) rides in the step's summed scalars, one slot a
+/// rank, as a whole number (so the sum is exact whatever order the ranks add in); every rank then sets the same
+/// shares, in proportion to the rates, from a global batch far enough ahead that no loader has planned it yet.
+struct Balancer {
+    shares: Arc<Shares>,
+    every: usize,
+    replicas: usize,
+    replica: usize,
+    /// Global batches a loader plans ahead of the loop, and one more.
+    lag: u64,
+    sampler: DistributedSampler,
+    samples: usize,
+    compute_s: f64,
+}
+
+impl Balancer {
+    fn new(t: &TrainSpec, shares: Option<Arc<Shares>>, sampler: &DistributedSampler) -> Result<Option<Balancer>> {
+        let Some(shares) = shares else { return Ok(None) };
+        Ok(Some(Balancer {
+            shares,
+            every: t.balance_every.unwrap_or(DEFAULT_BALANCE_EVERY).max(1),
+            replicas: sampler.world_size(),
+            replica: sampler.rank(),
+            lag: LoaderConfig::default().prefetch as u64 + 2,
+            sampler: sampler.clone(),
+            samples: 0,
+            compute_s: 0.0,
+        }))
+    }
+
+    fn deciding(&self, step: usize) -> bool {
+        (step + 1).is_multiple_of(self.every)
+    }
+
+    /// The scalars this rank adds to `step`'s: its rate at a setting step, zeros otherwise.
+    fn rates(&self, step: usize) -> Vec<Real> {
+        let mut v = vec![0 as Real; self.replicas];
+        if self.deciding(step) && self.compute_s > 0.0 {
+            // Whole samples per second, at least 1, within what the scalar type holds exactly.
+            v[self.replica] = (self.samples as f64 / self.compute_s).round().clamp(1.0, 16_000_000.0) as Real;
+        }
+        v
+    }
+
+    /// After `step`: counts this rank's work, and at a setting step sets the shares from the summed rates.
+    fn after_step(&mut self, step: usize, samples: usize, compute_s: f64, scalars: &[Real], next: SamplerState) {
+        if !self.deciding(step) {
+            self.samples += samples;
+            self.compute_s += compute_s;
+            return;
+        }
+        let rates = scalars.get(3..3 + self.replicas).unwrap_or(&[]);
+        // Set only when every rank measured (each rank sees the same sums, so each decides alike).
+        if rates.len() == self.replicas && rates.iter().all(|r| *r >= 1.0) {
+            let weights: Vec<u32> = rates.iter().map(|r| *r as u32).collect();
+            let from = self.sampler.batch_number_at(next) + self.lag;
+            tracing::debug!(step = step + 1, from, ?weights, "balance: rank shares set");
+            self.shares.set_from(from, weights);
+        }
+        self.samples = samples;
+        self.compute_s = compute_s;
+    }
+}
+
+/// Steps between two settings of the shares under `train.balance = "dynamic"`, unless `train.balance_every` says.
+const DEFAULT_BALANCE_EVERY: usize = 10;
+
 fn submit_snapshot(snapshot: &mut Option<Snapshot>, saver: Option<&mut AsyncSaver>) -> Result<f64> {
     let Some(h) = snapshot.take() else { return Ok(0.0) };
     let t0 = Instant::now();

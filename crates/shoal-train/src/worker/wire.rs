@@ -87,6 +87,10 @@ pub struct Summary {
     /// of stage `s` is entry `c · stages + s`), as the run ended — after any cut by measured time.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stage_layers: Option<Vec<[usize; 2]>>,
+    /// Under `train.balance = "dynamic"`: each data-parallel rank's part of the global batch as the run ended (equal
+    /// parts when no setting was made).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shares: Option<Vec<f64>>,
 }
 
 /// One rank's memory, in bytes: its parameters, its gradient buffers, its optimizer state (a shard of it under
@@ -154,6 +158,9 @@ pub struct StepMetrics {
     pub bubble_fraction: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bubble_theory: Option<f64>,
+    /// Under `train.balance = "dynamic"`: this rank's part of the step's global batch (the shares sum to 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub share: Option<f64>,
 }
 
 /// The metrics file of a rank: `metrics.jsonl` for rank 0 (the job's curve), `metrics.rank-R.jsonl` for the others.

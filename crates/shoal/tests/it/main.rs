@@ -1,6 +1,7 @@
 //! Multi-process tests of the `shoal` binary: real processes, real sockets and
 //! shared memory.
 
+mod balance;
 mod bench;
 mod checkpoint;
 mod cli;
