@@ -48,7 +48,7 @@ fn descends(pid: u32, root: u32) -> bool {
 
 /// The process of rank `rank` under `root`, once it has started.
 fn find_rank(root: u32, rank: usize) -> Option<u32> {
-    let want = format!("SHOAL_RANK={rank}");
+    let want = format!("{}={rank}", shoal_comm::env::var::RANK);
     std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
         let pid: u32 = e.file_name().to_str()?.parse().ok()?;
         let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
@@ -71,7 +71,7 @@ fn run(spec: &Path, out: &Path, n: usize, slow: bool) -> Result<serde_json::Valu
         .args(["run", "-n", &n.to_string(), "--json", "--output"])
         .arg(out)
         .arg(spec)
-        .env("RAYON_NUM_THREADS", "1")
+        .env(shoal_comm::env::var::RAYON_THREADS, "1")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()?;
