@@ -235,6 +235,12 @@ impl Loader {
     }
 
     /// Consumer-side counters, including the data-wait time.
+    /// Batches planned ahead of the consumer at most (`LoaderConfig::prefetch`): a batch is taken from the plan only
+    /// once fewer than this many wait unconsumed.
+    pub fn prefetch(&self) -> usize {
+        self.shared.prefetch as usize
+    }
+
     pub fn stats(&self) -> LoaderStats {
         self.stats
     }

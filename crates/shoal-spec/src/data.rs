@@ -69,6 +69,12 @@ pub const LAKE_FORMATS: [&str; 3] = ["parquet", "csv", "jsonl"];
 /// The default of `lanes`.
 pub const DEFAULT_LANES: usize = 8;
 
+/// The lanes of a micro-batch when `train.data.lanes` is not given: the largest divisor of it up to
+/// [`DEFAULT_LANES`].
+pub fn default_lanes(micro_batch: usize) -> usize {
+    (1..=DEFAULT_LANES).rev().find(|l| micro_batch.is_multiple_of(*l)).unwrap_or(1)
+}
+
 /// What a dataset holds, for choosing a model and for listings (`shoal datasets --json`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]

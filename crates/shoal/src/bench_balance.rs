@@ -113,13 +113,24 @@ fn max_diff(a: &Path, b: &Path) -> Result<f64> {
     let (x, y) = (std::fs::read(a)?, std::fs::read(b)?);
     let (x, y) = (safetensors::SafeTensors::deserialize(&x)?, safetensors::SafeTensors::deserialize(&y)?);
     let mut worst = 0f64;
+    // Checkpoints hold the build's precision (`train.dtype`): f32, or f64.
+    let values = |t: &safetensors::tensor::TensorView<'_>| -> Result<Vec<f64>> {
+        let d = t.data();
+        Ok(match t.dtype() {
+            safetensors::Dtype::F32 => {
+                d.chunks_exact(4).map(|b| f64::from(f32::from_le_bytes([b[0], b[1], b[2], b[3]]))).collect()
+            }
+            safetensors::Dtype::F64 => d
+                .chunks_exact(8)
+                .map(|b| f64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]))
+                .collect(),
+            other => bail!("a checkpoint tensor of {other:?}"),
+        })
+    };
     for (name, t) in x.tensors() {
         let u = y.tensor(&name)?;
-        let f = |d: &[u8]| -> Vec<f32> {
-            d.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
-        };
-        for (p, q) in f(t.data()).iter().zip(f(u.data()).iter()) {
-            worst = worst.max(f64::from((p - q).abs()) / f64::from(q.abs()).max(1.0));
+        for (p, q) in values(&t)?.iter().zip(values(&u)?.iter()) {
+            worst = worst.max((p - q).abs() / q.abs().max(1.0));
         }
     }
     Ok(worst)

@@ -129,8 +129,7 @@ fn read_rank(
         cache_bytes: shoal_data::lake::table::DEFAULT_CACHE_BYTES,
     };
     let table = std::sync::Arc::new(shoal_data::lake::LakeTable::open(spec)?);
-    let lanes = (1..=8).rev().find(|l| global.is_multiple_of(*l)).unwrap_or(1);
-    let lanes = Lanes { blocks: table.blocks().into(), lanes };
+    let lanes = Lanes { blocks: table.blocks().into(), lanes: shoal_spec::data::default_lanes(global) };
     let sampler = DistributedSampler::with_lanes(SamplerConfig::new(table.len(), global), lanes, ranks, rank)?;
     let start = std::time::Instant::now();
     let data: std::sync::Arc<dyn Dataset> = table.clone();

@@ -197,9 +197,7 @@ pub fn open_data(t: &crate::spec::TrainSpec) -> Result<JobData> {
 /// `train.data.lanes`, or by default the largest divisor of the micro-batch up to 8.
 fn lanes_of(t: &crate::spec::TrainSpec) -> usize {
     let micro = t.micro_batch();
-    t.data
-        .lanes
-        .unwrap_or_else(|| (1..=crate::spec::data::DEFAULT_LANES).rev().find(|l| micro.is_multiple_of(*l)).unwrap_or(1))
+    t.data.lanes.unwrap_or_else(|| crate::spec::data::default_lanes(micro))
 }
 
 /// The link to the control plane a task's heartbeats go over (on the platform; `None` under `shoal run`, or while

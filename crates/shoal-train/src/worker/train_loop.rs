@@ -230,7 +230,7 @@ impl StepLoop {
         let (mut bubble_t, mut bubble_theory) = (Vec::new(), None);
         let mut bytes_t: Vec<u64> = Vec::new();
         let mut cut = trainer.stage_layers();
-        let mut balance = Balancer::new(t, tr.shares.clone(), sampler)?;
+        let mut balance = Balancer::new(t, tr.shares.clone(), sampler, loader.prefetch());
         let slow = shoal_comm::env::fault_slow_rank()?.and_then(|(r, f)| (r == rank).then_some(f));
         for step in start_step..t.steps {
             let step_started = Instant::now();
@@ -571,7 +571,6 @@ enum MemorySnapshot {
     Copied(Result<Copied>),
 }
 
-/// Waits for a pending snapshot and hands it to the saver; returns the seconds waited.
 /// `train.balance = "dynamic"`: every `train.balance_every` steps each rank's compute rate over the steps since the
 /// last setting (samples per second of its forward and backward) rides in the step's summed scalars, one slot a
 /// rank, as a whole number (so the sum is exact whatever order the ranks add in); every rank then sets the same
@@ -581,7 +580,8 @@ struct Balancer {
     every: usize,
     replicas: usize,
     replica: usize,
-    /// Global batches a loader plans ahead of the loop, and one more.
+    /// Global batches the loader may have planned ahead of the loop, and a margin: a setting made after a step
+    /// applies from this many batches on, which no loader has planned yet.
     lag: u64,
     sampler: DistributedSampler,
     samples: usize,
@@ -589,18 +589,23 @@ struct Balancer {
 }
 
 impl Balancer {
-    fn new(t: &TrainSpec, shares: Option<Arc<Shares>>, sampler: &DistributedSampler) -> Result<Option<Balancer>> {
-        let Some(shares) = shares else { return Ok(None) };
-        Ok(Some(Balancer {
+    fn new(
+        t: &TrainSpec,
+        shares: Option<Arc<Shares>>,
+        sampler: &DistributedSampler,
+        prefetch: usize,
+    ) -> Option<Balancer> {
+        let shares = shares?;
+        Some(Balancer {
             shares,
             every: t.balance_every.unwrap_or(DEFAULT_BALANCE_EVERY).max(1),
             replicas: sampler.world_size(),
             replica: sampler.rank(),
-            lag: LoaderConfig::default().prefetch as u64 + 2,
+            lag: prefetch as u64 + 2,
             sampler: sampler.clone(),
             samples: 0,
             compute_s: 0.0,
-        }))
+        })
     }
 
     fn deciding(&self, step: usize) -> bool {
@@ -640,6 +645,7 @@ impl Balancer {
 /// Steps between two settings of the shares under `train.balance = "dynamic"`, unless `train.balance_every` says.
 const DEFAULT_BALANCE_EVERY: usize = 10;
 
+/// Waits for a pending snapshot and hands it to the saver; returns the seconds waited.
 fn submit_snapshot(snapshot: &mut Option<Snapshot>, saver: Option<&mut AsyncSaver>) -> Result<f64> {
     let Some(h) = snapshot.take() else { return Ok(0.0) };
     let t0 = Instant::now();

@@ -13,6 +13,8 @@ use arrow_schema::{DataType, Field, Schema};
 use parquet::arrow::ArrowWriter;
 use parquet::file::properties::WriterProperties;
 
+use shoal_data::lake::planted::Planted;
+
 use crate::support_s3::S3;
 
 type Res<T> = Result<T, String>;
@@ -27,20 +29,10 @@ fn tmpdir(tag: &str) -> Res<PathBuf> {
     Ok(d)
 }
 
-/// Row `i` of the planted table: features from a fixed hash, the class the largest of 4 fixed linear scores.
-fn row(i: u64) -> ([f32; FEATURES], i64) {
-    let mut x = [0f32; FEATURES];
-    let mut s = i.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0x5EED;
-    for v in &mut x {
-        s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = s;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        *v = ((z >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0;
-    }
-    let score = |c: usize| -> f32 { x.iter().enumerate().map(|(j, v)| v * (((j * 7 + c * 3) % 5) as f32 - 2.0)).sum() };
-    let class = (0..CLASSES).max_by(|&a, &b| score(a).total_cmp(&score(b))).unwrap_or(0);
-    (x, class as i64)
+/// Row `i` of the planted table (`shoal data make`'s, at 6 features and 4 classes): its features and class.
+fn row(i: u64) -> (Vec<f32>, i64) {
+    let planted = Planted { rows: 0, row_group: 1, features: FEATURES, extra: 0, classes: CLASSES, seed: 0 };
+    planted.row(i)
 }
 
 fn names() -> Vec<String> {
