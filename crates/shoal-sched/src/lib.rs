@@ -11,6 +11,12 @@
 //! dominant-resource fair share between teams of equal priority; elastic grow
 //! and shrink of `min..max` jobs. Carrying decisions out is the caller's work.
 //!
+//! The policy is [`Config::policy`]: an [`Ordering`] of the pending jobs (strict FIFO, FIFO with EASY backfill,
+//! shortest expected job first, Tiresias-style least attained service with preemption between levels, teams by
+//! dominant share — the default — or elastic shrinking of peers) and a [`Packing`] of their tasks (best fit — the
+//! default — or FGD's fragmentation gradient descent against the recent task shapes), named on command lines as
+//! `las`, `fgd` or `las+fgd` ([`Policy`]'s `FromStr`).
+//!
 //! **Invariant: this crate never does IO: no sockets, files, threads or clocks.
 //! Time is passed in as milliseconds**, so a trace-driven simulator runs the
 //! very same code as the server. It depends on nothing but `thiserror`.
@@ -43,8 +49,11 @@
 //! ```
 
 mod error;
+mod fgd;
+mod free;
 mod model;
 mod place;
+mod policy;
 mod scheduler;
 mod synthetic;
 
@@ -53,5 +62,6 @@ pub use model::{
     Config, Decision, Gpu, JobId, JobRequest, JobStatus, Node, NodeAllocation, PreemptReason, Queue, Quota, Resources,
     TaskPlacement,
 };
+pub use policy::{Ordering, Packing, Policy, UnknownPolicy};
 pub use scheduler::Scheduler;
 pub use synthetic::{SplitMix64, synthetic_cluster, synthetic_jobs, synthetic_queues};

@@ -2,6 +2,8 @@
 
 use std::collections::BTreeMap;
 
+use crate::policy::Policy;
+
 /// A job's id, chosen by the caller.
 pub type JobId = String;
 
@@ -147,11 +149,27 @@ pub struct Config {
     pub max_preemption_tries_per_pass: usize,
     /// The most tasks one job may ask for (`tasks_max`).
     pub max_tasks_per_job: u32,
+    /// How pending jobs are ordered and their tasks packed.
+    pub policy: Policy,
+    /// [`crate::Ordering::Las`]: the attained service (GPU-milliseconds: one GPU held for one millisecond; a task
+    /// without GPUs counts as one GPU) at which a job moves down a level, ascending. Level `i` holds jobs below
+    /// threshold `i`; the last level everything above the last threshold.
+    pub las_thresholds_gpu_ms: Vec<u64>,
+    /// [`crate::Packing::Fgd`]: how many of the latest submitted jobs' task shapes make the workload that
+    /// fragmentation is measured against (at most the 16 commonest shapes among them are used).
+    pub shape_window: usize,
 }
 
 impl Default for Config {
     fn default() -> Self {
-        Config { preempt_grace_ms: 30_000, max_preemption_tries_per_pass: 8, max_tasks_per_job: 65_536 }
+        Config {
+            preempt_grace_ms: 30_000,
+            max_preemption_tries_per_pass: 8,
+            max_tasks_per_job: 65_536,
+            policy: Policy::default(),
+            las_thresholds_gpu_ms: vec![3_600_000, 36_000_000],
+            shape_window: 1_000,
+        }
     }
 }
 

@@ -3,115 +3,18 @@
 //! the cluster now and the cluster at the backfill reservation's start; a task
 //! then only goes where it fits in both.
 
-use crate::model::{Node, Resources};
+use crate::fgd;
+pub(crate) use crate::free::{GpuFree, NodeFree, TaskAlloc, alloc, release};
+use crate::free::{gpu_view, node_cap};
+use crate::model::Resources;
 
-/// Free share and memory of one GPU.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct GpuFree {
-    pub share: u32,
-    pub mem: u64,
-}
-
-/// Free capacity of one node.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct NodeFree {
-    pub cpu: u64,
-    pub mem: u64,
-    pub gpus: Vec<GpuFree>,
-}
-
-impl NodeFree {
-    pub fn of(node: &Node) -> NodeFree {
-        NodeFree {
-            cpu: node.cpus_milli,
-            mem: node.memory_bytes,
-            gpus: node.gpus.iter().map(|g| GpuFree { share: 1000, mem: g.memory_bytes }).collect(),
-        }
-    }
-}
-
-/// One placed task: node position and `(gpu position on the node, share)`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct TaskAlloc {
-    pub node: usize,
-    pub gpus: Vec<(u32, u32)>,
-}
-
-pub(crate) fn alloc(free: &mut [NodeFree], t: &TaskAlloc, r: &Resources) {
-    let n = &mut free[t.node];
-    n.cpu -= r.cpus_milli;
-    n.mem -= r.memory_bytes;
-    for &(g, share) in &t.gpus {
-        let gf = &mut n.gpus[g as usize];
-        gf.share -= share;
-        gf.mem -= r.gpu_memory_bytes;
-    }
-}
-
-pub(crate) fn release(free: &mut [NodeFree], t: &TaskAlloc, r: &Resources) {
-    let n = &mut free[t.node];
-    n.cpu += r.cpus_milli;
-    n.mem += r.memory_bytes;
-    for &(g, share) in &t.gpus {
-        let gf = &mut n.gpus[g as usize];
-        gf.share += share;
-        gf.mem += r.gpu_memory_bytes;
-    }
-}
-
-#[inline]
-fn gpu_view(a: &NodeFree, b: Option<&NodeFree>, i: usize) -> GpuFree {
-    let ga = a.gpus[i];
-    match b {
-        Some(b) => {
-            let gb = b.gpus[i];
-            GpuFree { share: ga.share.min(gb.share), mem: ga.mem.min(gb.mem) }
-        }
-        None => ga,
-    }
-}
-
-/// How many tasks of `r` fit on the node (in both states when `b` is given), at most `limit`.
-fn node_cap(a: &NodeFree, b: Option<&NodeFree>, r: &Resources, limit: u32) -> u32 {
-    let (cpu, mem) = match b {
-        Some(b) => (a.cpu.min(b.cpu), a.mem.min(b.mem)),
-        None => (a.cpu, a.mem),
-    };
-    let mut cap = limit as u64;
-    if let Some(c) = cpu.checked_div(r.cpus_milli) {
-        cap = cap.min(c);
-    }
-    if let Some(c) = mem.checked_div(r.memory_bytes) {
-        cap = cap.min(c);
-    }
-    if cap == 0 || r.gpus_milli == 0 {
-        return cap as u32;
-    }
-    let mut g_cap = 0u64;
-    if r.gpus_milli < 1000 {
-        for i in 0..a.gpus.len() {
-            let g = gpu_view(a, b, i);
-            let mut c = g.share as u64 / r.gpus_milli;
-            if let Some(m) = g.mem.checked_div(r.gpu_memory_bytes) {
-                c = c.min(m);
-            }
-            g_cap += c;
-            if g_cap >= cap {
-                break;
-            }
-        }
-    } else {
-        let per = r.gpus_milli / 1000;
-        let mut whole = 0u64;
-        for i in 0..a.gpus.len() {
-            let g = gpu_view(a, b, i);
-            if g.share == 1000 && g.mem >= r.gpu_memory_bytes {
-                whole += 1;
-            }
-        }
-        g_cap = whole / per;
-    }
-    cap.min(g_cap) as u32
+/// How a gang's tasks choose their places.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Pack<'a> {
+    /// Best fit ([`crate::Packing::BestFit`]).
+    BestFit,
+    /// Least added fragmentation against this workload ([`crate::Packing::Fgd`]); best fit when it is empty.
+    Fgd(&'a fgd::Workload),
 }
 
 /// Chooses nodes and task counts for a gang of `k` tasks, or `None`.
@@ -211,7 +114,20 @@ pub(crate) fn place(
     r: &Resources,
     k: u32,
     spread: bool,
+    pack: Pack<'_>,
 ) -> Option<Vec<TaskAlloc>> {
+    if let Pack::Fgd(w) = pack
+        && !w.is_empty()
+    {
+        if k == 1 {
+            return fgd::place(a, b, r, k, spread, w);
+        }
+        plan(a, b.as_deref(), r, k, spread)?;
+        if let Some(placed) = fgd::place(a, b.as_deref_mut(), r, k, spread, w) {
+            return Some(placed);
+        }
+        // One task at a time may strand the gang where the planned placement fits it: best fit then.
+    }
     let chosen = plan(a, b.as_deref(), r, k, spread)?;
     let mut tasks = Vec::new();
     for (node, count) in chosen {
@@ -247,14 +163,15 @@ pub(crate) fn place_avoiding(
     k: u32,
     spread: bool,
     avoid: &[usize],
+    pack: Pack<'_>,
 ) -> Option<Vec<TaskAlloc>> {
     if !avoid.is_empty()
         && avoid.len() < a.len()
-        && let Some(placed) = place_excluding(a, b.as_deref_mut(), r, k, spread, avoid)
+        && let Some(placed) = place_excluding(a, b.as_deref_mut(), r, k, spread, avoid, pack)
     {
         return Some(placed);
     }
-    place(a, b, r, k, spread)
+    place(a, b, r, k, spread, pack)
 }
 
 /// Like [`place`], on every node but those at `exclude` (none of them is used, whatever is left).
@@ -265,6 +182,7 @@ pub(crate) fn place_excluding(
     k: u32,
     spread: bool,
     exclude: &[usize],
+    pack: Pack<'_>,
 ) -> Option<Vec<TaskAlloc>> {
     let none = |n: &NodeFree| NodeFree { cpu: 0, mem: 0, gpus: vec![GpuFree { share: 0, mem: 0 }; n.gpus.len()] };
     let n = a.len();
@@ -275,7 +193,7 @@ pub(crate) fn place_excluding(
             kept.push((i, std::mem::replace(&mut a[i], empty)));
         }
     }
-    let placed = place(a, b, r, k, spread);
+    let placed = place(a, b, r, k, spread, pack);
     for (i, n) in kept {
         // What the placement took from other nodes stays taken; the excluded nodes come back whole.
         a[i] = n;

@@ -4,11 +4,16 @@
 use std::collections::{BTreeMap, VecDeque};
 
 use crate::error::{Result, SchedError};
+use crate::fgd;
 use crate::model::{
     Config, Decision, JobId, JobRequest, JobStatus, Node, NodeAllocation, PreemptReason, Queue, Quota, Resources,
     TaskPlacement,
 };
-use crate::place::{self, NodeFree, TaskAlloc};
+use crate::place::{self, NodeFree, Pack, TaskAlloc};
+use crate::policy::{Ordering, Packing};
+
+/// The most task shapes [`Packing::Fgd`] weighs.
+const WORKLOAD_SHAPES: usize = 16;
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 struct Usage {
@@ -69,6 +74,39 @@ enum State {
 struct Job {
     req: JobRequest,
     state: State,
+    /// Attained service: thousandths of a GPU times milliseconds held while running.
+    attained: u64,
+    /// Since when `attained` has not counted the job's running tasks.
+    since: u64,
+    /// The value of [`Scheduler::released`] when every size of the job last failed to fit the cluster as it was:
+    /// while nothing has been released since, it still cannot fit (fitting is monotone in free capacity).
+    failed_at: Option<u64>,
+}
+
+impl Job {
+    fn new(req: JobRequest) -> Job {
+        Job { req, state: State::Pending, attained: 0, since: 0, failed_at: None }
+    }
+}
+
+/// What a job's tasks count for attained service: thousandths of a GPU, a task without GPUs as one GPU.
+fn service_rate(req: &JobRequest, tasks: usize) -> u64 {
+    let per = if req.per_task.gpus_milli == 0 { 1000 } else { req.per_task.gpus_milli };
+    per.saturating_mul(tasks as u64)
+}
+
+/// The packing's view of the workload.
+fn pack_of(packing: Packing, workload: &[(Resources, u64)]) -> Pack<'_> {
+    match packing {
+        Packing::BestFit => Pack::BestFit,
+        Packing::Fgd => Pack::Fgd(workload),
+    }
+}
+
+type ShapeKey = (u64, u64, u64, u64);
+
+fn shape_key(r: &Resources) -> ShapeKey {
+    (r.cpus_milli, r.memory_bytes, r.gpus_milli, r.gpu_memory_bytes)
 }
 
 /// The cluster at the head job's reserved start, with the head job placed.
@@ -101,6 +139,17 @@ pub struct Scheduler {
     last_reservation: Option<(JobId, u64)>,
     /// Largest node CPU, memory, GPU count and GPU memory (for `submit`).
     largest: (u64, u64, u64, u64),
+    /// What the running and draining jobs hold.
+    allocated: Usage,
+    /// How many times capacity was freed (finish, requeue, shrink, release).
+    released: u64,
+    /// The latest submitted jobs' task shapes (at most `config.shape_window`) and how many of each.
+    shapes: VecDeque<ShapeKey>,
+    shape_counts: BTreeMap<ShapeKey, u64>,
+    /// The commonest shapes among them, [`Packing::Fgd`]'s workload; `None` when it must be recounted.
+    workload: Option<Vec<(Resources, u64)>>,
+    /// The first job of the last pass's order that could not start.
+    last_blocked: Option<JobId>,
 }
 
 fn gpus_text(milli: u64) -> String {
@@ -145,6 +194,12 @@ impl Scheduler {
             queues: qs,
             teams: BTreeMap::new(),
             jobs: BTreeMap::new(),
+            allocated: Usage::default(),
+            released: 0,
+            shapes: VecDeque::new(),
+            shape_counts: BTreeMap::new(),
+            workload: None,
+            last_blocked: None,
         })
     }
 
@@ -170,6 +225,49 @@ impl Scheduler {
     /// run times. `None` when every job started or no time could be computed.
     pub fn reservation(&self) -> Option<(&str, u64)> {
         self.last_reservation.as_ref().map(|(j, t)| (j.as_str(), *t))
+    }
+
+    /// The configuration it runs with.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// The first job of the last pass's order that could not start (the head of the queue), if any.
+    pub fn blocked(&self) -> Option<&str> {
+        self.last_blocked.as_deref()
+    }
+
+    /// A job's request, if known.
+    pub fn request(&self, job: &str) -> Option<&JobRequest> {
+        self.jobs.get(job).map(|j| &j.req)
+    }
+
+    /// A job's attained service as of the last pass: thousandths of a GPU times milliseconds held while running (a
+    /// task without GPUs counts as one GPU).
+    pub fn attained_service(&self, job: &str) -> Option<u64> {
+        self.jobs.get(job).map(|j| j.attained)
+    }
+
+    /// The GPU capacity of the cluster, in thousandths of a GPU.
+    pub fn total_gpu_milli(&self) -> u64 {
+        self.total.gpu
+    }
+
+    /// The GPU capacity held by running and draining jobs, in thousandths of a GPU.
+    pub fn allocated_gpu_milli(&self) -> u64 {
+        self.allocated.gpu
+    }
+
+    /// The CPU held by running and draining jobs, in thousandths of a core, and the cluster's.
+    pub fn allocated_cpu_milli(&self) -> (u64, u64) {
+        (self.allocated.cpu, self.total.cpu)
+    }
+
+    /// FGD's fragmentation of the cluster for a task of shape `r`: the free GPU capacity (thousandths of a GPU)
+    /// that such a task could not use — on each node, all of it where the task does not fit at all, else that of
+    /// the GPUs too full for the task's share of one GPU.
+    pub fn fragmentation_milli(&self, r: &Resources) -> u64 {
+        self.free.iter().map(|n| fgd::frag_for(n, fgd::free_gpu(n), r)).sum()
     }
 
     /// Number of pending jobs.
@@ -240,8 +338,39 @@ impl Scheduler {
             return Err(SchedError::DuplicateJob { job: job.id });
         }
         self.admissible(&job)?;
-        self.jobs.insert(job.id.clone(), Job { req: job, state: State::Pending });
+        if self.config.policy.packing == Packing::Fgd {
+            self.remember_shape(&job.per_task);
+        }
+        self.jobs.insert(job.id.clone(), Job::new(job));
         Ok(())
+    }
+
+    fn remember_shape(&mut self, r: &Resources) {
+        let key = shape_key(r);
+        self.shapes.push_back(key);
+        *self.shape_counts.entry(key).or_default() += 1;
+        while self.shapes.len() > self.config.shape_window.max(1) {
+            let Some(old) = self.shapes.pop_front() else { break };
+            if let Some(c) = self.shape_counts.get_mut(&old) {
+                *c -= 1;
+                if *c == 0 {
+                    self.shape_counts.remove(&old);
+                }
+            }
+        }
+        self.workload = None;
+    }
+
+    /// The commonest task shapes of the window, commonest first (ties by shape).
+    fn count_workload(&self) -> Vec<(Resources, u64)> {
+        let mut all: Vec<(u64, ShapeKey)> = self.shape_counts.iter().map(|(k, c)| (*c, *k)).collect();
+        all.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+        all.truncate(WORKLOAD_SHAPES);
+        all.into_iter()
+            .map(|(c, (cpu, mem, gpu, gmem))| {
+                (Resources { cpus_milli: cpu, memory_bytes: mem, gpus_milli: gpu, gpu_memory_bytes: gmem }, c)
+            })
+            .collect()
     }
 
     /// Whether `job` could ever run on this cluster and queue — the one admission check, which a control plane
@@ -368,6 +497,7 @@ impl Scheduler {
         };
         if !j.req.avoid_nodes.iter().any(|n| n == node) {
             j.req.avoid_nodes.push(node.to_owned());
+            j.failed_at = None;
         }
         Ok(())
     }
@@ -399,6 +529,8 @@ impl Scheduler {
             place::release(&mut self.free, t, &req.per_task);
         }
         let u = Usage::of(&req.per_task, tasks.len() as u32);
+        self.allocated.sub(u);
+        self.released += 1;
         if let Some(q) = self.queues.get_mut(&req.queue) {
             q.used.sub(u);
         }
@@ -409,6 +541,7 @@ impl Scheduler {
 
     fn charge(&mut self, req: &JobRequest, tasks: u32) {
         let u = Usage::of(&req.per_task, tasks);
+        self.allocated.add(u);
         if let Some(q) = self.queues.get_mut(&req.queue) {
             q.used.add(u);
         }
@@ -425,9 +558,40 @@ impl Scheduler {
         self.queues.get(&req.queue).is_some_and(|q| q.allows(Usage::of(&req.per_task, tasks)))
     }
 
+    /// A job's LAS level: how many of the thresholds its attained service has reached.
+    fn las_level(&self, j: &Job) -> usize {
+        let gpu_ms = j.attained / 1000;
+        self.config.las_thresholds_gpu_ms.iter().take_while(|&&t| gpu_ms >= t).count()
+    }
+
+    /// Who may preempt whom: higher ranks first. The job's priority, then, under [`Ordering::Las`], its level
+    /// (a lower level ranks higher).
+    fn rank(&self, j: &Job) -> (i32, i64) {
+        match self.config.policy.ordering {
+            Ordering::Las => (j.req.priority, -(self.las_level(j) as i64)),
+            _ => (j.req.priority, 0),
+        }
+    }
+
+    /// Counts the running jobs' service up to `now`.
+    fn accrue(&mut self, now: u64) {
+        for j in self.jobs.values_mut() {
+            if let State::Running { tasks, .. } = &j.state {
+                let dt = now.saturating_sub(j.since);
+                j.attained = j.attained.saturating_add(service_rate(&j.req, tasks.len()).saturating_mul(dt));
+                j.since = j.since.max(now);
+            }
+        }
+    }
+
     /// One scheduling pass at time `now_ms`: decisions to carry out, in order.
     pub fn schedule(&mut self, now_ms: u64) -> Vec<Decision> {
         let mut out = Vec::new();
+        let ordering = self.config.policy.ordering;
+        self.accrue(now_ms);
+        if self.config.policy.packing == Packing::Fgd && self.workload.is_none() {
+            self.workload = Some(self.count_workload());
+        }
 
         // Preempted jobs whose grace period is over go back to pending.
         let expired: Vec<JobId> = self
@@ -448,9 +612,11 @@ impl Scheduler {
 
         // Pending jobs by priority (high first); within one priority, jobs that
         // fit their queue's guarantee before jobs that would borrow; within
-        // those, teams take turns by dominant share (lowest first), each team
-        // in FIFO order.
-        let mut pending: Vec<((i32, bool), u64, JobId, String)> =
+        // those, the ordering's key (shortest expected run time, lowest LAS level), then under DRF teams take
+        // turns by dominant share (lowest first), each team in FIFO order; otherwise FIFO.
+        // ((priority, borrows), ordering key, submitted, id, team).
+        type Entry = ((i32, bool), u64, u64, JobId, String);
+        let mut pending: Vec<Entry> =
             self.jobs
                 .iter()
                 .filter(|(_, j)| matches!(j.state, State::Pending))
@@ -458,24 +624,33 @@ impl Scheduler {
                     let borrows = self.queues.get(&j.req.queue).is_none_or(|q| {
                         !q.used.within(Usage::of(&j.req.per_task, j.req.tasks_min), &q.queue.guaranteed)
                     });
-                    ((j.req.priority, borrows), j.req.submitted_at_ms, id.clone(), j.req.team.clone())
+                    let key = match ordering {
+                        Ordering::Sjf => j.req.expected_runtime_ms.unwrap_or(u64::MAX),
+                        Ordering::Las => self.las_level(j) as u64,
+                        _ => 0,
+                    };
+                    let team = if ordering == Ordering::Drf { j.req.team.clone() } else { String::new() };
+                    ((j.req.priority, borrows), key, j.req.submitted_at_ms, id.clone(), team)
                 })
                 .collect();
-        pending.sort_by(|a, b| (b.0.0.cmp(&a.0.0)).then(a.0.1.cmp(&b.0.1)).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
+        pending.sort_by(|a, b| {
+            (b.0.0.cmp(&a.0.0)).then(a.0.1.cmp(&b.0.1)).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)).then(a.3.cmp(&b.3))
+        });
 
         let mut reservation: Option<Reservation> = None;
         self.last_reservation = None;
+        self.last_blocked = None;
         let mut tries = self.config.max_preemption_tries_per_pass;
         let mut waiting = false;
         let mut failed_now: Vec<(Resources, u32, bool)> = Vec::new();
         let mut failed_dual: Vec<(Resources, u32, bool)> = Vec::new();
 
         let mut i = 0;
-        while i < pending.len() {
-            let prio = pending[i].0;
+        'pass: while i < pending.len() {
+            let group = (pending[i].0, pending[i].1);
             let mut teams: Vec<(String, VecDeque<(u64, JobId)>)> = Vec::new();
-            while i < pending.len() && pending[i].0 == prio {
-                let (_, at, id, team) = std::mem::take(&mut pending[i]);
+            while i < pending.len() && (pending[i].0, pending[i].1) == group {
+                let (_, _, at, id, team) = std::mem::take(&mut pending[i]);
                 match teams.iter_mut().find(|(t, _)| *t == team) {
                     Some((_, q)) => q.push_back((at, id)),
                     None => teams.push((team, VecDeque::from([(at, id)]))),
@@ -504,6 +679,12 @@ impl Scheduler {
                 );
                 if placed == Attempt::Waiting {
                     waiting = true;
+                    if self.last_blocked.is_none() {
+                        self.last_blocked = Some(id);
+                    }
+                    if ordering == Ordering::Fifo {
+                        break 'pass;
+                    }
                 }
             }
         }
@@ -546,17 +727,35 @@ impl Scheduler {
         };
         let finishes_before =
             |rv: &Reservation| req.expected_runtime_ms.is_some_and(|rt| now.saturating_add(rt) <= rv.time);
+        let pack = self.config.policy.packing;
         let mut placed = None;
+        // Nothing was freed since every size of the job last failed to fit: it still does not.
+        let known_to_fail = self.jobs.get(id).is_some_and(|j| j.failed_at == Some(self.released));
+        let mut all_failed_now = !known_to_fail;
         for &k in counts {
+            if known_to_fail {
+                break;
+            }
             if !self.queue_allows(&req, k) {
+                all_failed_now = false;
                 continue;
             }
             match reservation.as_mut() {
                 Some(rv) if !finishes_before(rv) => {
+                    all_failed_now = false;
                     if dominated(failed_dual, k) {
                         continue;
                     }
-                    match place::place_avoiding(&mut self.free, Some(&mut rv.free), &r, k, req.spread, &avoid) {
+                    let w = self.workload.as_deref().unwrap_or_default();
+                    match place::place_avoiding(
+                        &mut self.free,
+                        Some(&mut rv.free),
+                        &r,
+                        k,
+                        req.spread,
+                        &avoid,
+                        pack_of(pack, w),
+                    ) {
                         Some(t) => {
                             placed = Some(t);
                             break;
@@ -568,7 +767,8 @@ impl Scheduler {
                     if dominated(failed_now, k) {
                         continue;
                     }
-                    match place::place_avoiding(&mut self.free, None, &r, k, req.spread, &avoid) {
+                    let w = self.workload.as_deref().unwrap_or_default();
+                    match place::place_avoiding(&mut self.free, None, &r, k, req.spread, &avoid, pack_of(pack, w)) {
                         Some(t) => {
                             placed = Some(t);
                             break;
@@ -577,6 +777,12 @@ impl Scheduler {
                     }
                 }
             }
+        }
+        if placed.is_none()
+            && all_failed_now
+            && let Some(j) = self.jobs.get_mut(id)
+        {
+            j.failed_at = Some(self.released);
         }
         if placed.is_none() && reservation.is_none() {
             // The first job that cannot start: make room by shrinking or
@@ -589,10 +795,19 @@ impl Scheduler {
                         failed_dual.clear();
                     }
                     out.extend(decisions);
-                    placed = place::place_avoiding(&mut self.free, None, &r, req.tasks_min, req.spread, &avoid);
+                    let w = self.workload.as_deref().unwrap_or_default();
+                    placed = place::place_avoiding(
+                        &mut self.free,
+                        None,
+                        &r,
+                        req.tasks_min,
+                        req.spread,
+                        &avoid,
+                        pack_of(pack, w),
+                    );
                 }
             }
-            if placed.is_none() {
+            if placed.is_none() && self.config.policy.ordering.reserves() {
                 *reservation = self.reserve(&req, now);
                 self.last_reservation = reservation.as_ref().map(|rv| (req.id.clone(), rv.time));
             }
@@ -603,6 +818,8 @@ impl Scheduler {
                 out.push(Decision::Place { job: req.id.clone(), assignments: self.placements(&tasks) });
                 if let Some(j) = self.jobs.get_mut(id) {
                     j.state = State::Running { started_ms: now, tasks };
+                    j.since = now;
+                    j.failed_at = None;
                 }
                 Attempt::Placed
             }
@@ -661,7 +878,7 @@ impl Scheduler {
         }
         let b = bounds[lo];
         let mut free = state_after(b);
-        place::place(&mut free, None, r, req.tasks_min, req.spread)?;
+        place::place(&mut free, None, r, req.tasks_min, req.spread, Pack::BestFit)?;
         Some(Reservation { time: ends[b - 1].0, free })
     }
 
@@ -672,34 +889,48 @@ impl Scheduler {
             .queues
             .get(&req.queue)
             .is_some_and(|q| q.used.within(Usage::of(&req.per_task, req.tasks_min), &q.queue.guaranteed));
-        let eligible = |v: &JobRequest| {
-            v.id != req.id
-                && ((v.queue == req.queue && v.priority < req.priority)
-                    || (v.queue != req.queue
+        let req_rank = self.jobs.get(&req.id).map(|j| self.rank(j)).unwrap_or((req.priority, 0));
+        let eligible = |v: &Job| {
+            v.req.id != req.id
+                && ((v.req.queue == req.queue && self.rank(v) < req_rank)
+                    || (v.req.queue != req.queue
                         && reclaim
-                        && self.queues.get(&v.queue).is_some_and(QueueState::over_guarantee)))
+                        && self.queues.get(&v.req.queue).is_some_and(QueueState::over_guarantee)))
+        };
+        // Under the elastic ordering, running elastic jobs of the same rank may shrink (never be preempted).
+        let shrinkable = |v: &Job| {
+            self.config.policy.ordering == Ordering::Elastic
+                && v.req.id != req.id
+                && v.req.queue == req.queue
+                && self.rank(v) == req_rank
         };
         let mut steps: Vec<Step> = Vec::new();
-        // Victim order: lowest priority, then least progress lost (most recent
+        // Victim order: lowest rank, then least progress lost (most recent
         // start), then the latest submitted, then id.
-        let mut victims: Vec<(i32, u64, std::cmp::Reverse<u64>, &JobId)> = Vec::new();
+        type Victim<'a> = ((i32, i64), u64, std::cmp::Reverse<u64>, &'a JobId);
+        let mut victims: Vec<Victim<'_>> = Vec::new();
+        let mut peers: Vec<(u64, std::cmp::Reverse<u64>, &JobId)> = Vec::new();
         for (id, j) in &self.jobs {
             match &j.state {
                 State::Draining { .. } => steps.push(Step::Drain(id.clone())),
-                State::Running { started_ms, .. } if eligible(&j.req) => {
+                State::Running { started_ms, .. } if eligible(j) => {
                     victims.push((
-                        j.req.priority,
+                        self.rank(j),
                         now.saturating_sub(*started_ms),
                         std::cmp::Reverse(j.req.submitted_at_ms),
                         id,
                     ));
                 }
+                State::Running { started_ms, tasks } if shrinkable(j) && tasks.len() > j.req.tasks_min as usize => {
+                    peers.push((now.saturating_sub(*started_ms), std::cmp::Reverse(j.req.submitted_at_ms), id));
+                }
                 _ => {}
             }
         }
-        if steps.is_empty() && victims.is_empty() {
+        if steps.is_empty() && victims.is_empty() && peers.is_empty() {
             return None;
         }
+        peers.sort();
         victims.sort();
         // Reclaim takes from another queue only what it holds beyond its guarantee.
         let mut left: BTreeMap<&str, Usage> = BTreeMap::new();
@@ -718,8 +949,8 @@ impl Scheduler {
             }
             true
         });
-        // Shrinking elastic jobs first (they lose no progress), then preemption.
-        for &(_, _, _, id) in &victims {
+        // Shrinking elastic jobs first (they lose no progress), lower ranks before peers, then preemption.
+        for id in victims.iter().map(|v| v.3).chain(peers.iter().map(|p| p.2)) {
             let j = &self.jobs[id];
             if let State::Running { tasks, .. } = &j.state {
                 for t in (j.req.tasks_min as usize..tasks.len()).rev() {
@@ -795,6 +1026,9 @@ impl Scheduler {
         for (id, by) in shrinks {
             let Some(j) = self.jobs.get_mut(&id) else { continue };
             let State::Running { tasks, .. } = &mut j.state else { continue };
+            let rate = service_rate(&j.req, tasks.len());
+            j.attained = j.attained.saturating_add(rate.saturating_mul(now.saturating_sub(j.since)));
+            j.since = j.since.max(now);
             let removed = tasks.split_off(tasks.len() - by as usize);
             let vreq = j.req.clone();
             self.free_tasks(&vreq, &removed);
@@ -806,11 +1040,14 @@ impl Scheduler {
             let State::Running { tasks, .. } = std::mem::replace(&mut j.state, State::Pending) else {
                 continue;
             };
-            let reason = if j.req.queue == req.queue && j.req.priority < req.priority {
+            let reason = if j.req.queue == req.queue {
                 PreemptReason::Priority { by: req.id.clone() }
             } else {
                 PreemptReason::QuotaReclaim { owner_queue: req.queue.clone(), by: req.id.clone() }
             };
+            let rate = service_rate(&j.req, tasks.len());
+            j.attained = j.attained.saturating_add(rate.saturating_mul(now.saturating_sub(j.since)));
+            j.since = now;
             j.state = State::Draining { until_ms: now.saturating_add(grace), tasks };
             out.push(Decision::Preempt { job: id.clone(), reason, grace_ms: grace });
         }
@@ -820,6 +1057,7 @@ impl Scheduler {
     /// Grows running elastic jobs into free capacity (called only when no job
     /// waits for capacity); a job spread one task per node grows onto nodes it has no task on.
     fn grow(&mut self, out: &mut Vec<Decision>) {
+        let pack = self.config.policy.packing;
         let mut elastic: Vec<(i32, u64, JobId)> = self
             .jobs
             .iter()
@@ -836,14 +1074,25 @@ impl Scheduler {
                     break;
                 }
                 let avoid = self.avoided(&req);
+                let w = self.workload.as_deref().unwrap_or_default();
                 let placed = if req.spread {
                     // Strictly elsewhere than its tasks; away from the avoided nodes where it fits.
                     let taken: Vec<usize> = tasks.iter().chain(&added).map(|t| t.node).collect();
                     let both: Vec<usize> = taken.iter().chain(&avoid).copied().collect();
-                    place::place_excluding(&mut self.free, None, &req.per_task, 1, false, &both)
-                        .or_else(|| place::place_excluding(&mut self.free, None, &req.per_task, 1, false, &taken))
+                    place::place_excluding(&mut self.free, None, &req.per_task, 1, false, &both, pack_of(pack, w))
+                        .or_else(|| {
+                            place::place_excluding(
+                                &mut self.free,
+                                None,
+                                &req.per_task,
+                                1,
+                                false,
+                                &taken,
+                                pack_of(pack, w),
+                            )
+                        })
                 } else {
-                    place::place_avoiding(&mut self.free, None, &req.per_task, 1, false, &avoid)
+                    place::place_avoiding(&mut self.free, None, &req.per_task, 1, false, &avoid, pack_of(pack, w))
                 };
                 let Some(mut t) = placed else {
                     break;

@@ -6,6 +6,8 @@
 //! node ID [cpus=C] [mem=M] [gpus=N] [gmem=G] [gpu_gmem=i:G]   (defaults: 64 cpus, 512G, 8 GPUs of 80G)
 //! queue NAME [cpus=C] [mem=M] [gpus=N] [borrow]              (none: one unlimited `default`)
 //! grace MS
+//! policy NAME                                                (an ordering, a packing or ORDERING+PACKING)
+//! las T1,T2,...                                              (LAS thresholds in GPU-milliseconds)
 //! job ID [team=T] [queue=Q] [prio=P] [tasks=N|tasks=MIN..MAX] [cpus=C] [mem=M]
 //!        [gpus=G] [gmem=M] [spread] [at=MS] [rt=MS]          (defaults: 1 task, 1 cpu, 1G)
 //! sched NOW
@@ -21,6 +23,7 @@ mod bench;
 mod elastic;
 mod fairshare;
 mod placement;
+mod policies;
 mod preemption;
 mod properties;
 mod quota;
@@ -121,6 +124,8 @@ pub fn run(script: &str) -> (Scheduler, Vec<String>) {
                 can_borrow: a.contains_key("borrow"),
             }),
             "grace" => config.preempt_grace_ms = num(w[1]),
+            "policy" => config.policy = w[1].parse().expect("policy"),
+            "las" => config.las_thresholds_gpu_ms = w[1].split(',').map(num).collect(),
             _ => {}
         }
     }
