@@ -47,6 +47,9 @@ pub mod var {
     pub const FAULT_DATA_DELAY: &str = "SHOAL_FAULT_DATA_DELAY";
     /// Fault injection (feature `failpoints`): `R:F` makes rank R's forward and backward take F times as long.
     pub const FAULT_SLOW_RANK: &str = "SHOAL_FAULT_SLOW_RANK";
+    /// `1`: every rank writes the dataset rows (and their epochs) each step trained on, a line a step, to
+    /// `samples-rank-R.jsonl` beside its metrics (an audit of what a run read; a job may set it in `[env]`).
+    pub const RECORD_SAMPLES: &str = "SHOAL_RECORD_SAMPLES";
     pub const HOST_ID: &str = "SHOAL_HOST_ID";
     /// A task that joins a running group in place: the group's generation, and the task's number in its attempt.
     pub const GENERATION: &str = "SHOAL_GENERATION";

@@ -41,6 +41,9 @@ pub enum Error {
     /// A location in an object store that cannot be opened or listed, or names nothing usable.
     #[error("{url}: {why}")]
     Lake { url: String, why: String },
+    /// The coordinator of dynamic sharding failed or holds what cannot be.
+    #[error("the shard coordinator: {what}: {reason}")]
+    Coordinator { what: String, reason: String },
     /// A data source's content is not what was expected.
     #[error("malformed data in {what}: {reason}")]
     Malformed { what: String, reason: String },

@@ -10,6 +10,9 @@
 //!   platform, so ranks agree without talking and a run can be resumed exactly.
 //! - The sampler's cursor ([`SamplerState`]) counts *global* samples consumed in an epoch, so a checkpoint taken
 //!   at one world size resumes at another with the same global batch.
+//! - Under dynamic sharding ([`shards`]) the order is no longer the seed's alone, but the rows every rank trained on
+//!   by a step boundary follow from the shares and what each rank published to the coordinator, so a checkpoint's
+//!   [`shards::Ledger`] resumes with every row trained on exactly once an epoch.
 //! - Nothing waits without a deadline: the loader's threads wait in slices of at most 50 ms and stop when the
 //!   loader is dropped; its consumer gives up after a timeout.
 //! - Built-in data ships inside crates (`smartcore`'s digits, `lipsum`'s Cicero); nothing is downloaded.
@@ -44,6 +47,7 @@ mod loader;
 mod partition;
 pub mod rng;
 mod sampler;
+pub mod shards;
 mod stream;
 
 pub use builtin::{ByteText, Digits, Synthetic, builtin};

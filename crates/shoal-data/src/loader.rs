@@ -49,6 +49,8 @@ pub struct Batch {
     pub global_size: usize,
     /// The sampler state once this batch is consumed (for a checkpoint after this step).
     pub next: SamplerState,
+    /// The epoch of every index when they are not all of `epoch` (see [`RankBatch::row_epochs`]).
+    pub row_epochs: Vec<u64>,
 }
 
 impl Batch {
@@ -97,7 +99,7 @@ pub struct LoaderStats {
     pub last_wait: Duration,
 }
 
-type Plan = Box<dyn Iterator<Item = RankBatch> + Send>;
+type Plan = Box<dyn Iterator<Item = Result<RankBatch>> + Send>;
 
 struct State {
     plan: Plan,
@@ -158,6 +160,16 @@ impl Loader {
     pub fn new(
         dataset: Arc<dyn Dataset>,
         plan: impl Iterator<Item = RankBatch> + Send + 'static,
+        cfg: LoaderConfig,
+    ) -> Result<Self> {
+        Loader::fallible(dataset, plan.map(Ok), cfg)
+    }
+
+    /// [`new`](Self::new) with a plan that can fail (e.g. [`crate::shards::ShardPlan`]): its error is the batch's,
+    /// and the plan ends there.
+    pub fn fallible(
+        dataset: Arc<dyn Dataset>,
+        plan: impl Iterator<Item = Result<RankBatch>> + Send + 'static,
         cfg: LoaderConfig,
     ) -> Result<Self> {
         if cfg.prefetch == 0 {
@@ -268,10 +280,19 @@ fn fetch_loop(alive: &Alive, dataset: &dyn Dataset) {
             return;
         }
         let seq = g.next_dispatch;
-        let Some(plan) = g.plan.next() else {
-            g.end = Some(seq);
-            shared.cv.notify_all();
-            return;
+        let plan = match g.plan.next() {
+            Some(Ok(plan)) => plan,
+            Some(Err(e)) => {
+                g.ready.insert(seq, Err(e));
+                g.end = Some(seq + 1);
+                shared.cv.notify_all();
+                return;
+            }
+            None => {
+                g.end = Some(seq);
+                shared.cv.notify_all();
+                return;
+            }
         };
         g.next_dispatch += 1;
         drop(g);
@@ -291,6 +312,7 @@ fn fetch_loop(alive: &Alive, dataset: &dyn Dataset) {
             samples,
             global_size: plan.global_size,
             next: plan.next,
+            row_epochs: plan.row_epochs,
         });
         shared.lock().ready.insert(seq, batch);
         shared.cv.notify_all();

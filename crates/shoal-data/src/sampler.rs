@@ -104,6 +104,9 @@ pub struct RankBatch {
     pub global_size: usize,
     /// The sampler state once this batch is consumed: what a checkpoint taken after this step records.
     pub next: SamplerState,
+    /// The epoch of every index when they are not all of `epoch` (under dynamic sharding a batch may span two);
+    /// empty otherwise.
+    pub row_epochs: Vec<u64>,
 }
 
 /// Rows of a lane shuffled together.
@@ -296,6 +299,18 @@ impl DistributedSampler {
         }
     }
 
+    /// Rank `rank`'s number of samples in global batch number `batch` (as [`next_batch`](Self::next_batch) cuts
+    /// it, by the shares set for that batch).
+    pub fn share_len(&self, batch: u64, rank: usize) -> usize {
+        let n = self.cfg.global_batch;
+        let step = (batch % self.batches_per_epoch() as u64) as usize;
+        let size = self.cfg.samples_per_epoch().saturating_sub(step * n).min(n);
+        match self.shares.as_ref().and_then(|s| s.at(batch)) {
+            Some(w) => weighted_share(size, &w, self.world_size, rank).len(),
+            None => block(size, self.world_size, rank).len(),
+        }
+    }
+
     pub fn config(&self) -> &SamplerConfig {
         &self.cfg
     }
@@ -415,6 +430,7 @@ impl DistributedSampler {
             indices,
             global_size: end - start,
             next: self.state,
+            row_epochs: Vec::new(),
         })
     }
 
@@ -458,7 +474,7 @@ impl LaneEpoch {
 
 /// `i`'s place in a permutation of `0..n` keyed by `key`: a 4-round Feistel network over the smallest even number
 /// of bits that holds `n`, walked round its cycle until it lands inside `0..n`.
-fn permute(i: usize, n: usize, key: &[u64]) -> usize {
+pub(crate) fn permute(i: usize, n: usize, key: &[u64]) -> usize {
     if n <= 1 {
         return i;
     }

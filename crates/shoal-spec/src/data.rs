@@ -55,6 +55,23 @@ pub struct Options {
     /// A lake dataset: the streams every global batch draws from in equal parts (default 8; see shoal-data's
     /// sampler). Each worker reads its part of them, so workers read different row groups.
     pub lanes: Option<usize>,
+    /// A lake dataset: how blocks (row groups, byte ranges) reach the workers (default `static`).
+    pub sharding: Option<Sharding>,
+}
+
+/// How a lake dataset's blocks reach the workers (`train.data.sharding`).
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Sharding {
+    /// Every global batch is fixed by the seed and the step: the same at any world size, bit for bit on resume.
+    #[default]
+    Static,
+    /// Blocks are handed out on demand by a coordinator every worker reaches, so a worker that reads faster takes
+    /// more; a block left unfinished by a worker that died goes to the others. Every row is trained on exactly once
+    /// an epoch, through restarts (the checkpoint records what was consumed); the order is no longer a function of
+    /// the seed alone.
+    Dynamic,
 }
 
 /// Whether `train.dataset` names data in a data lake (a URL such as `s3://bucket/prefix/` or `file:///data/x.parquet`,
@@ -196,7 +213,7 @@ fn bad(dataset: &str, option: &'static str, reason: impl Into<String>) -> DataEr
 }
 
 fn reject(name: &str, options: &Options, allowed: &[&str]) -> Result<(), DataError> {
-    let set: [(&'static str, bool); 11] = [
+    let set: [(&'static str, bool); 12] = [
         ("seed", options.seed.is_some()),
         ("context", options.context.is_some()),
         ("stride", options.stride.is_some()),
@@ -208,6 +225,7 @@ fn reject(name: &str, options: &Options, allowed: &[&str]) -> Result<(), DataErr
         ("label_column", options.label_column.is_some()),
         ("eval", options.eval.is_some()),
         ("lanes", options.lanes.is_some()),
+        ("sharding", options.sharding.is_some()),
     ];
     match set.iter().find(|(opt, on)| *on && !allowed.contains(opt)) {
         Some((opt, _)) => Err(bad(name, opt, "does not apply to this dataset")),
@@ -303,7 +321,11 @@ pub fn check(name: &str, options: &Options) -> Result<Checked, DataError> {
             };
         }
         lake if is_lake(lake) => {
-            reject(name, options, &["classes", "format", "feature_columns", "label_column", "eval", "lanes"])?;
+            reject(
+                name,
+                options,
+                &["classes", "format", "feature_columns", "label_column", "eval", "lanes", "sharding"],
+            )?;
             if let Some(f) = options.format.as_deref().filter(|f| !LAKE_FORMATS.contains(f)) {
                 return Err(bad(name, "format", format!("{f:?} is not one of {}", LAKE_FORMATS.join(", "))));
             }

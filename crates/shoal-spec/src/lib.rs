@@ -1548,6 +1548,7 @@ impl JobSpec {
             platform(self.chaos.as_ref().map_or(Ok(()), |c| c.validate(self.robust.as_ref()))),
             self.validate_ps(),
             self.validate_balance(),
+            self.validate_sharding(),
         ]
         .into_iter()
         .filter_map(Result::err)
@@ -1582,6 +1583,33 @@ impl JobSpec {
         }
         if t.balance_every == Some(0) {
             return Err(SpecError::at("train.balance_every", "must be >= 1"));
+        }
+        Ok(())
+    }
+
+    /// `train.data.sharding = "dynamic"` hands blocks to data-parallel ranks that each train on their own rows; a
+    /// job that regroups in place keeps no checkpoint of what the lost member consumed, so it restarts instead.
+    fn validate_sharding(&self) -> Result<()> {
+        let t = &self.train;
+        if t.data.sharding != Some(data::Sharding::Dynamic) {
+            return Ok(());
+        }
+        if !t.strategy.is_data_parallel() {
+            return Err(SpecError::at(
+                "train.data.sharding",
+                format!(
+                    "\"dynamic\" hands blocks to data-parallel ranks (ddp, zero1, zero2, zero3), not under \
+                     train.strategy = \"{}\"",
+                    t.strategy
+                ),
+            ));
+        }
+        if self.fault_tolerance.policy == FaultPolicy::Elastic {
+            return Err(SpecError::at(
+                "train.data.sharding",
+                "\"dynamic\" recovers what a lost worker consumed from the newest checkpoint: use \
+                 fault_tolerance.policy = \"restart\" (elastic groups go on without a checkpoint)",
+            ));
         }
         Ok(())
     }
@@ -2446,6 +2474,29 @@ lr = 0.01
         let r = RobustSpec { rule: RuleName::TrimmedMean, f: 2 };
         assert!(r.validate_world(5).is_ok());
         assert_eq!(r.validate_world(4).map_err(|e| e.0), Err("robust.f".to_string()));
+    }
+
+    #[test]
+    fn dynamic_sharding_is_for_lake_data_under_data_parallel_strategies_that_restart() {
+        let lake = "name = \"t\"\n[train]\nmodel = \"mlp\"\ndataset = \"s3://lake/t/\"\nglobal_batch = 32\nsteps = 10\n\
+                    lr = 0.01\nstrategy = \"{s}\"\n[train.data]\nfeature_columns = [\"a\"]\nlabel_column = \"y\"\n\
+                    classes = 2\nsharding = \"{m}\"\n{tail}";
+        let job = |s: &str, m: &str, tail: &str| lake.replace("{s}", s).replace("{m}", m).replace("{tail}", tail);
+        check_all(&[
+            (job("ddp", "dynamic", ""), ""),
+            (job("zero2", "dynamic", "[fault_tolerance]\npolicy = \"restart\"\n"), ""),
+            (job("ddp", "static", ""), ""),
+            (job("ddp", "sideways", ""), "train.data.sharding"),
+            (
+                job("ps", "dynamic", "[ps]\nservers = 1\n"),
+                "train.data.sharding: \"dynamic\" hands blocks to data-parallel ranks",
+            ),
+            (
+                job("ddp", "dynamic", "[fault_tolerance]\npolicy = \"elastic\"\n[workers]\nmin = 1\nmax = 2\n"),
+                "train.data.sharding: \"dynamic\" recovers what a lost worker consumed",
+            ),
+            (format!("{MLP}[train.data]\nsharding = \"dynamic\"\n"), "sharding"),
+        ]);
     }
 
     fn check_all(cases: &[(String, &str)]) {

@@ -171,6 +171,25 @@ pub(super) fn restore(l: &Loaded, tr: &mut Training) -> Result<usize> {
     let state: shoal_data::SamplerState = serde_json::from_value(l.manifest.sampler.clone())
         .map_err(|e| Error::Checkpoint(format!("{}: sampler state: {e}", l.dir.display())))?;
     tr.sampler.restore(state)?;
+    if let Some(shards) = &tr.shards {
+        // A checkpoint of a static run (or one without a ledger) goes on from the next whole epoch's blocks.
+        let ledger = match l.manifest.extra.get("shards") {
+            Some(v) => serde_json::from_value(v.clone())
+                .map_err(|e| Error::Checkpoint(format!("{}: the shards' ledger: {e}", l.dir.display())))?,
+            None => {
+                tracing::warn!(
+                    checkpoint = %l.dir.display(),
+                    "the checkpoint has no ledger of dynamic sharding: the next epoch's blocks are handed out from here"
+                );
+                shoal_data::shards::Ledger {
+                    batch: tr.sampler.batch_number(),
+                    fresh_from: state.epoch + 1,
+                    ..Default::default()
+                }
+            }
+        };
+        tr.shards = Some(shards.resumed(tr.sampler.clone(), ledger)?);
+    }
     let named: std::collections::HashMap<String, Tensor> = l
         .optimizer
         .iter()

@@ -5,7 +5,9 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use crate::spec::data::Sharding;
 use shoal_comm::Communicator;
+use shoal_data::shards::{Coordinator, DynamicShards, Ledger};
 use shoal_data::{Dataset, DistributedSampler, Lanes, Options, SamplerConfig, Shares, Split};
 
 use crate::checkpoint::{CheckpointDir, MemoryStore};
@@ -68,6 +70,8 @@ pub(super) struct Training {
     /// Under `train.balance = "dynamic"`: the rank shares the step loop sets and the sampler (and its loader's
     /// copy) cuts the global batches by.
     pub(super) shares: Option<Arc<Shares>>,
+    /// Under `train.data.sharding = "dynamic"`: the blocks this rank takes from the job's rendezvous store.
+    pub(super) shards: Option<DynamicShards>,
     /// Samples of one micro-batch.
     pub(super) micro: usize,
     /// Whether gradient all-reduces overlap backward (`train.overlap`, resolved).
@@ -347,7 +351,42 @@ pub(super) fn training(spec: &JobSpec, setup: &Setup, params: Params) -> Result<
         Some(s) => sampler.with_shares(Arc::clone(s)),
         None => sampler,
     };
-    Ok(Training { sampler, shares, micro, overlap, ran, chose, trainer })
+    let shards = match (t.data.sharding, &setup.lanes) {
+        (Some(Sharding::Dynamic), Some(lanes)) => {
+            let coordinator = Arc::new(StoreCoordinator { store: Arc::clone(comm.store()) });
+            Some(DynamicShards::new(coordinator, Arc::clone(&lanes.blocks), sampler.clone(), Ledger::default())?)
+        }
+        _ => None,
+    };
+    Ok(Training { sampler, shares, shards, micro, overlap, ran, chose, trainer })
+}
+
+/// Dynamic sharding's coordinator: the job's rendezvous store.
+#[derive(Debug)]
+struct StoreCoordinator {
+    store: Arc<dyn shoal_comm::Store>,
+}
+
+impl StoreCoordinator {
+    fn failed(key: &str, e: impl std::fmt::Display) -> shoal_data::Error {
+        shoal_data::Error::Coordinator { what: format!("the rendezvous store's key {key}"), reason: e.to_string() }
+    }
+}
+
+impl Coordinator for StoreCoordinator {
+    fn take(&self, key: &str) -> shoal_data::Result<u64> {
+        let v = self.store.add(key, 1).map_err(|e| Self::failed(key, e))?;
+        u64::try_from(v - 1).map_err(|e| Self::failed(key, e))
+    }
+
+    fn put(&self, key: &str, value: &[u8]) -> shoal_data::Result<()> {
+        self.store.set(key, value).map_err(|e| Self::failed(key, e))
+    }
+
+    fn read(&self, key: &str) -> shoal_data::Result<Option<Vec<u8>>> {
+        // A rank sets its key before it reads the piece, so a boundary after those rows reads it.
+        self.store.try_get(key).map_err(|e| Self::failed(key, e))
+    }
 }
 
 /// The longest a parameter server holds a request back, or waits to hear from any worker: the communicator's

@@ -27,6 +27,8 @@ use crate::spec::{JobSpec, ModelKind, Schedule, TrainSpec};
 pub(super) struct StepLoop {
     /// This rank's metrics file.
     metrics: Option<File>,
+    /// The rows each step trained on, when asked for (`SHOAL_RECORD_SAMPLES=1`).
+    samples: Option<File>,
     /// Rank 0's checkpoint saver.
     pub(super) saver: Option<AsyncSaver>,
     /// The in-memory copies' saver of the first rank of each host (`checkpoint.memory_every` > 0).
@@ -120,11 +122,11 @@ impl StepLoop {
         let (rank, trainer, sampler) = (setup.rank, &tr.trainer, &tr.sampler);
         // Fault injection for testing diagnosis (feature `failpoints`): a slow data source.
         let delay = shoal_comm::env::fault_delay(shoal_comm::env::var::FAULT_DATA_DELAY)?;
-        let loader = Loader::new(
-            setup.train.clone(),
-            sampler.cycling_batches(),
-            LoaderConfig { delay, ..LoaderConfig::default() },
-        )?;
+        let cfg = LoaderConfig { delay, ..LoaderConfig::default() };
+        let loader = match &tr.shards {
+            Some(shards) => Loader::fallible(setup.train.clone(), shards.plan(), cfg)?,
+            None => Loader::new(setup.train.clone(), sampler.cycling_batches(), cfg)?,
+        };
         let saver = (rank == 0).then(|| {
             let s = AsyncSaver::new(setup.ckpt_dir.clone(), spec.checkpoint.keep.max(1));
             match &setup.remote {
@@ -163,6 +165,15 @@ impl StepLoop {
                 .open(&path);
             Some(f.map_err(|e| Error::io(format!("creating {}", path.display()), e))?)
         };
+        let samples = match std::env::var(shoal_comm::env::var::RECORD_SAMPLES).is_ok_and(|v| v == "1") {
+            true => {
+                let path = output.join(format!("samples-rank-{rank}.jsonl"));
+                truncate_jsonl(&path, start_step as u64)?;
+                let f = std::fs::OpenOptions::new().create(true).append(true).open(&path);
+                Some(f.map_err(|e| Error::io(format!("creating {}", path.display()), e))?)
+            }
+            false => None,
+        };
         let eval_log = EvalLog::new(output, rank, t.model.kind == ModelKind::Gpt);
         if rank == 0 {
             if start_step > 0 {
@@ -175,6 +186,7 @@ impl StepLoop {
         let boundary = super::regroup::Boundary { step: start_step, sampler: sampler.state(), loss: last_loss };
         Ok(StepLoop {
             metrics,
+            samples,
             saver,
             memory_saver,
             loader,
@@ -197,6 +209,7 @@ impl StepLoop {
         let (world, rank, comm, model, eval) = (setup.world, setup.rank, &setup.comm, &setup.model, &setup.eval);
         let (trainer, sampler, micro, ran) = (&mut tr.trainer, &tr.sampler, tr.micro, tr.ran);
         let (loader, saver, metrics, eval_log) = (&mut self.loader, &mut self.saver, &mut self.metrics, &self.eval_log);
+        let (samples, shards) = (&mut self.samples, &tr.shards);
         let memory_saver = &mut self.memory_saver;
         let start_step = self.start_step;
         let (mut checkpoints, mut stall_s, mut last_mb_s) = (0usize, 0f64, None);
@@ -242,6 +255,7 @@ impl StepLoop {
             let mut local_loss = 0f64;
             let mut global_samples = 0usize;
             let mut mine = 0usize;
+            let (mut rows, mut row_epochs) = (Vec::new(), Vec::new());
             // Under `train.balance = "dynamic"`: this rank's measured rate, summed into every rank's scalars.
             let rates = balance.as_ref().map_or_else(Vec::new, |b| b.rates(step));
             let scalars = |loss: f64| [[loss as Real, vote, moving].as_slice(), &rates].concat();
@@ -256,6 +270,13 @@ impl StepLoop {
                 global_samples += batch.global_size;
                 mine += batch.samples.len();
                 sampler_state = batch.next;
+                if samples.is_some() {
+                    rows.extend_from_slice(&batch.indices);
+                    match batch.row_epochs.is_empty() {
+                        true => row_epochs.extend(std::iter::repeat_n(batch.epoch, batch.indices.len())),
+                        false => row_epochs.extend_from_slice(&batch.row_epochs),
+                    }
+                }
                 let last = k + 1 == t.grad_accum;
                 if trainer.splits_model() {
                     // A pipeline stage: the batch's micro-batches in the schedule's order, the loss on the last stage.
@@ -418,6 +439,10 @@ impl StepLoop {
                     );
                 }
             }
+            if let Some(f) = samples.as_mut() {
+                let line = serde_json::json!({ "step": step + 1, "rows": rows, "epochs": row_epochs });
+                writeln!(f, "{line}").map_err(|e| Error::io("writing samples-rank-R.jsonl", e))?;
+            }
             let every = spec.checkpoint.every;
             let checkpoint_now = (every > 0 && (step + 1) % every == 0) || step + 1 == t.steps || stopping;
             // No copy at the last step: the run ends there, and its in-memory copies with it.
@@ -444,18 +469,24 @@ impl StepLoop {
                 // joined before the next optimizer update changes the parameters and the optimizer state (both
                 // in place).
                 let s0 = Instant::now();
+                let mut extra = match &layout {
+                    Some(l) => {
+                        serde_json::json!({ "optimizer_t": trainer.optimizer().t, "loss": last_loss, "layout": l })
+                    }
+                    None => serde_json::json!({ "optimizer_t": trainer.optimizer().t, "loss": last_loss }),
+                };
+                if let Some(s) = shards {
+                    // What every rank trained on by this boundary, and so what a resume hands out first.
+                    let ledger = s.ledger_at(sampler.batch_number_at(sampler_state))?;
+                    extra["shards"] = serde_json::to_value(ledger).map_err(|e| Error::Checkpoint(e.to_string()))?;
+                }
                 let meta = ManifestMeta {
                     epoch: sampler_state.epoch,
                     sampler: serde_json::to_value(sampler_state).map_err(|e| Error::Checkpoint(e.to_string()))?,
                     rng: serde_json::json!({ "init_seed": t.seed, "sampler_seed": t.seed }),
                     world_size: world,
                     strategy: ran.as_str().into(),
-                    extra: match &layout {
-                        Some(l) => {
-                            serde_json::json!({ "optimizer_t": trainer.optimizer().t, "loss": last_loss, "layout": l })
-                        }
-                        None => serde_json::json!({ "optimizer_t": trainer.optimizer().t, "loss": last_loss }),
-                    },
+                    extra,
                 };
                 let at = (step + 1) as u64;
                 if copying {

@@ -42,7 +42,7 @@ keep = 2
 }
 
 /// The training process of `rank` (what a user would `kill -9`).
-fn worker_pid(v: &Value, rank: i64) -> i64 {
+pub(crate) fn worker_pid(v: &Value, rank: i64) -> i64 {
     v["workers"]
         .as_array()
         .and_then(|ws| ws.iter().find(|w| w["rank"] == rank))
@@ -51,7 +51,7 @@ fn worker_pid(v: &Value, rank: i64) -> i64 {
 }
 
 /// Waits until `id` runs attempt `attempt` past step `step`.
-fn training(p: &Platform, id: &str, attempt: i64, step: i64) -> Value {
+pub(crate) fn training(p: &Platform, id: &str, attempt: i64, step: i64) -> Value {
     p.wait_state_where(id, &format!("attempt {attempt} past step {step}"), |v| {
         v["state"] == "running"
             && v["attempt"] == attempt
@@ -60,7 +60,7 @@ fn training(p: &Platform, id: &str, attempt: i64, step: i64) -> Value {
     })
 }
 
-fn kill(pid: i64, sig: i32) {
+pub(crate) fn kill(pid: i64, sig: i32) {
     // SAFETY: plain syscall on a process this test's server started.
     let r = unsafe { libc::kill(pid as i32, sig) };
     assert_eq!(r, 0, "signal {sig} to {pid}: {}", std::io::Error::last_os_error());

@@ -17,7 +17,7 @@ use shoal_data::lake::planted::Planted;
 
 use crate::support_s3::S3;
 
-type Res<T> = Result<T, String>;
+pub(crate) type Res<T> = Result<T, String>;
 
 const FEATURES: usize = 6;
 const CLASSES: usize = 4;
@@ -35,12 +35,17 @@ fn row(i: u64) -> (Vec<f32>, i64) {
     planted.row(i)
 }
 
-fn names() -> Vec<String> {
+pub(crate) fn names() -> Vec<String> {
     (0..FEATURES).map(|j| format!("f{j}")).collect()
 }
 
 /// Rows `rows` of the table as Parquet (500 rows a row group), with a text column beside.
 fn parquet(path: &Path, rows: std::ops::Range<u64>) -> Res<()> {
+    parquet_in_groups(path, rows, 500)
+}
+
+/// [`parquet`] with `group` rows a row group.
+pub(crate) fn parquet_in_groups(path: &Path, rows: std::ops::Range<u64>, group: usize) -> Res<()> {
     let mut fields: Vec<Field> = names().iter().map(|n| Field::new(n, DataType::Float32, false)).collect();
     fields.push(Field::new("label", DataType::Int64, false));
     fields.push(Field::new("note", DataType::Utf8, false));
@@ -55,7 +60,7 @@ fn parquet(path: &Path, rows: std::ops::Range<u64>) -> Res<()> {
         std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
     }
     let file = std::fs::File::create(path).map_err(|e| e.to_string())?;
-    let props = WriterProperties::builder().set_max_row_group_row_count(Some(500)).build();
+    let props = WriterProperties::builder().set_max_row_group_row_count(Some(group)).build();
     let mut w = ArrowWriter::try_new(file, schema, Some(props)).map_err(|e| e.to_string())?;
     w.write(&batch).map_err(|e| e.to_string())?;
     w.close().map_err(|e| e.to_string())?;

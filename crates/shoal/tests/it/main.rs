@@ -20,6 +20,7 @@ mod platform;
 mod ps;
 mod remote;
 mod run;
+mod shards;
 mod slurm;
 mod support_s3;
 mod tls;
