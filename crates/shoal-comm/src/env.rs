@@ -62,6 +62,12 @@ pub mod var {
     pub const TORCH_LOCAL_RANK: &str = "LOCAL_RANK";
     pub const TORCH_LOCAL_WORLD_SIZE: &str = "LOCAL_WORLD_SIZE";
     pub const VISIBLE_GPUS: &str = "CUDA_VISIBLE_DEVICES";
+    /// What TensorFlow's multi-worker strategies read: the cluster's workers and this task's place among them.
+    pub const TF_CONFIG: &str = "TF_CONFIG";
+    /// What a JAX program passes to `jax.distributed.initialize` (JAX reads the coordinator's address itself).
+    pub const JAX_COORDINATOR_ADDRESS: &str = "JAX_COORDINATOR_ADDRESS";
+    pub const JAX_NUM_PROCESSES: &str = "JAX_NUM_PROCESSES";
+    pub const JAX_PROCESS_ID: &str = "JAX_PROCESS_ID";
     /// What Kubeflow Trainer's torch runtime sets on each node (read when Shoal's own contract is absent; one
     /// process per node).
     pub const PET_NNODES: &str = "PET_NNODES";
@@ -108,7 +114,7 @@ pub struct TaskEnv {
 
 /// Names the contract sets that a job's own environment may not: everything [`TaskEnv::vars`] writes except the
 /// thread counts, which a job may tune.
-pub const RESERVED: [&str; 22] = [
+pub const RESERVED: [&str; 26] = [
     var::JOB_ID,
     var::GENERATION,
     var::TASK_RANK,
@@ -131,7 +137,25 @@ pub const RESERVED: [&str; 22] = [
     var::TORCH_LOCAL_RANK,
     var::TORCH_LOCAL_WORLD_SIZE,
     var::VISIBLE_GPUS,
+    var::TF_CONFIG,
+    var::JAX_COORDINATOR_ADDRESS,
+    var::JAX_NUM_PROCESSES,
+    var::JAX_PROCESS_ID,
 ];
+
+/// The frameworks' part of the contract, for a job's own program (`train.command`), written beside
+/// [`TaskEnv::vars`]: `addresses` holds every rank's `host:port` reserved for its framework, in rank order (rank
+/// 0's is JAX's coordinator); `rank` is this task's. TensorFlow's `TF_CONFIG` names every rank a `worker`.
+pub fn framework_vars(rank: usize, addresses: &[String]) -> Vec<(&'static str, String)> {
+    let quoted: Vec<String> = addresses.iter().map(|a| format!("\"{}\"", a.replace(['"', '\\'], ""))).collect();
+    let tf = format!(r#"{{"cluster":{{"worker":[{}]}},"task":{{"type":"worker","index":{rank}}}}}"#, quoted.join(","));
+    vec![
+        (var::TF_CONFIG, tf),
+        (var::JAX_COORDINATOR_ADDRESS, addresses.first().cloned().unwrap_or_default()),
+        (var::JAX_NUM_PROCESSES, addresses.len().to_string()),
+        (var::JAX_PROCESS_ID, rank.to_string()),
+    ]
+}
 
 /// A fault-injection delay from the environment (zero when unset). Fault injection is a test hook, compiled only
 /// with the `failpoints` feature; without it, setting the variable is an error that says so rather than a delay
@@ -405,6 +429,19 @@ mod tests {
         let ip = advertise_towards("192.0.2.1:29500");
         let local = std::net::UdpSocket::bind((ip, 0));
         assert!(ip.is_loopback() || local.is_ok(), "{ip} is not an address of this host");
+    }
+
+    #[test]
+    fn tensorflow_and_jax_find_every_rank() {
+        let addrs = vec!["10.0.0.1:4000".to_string(), "10.0.0.2:4001".to_string()];
+        let vars: std::collections::HashMap<_, _> = framework_vars(1, &addrs).into_iter().collect();
+        assert_eq!(
+            vars[var::TF_CONFIG],
+            r#"{"cluster":{"worker":["10.0.0.1:4000","10.0.0.2:4001"]},"task":{"type":"worker","index":1}}"#
+        );
+        assert_eq!(vars[var::JAX_COORDINATOR_ADDRESS], "10.0.0.1:4000");
+        assert_eq!((vars[var::JAX_NUM_PROCESSES].as_str(), vars[var::JAX_PROCESS_ID].as_str()), ("2", "1"));
+        assert!(RESERVED.contains(&var::TF_CONFIG) && RESERVED.contains(&var::JAX_PROCESS_ID));
     }
 
     #[test]

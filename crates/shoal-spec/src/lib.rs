@@ -777,10 +777,18 @@ pub enum Overlap {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TrainSpec {
-    /// `model = "mlp"` or a `[train.model]` table with `kind = "mlp"` and sizes.
+    /// `command = ["python3", "train.py", …]`: every worker runs this program (any framework's) instead of a
+    /// built-in model, with the environment contract (torchrun's, `TF_CONFIG`, JAX's and Shoal's own); the lines
+    /// it prints that are JSON objects with an integer `step` are its metrics. Such a job holds none of `model`,
+    /// `dataset`, `global_batch` and `lr`, and `steps` only to show progress.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub command: Vec<String>,
+    /// `model = "mlp"` or a `[train.model]` table with `kind = "mlp"` and sizes (required without `command`).
+    #[serde(default = "ModelSpec::unset", skip_serializing_if = "ModelSpec::is_unset")]
     pub model: ModelSpec,
-    /// A built-in dataset (see `data::catalogue()`).
+    /// A built-in dataset (see `data::catalogue()`), or a location (required without `command`).
     #[cfg_attr(feature = "openapi", schema(value_type = crate::schema::DatasetName))]
+    #[serde(default, skip_serializing_if = "String::is_empty")]
     pub dataset: String,
     #[serde(default)]
     pub strategy: Strategy,
@@ -795,9 +803,11 @@ pub struct TrainSpec {
     pub balance_every: Option<usize>,
     /// Samples per optimizer step, over all ranks and all accumulation micro-steps together.
     #[cfg_attr(feature = "openapi", schema(minimum = 1))]
+    #[serde(default, skip_serializing_if = "is_zero")]
     pub global_batch: usize,
-    /// Optimizer steps.
+    /// Optimizer steps (with `command`: the steps the program will report, for progress; 0 when unknown).
     #[cfg_attr(feature = "openapi", schema(minimum = 1))]
+    #[serde(default)]
     pub steps: usize,
     #[serde(default)]
     pub seed: u64,
@@ -805,6 +815,7 @@ pub struct TrainSpec {
     pub optimizer: OptimizerKind,
     /// Peak learning rate.
     #[cfg_attr(feature = "openapi", schema(exclusive_minimum = 0.0))]
+    #[serde(default, skip_serializing_if = "is_zero_f64")]
     pub lr: f64,
     /// SGD only (default 0.9); read [`TrainSpec::momentum`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -901,6 +912,9 @@ pub struct ModelSpec {
     /// Dropout probability (default 0.0).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub dropout: Option<f64>,
+    /// No model was given (a job whose `train.command` runs its own program).
+    #[serde(skip)]
+    unset: bool,
 }
 
 /// The table form of [`ModelSpec`] (the derived, strict deserializer).
@@ -957,6 +971,7 @@ impl<'de> Deserialize<'de> for ModelSpec {
                     vocab: t.vocab,
                     patch: t.patch,
                     dropout: t.dropout,
+                    unset: false,
                 })
             }
         }
@@ -995,6 +1010,10 @@ fn keep_default() -> usize {
 
 fn is_zero(n: &usize) -> bool {
     *n == 0
+}
+
+fn is_zero_f64(x: &f64) -> bool {
+    *x == 0.0
 }
 
 /// Largest `checkpoint.memory_every` accepted (a copy every billion steps is as good as none, and a bigger number
@@ -1141,13 +1160,38 @@ fn deserialize_toml(text: &str) -> Result<JobSpec> {
         }
         SpecError { origin: String::new(), path: String::new(), message, line, column }
     })?;
-    serde_path_to_error::deserialize(de).map_err(|e| {
+    let spec = serde_path_to_error::deserialize(de).map_err(|e| {
         let path = path_string(e.path());
         let (message, line, column) = from_toml(e.inner());
         // A data error about the whole document (a missing top-level key) has no useful position.
         let (line, column) = if path.is_empty() { (None, None) } else { (line, column) };
         retired(SpecError { origin: String::new(), path, message, line, column })
-    })
+    })?;
+    let table: toml::Table = text.parse().map_err(|e: toml::de::Error| SpecError::at("", e.message().to_owned()))?;
+    let train = table.get("train").and_then(toml::Value::as_table);
+    check_train_keys(|k| train.is_some_and(|t| t.contains_key(k)))?;
+    Ok(spec)
+}
+
+/// The keys a `[train]` of built-in training must hold; one with `command` holds none of them but `steps`.
+const BUILT_IN_TRAIN_KEYS: [&str; 5] = ["model", "dataset", "global_batch", "steps", "lr"];
+
+/// `[train]` holds the keys of built-in training, or `command` and none of them (but `steps`).
+fn check_train_keys(has: impl Fn(&str) -> bool) -> Result<()> {
+    let command = has("command");
+    for key in BUILT_IN_TRAIN_KEYS {
+        match (command, has(key)) {
+            (false, false) => return Err(SpecError::at("train", format!("missing field `{key}`"))),
+            (true, true) if key != "steps" => {
+                return Err(SpecError::at(
+                    format!("train.{key}"),
+                    "a job with train.command runs its own program: built-in training's keys do not apply",
+                ));
+            }
+            _ => {}
+        }
+    }
+    Ok(())
 }
 
 fn deserialize_json(text: &str) -> Result<JobSpec> {
@@ -1162,6 +1206,9 @@ fn deserialize_json(text: &str) -> Result<JobSpec> {
     let spec: JobSpec =
         serde_path_to_error::deserialize(&mut de).map_err(|e| retired(from_json(path_string(e.path()), e.inner())))?;
     de.end().map_err(|e| from_json(String::new(), &e))?;
+    let value: serde_json::Value = serde_json::from_str(text).map_err(|e| from_json(String::new(), &e))?;
+    let train = value.get("train").and_then(serde_json::Value::as_object);
+    check_train_keys(|k| train.is_some_and(|t| t.contains_key(k)))?;
     Ok(spec)
 }
 
@@ -1182,7 +1229,18 @@ impl ModelSpec {
             vocab: None,
             patch: None,
             dropout: None,
+            unset: false,
         }
+    }
+
+    /// What `model` holds when the spec gives none (a job with `train.command`).
+    pub fn unset() -> Self {
+        ModelSpec { unset: true, ..ModelSpec::new(ModelKind::Mlp) }
+    }
+
+    /// Whether the spec gave no model.
+    pub fn is_unset(&self) -> bool {
+        self.unset
     }
 
     pub fn hidden(&self) -> &[usize] {
@@ -1429,6 +1487,7 @@ impl JobSpec {
     /// the workers decide from this one rule.
     pub fn regroups_in_place(&self) -> bool {
         self.fault_tolerance.policy == FaultPolicy::Elastic
+            && !self.is_command()
             && self.train.strategy.is_data_parallel()
             && self.phases.is_empty()
     }
@@ -1519,6 +1578,20 @@ impl JobSpec {
     /// [`JobSpec::problems`] with an explicit memory budget in bytes (`None` skips the model-size check).
     pub fn problems_with_memory(&self, available: Option<u64>) -> Vec<SpecError> {
         let platform = |r: Result<(), (String, String)>| r.map_err(|(p, m)| SpecError::at(p, m));
+        if self.is_command() {
+            return [
+                validate_name(&self.name),
+                validate_queue(&self.queue),
+                validate_env(&self.env),
+                platform(self.workers.validate()),
+                platform(self.resources.validate()),
+                platform(self.fault_tolerance.validate()),
+                self.validate_command(),
+            ]
+            .into_iter()
+            .filter_map(Result::err)
+            .collect();
+        }
         let numbers = self.train.validate_numbers();
         // The world-size check divides by numbers the train check refuses: only run it on valid ones.
         let (lo, _) = self.workers.range();
@@ -1553,6 +1626,35 @@ impl JobSpec {
         .into_iter()
         .filter_map(Result::err)
         .collect()
+    }
+
+    /// Whether the workers run the job's own program (`train.command`) instead of built-in training.
+    pub fn is_command(&self) -> bool {
+        !self.train.command.is_empty()
+    }
+
+    /// A job that runs its own program: a program named, and nothing of built-in training's that would be ignored.
+    fn validate_command(&self) -> Result<()> {
+        let t = &self.train;
+        if t.command.first().is_none_or(|p| p.trim().is_empty()) {
+            return Err(SpecError::at("train.command", "names no program: give [\"program\", \"arg\", …]"));
+        }
+        let built_in = "a job with train.command runs its own program: built-in training's settings do not apply";
+        let set = [
+            ("phases", !self.phases.is_empty()),
+            ("parallel", self.parallel.is_some()),
+            ("compression", self.compression.is_some()),
+            ("robust", self.robust.is_some()),
+            ("chaos", self.chaos.is_some()),
+            ("ps", self.ps.is_some()),
+            ("train.strategy", t.strategy != Strategy::default()),
+            ("train.balance", t.balance != Balance::default()),
+            ("train.data", t.data != data::Options::default()),
+        ];
+        match set.into_iter().find(|(_, on)| *on) {
+            Some((key, _)) => Err(SpecError::at(key, built_in)),
+            None => Ok(()),
+        }
     }
 
     /// `train.balance = "dynamic"` needs ranks that each compute the whole model on their share of the batch and
@@ -1906,6 +2008,10 @@ impl JobSpec {
     pub fn validate_world(&self, world_size: usize) -> Result<()> {
         if world_size == 0 {
             return Err(SpecError::at("", "the world size must be at least 1"));
+        }
+        if self.is_command() {
+            // The program splits its own work.
+            return Ok(());
         }
         if let Some(Err((key, message))) = self.robust.map(|r| r.validate_world(world_size)) {
             return Err(SpecError::at(&key, message));
@@ -2474,6 +2580,28 @@ lr = 0.01
         let r = RobustSpec { rule: RuleName::TrimmedMean, f: 2 };
         assert!(r.validate_world(5).is_ok());
         assert_eq!(r.validate_world(4).map_err(|e| e.0), Err("robust.f".to_string()));
+    }
+
+    #[test]
+    fn a_job_with_a_command_holds_no_built_in_training_and_round_trips() {
+        let cmd = "name = \"own\"\n[workers]\ncount = 2\n[train]\ncommand = [\"python3\", \"train.py\"]\n";
+        let spec = parse_job(cmd, "JOB.toml").unwrap_or_else(|e| panic!("{e}"));
+        assert!(spec.is_command() && !spec.regroups_in_place());
+        assert_eq!(spec.validate_world(3).map_err(|e| e.to_string()), Ok(()));
+        let toml = spec.to_toml().unwrap_or_else(|e| panic!("{e}"));
+        assert!(!toml.contains("dataset") && !toml.contains("\nlr =") && !toml.contains("model"), "{toml}");
+        assert_eq!(parse_job(&toml, "again.toml").map_err(|e| e.to_string()), Ok(spec.clone()));
+        let json = serde_json::to_string(&spec).unwrap_or_default();
+        assert_eq!(parse_job_json(&json).map_err(|e| e.to_string()), Ok(spec));
+        check_all(&[
+            (format!("{cmd}steps = 100\n"), ""),
+            (format!("{cmd}lr = 0.1\n"), "train.lr: a job with train.command runs its own program"),
+            (format!("{cmd}model = \"mlp\"\n"), "train.model: a job with train.command"),
+            (format!("{cmd}strategy = \"zero1\"\n"), "train.strategy: a job with train.command"),
+            (format!("{cmd}[compression]\ncodec = \"int8\"\n"), "compression: a job with train.command"),
+            (cmd.replace("[\"python3\", \"train.py\"]", "[\"\"]"), "train.command: names no program"),
+            (MLP.replace("dataset = \"digits\"\n", ""), "JOB.toml: train: missing field `dataset`"),
+        ]);
     }
 
     #[test]

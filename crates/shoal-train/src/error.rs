@@ -30,6 +30,9 @@ pub enum Error {
     /// failure of the run, which resumes from that checkpoint.
     #[error("stopped on request after step {step}, with a checkpoint there")]
     Stopped { step: usize },
+    /// The job's own program (`train.command`) failed: the rank exits with its status (`code`).
+    #[error("train.command `{program}` {how}")]
+    Program { program: String, code: i32, how: String },
 }
 
 impl Error {

@@ -306,7 +306,13 @@ fn main() -> std::process::ExitCode {
         }
         Err(e) => {
             eprintln!("error: {e:#}");
-            std::process::ExitCode::FAILURE
+            match e.downcast_ref() {
+                // A job's own program failed: its rank exits with the program's status.
+                Some(shoal_train::Error::Program { code, .. }) => {
+                    std::process::ExitCode::from((*code).clamp(1, 255) as u8)
+                }
+                _ => std::process::ExitCode::FAILURE,
+            }
         }
     }
 }

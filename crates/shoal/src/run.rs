@@ -224,7 +224,15 @@ pub fn run_job(
         progress: progress && node_rank == 0,
         nodes,
     };
-    if !json {
+    if !json && spec.is_command() {
+        eprintln!(
+            "shoal run: {} (`{}`) with {world} worker{} -> {}",
+            spec.name,
+            spec.train.command.join(" "),
+            if world == 1 { "" } else { "s" },
+            out.display()
+        );
+    } else if !json {
         let where_ =
             if hosts == 1 { String::new() } else { format!(" ({n} on this host, node {node_rank} of {hosts})") };
         let beside = match servers {
@@ -293,6 +301,22 @@ pub fn run_job(
 
 /// The summary of a finished run, for people.
 fn print_summary(w: &mut impl Write, s: &shoal_train::worker::Summary, out: &Path) -> std::io::Result<()> {
+    if !s.command.is_empty() {
+        let last = s.final_loss.map_or_else(|| "-".to_string(), |l| format!("{l:.4}"));
+        writeln!(
+            w,
+            "{} finished: `{}` on {} worker(s) in {:.1} s",
+            s.name,
+            s.command.join(" "),
+            s.world_size,
+            s.elapsed_s
+        )?;
+        writeln!(w, "  {} metrics lines; last step {}, loss {last}", s.metrics_lines, s.steps)?;
+        if let Some(a) = s.eval_accuracy {
+            writeln!(w, "  eval accuracy {:.2}%", a * 100.0)?;
+        }
+        return writeln!(w, "  outputs in {}", out.display());
+    }
     writeln!(w, "{} finished: {} steps on {} worker(s) in {:.1} s", s.name, s.steps, s.world_size, s.elapsed_s)?;
     let final_loss = s.final_loss.map_or_else(|| "-".to_string(), |l| format!("{l:.4}"));
     writeln!(w, "  final loss {final_loss}, eval loss {:.4}", s.eval_loss)?;

@@ -12,6 +12,7 @@
 //! - `train_loop.rs`: the step loop — metrics, periodic checkpoints, in-memory copies, evaluations;
 //! - `report.rs`: the final evaluation and `summary.json`, or the summary kept when the run was already complete.
 //!
+//! `command.rs` runs a job's own program (`train.command`) instead, as the rank's supervised child.
 //! `regroup.rs` keeps an elastic job's survivors training when the group loses a member or gains newcomers: a new
 //! communicator at the new size, and the state of the group's rank 0, with no process restarted.
 //! `stop.rs` turns a SIGTERM during the step loop into a stop at the next step boundary, with a checkpoint there,
@@ -19,6 +20,7 @@
 //! read (`metrics.jsonl`, `eval.jsonl`, `summary.json`); `heartbeat.rs` the thread that, on the platform, tells the
 //! control loop twice a second that the rank lives, its phase, its step and the collective it is in.
 
+mod command;
 mod eval;
 mod heartbeat;
 mod regroup;
@@ -51,6 +53,9 @@ pub struct WorkerOptions {
 
 /// Runs this process's rank of `spec`; rank 0 returns the summary.
 pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
+    if spec.is_command() {
+        return command::run(spec, &opts.output, opts.resume);
+    }
     let started = Instant::now();
     // The last `ps.servers` tasks of a parameter-server job serve the model instead.
     if spec.ps_servers() > 0 {

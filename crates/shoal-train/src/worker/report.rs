@@ -173,6 +173,8 @@ pub(super) fn finish(
                 _ => vec![1.0 / n as f64; n],
             }
         }),
+        command: Vec::new(),
+        metrics_lines: 0,
     };
     comm.barrier()?;
     if rank == 0 {

@@ -34,6 +34,8 @@ pub struct Summary {
     /// step ran and the checkpoint resumed from recorded none.
     #[serde(default)]
     pub final_loss: Option<f64>,
+    /// NaN (null in the file) when nothing was evaluated (a job's own program that printed no `eval_loss`).
+    #[serde(deserialize_with = "nan_if_null")]
     pub eval_loss: f64,
     pub eval_accuracy: Option<f64>,
     pub eval_perplexity: Option<f64>,
@@ -91,6 +93,19 @@ pub struct Summary {
     /// parts when no setting was made).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shares: Option<Vec<f64>>,
+    /// A job's own program (`train.command`), and the metrics lines it printed.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub command: Vec<String>,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub metrics_lines: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
+fn nan_if_null<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<f64, D::Error> {
+    Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
 }
 
 /// One rank's memory, in bytes: its parameters, its gradient buffers, its optimizer state (a shard of it under
