@@ -57,6 +57,9 @@ pub struct Options {
     pub lanes: Option<usize>,
     /// A lake dataset: how blocks (row groups, byte ranges) reach the workers (default `static`).
     pub sharding: Option<Sharding>,
+    /// A lake dataset for language modelling: the column of text whose bytes are the tokens (instead of
+    /// `feature_columns`, `label_column` and `classes`); windows of `context` tokens, as `cicero`'s.
+    pub text_column: Option<String>,
 }
 
 /// How a lake dataset's blocks reach the workers (`train.data.sharding`).
@@ -82,6 +85,9 @@ pub fn is_lake(dataset: &str) -> bool {
 
 /// The formats a lake dataset may be in.
 pub const LAKE_FORMATS: [&str; 3] = ["parquet", "csv", "jsonl"];
+
+/// The default of `context` (tokens a text window gives as input).
+pub const DEFAULT_CONTEXT: usize = 64;
 
 /// The default of `lanes`.
 pub const DEFAULT_LANES: usize = 8;
@@ -213,7 +219,7 @@ fn bad(dataset: &str, option: &'static str, reason: impl Into<String>) -> DataEr
 }
 
 fn reject(name: &str, options: &Options, allowed: &[&str]) -> Result<(), DataError> {
-    let set: [(&'static str, bool); 12] = [
+    let set: [(&'static str, bool); 13] = [
         ("seed", options.seed.is_some()),
         ("context", options.context.is_some()),
         ("stride", options.stride.is_some()),
@@ -226,6 +232,7 @@ fn reject(name: &str, options: &Options, allowed: &[&str]) -> Result<(), DataErr
         ("eval", options.eval.is_some()),
         ("lanes", options.lanes.is_some()),
         ("sharding", options.sharding.is_some()),
+        ("text_column", options.text_column.is_some()),
     ];
     match set.iter().find(|(opt, on)| *on && !allowed.contains(opt)) {
         Some((opt, _)) => Err(bad(name, opt, "does not apply to this dataset")),
@@ -321,31 +328,65 @@ pub fn check(name: &str, options: &Options) -> Result<Checked, DataError> {
             };
         }
         lake if is_lake(lake) => {
+            if let Some(text) = &options.text_column {
+                reject(name, options, &["format", "eval", "lanes", "sharding", "text_column", "context"]).map_err(
+                    |e| match e {
+                        DataError::BadOption { dataset, option, .. } => DataError::BadOption {
+                            dataset,
+                            option,
+                            reason: "does not apply to a text column (text_column)".into(),
+                        },
+                        other => other,
+                    },
+                )?;
+                if text.is_empty() {
+                    return Err(bad(name, "text_column", "names no column"));
+                }
+                c.context = positive(name, "context", options.context, DEFAULT_CONTEXT, 1 << 20)?;
+                c.features = c.context;
+                c.classes = 256;
+            }
             reject(
                 name,
                 options,
-                &["classes", "format", "feature_columns", "label_column", "eval", "lanes", "sharding"],
+                &[
+                    "classes",
+                    "format",
+                    "feature_columns",
+                    "label_column",
+                    "eval",
+                    "lanes",
+                    "sharding",
+                    "text_column",
+                    "context",
+                ],
             )?;
             if let Some(f) = options.format.as_deref().filter(|f| !LAKE_FORMATS.contains(f)) {
                 return Err(bad(name, "format", format!("{f:?} is not one of {}", LAKE_FORMATS.join(", "))));
             }
-            let features = options.feature_columns.as_ref().filter(|f| !f.is_empty()).ok_or_else(|| {
-                bad(name, "feature_columns", "a lake dataset names its feature columns (a list of column names)")
-            })?;
-            if let Some(dup) = features.iter().enumerate().find(|(i, f)| features[..*i].contains(f)) {
-                return Err(bad(name, "feature_columns", format!("{:?} is named twice", dup.1)));
+            // A text column's bytes are the tokens; a table's samples are its feature and label columns.
+            if options.text_column.is_none() {
+                if options.context.is_some() {
+                    return Err(bad(name, "context", "applies to a text column (text_column) only"));
+                }
+                let features = options.feature_columns.as_ref().filter(|f| !f.is_empty()).ok_or_else(|| {
+                    bad(name, "feature_columns", "a lake dataset names its feature columns (a list of column names)")
+                })?;
+                if let Some(dup) = features.iter().enumerate().find(|(i, f)| features[..*i].contains(f)) {
+                    return Err(bad(name, "feature_columns", format!("{:?} is named twice", dup.1)));
+                }
+                let label = options
+                    .label_column
+                    .as_deref()
+                    .filter(|l| !l.is_empty())
+                    .ok_or_else(|| bad(name, "label_column", "a lake dataset names the column of its classes"))?;
+                if features.iter().any(|f| f == label) {
+                    return Err(bad(name, "label_column", format!("{label:?} is a feature column too")));
+                }
+                c.classes = positive(name, "classes", options.classes, 0, 1 << 24)
+                    .map_err(|_| bad(name, "classes", "a lake dataset says how many classes its label column has"))?;
+                c.features = features.len();
             }
-            let label = options
-                .label_column
-                .as_deref()
-                .filter(|l| !l.is_empty())
-                .ok_or_else(|| bad(name, "label_column", "a lake dataset names the column of its classes"))?;
-            if features.iter().any(|f| f == label) {
-                return Err(bad(name, "label_column", format!("{label:?} is a feature column too")));
-            }
-            c.classes = positive(name, "classes", options.classes, 0, 1 << 24)
-                .map_err(|_| bad(name, "classes", "a lake dataset says how many classes its label column has"))?;
-            c.features = features.len();
             c.lanes = positive(name, "lanes", options.lanes, DEFAULT_LANES, 1024)?;
             match (&options.eval, options.eval_fraction) {
                 (Some(_), Some(_)) => {

@@ -1380,6 +1380,9 @@ impl TrainSpec {
     }
 
     fn catalogue_kind(&self) -> Option<Kind> {
+        if data::is_lake(&self.dataset) {
+            return self.data.text_column.as_ref().map(|_| Kind::Text);
+        }
         data::catalogue().into_iter().find(|i| i.name == self.dataset).map(|i| i.kind)
     }
 
@@ -1394,7 +1397,12 @@ impl TrainSpec {
                 }
                 other => SpecError::at("train.data", other.to_string()),
             })?;
-            return Ok(DataShape { kind: Kind::Tabular, features: c.features, classes: c.classes });
+            let kind = if self.data.text_column.is_some() { Kind::Text } else { Kind::Tabular };
+            let features = match kind {
+                Kind::Text => self.data_options().context.unwrap_or(c.features),
+                _ => c.features,
+            };
+            return Ok(DataShape { kind, features, classes: c.classes });
         }
         let cat = data::catalogue();
         let Some(info) = cat.iter().find(|i| i.name == self.dataset) else {

@@ -126,6 +126,8 @@ fn read_rank(
         features: columns.to_vec(),
         label: label.to_owned(),
         classes,
+        text: None,
+        context: 0,
         cache_bytes: shoal_data::lake::table::DEFAULT_CACHE_BYTES,
     };
     let table = std::sync::Arc::new(shoal_data::lake::LakeTable::open(spec)?);

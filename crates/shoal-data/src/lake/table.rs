@@ -1,5 +1,13 @@
 //! A table in a data lake as a [`Dataset`]: the rows of Parquet, CSV or JSONL files where they live, each row a
-//! sample of numeric feature columns and an integer class column.
+//! sample of numeric feature columns and an integer class column — or, with a text column ([`TableSpec::text`]),
+//! text for a language model: each block's rows joined by newlines, its bytes the tokens, cut into windows of
+//! `context + 1` bytes (input and next-token target) as the built-in text is.
+//!
+//! A text block's windows are counted before it is read, from its size (a Parquet row group's text column chunk,
+//! uncompressed, less the values' length prefixes; a CSV or JSONL block's bytes): `max(1, bytes / context)`
+//! windows, spread evenly over the text the block really holds once read. So the dataset's length is known when it
+//! is opened without reading it, every window is real text, and windows overlap or leave gaps only as much as that
+//! count is off.
 //!
 //! The files are cut into *blocks* — a Parquet file's row groups; a CSV or JSONL file's byte ranges of about
 //! [`TEXT_BLOCK_BYTES`] ending on a record boundary (found by one streamed pass over the file when it is opened) —
@@ -45,6 +53,10 @@ pub struct TableSpec {
     pub features: Vec<String>,
     pub label: String,
     pub classes: usize,
+    /// The text column of a language model's data (`features`, `label` and `classes` then unused).
+    pub text: Option<String>,
+    /// Tokens a text window gives as input (its target is the same shifted by one).
+    pub context: usize,
     /// Most bytes of decoded blocks held at once (at least one block is always held).
     pub cache_bytes: usize,
 }
@@ -61,9 +73,12 @@ enum Place {
 struct Block {
     file: usize,
     place: Place,
-    /// Index of the block's first row in the table.
+    /// Index of the block's first sample in the table.
     first: usize,
+    /// Records (rows) it holds.
     rows: usize,
+    /// Samples it gives: its rows, or for text its windows.
+    samples: usize,
 }
 
 /// One decoded block.
@@ -71,11 +86,13 @@ struct Block {
 struct Decoded {
     features: Vec<f32>,
     labels: Vec<u32>,
+    /// Text: the rows' bytes, joined by newlines.
+    text: Vec<u8>,
 }
 
 impl Decoded {
     fn bytes(&self) -> usize {
-        (self.features.len() + self.labels.len()) * 4
+        (self.features.len() + self.labels.len()) * 4 + self.text.len()
     }
 }
 
@@ -126,11 +143,23 @@ fn numeric(t: &DataType) -> bool {
 /// Checks that `schema` (of the file `url`) has every wanted column, with numbers where features are wanted and
 /// integers where the label is; the columns' indices, features first, then the label.
 fn columns(schema: &Schema, spec: &TableSpec, url: &str) -> Result<Vec<usize>> {
+    let have = || schema.fields().iter().map(|f| f.name().as_str()).collect::<Vec<_>>().join(", ");
+    if let Some(name) = &spec.text {
+        let i =
+            schema.index_of(name).map_err(|_| bad(url, format!("has no column {name:?} (its columns: {})", have())))?;
+        let t = schema.field(i).data_type();
+        if !matches!(
+            t,
+            DataType::Utf8 | DataType::LargeUtf8 | DataType::Utf8View | DataType::Binary | DataType::LargeBinary
+        ) {
+            return Err(bad(url, format!("text column {name:?} is {t}, not text")));
+        }
+        return Ok(vec![i]);
+    }
     let mut out = Vec::with_capacity(spec.features.len() + 1);
     for (name, label) in spec.features.iter().map(|f| (f, false)).chain([(&spec.label, true)]) {
         let Ok(i) = schema.index_of(name) else {
-            let have: Vec<&str> = schema.fields().iter().map(|f| f.name().as_str()).collect();
-            return Err(bad(url, format!("has no column {name:?} (its columns: {})", have.join(", "))));
+            return Err(bad(url, format!("has no column {name:?} (its columns: {})", have())));
         };
         let t = schema.field(i).data_type();
         if label && !t.is_integer() {
@@ -161,8 +190,26 @@ impl LakeTable {
                     let mask = ProjectionMask::roots(meta.parquet_schema(), wanted);
                     for (g, rg) in meta.metadata().row_groups().iter().enumerate() {
                         let rows = usize::try_from(rg.num_rows()).unwrap_or(0);
-                        blocks.push(Block { file: k, place: Place::RowGroup(g), first, rows });
-                        first += rows;
+                        if rows == 0 {
+                            continue;
+                        }
+                        let samples = match spec.text {
+                            Some(_) => {
+                                let chunk: i64 = rg
+                                    .columns()
+                                    .iter()
+                                    .enumerate()
+                                    .filter(|(i, _)| mask.leaf_included(*i))
+                                    .map(|(_, c)| c.uncompressed_size())
+                                    .sum();
+                                // Each value's 4-byte length prefix is not text.
+                                let text = usize::try_from(chunk).unwrap_or(0).saturating_sub(4 * rows);
+                                windows(text, spec.context)
+                            }
+                            None => rows,
+                        };
+                        blocks.push(Block { file: k, place: Place::RowGroup(g), first, rows, samples });
+                        first += samples;
                     }
                     metas.push((meta, mask));
                 }
@@ -180,14 +227,20 @@ impl LakeTable {
                     }
                     columns(&schema, &spec, &f.url)?;
                     for (range, rows) in source.rt.block_on(text_blocks(&source, f, format))? {
-                        blocks.push(Block { file: k, place: Place::Bytes(range), first, rows });
-                        first += rows;
+                        if rows == 0 {
+                            continue;
+                        }
+                        let samples = match spec.text {
+                            Some(_) => windows((range.end - range.start) as usize, spec.context),
+                            None => rows,
+                        };
+                        blocks.push(Block { file: k, place: Place::Bytes(range), first, rows, samples });
+                        first += samples;
                     }
                 }
                 Reading::Text(schema)
             }
         };
-        blocks.retain(|b| b.rows > 0);
         Ok(LakeTable {
             spec,
             format,
@@ -203,7 +256,7 @@ impl LakeTable {
 
     /// The blocks' row ranges, in table order (what the sampler's lanes read in runs).
     pub fn blocks(&self) -> Vec<Range<usize>> {
-        self.blocks.iter().map(|b| b.first..b.first + b.rows).collect()
+        self.blocks.iter().map(|b| b.first..b.first + b.samples).collect()
     }
 
     /// Bytes fetched from the store so far for rows (footers and the text formats' boundary pass not counted).
@@ -233,7 +286,7 @@ impl LakeTable {
 
     /// The block holding row `index`.
     fn block_of(&self, index: usize) -> Option<usize> {
-        let k = self.blocks.partition_point(|b| b.first + b.rows <= index);
+        let k = self.blocks.partition_point(|b| b.first + b.samples <= index);
         (k < self.blocks.len()).then_some(k)
     }
 
@@ -298,10 +351,31 @@ impl LakeTable {
         self.decode(k, &batches)
     }
 
-    /// Features (cast to f32, row-major) and labels of a block's record batches.
+    /// Features (cast to f32, row-major) and labels of a block's record batches; or its text.
     fn decode(&self, k: usize, batches: &[RecordBatch]) -> Result<Decoded> {
         let b = &self.blocks[k];
         let url = &self.source.files[b.file].url;
+        if let Some(name) = &self.spec.text {
+            let mut text = Vec::new();
+            for batch in batches {
+                let col = batch.column_by_name(name).ok_or_else(|| bad(url, "lost its text column"))?;
+                let col = arrow_cast::cast(col, &DataType::LargeBinary).map_err(|e| bad(url, e))?;
+                let col = col
+                    .as_any()
+                    .downcast_ref::<arrow_array::LargeBinaryArray>()
+                    .ok_or_else(|| bad(url, "a text column cast to bytes is not bytes"))?;
+                for v in col.iter().flatten() {
+                    if !text.is_empty() {
+                        text.push(b'\n');
+                    }
+                    text.extend_from_slice(v);
+                }
+            }
+            if text.is_empty() {
+                return Err(bad(url, format!("block {k}'s rows of text column {name:?} hold no text")));
+            }
+            return Ok(Decoded { features: Vec::new(), labels: Vec::new(), text });
+        }
         let width = self.spec.features.len();
         let mut features = vec![0f32; b.rows * width];
         let mut labels = Vec::with_capacity(b.rows);
@@ -345,8 +419,13 @@ impl LakeTable {
         if row != b.rows {
             return Err(bad(url, format!("a block said to hold {} rows holds {row}", b.rows)));
         }
-        Ok(Decoded { features, labels })
+        Ok(Decoded { features, labels, text: Vec::new() })
     }
+}
+
+/// Windows of `context` tokens a text block of about `bytes` bytes gives.
+fn windows(bytes: usize, context: usize) -> usize {
+    (bytes / context.max(1)).max(1)
 }
 
 /// A column of `batch` cast to f32.
@@ -484,6 +563,22 @@ impl AsyncFileReader for Ranged {
 
 impl Dataset for LakeTable {
     fn info(&self) -> DatasetInfo {
+        if let Some(text) = &self.spec.text {
+            return DatasetInfo {
+                name: self.spec.location.clone(),
+                kind: Kind::Text,
+                len: self.len,
+                features: self.spec.context,
+                classes: 256,
+                description: format!(
+                    "{} ({} file(s), {} blocks): text column {text}, windows of {} bytes",
+                    self.spec.location,
+                    self.source.files.len(),
+                    self.blocks.len(),
+                    self.spec.context
+                ),
+            };
+        }
         DatasetInfo {
             name: self.spec.location.clone(),
             kind: Kind::Tabular,
@@ -513,6 +608,16 @@ impl Dataset for LakeTable {
         })?;
         let d = self.decoded(k)?;
         let r = index - self.blocks[k].first;
+        if self.spec.text.is_some() {
+            // Window r of the block's windows, spread evenly over its text (taken round it when shorter).
+            let (n, w, len) = (self.blocks[k].samples, self.spec.context + 1, d.text.len());
+            let start = if n <= 1 || len <= w { 0 } else { r * (len - w) / (n - 1) };
+            let bytes: Vec<u32> = (start..start + w).map(|i| u32::from(d.text[i % len])).collect();
+            return Ok(Sample {
+                features: crate::Features::Tokens(bytes[..w - 1].to_vec()),
+                label: crate::Label::Tokens(bytes[1..].to_vec()),
+            });
+        }
         let w = self.spec.features.len();
         Ok(Sample::class(d.features[r * w..(r + 1) * w].to_vec(), d.labels[r]))
     }

@@ -98,8 +98,13 @@ pub(super) fn finish(
     let (eval_loss, eval_acc) = evaluate(model.as_ref(), &tr.trainer, eval.as_ref(), comm, micro, t.eval_batches)?;
     steps.eval_log.log(t.steps, eval_loss, eval_acc)?;
     let text = t.model.kind == ModelKind::Gpt;
-    let baseline_loss =
-        if text && rank == 0 { Some(unigram_baseline(train.as_ref(), eval.as_ref(), t.model.vocab())?) } else { None };
+    // A built-in text's unigram baseline (a lake's would read the whole table once more).
+    let baseline = text && !crate::spec::data::is_lake(&t.dataset);
+    let baseline_loss = if baseline && rank == 0 {
+        Some(unigram_baseline(train.as_ref(), eval.as_ref(), t.model.vocab())?)
+    } else {
+        None
+    };
     // Every rank's memory, gathered (-1: not measured).
     let trainer = &tr.trainer;
     let mine = [

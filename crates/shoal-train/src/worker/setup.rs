@@ -191,6 +191,8 @@ pub fn open_data(t: &crate::spec::TrainSpec) -> Result<JobData> {
         features: o.feature_columns.clone().unwrap_or_default(),
         label: o.label_column.clone().unwrap_or_default(),
         classes: o.classes.unwrap_or(0),
+        text: o.text_column.clone(),
+        context: o.context.unwrap_or(crate::spec::data::DEFAULT_CONTEXT),
         cache_bytes: shoal_data::lake::table::DEFAULT_CACHE_BYTES,
     };
     let (train, eval) = shoal_data::lake::open_splits(spec, o.eval.as_deref(), o.eval_fraction.unwrap_or(0.1))?;

@@ -240,3 +240,65 @@ fn a_table_uploaded_by_data_make_reads_the_same_rows_from_s3_as_from_disk() -> R
     let _ = std::fs::remove_dir_all(local);
     Ok(())
 }
+
+/// Cicero's text as a Parquet table, a paragraph (a line) a row, 40 rows a row group, with an id column beside.
+fn text_parquet(path: &Path) -> Res<Vec<u8>> {
+    let lines: Vec<&str> = lipsum::LIBER_PRIMUS.lines().filter(|l| !l.trim().is_empty()).collect();
+    let schema = Arc::new(Schema::new(vec![
+        Field::new("id", DataType::Int64, false),
+        Field::new("text", DataType::Utf8, false),
+    ]));
+    let cols: Vec<Arc<dyn arrow_array::Array>> = vec![
+        Arc::new(Int64Array::from_iter_values(0..lines.len() as i64)),
+        Arc::new(StringArray::from_iter_values(lines.iter())),
+    ];
+    let batch = RecordBatch::try_new(schema.clone(), cols).map_err(|e| e.to_string())?;
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
+    }
+    let file = std::fs::File::create(path).map_err(|e| e.to_string())?;
+    let props = WriterProperties::builder().set_max_row_group_row_count(Some(40)).build();
+    let mut w = ArrowWriter::try_new(file, schema, Some(props)).map_err(|e| e.to_string())?;
+    w.write(&batch).map_err(|e| e.to_string())?;
+    w.close().map_err(|e| e.to_string())?;
+    Ok(lines.join("\n").into_bytes())
+}
+
+#[test]
+fn a_gpt_learns_a_text_column_read_from_s3() -> Res<()> {
+    let s3 = S3::start(&["lake"])?;
+    let local = tmpdir("text")?;
+    let text = text_parquet(&s3.object_path("lake", "text/part-0.parquet"))?;
+    let env = s3.env().into_iter().map(|(k, v)| (k.to_string(), v.to_string())).collect::<Vec<_>>();
+    let job = local.join("gpt.toml");
+    let body = "name = \"lake-gpt\"\n[train]\ndataset = \"s3://lake/text/*.parquet\"\nglobal_batch = 32\nsteps = 300\n\
+                seed = 1\noptimizer = \"adamw\"\nlr = 5e-3\nwarmup_steps = 20\nlog_every = 1000\n[train.model]\n\
+                kind = \"gpt\"\nlayers = 1\nheads = 4\nwidth = 64\ncontext = 32\n[train.data]\ntext_column = \"text\"\n";
+    std::fs::write(&job, body).map_err(|e| e.to_string())?;
+    let s = run(&env, &job, &local.join("out"), false)?;
+    // The entropy of the text's bytes: what a model of byte frequencies alone reaches.
+    let mut counts = [0f64; 256];
+    for &b in &text {
+        counts[usize::from(b)] += 1.0;
+    }
+    let n = text.len() as f64;
+    let unigram: f64 = counts.iter().filter(|&&c| c > 0.0).map(|&c| -(c / n) * (c / n).ln()).sum();
+    let eval = s["eval_loss"].as_f64().ok_or_else(|| format!("no eval_loss in {s}"))?;
+    assert!(eval < unigram - 0.3, "the GPT (eval loss {eval}) beats the text's byte entropy ({unigram})");
+    assert!(s["eval_perplexity"].as_f64().is_some(), "{s}");
+    assert_eq!(s["dataset"], "s3://lake/text/*.parquet", "{s}");
+
+    // A text column that is not text, and feature columns beside a text column, are refused naming them.
+    let bad = body.replace("text_column = \"text\"", "text_column = \"id\"");
+    std::fs::write(&job, bad).map_err(|e| e.to_string())?;
+    let o = shoal(&env, &["run", "-n", "2", &job.display().to_string()])?;
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("text column \"id\" is Int64, not text"), "{err}");
+    let both = body.replace("text_column = \"text\"", "text_column = \"text\"\nfeature_columns = [\"id\"]");
+    std::fs::write(&job, both).map_err(|e| e.to_string())?;
+    let o = shoal(&env, &["run", "-n", "2", &job.display().to_string()])?;
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("train.data.feature_columns"), "{err}");
+    let _ = std::fs::remove_dir_all(local);
+    Ok(())
+}
