@@ -40,6 +40,7 @@
 //! ```
 
 mod builtin;
+pub mod clients;
 mod dataset;
 mod error;
 pub mod lake;

@@ -120,6 +120,7 @@ pub mod data;
 use data::{Kind, Options, Split};
 
 mod compression;
+mod federated;
 mod platform;
 mod ps;
 mod robust;
@@ -128,6 +129,7 @@ mod schema;
 mod stats;
 
 pub use compression::{CodecName, CompressionSpec};
+pub use federated::{DpSpec, FedAlgorithm, FedPartition, FederatedSpec};
 pub use platform::{
     FaultPolicy, FaultToleranceSpec, MAX_BYTES, MAX_DURATION, MAX_MILLI, MAX_WORKERS, PhaseSpec, ResourcesSpec,
     Seconds, WorkersSpec, parse_bytes, parse_milli,
@@ -243,6 +245,9 @@ pub struct JobSpec {
     /// `[ps]`: the parameter servers of `train.strategy = "ps"` (one synchronous server by default).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ps: Option<PsSpec>,
+    /// `[federated]`: the clients, rounds and rules of `train.strategy = "federated"`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub federated: Option<FederatedSpec>,
 }
 
 /// `[parallel]`: the layout of a pipeline-parallel or tensor-parallel job.
@@ -562,11 +567,14 @@ pub enum Strategy {
     /// the one that holds the least; the workers run it as if the spec had named it, and what ran, and why, is
     /// recorded. A spec with `"auto"` has no `[parallel]` table of its own.
     Auto,
+    /// Federated learning (`[federated]`): clients train on their own data, a server combines their updates.
+    Federated,
 }
 
 impl Strategy {
     /// The strategies that can run, as written in a spec.
-    pub const NAMES: [&'static str; 9] = ["ddp", "zero1", "zero2", "zero3", "pipeline", "tensor", "3d", "ps", "auto"];
+    pub const NAMES: [&'static str; 10] =
+        ["ddp", "zero1", "zero2", "zero3", "pipeline", "tensor", "3d", "ps", "auto", "federated"];
     /// Strategies a spec may name that do not exist yet (refused with a message saying so).
     pub const PLANNED: [&'static str; 1] = ["fsdp"];
 
@@ -581,6 +589,7 @@ impl Strategy {
             Strategy::ThreeD => "3d",
             Strategy::Ps => "ps",
             Strategy::Auto => "auto",
+            Strategy::Federated => "federated",
         }
     }
 
@@ -606,6 +615,7 @@ impl Strategy {
             "3d" => Some(Strategy::ThreeD),
             "ps" => Some(Strategy::Ps),
             "auto" => Some(Strategy::Auto),
+            "federated" => Some(Strategy::Federated),
             _ => None,
         }
     }
@@ -1169,18 +1179,22 @@ fn deserialize_toml(text: &str) -> Result<JobSpec> {
     })?;
     let table: toml::Table = text.parse().map_err(|e: toml::de::Error| SpecError::at("", e.message().to_owned()))?;
     let train = table.get("train").and_then(toml::Value::as_table);
-    check_train_keys(|k| train.is_some_and(|t| t.contains_key(k)))?;
+    let federated = table.contains_key("federated")
+        || train.and_then(|t| t.get("strategy")).and_then(toml::Value::as_str) == Some("federated");
+    check_train_keys(|k| train.is_some_and(|t| t.contains_key(k)), federated)?;
     Ok(spec)
 }
 
 /// The keys a `[train]` of built-in training must hold; one with `command` holds none of them but `steps`.
 const BUILT_IN_TRAIN_KEYS: [&str; 5] = ["model", "dataset", "global_batch", "steps", "lr"];
 
-/// `[train]` holds the keys of built-in training, or `command` and none of them (but `steps`).
-fn check_train_keys(has: impl Fn(&str) -> bool) -> Result<()> {
+/// `[train]` holds the keys of built-in training, or `command` and none of them (but `steps`); a federated job's
+/// rounds are `federated.rounds`, so it needs no `steps`.
+fn check_train_keys(has: impl Fn(&str) -> bool, federated: bool) -> Result<()> {
     let command = has("command");
     for key in BUILT_IN_TRAIN_KEYS {
         match (command, has(key)) {
+            (false, false) if federated && key == "steps" => {}
             (false, false) => return Err(SpecError::at("train", format!("missing field `{key}`"))),
             (true, true) if key != "steps" => {
                 return Err(SpecError::at(
@@ -1208,7 +1222,9 @@ fn deserialize_json(text: &str) -> Result<JobSpec> {
     de.end().map_err(|e| from_json(String::new(), &e))?;
     let value: serde_json::Value = serde_json::from_str(text).map_err(|e| from_json(String::new(), &e))?;
     let train = value.get("train").and_then(serde_json::Value::as_object);
-    check_train_keys(|k| train.is_some_and(|t| t.contains_key(k)))?;
+    let federated = value.get("federated").is_some_and(|f| !f.is_null())
+        || train.and_then(|t| t.get("strategy")).and_then(serde_json::Value::as_str) == Some("federated");
+    check_train_keys(|k| train.is_some_and(|t| t.contains_key(k)), federated)?;
     Ok(spec)
 }
 
@@ -1615,6 +1631,8 @@ impl JobSpec {
             platform(self.workers.validate()),
             platform(self.resources.validate()),
             platform(self.fault_tolerance.validate()),
+            // Before the numbers: a [federated] table without its strategy explains a missing train.steps.
+            self.validate_federated(),
             numbers.clone(),
             world,
             if numbers.is_ok() { self.validate_phases() } else { Ok(()) },
@@ -1722,6 +1740,43 @@ impl JobSpec {
             ));
         }
         Ok(())
+    }
+
+    /// `[federated]` against the strategy, and what federated learning does not combine with.
+    fn validate_federated(&self) -> Result<()> {
+        let t = &self.train;
+        let Some(f) = &self.federated else {
+            return match t.strategy {
+                Strategy::Federated => Err(SpecError::at(
+                    "federated",
+                    "train.strategy = \"federated\" needs a [federated] table with clients and rounds",
+                )),
+                _ => Ok(()),
+            };
+        };
+        if t.strategy != Strategy::Federated {
+            return Err(SpecError::at(
+                "federated",
+                format!("applies to train.strategy = \"federated\" only, not \"{}\"", t.strategy),
+            ));
+        }
+        f.validate().map_err(|(k, m)| SpecError::at(&k, m))?;
+        let why = "federated clients train whole models on their own data";
+        let set = [
+            ("parallel", self.parallel.is_some()),
+            ("compression", self.compression.is_some()),
+            ("chaos", self.chaos.is_some()),
+            ("robust", self.robust.is_some()),
+            ("phases", !self.phases.is_empty()),
+            ("train.balance", t.balance != Balance::Static),
+            ("train.grad_accum", t.grad_accum != 1),
+        ];
+        match set.into_iter().find(|(_, on)| *on) {
+            Some((key, _)) => {
+                Err(SpecError::at(key, format!("does not apply under train.strategy = \"federated\": {why}")))
+            }
+            None => Ok(()),
+        }
     }
 
     /// `[ps]` against the strategy: the table belongs to `train.strategy = "ps"`, whose servers each hold part of
@@ -2017,8 +2072,8 @@ impl JobSpec {
         if world_size == 0 {
             return Err(SpecError::at("", "the world size must be at least 1"));
         }
-        if self.is_command() {
-            // The program splits its own work.
+        if self.is_command() || self.train.strategy == Strategy::Federated {
+            // The program splits its own work; a federated job's batches are each client's own.
             return Ok(());
         }
         if let Some(Err((key, message))) = self.robust.map(|r| r.validate_world(world_size)) {
@@ -2159,7 +2214,9 @@ fn validate_name(name: &str) -> Result<()> {
 impl TrainSpec {
     fn validate_numbers(&self) -> Result<()> {
         positive("train.global_batch", self.global_batch)?;
-        positive("train.steps", self.steps)?;
+        if self.strategy != Strategy::Federated {
+            positive("train.steps", self.steps)?;
+        }
         if self.dtype != Dtype::BUILT {
             let build = if self.dtype == Dtype::F64 { "with `--features f64`" } else { "without the `f64` feature" };
             return Err(SpecError::at(

@@ -34,6 +34,7 @@
 
 pub mod batch;
 pub mod checkpoint;
+pub mod dp;
 pub mod error;
 pub mod kernels;
 pub mod layers;

@@ -241,11 +241,14 @@ pub fn run_job(
             s => format!(" and {s} parameter servers"),
         };
         eprintln!(
-            "shoal run: {} ({} on {}, {} steps) with {world} worker{}{beside}{where_} -> {}",
+            "shoal run: {} ({} on {}, {}) with {world} worker{}{beside}{where_} -> {}",
             spec.name,
             format!("{:?}", spec.train.model.kind).to_lowercase(),
             spec.train.dataset,
-            spec.train.steps,
+            match &spec.federated {
+                Some(f) => format!("{} rounds of {} clients", f.rounds, f.clients),
+                None => format!("{} steps", spec.train.steps),
+            },
             if world == 1 { "" } else { "s" },
             out.display()
         );
@@ -301,6 +304,25 @@ pub fn run_job(
 
 /// The summary of a finished run, for people.
 fn print_summary(w: &mut impl Write, s: &shoal_train::worker::Summary, out: &Path) -> std::io::Result<()> {
+    if let Some(f) = &s.federated {
+        writeln!(
+            w,
+            "{} finished: {} rounds of {} on {} worker(s) in {:.1} s",
+            s.name,
+            f.rounds.len(),
+            f.algorithm,
+            s.world_size,
+            s.elapsed_s
+        )?;
+        writeln!(w, "  {} clients ({} partition), {} a round", f.clients, f.partition, f.clients_per_round)?;
+        if let Some(a) = s.eval_accuracy {
+            writeln!(w, "  eval accuracy {:.2}%, eval loss {:.4}", a * 100.0, s.eval_loss)?;
+        }
+        if let (Some(e), Some(d), Some(n)) = (f.epsilon, f.delta, f.noise_multiplier) {
+            writeln!(w, "  differential privacy: ε {e:.3} at δ {d:e} (noise multiplier {n:.3})")?;
+        }
+        return writeln!(w, "  outputs in {}", out.display());
+    }
     if !s.command.is_empty() {
         let last = s.final_loss.map_or_else(|| "-".to_string(), |l| format!("{l:.4}"));
         writeln!(

@@ -218,5 +218,6 @@ fn summary(spec: &JobSpec, world: usize, seen: &Seen, elapsed: Duration) -> Summ
         shares: None,
         command: spec.train.command.clone(),
         metrics_lines: seen.lines,
+        federated: None,
     }
 }

@@ -22,6 +22,7 @@
 
 mod command;
 mod eval;
+mod federated;
 mod heartbeat;
 mod regroup;
 mod report;
@@ -71,7 +72,12 @@ pub fn run(spec: &JobSpec, opts: &WorkerOptions) -> Result<Option<Summary>> {
     let beat = setup.attempt.and_then(|a| {
         heartbeat::Beat::start(setup.comm.clone(), setup.task_rank, a, setup.joined, &opts.output, setup.link.clone())
     });
-    let ran = train(spec, opts, &mut setup, params, beat.as_ref(), started);
+    let ran = match spec.train.strategy {
+        crate::spec::Strategy::Federated => {
+            federated::train(spec, &setup, &params, &opts.output, beat.as_ref(), started)
+        }
+        _ => train(spec, opts, &mut setup, params, beat.as_ref(), started),
+    };
     match (&ran, &beat) {
         (Err(crate::error::Error::Stopped { .. }), _) | (Ok(_), _) | (_, None) => {}
         (Err(e), Some(b)) => b.fail(&e.to_string()),

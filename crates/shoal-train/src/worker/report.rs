@@ -180,6 +180,7 @@ pub(super) fn finish(
         }),
         command: Vec::new(),
         metrics_lines: 0,
+        federated: None,
     };
     comm.barrier()?;
     if rank == 0 {

@@ -335,6 +335,9 @@ pub(super) fn training(spec: &JobSpec, setup: &Setup, params: Params) -> Result<
             Box::new(crate::strategy::ps::Ps::new(Some(comm.clone()), &params, cfg)?)
         }
         Strategy::Auto => return Err(Error::Spec("train.strategy: \"auto\" was not resolved".into())),
+        Strategy::Federated => {
+            return Err(Error::Spec("train.strategy = \"federated\" trains clients, not one trainer".into()));
+        }
     };
     let trainer = Trainer::with_strategy(params, strategy, cfg)?;
 

@@ -98,6 +98,9 @@ pub struct Summary {
     pub command: Vec<String>,
     #[serde(default, skip_serializing_if = "is_zero")]
     pub metrics_lines: u64,
+    /// Under `train.strategy = "federated"`: the rounds, and the privacy spent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub federated: Option<FederatedReport>,
 }
 
 fn is_zero(n: &u64) -> bool {
@@ -190,4 +193,32 @@ pub struct EvalMetrics {
     pub eval_loss: f64,
     pub eval_accuracy: Option<f64>,
     pub eval_perplexity: Option<f64>,
+}
+
+/// What a federated run did, for `summary.json`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct FederatedReport {
+    pub algorithm: String,
+    pub clients: usize,
+    pub clients_per_round: usize,
+    pub partition: String,
+    /// Each round: clients sampled, held-out accuracy after it, bytes this process sent, ε spent so far.
+    pub rounds: Vec<RoundReport>,
+    /// Under DP: the noise multiplier used, δ, and the ε spent over every round.
+    pub noise_multiplier: Option<f64>,
+    pub delta: Option<f64>,
+    pub epsilon: Option<f64>,
+    /// Each client's samples of each class (the partition's label histogram).
+    pub histogram: Vec<Vec<usize>>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct RoundReport {
+    pub round: usize,
+    pub clients: usize,
+    pub loss: f64,
+    pub eval_loss: f64,
+    pub eval_accuracy: f64,
+    pub bytes: u64,
+    pub epsilon: Option<f64>,
 }

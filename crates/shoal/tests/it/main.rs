@@ -11,6 +11,7 @@ mod data;
 mod deploy;
 mod diagnose;
 mod faults;
+mod federated;
 mod frameworks;
 mod hosts;
 mod kubelet;
