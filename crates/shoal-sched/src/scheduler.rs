@@ -105,6 +105,22 @@ fn pack_of(packing: Packing, workload: &[(Resources, u64)]) -> Pack<'_> {
 
 type ShapeKey = (u64, u64, u64, u64);
 
+/// A pending job's place in a pass's order when that order is static: (priority, highest first), the ordering's
+/// key, submission time, id.
+type PendKey = (std::cmp::Reverse<i32>, u64, u64, JobId);
+
+/// What a pass needs of a pending job to pass over it without looking it up.
+#[derive(Debug, Clone)]
+struct PendInfo {
+    team: String,
+    per_task: Resources,
+    tasks_min: u32,
+    tasks_max: u32,
+    spread: bool,
+    /// The job's [`Job::failed_at`].
+    failed_at: Option<u64>,
+}
+
 fn shape_key(r: &Resources) -> ShapeKey {
     (r.cpus_milli, r.memory_bytes, r.gpus_milli, r.gpu_memory_bytes)
 }
@@ -150,6 +166,18 @@ pub struct Scheduler {
     workload: Option<Vec<(Resources, u64)>>,
     /// The first job of the last pass's order that could not start.
     last_blocked: Option<JobId>,
+    /// Whether no queue has a guarantee (no job ever borrows): then a pending job's place in the order never
+    /// changes and the pending jobs are kept in order in `pending`.
+    static_order: bool,
+    pending: BTreeMap<PendKey, PendInfo>,
+    /// Jobs draining.
+    draining: usize,
+    /// Running jobs by priority, and how many of them may grow or shrink.
+    running_by_priority: BTreeMap<i32, usize>,
+    running_elastic: usize,
+    /// In this pass, a rank for which no job was running below it, nothing drained and no peer could shrink: no
+    /// job of that rank or lower can make room until something is preempted.
+    no_room_below: Option<(i32, i64)>,
 }
 
 fn gpus_text(milli: u64) -> String {
@@ -191,7 +219,7 @@ impl Scheduler {
             pristine,
             nodes,
             total,
-            queues: qs,
+            queues: qs.clone(),
             teams: BTreeMap::new(),
             jobs: BTreeMap::new(),
             allocated: Usage::default(),
@@ -200,6 +228,12 @@ impl Scheduler {
             shape_counts: BTreeMap::new(),
             workload: None,
             last_blocked: None,
+            static_order: qs.values().all(|q: &QueueState| q.queue.guaranteed == Quota::UNLIMITED),
+            pending: BTreeMap::new(),
+            draining: 0,
+            running_by_priority: BTreeMap::new(),
+            running_elastic: 0,
+            no_room_below: None,
         })
     }
 
@@ -242,10 +276,10 @@ impl Scheduler {
         self.jobs.get(job).map(|j| &j.req)
     }
 
-    /// A job's attained service as of the last pass: thousandths of a GPU times milliseconds held while running (a
-    /// task without GPUs counts as one GPU).
-    pub fn attained_service(&self, job: &str) -> Option<u64> {
-        self.jobs.get(job).map(|j| j.attained)
+    /// A job's attained service at `now_ms`: thousandths of a GPU times milliseconds held while running (a task
+    /// without GPUs counts as one GPU).
+    pub fn attained_service(&self, job: &str, now_ms: u64) -> Option<u64> {
+        self.jobs.get(job).map(|j| Self::attained_at(j, now_ms))
     }
 
     /// The GPU capacity of the cluster, in thousandths of a GPU.
@@ -341,8 +375,36 @@ impl Scheduler {
         if self.config.policy.packing == Packing::Fgd {
             self.remember_shape(&job.per_task);
         }
-        self.jobs.insert(job.id.clone(), Job::new(job));
+        let j = Job::new(job);
+        self.index_pending(&j);
+        self.jobs.insert(j.req.id.clone(), j);
         Ok(())
+    }
+
+    /// The job's place in a static order.
+    fn pend_key(&self, j: &Job) -> PendKey {
+        let key = match self.config.policy.ordering {
+            Ordering::Sjf => j.req.expected_runtime_ms.unwrap_or(u64::MAX),
+            Ordering::Las => self.las_level(j, 0) as u64,
+            _ => 0,
+        };
+        (std::cmp::Reverse(j.req.priority), key, j.req.submitted_at_ms, j.req.id.clone())
+    }
+
+    /// Puts a job that became pending in the static order.
+    fn index_pending(&mut self, j: &Job) {
+        if !self.static_order {
+            return;
+        }
+        let info = PendInfo {
+            team: if self.config.policy.ordering == Ordering::Drf { j.req.team.clone() } else { String::new() },
+            per_task: j.req.per_task,
+            tasks_min: j.req.tasks_min,
+            tasks_max: j.req.tasks_max,
+            spread: j.req.spread,
+            failed_at: j.failed_at,
+        };
+        self.pending.insert(self.pend_key(j), info);
     }
 
     fn remember_shape(&mut self, r: &Resources) {
@@ -476,10 +538,19 @@ impl Scheduler {
         let Some(j) = self.jobs.remove(job) else {
             return Err(SchedError::UnknownJob { job: job.to_string() });
         };
-        match j.state {
-            State::Pending => {}
-            State::Running { tasks, .. } | State::Draining { tasks, .. } => {
-                self.free_tasks(&j.req, &tasks);
+        match &j.state {
+            State::Pending => {
+                if self.static_order {
+                    self.pending.remove(&self.pend_key(&j));
+                }
+            }
+            State::Running { tasks, .. } => {
+                self.stopped_running(&j.req);
+                self.free_tasks(&j.req, tasks);
+            }
+            State::Draining { tasks, .. } => {
+                self.draining -= 1;
+                self.free_tasks(&j.req, tasks);
             }
         }
         Ok(())
@@ -487,6 +558,9 @@ impl Scheduler {
 
     /// The positions of the nodes `req` avoids.
     fn avoided(&self, req: &JobRequest) -> Vec<usize> {
+        if req.avoid_nodes.is_empty() {
+            return Vec::new();
+        }
         self.nodes.iter().enumerate().filter(|(_, n)| req.avoid_nodes.contains(&n.id)).map(|(i, _)| i).collect()
     }
 
@@ -498,6 +572,12 @@ impl Scheduler {
         if !j.req.avoid_nodes.iter().any(|n| n == node) {
             j.req.avoid_nodes.push(node.to_owned());
             j.failed_at = None;
+            if matches!(j.state, State::Pending) && self.static_order {
+                let key = self.pend_key(&self.jobs[job]);
+                if let Some(info) = self.pending.get_mut(&key) {
+                    info.failed_at = None;
+                }
+            }
         }
         Ok(())
     }
@@ -522,6 +602,17 @@ impl Scheduler {
         let req = j.req.clone();
         self.free_tasks(&req, &freed);
         Ok(())
+    }
+
+    /// Counts a job out of the running ones.
+    fn stopped_running(&mut self, req: &JobRequest) {
+        if let Some(c) = self.running_by_priority.get_mut(&req.priority) {
+            *c -= 1;
+            if *c == 0 {
+                self.running_by_priority.remove(&req.priority);
+            }
+        }
+        self.running_elastic -= usize::from(req.tasks_max > req.tasks_min);
     }
 
     fn free_tasks(&mut self, req: &JobRequest, tasks: &[TaskAlloc]) {
@@ -558,56 +649,77 @@ impl Scheduler {
         self.queues.get(&req.queue).is_some_and(|q| q.allows(Usage::of(&req.per_task, tasks)))
     }
 
-    /// A job's LAS level: how many of the thresholds its attained service has reached.
-    fn las_level(&self, j: &Job) -> usize {
-        let gpu_ms = j.attained / 1000;
+    /// A job's attained service at `now`: what it had when it last started, stopped or changed size, plus what
+    /// it has had running since.
+    fn attained_at(j: &Job, now: u64) -> u64 {
+        match &j.state {
+            State::Running { tasks, .. } => {
+                j.attained.saturating_add(service_rate(&j.req, tasks.len()).saturating_mul(now.saturating_sub(j.since)))
+            }
+            _ => j.attained,
+        }
+    }
+
+    /// A job's LAS level at `now`: how many of the thresholds its attained service has reached.
+    fn las_level(&self, j: &Job, now: u64) -> usize {
+        let gpu_ms = Self::attained_at(j, now) / 1000;
         self.config.las_thresholds_gpu_ms.iter().take_while(|&&t| gpu_ms >= t).count()
     }
 
-    /// Who may preempt whom: higher ranks first. The job's priority, then, under [`Ordering::Las`], its level
-    /// (a lower level ranks higher).
-    fn rank(&self, j: &Job) -> (i32, i64) {
+    /// Who may preempt whom at `now`: higher ranks first. The job's priority, then, under [`Ordering::Las`], its
+    /// level (a lower level ranks higher).
+    fn rank(&self, j: &Job, now: u64) -> (i32, i64) {
         match self.config.policy.ordering {
-            Ordering::Las => (j.req.priority, -(self.las_level(j) as i64)),
+            Ordering::Las => (j.req.priority, -(self.las_level(j, now) as i64)),
             _ => (j.req.priority, 0),
         }
     }
 
-    /// Counts the running jobs' service up to `now`.
-    fn accrue(&mut self, now: u64) {
-        for j in self.jobs.values_mut() {
-            if let State::Running { tasks, .. } = &j.state {
-                let dt = now.saturating_sub(j.since);
-                j.attained = j.attained.saturating_add(service_rate(&j.req, tasks.len()).saturating_mul(dt));
-                j.since = j.since.max(now);
-            }
-        }
+    /// Folds a running job's service up to `now` into its attained service (before its size changes).
+    fn fold_service(j: &mut Job, now: u64) {
+        j.attained = Self::attained_at(j, now);
+        j.since = j.since.max(now);
     }
 
     /// One scheduling pass at time `now_ms`: decisions to carry out, in order.
     pub fn schedule(&mut self, now_ms: u64) -> Vec<Decision> {
         let mut out = Vec::new();
         let ordering = self.config.policy.ordering;
-        self.accrue(now_ms);
+        self.no_room_below = None;
         if self.config.policy.packing == Packing::Fgd && self.workload.is_none() {
             self.workload = Some(self.count_workload());
         }
 
         // Preempted jobs whose grace period is over go back to pending.
-        let expired: Vec<JobId> = self
-            .jobs
-            .iter()
-            .filter(|(_, j)| matches!(j.state, State::Draining { until_ms, .. } if until_ms <= now_ms))
-            .map(|(id, _)| id.clone())
-            .collect();
+        let expired: Vec<JobId> = if self.draining == 0 {
+            Vec::new()
+        } else {
+            self.jobs
+                .iter()
+                .filter(|(_, j)| matches!(j.state, State::Draining { until_ms, .. } if until_ms <= now_ms))
+                .map(|(id, _)| id.clone())
+                .collect()
+        };
         for id in expired {
             let Some(j) = self.jobs.get_mut(&id) else { continue };
             let State::Draining { tasks, .. } = std::mem::replace(&mut j.state, State::Pending) else {
                 continue;
             };
             let req = j.req.clone();
+            self.draining -= 1;
             self.free_tasks(&req, &tasks);
+            if let Some(j) = self.jobs.get(&id) {
+                let j = j.clone();
+                self.index_pending(&j);
+            }
             out.push(Decision::Requeue { job: id });
+        }
+        if self.static_order {
+            let waiting = self.pass_static(now_ms, &mut out);
+            if !waiting {
+                self.grow(now_ms, &mut out);
+            }
+            return out;
         }
 
         // Pending jobs by priority (high first); within one priority, jobs that
@@ -626,7 +738,7 @@ impl Scheduler {
                     });
                     let key = match ordering {
                         Ordering::Sjf => j.req.expected_runtime_ms.unwrap_or(u64::MAX),
-                        Ordering::Las => self.las_level(j) as u64,
+                        Ordering::Las => self.las_level(j, 0) as u64,
                         _ => 0,
                     };
                     let team = if ordering == Ordering::Drf { j.req.team.clone() } else { String::new() };
@@ -690,9 +802,125 @@ impl Scheduler {
         }
 
         if !waiting {
-            self.grow(&mut out);
+            self.grow(now_ms, &mut out);
         }
         out
+    }
+
+    /// [`Scheduler::schedule`]'s pass over the pending jobs when their order is static: the same decisions as the
+    /// general pass, with the jobs taken in order from `pending` and those known not to fit passed over without
+    /// being looked up. Whether some job waits.
+    fn pass_static(&mut self, now: u64, out: &mut Vec<Decision>) -> bool {
+        let order = std::mem::take(&mut self.pending);
+        self.last_reservation = None;
+        self.last_blocked = None;
+        let mut st = Pass {
+            reservation: None,
+            tries: self.config.max_preemption_tries_per_pass,
+            waiting: false,
+            failed_now: Vec::new(),
+            failed_dual: Vec::new(),
+            placed: Vec::new(),
+            failed: Vec::new(),
+        };
+        if self.config.policy.ordering != Ordering::Drf {
+            for (key, info) in &order {
+                if self.visit(key, info, now, &mut st, out) {
+                    break;
+                }
+            }
+        } else {
+            // Within one priority, teams take turns by dominant share, each in its order.
+            let entries: Vec<(&PendKey, &PendInfo)> = order.iter().collect();
+            let mut i = 0;
+            'pass: while i < entries.len() {
+                let group = entries[i].0.0;
+                let mut teams: Vec<(&str, VecDeque<usize>)> = Vec::new();
+                while i < entries.len() && entries[i].0.0 == group {
+                    let team = entries[i].1.team.as_str();
+                    match teams.iter_mut().find(|(t, _)| *t == team) {
+                        Some((_, q)) => q.push_back(i),
+                        None => teams.push((team, VecDeque::from([i]))),
+                    }
+                    i += 1;
+                }
+                loop {
+                    let mut best: Option<(f64, u64, usize)> = None;
+                    for (ti, (team, q)) in teams.iter().enumerate() {
+                        let Some(&e) = q.front() else { continue };
+                        let at = entries[e].0.2;
+                        let share = self.dominant_share(team);
+                        if best.is_none_or(|(bs, bat, _)| share < bs || (share == bs && at < bat)) {
+                            best = Some((share, at, ti));
+                        }
+                    }
+                    let Some((_, _, ti)) = best else { break };
+                    let Some(e) = teams[ti].1.pop_front() else { break };
+                    if self.visit(entries[e].0, entries[e].1, now, &mut st, out) {
+                        break 'pass;
+                    }
+                }
+            }
+        }
+        self.pending = order;
+        for (k, f) in st.failed {
+            if let Some(info) = self.pending.get_mut(&k) {
+                info.failed_at = f;
+            }
+        }
+        for k in st.placed {
+            self.pending.remove(&k);
+        }
+        st.waiting
+    }
+
+    /// One pending job of [`Scheduler::pass_static`]; whether the pass stops there.
+    fn visit(&mut self, key: &PendKey, info: &PendInfo, now: u64, st: &mut Pass, out: &mut Vec<Decision>) -> bool {
+        let ordering = self.config.policy.ordering;
+        let passive = st.reservation.is_some() || (st.tries == 0 && !ordering.reserves());
+        let known = info.failed_at == Some(self.released);
+        let counts: &[u32] =
+            if info.tasks_max > info.tasks_min { &[info.tasks_max, info.tasks_min] } else { &[info.tasks_min] };
+        let dominated = |k: u32| {
+            st.failed_now.iter().any(|(c, ck, cs)| {
+                *cs == info.spread
+                    && k >= *ck
+                    && info.per_task.cpus_milli >= c.cpus_milli
+                    && info.per_task.memory_bytes >= c.memory_bytes
+                    && info.per_task.gpus_milli >= c.gpus_milli
+                    && info.per_task.gpu_memory_bytes >= c.gpu_memory_bytes
+            })
+        };
+        let attempt = if passive && (known || counts.iter().all(|&k| dominated(k))) {
+            // It cannot fit now, so not beside the reservation either; and nothing is tried for it.
+            Attempt::Waiting
+        } else {
+            let a = self.try_job(
+                &key.3,
+                now,
+                &mut st.reservation,
+                &mut st.tries,
+                &mut st.failed_now,
+                &mut st.failed_dual,
+                out,
+            );
+            let f = self.jobs.get(&key.3).and_then(|j| j.failed_at);
+            if f != info.failed_at {
+                st.failed.push((key.clone(), f));
+            }
+            if a == Attempt::Placed {
+                st.placed.push(key.clone());
+            }
+            a
+        };
+        if attempt == Attempt::Waiting {
+            st.waiting = true;
+            if self.last_blocked.is_none() {
+                self.last_blocked = Some(key.3.clone());
+            }
+            return ordering == Ordering::Fifo;
+        }
+        false
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -707,10 +935,15 @@ impl Scheduler {
         out: &mut Vec<Decision>,
     ) -> Attempt {
         let Some(job) = self.jobs.get(id) else { return Attempt::Skipped };
-        let req = job.req.clone();
-        if !self.queue_allows(&req, req.tasks_min) {
+        if !self.queue_allows(&job.req, job.req.tasks_min) {
             return Attempt::Skipped; // held back by its own queue's quota
         }
+        // Known not to fit, and this pass will neither make room nor reserve for it: it waits.
+        let reserves = self.config.policy.ordering.reserves();
+        if job.failed_at == Some(self.released) && (reservation.is_some() || (*tries == 0 && !reserves)) {
+            return Attempt::Waiting;
+        }
+        let req = job.req.clone();
         let r = req.per_task;
         let avoid = self.avoided(&req);
         let counts: &[u32] =
@@ -818,6 +1051,8 @@ impl Scheduler {
                 out.push(Decision::Place { job: req.id.clone(), assignments: self.placements(&tasks) });
                 if let Some(j) = self.jobs.get_mut(id) {
                     j.state = State::Running { started_ms: now, tasks };
+                    *self.running_by_priority.entry(req.priority).or_default() += 1;
+                    self.running_elastic += usize::from(req.tasks_max > req.tasks_min);
                     j.since = now;
                     j.failed_at = None;
                 }
@@ -830,18 +1065,18 @@ impl Scheduler {
     /// The earliest time the job fits as running jobs end (by their expected
     /// run times), and the cluster then with the job placed.
     fn reserve(&self, req: &JobRequest, now: u64) -> Option<Reservation> {
-        let mut ends: Vec<(u64, &JobId)> = self
+        let mut ends: Vec<(u64, &JobId, &Job)> = self
             .jobs
             .iter()
             .filter_map(|(id, j)| match &j.state {
                 State::Running { started_ms, .. } => {
-                    j.req.expected_runtime_ms.map(|rt| (started_ms.saturating_add(rt).max(now), id))
+                    j.req.expected_runtime_ms.map(|rt| (started_ms.saturating_add(rt).max(now), id, j))
                 }
-                State::Draining { until_ms, .. } => Some(((*until_ms).max(now), id)),
+                State::Draining { until_ms, .. } => Some(((*until_ms).max(now), id, j)),
                 State::Pending => None,
             })
             .collect();
-        ends.sort();
+        ends.sort_by(|a, b| (a.0, a.1).cmp(&(b.0, b.1)));
         // Group boundaries: after releasing ends[..b], the time is ends[b-1].0.
         let mut bounds: Vec<usize> = Vec::new();
         for b in 1..=ends.len() {
@@ -849,35 +1084,44 @@ impl Scheduler {
                 bounds.push(b);
             }
         }
-        let state_after = |b: usize| {
-            let mut f = self.free.clone();
-            for (_, id) in &ends[..b] {
-                let j = &self.jobs[*id];
+        let release = |f: &mut Vec<NodeFree>, range: std::ops::Range<usize>| {
+            for (_, _, j) in &ends[range] {
                 if let State::Running { tasks, .. } | State::Draining { tasks, .. } = &j.state {
                     for t in tasks {
-                        place::release(&mut f, t, &j.req.per_task);
+                        place::release(f, t, &j.req.per_task);
                     }
                 }
             }
-            f
         };
         let r = &req.per_task;
         let (mut lo, mut hi) = (0usize, bounds.len());
         // Find the first bound index whose state fits (monotone in releases).
-        if hi == 0 || !place::fits(&state_after(bounds[hi - 1]), r, req.tasks_min, req.spread) {
+        if hi == 0 {
+            return None;
+        }
+        let mut all = self.free.clone();
+        release(&mut all, 0..ends.len());
+        if !place::fits(&all, r, req.tasks_min, req.spread) {
             return None;
         }
         hi -= 1;
+        // `below`: the cluster with ends[..done] released, every bound before `lo` known not to fit.
+        let (mut below, mut done) = (self.free.clone(), 0usize);
         while lo < hi {
             let mid = (lo + hi) / 2;
-            if place::fits(&state_after(bounds[mid]), r, req.tasks_min, req.spread) {
+            let mut f = below.clone();
+            release(&mut f, done..bounds[mid]);
+            if place::fits(&f, r, req.tasks_min, req.spread) {
                 hi = mid;
             } else {
                 lo = mid + 1;
+                below = f;
+                done = bounds[mid];
             }
         }
         let b = bounds[lo];
-        let mut free = state_after(b);
+        let mut free = below;
+        release(&mut free, done..b);
         place::place(&mut free, None, r, req.tasks_min, req.spread, Pack::BestFit)?;
         Some(Reservation { time: ends[b - 1].0, free })
     }
@@ -885,14 +1129,28 @@ impl Scheduler {
     /// Shrinks or preempts so that `req` fits. `None`: it cannot be done;
     /// `Some(vec![])`: jobs already draining will make enough room.
     fn make_room(&mut self, req: &JobRequest, now: u64) -> Option<Vec<Decision>> {
+        // Nothing to drain, no queue to reclaim from, no running job of a lower priority (nor a peer to shrink):
+        // no room can be made, without looking at every job.
+        let ordering = self.config.policy.ordering;
+        if self.static_order
+            && self.draining == 0
+            && ordering != Ordering::Las
+            && (ordering != Ordering::Elastic || self.running_elastic == 0)
+            && self.running_by_priority.keys().next().is_none_or(|&p| p >= req.priority)
+        {
+            return None;
+        }
         let reclaim = self
             .queues
             .get(&req.queue)
             .is_some_and(|q| q.used.within(Usage::of(&req.per_task, req.tasks_min), &q.queue.guaranteed));
-        let req_rank = self.jobs.get(&req.id).map(|j| self.rank(j)).unwrap_or((req.priority, 0));
+        let req_rank = self.jobs.get(&req.id).map(|j| self.rank(j, now)).unwrap_or((req.priority, 0));
+        if self.static_order && self.no_room_below.is_some_and(|r| req_rank <= r) {
+            return None;
+        }
         let eligible = |v: &Job| {
             v.req.id != req.id
-                && ((v.req.queue == req.queue && self.rank(v) < req_rank)
+                && ((v.req.queue == req.queue && self.rank(v, now) < req_rank)
                     || (v.req.queue != req.queue
                         && reclaim
                         && self.queues.get(&v.req.queue).is_some_and(QueueState::over_guarantee)))
@@ -902,7 +1160,7 @@ impl Scheduler {
             self.config.policy.ordering == Ordering::Elastic
                 && v.req.id != req.id
                 && v.req.queue == req.queue
-                && self.rank(v) == req_rank
+                && self.rank(v, now) == req_rank
         };
         let mut steps: Vec<Step> = Vec::new();
         // Victim order: lowest rank, then least progress lost (most recent
@@ -915,7 +1173,7 @@ impl Scheduler {
                 State::Draining { .. } => steps.push(Step::Drain(id.clone())),
                 State::Running { started_ms, .. } if eligible(j) => {
                     victims.push((
-                        self.rank(j),
+                        self.rank(j, now),
                         now.saturating_sub(*started_ms),
                         std::cmp::Reverse(j.req.submitted_at_ms),
                         id,
@@ -928,6 +1186,8 @@ impl Scheduler {
             }
         }
         if steps.is_empty() && victims.is_empty() && peers.is_empty() {
+            // Fewer jobs still are below a lower rank.
+            self.no_room_below = Some(self.no_room_below.map_or(req_rank, |r| r.max(req_rank)));
             return None;
         }
         peers.sort();
@@ -1049,14 +1309,20 @@ impl Scheduler {
             j.attained = j.attained.saturating_add(rate.saturating_mul(now.saturating_sub(j.since)));
             j.since = now;
             j.state = State::Draining { until_ms: now.saturating_add(grace), tasks };
+            let vreq = j.req.clone();
+            self.stopped_running(&vreq);
+            self.draining += 1;
             out.push(Decision::Preempt { job: id.clone(), reason, grace_ms: grace });
+        }
+        if !out.is_empty() {
+            self.no_room_below = None;
         }
         Some(out)
     }
 
     /// Grows running elastic jobs into free capacity (called only when no job
     /// waits for capacity); a job spread one task per node grows onto nodes it has no task on.
-    fn grow(&mut self, out: &mut Vec<Decision>) {
+    fn grow(&mut self, now: u64, out: &mut Vec<Decision>) {
         let pack = self.config.policy.packing;
         let mut elastic: Vec<(i32, u64, JobId)> = self
             .jobs
@@ -1104,8 +1370,11 @@ impl Scheduler {
                 continue;
             }
             let tasks = self.placements(&added);
-            if let Some(Job { state: State::Running { tasks: have, .. }, .. }) = self.jobs.get_mut(&id) {
-                have.extend(added);
+            if let Some(j) = self.jobs.get_mut(&id) {
+                Self::fold_service(j, now);
+                if let State::Running { tasks: have, .. } = &mut j.state {
+                    have.extend(added);
+                }
             }
             out.push(Decision::Grow { job: id, tasks });
         }
@@ -1114,6 +1383,19 @@ impl Scheduler {
 
 fn steps_shrunk(steps: &[Step], id: &JobId) -> usize {
     steps.iter().filter(|s| matches!(s, Step::ShrinkOne(j, _) if j == id)).count()
+}
+
+/// The state of one [`Scheduler::pass_static`].
+#[derive(Debug)]
+struct Pass {
+    reservation: Option<Reservation>,
+    tries: usize,
+    waiting: bool,
+    failed_now: Vec<(Resources, u32, bool)>,
+    failed_dual: Vec<(Resources, u32, bool)>,
+    /// Jobs placed, and jobs whose `failed_at` changed, to write back into `pending`.
+    placed: Vec<PendKey>,
+    failed: Vec<(PendKey, Option<u64>)>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
