@@ -1221,23 +1221,33 @@ impl Scheduler {
         for &(_, _, _, id) in &victims {
             steps.push(Step::Preempt(id.clone()));
         }
-        let apply = |f: &mut Vec<NodeFree>, s: &Step| {
-            let (id, which) = match s {
-                Step::Drain(id) | Step::Preempt(id) => (id, None),
-                Step::ShrinkOne(id, t) => (id, Some(*t)),
-            };
-            let j = &self.jobs[id];
-            if let State::Running { tasks, .. } | State::Draining { tasks, .. } = &j.state {
-                match which {
-                    Some(t) => place::release(f, &tasks[t], &j.req.per_task),
-                    None => {
-                        let shrunk = if matches!(s, Step::Preempt(_)) {
-                            // Tasks already released by this job's shrink steps.
-                            steps_shrunk(&steps, id)
-                        } else {
-                            0
-                        };
-                        for t in &tasks[..tasks.len() - shrunk] {
+        // Each step's job, looked up once, and how many tasks each job's shrink steps release.
+        let jobs_of: Vec<&Job> = steps
+            .iter()
+            .map(|s| match s {
+                Step::Drain(id) | Step::Preempt(id) | Step::ShrinkOne(id, _) => &self.jobs[id],
+            })
+            .collect();
+        let mut shrunk: BTreeMap<&str, usize> = BTreeMap::new();
+        for s in &steps {
+            if let Step::ShrinkOne(id, _) = s {
+                *shrunk.entry(id.as_str()).or_default() += 1;
+            }
+        }
+        let apply = |f: &mut Vec<NodeFree>, range: std::ops::Range<usize>| {
+            for (s, j) in steps[range.clone()].iter().zip(&jobs_of[range]) {
+                let (State::Running { tasks, .. } | State::Draining { tasks, .. }) = &j.state else { continue };
+                match s {
+                    Step::ShrinkOne(_, t) => place::release(f, &tasks[*t], &j.req.per_task),
+                    Step::Drain(_) => {
+                        for t in tasks {
+                            place::release(f, t, &j.req.per_task);
+                        }
+                    }
+                    Step::Preempt(id) => {
+                        // Tasks already released by this job's shrink steps.
+                        let gone = shrunk.get(id.as_str()).copied().unwrap_or(0);
+                        for t in &tasks[..tasks.len() - gone] {
                             place::release(f, t, &j.req.per_task);
                         }
                     }
@@ -1246,29 +1256,27 @@ impl Scheduler {
         };
         let r = &req.per_task;
         let mut all = self.free.clone();
-        for s in &steps {
-            apply(&mut all, s);
-        }
+        apply(&mut all, 0..steps.len());
         if !place::fits(&all, r, req.tasks_min, req.spread) {
             return None;
         }
-        // The shortest prefix of steps that makes room (monotone: binary search).
-        let fits_after = |n: usize| {
-            let mut f = self.free.clone();
-            for s in &steps[..n] {
-                apply(&mut f, s);
-            }
-            place::fits(&f, r, req.tasks_min, req.spread)
-        };
+        // The shortest prefix of steps that makes room (monotone: binary search); `below` is the cluster after
+        // steps[..done], a prefix known not to make room.
         let (mut lo, mut hi) = (1usize, steps.len());
+        let (mut below, mut done) = (self.free.clone(), 0usize);
         while lo < hi {
             let mid = (lo + hi) / 2;
-            if fits_after(mid) {
+            let mut f = below.clone();
+            apply(&mut f, done..mid);
+            if place::fits(&f, r, req.tasks_min, req.spread) {
                 hi = mid;
             } else {
                 lo = mid + 1;
+                below = f;
+                done = mid;
             }
         }
+        drop(jobs_of);
         let used = lo;
         let steps: Vec<Step> = steps.into_iter().take(used).collect();
         let mut out = Vec::new();
@@ -1379,10 +1387,6 @@ impl Scheduler {
             out.push(Decision::Grow { job: id, tasks });
         }
     }
-}
-
-fn steps_shrunk(steps: &[Step], id: &JobId) -> usize {
-    steps.iter().filter(|s| matches!(s, Step::ShrinkOne(j, _) if j == id)).count()
 }
 
 /// The state of one [`Scheduler::pass_static`].
