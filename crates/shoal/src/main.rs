@@ -14,6 +14,7 @@ mod nodes;
 mod plan;
 mod platform;
 mod run;
+mod sim;
 mod validate;
 
 use anyhow::Result;
@@ -60,6 +61,9 @@ enum Cmd {
     },
     /// Run the platform: API, scheduler, local executor, state in SQLite (or PostgreSQL).
     Server(platform::ServerArgs),
+    /// Replay a job trace through the scheduler on a simulated cluster: JCT, queueing, allocation,
+    /// fragmentation, preemptions and fairness per policy (`compare` several; `synth` writes a trace).
+    Sim(sim::SimArgs),
     /// Submit a job spec to a server; prints the job id.
     Submit {
         job: std::path::PathBuf,
@@ -294,6 +298,7 @@ fn main() -> std::process::ExitCode {
         Cmd::K8s { cmd } => k8s::run(&cmd),
         Cmd::Plan(args) => plan::run(&args),
         Cmd::Checkpoint { cmd } => checkpoint::run(&cmd),
+        Cmd::Sim(args) => sim::run(&args),
     };
     match result {
         Ok(true) => std::process::ExitCode::SUCCESS,

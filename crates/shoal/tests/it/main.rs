@@ -23,6 +23,7 @@ mod ps;
 mod remote;
 mod run;
 mod shards;
+mod sim;
 mod slurm;
 mod support_s3;
 mod tls;
