@@ -55,7 +55,7 @@ pub struct Report {
     pub load: f64,
     /// How many times the trace was replayed.
     pub repeat: u32,
-    /// The seed of a synthetic trace (0 for a file's).
+    /// The seed given (it draws a synthetic trace; a trace read from a file draws nothing).
     pub seed: u64,
     /// Nodes of the cluster.
     pub nodes: usize,

@@ -34,8 +34,7 @@ pub struct SimOptions {
     pub las_thresholds_gpu_ms: Option<Vec<u64>>,
     /// Check the invariants after every pass (no node over capacity, the scheduler's books balance); slow.
     pub audit: bool,
-    /// The seed the trace was drawn with, when it was (recorded in the report; the simulation itself draws
-    /// nothing).
+    /// The seed given, recorded in the report (it draws a synthetic trace; the simulation itself draws nothing).
     pub seed: u64,
 }
 

@@ -162,7 +162,7 @@ fn load_input(i: &Input) -> Result<(Trace, Vec<shoal_sched::Node>, u64, f64)> {
         return Ok((trace, nodes, i.seed, 1.0));
     }
     let Some(path) = &i.trace else { bail!("give --trace FILE or --synthetic N") };
-    Ok((shoal_sim::read_trace(path)?, nodes, 0, i.load))
+    Ok((shoal_sim::read_trace(path)?, nodes, i.seed, i.load))
 }
 
 fn simulate(
