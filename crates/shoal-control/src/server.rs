@@ -54,6 +54,8 @@ pub struct ServerOptions {
     pub tick: Duration,
     pub kill_grace: Duration,
     pub preempt_grace: Duration,
+    /// The scheduler's policy (ordering and packing of pending jobs).
+    pub sched_policy: shoal_sched::Policy,
     pub prices: crate::cost::Prices,
     /// `--init`: a damaged database is set aside (kept) and a new one started, instead of refusing to start.
     pub init: bool,
@@ -88,6 +90,7 @@ impl ServerOptions {
             tick: Duration::from_millis(500),
             kill_grace: Duration::from_secs(10),
             preempt_grace: Duration::from_secs(30),
+            sched_policy: shoal_sched::Policy::default(),
             prices: crate::cost::Prices::default(),
             init: false,
             policy: crate::policy::Policy::default(),
@@ -352,6 +355,7 @@ pub async fn prepare(opts: &ServerOptions) -> Result<Prepared> {
         tick: opts.tick,
         kill_grace: opts.kill_grace,
         preempt_grace: opts.preempt_grace,
+        sched_policy: opts.sched_policy,
         prices: opts.prices.clone(),
         bench: bench_reference(&opts.data_dir.join("bench.json")),
         policy: opts.policy.clone(),

@@ -276,6 +276,10 @@ pub struct ServerArgs {
     /// Address to serve the API on.
     #[arg(long, default_value = DEFAULT_ADDR)]
     pub listen: SocketAddr,
+    /// The scheduler's policy: an ordering (fifo, backfill, sjf, las, drf, elastic), a packing (bestfit, fgd) or
+    /// ORDERING+PACKING.
+    #[arg(long, default_value = "drf+bestfit")]
+    pub policy: shoal_sched::Policy,
     /// PostgreSQL instead of SQLite: postgres://USER:PASSWORD@HOST:PORT/DB.
     #[arg(long)]
     pub database: Option<String>,
@@ -363,6 +367,7 @@ pub fn server_options(args: &ServerArgs) -> Result<shoal_control::ServerOptions>
     let exe = std::env::current_exe().context("locating the shoal executable")?;
     let mut o = shoal_control::ServerOptions::new(&data_dir, args.listen, &exe);
     o.database = args.database.clone();
+    o.sched_policy = args.policy;
     if let Some(c) = &args.cpus {
         o.cpus_milli = Some(shoal_spec::parse_milli(c).map_err(|e| anyhow!("--cpus: {e}"))?);
     }

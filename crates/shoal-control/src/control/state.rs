@@ -24,6 +24,8 @@ pub struct ControlConfig {
     pub kill_grace: Duration,
     /// Preempted jobs get this long to checkpoint and stop.
     pub preempt_grace: Duration,
+    /// The scheduler's policy.
+    pub sched_policy: shoal_sched::Policy,
     /// The price table for cost reports.
     pub prices: crate::cost::Prices,
     /// All-reduce `(bytes, bus bandwidth in bytes/s)` that `shoal bench` measured here (`DATA/bench.json`), the
@@ -170,6 +172,7 @@ impl Control {
     ) -> Result<Control> {
         let sched_cfg = shoal_sched::Config {
             preempt_grace_ms: config.preempt_grace.as_millis() as u64,
+            policy: config.sched_policy,
             ..shoal_sched::Config::default()
         };
         let sched = Scheduler::new(nodes.clone(), queues.clone(), sched_cfg)
