@@ -43,6 +43,14 @@ pub struct FederatedSpec {
     /// Label-sorted shards per client (default 2; `shards` only), as McMahan et al.'s pathological non-IID cut.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shards_per_client: Option<usize>,
+    /// The server learns only the sum of each round's updates (pairwise masks agreed by Diffie–Hellman, the
+    /// dropped clients' masks removed from the survivors' shares of their keys).
+    #[serde(default)]
+    pub secure_aggregation: bool,
+    /// Experiments: the fraction of each round's sampled clients that drop out after the round began (their
+    /// updates never arrive), drawn from the round's seed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dropout: Option<f64>,
     /// `[federated.dp]`: differential privacy of the clients' updates.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dp: Option<DpSpec>,
@@ -166,6 +174,9 @@ impl FederatedSpec {
         positive("mu", self.mu)?;
         positive("alpha", self.alpha)?;
         positive("server_lr", self.server_lr)?;
+        if let Some(d) = self.dropout.filter(|d| !(*d >= 0.0 && *d < 1.0)) {
+            return at("dropout", format!("{d} is not in [0, 1)"));
+        }
         if self.shards_per_client == Some(0) {
             return at("shards_per_client", "must be at least 1".into());
         }

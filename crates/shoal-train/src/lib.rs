@@ -44,6 +44,7 @@ pub mod optim;
 pub mod params;
 pub mod plan;
 pub mod remote;
+pub mod secagg;
 pub use shoal_spec as spec;
 pub mod strategy;
 pub mod tensor_parallel;

@@ -232,14 +232,25 @@ pub(super) fn run(
         _ => None,
     };
     let mut rounds = Vec::with_capacity(f.rounds);
+    let mean_samples = (train.len() as f64 / f.clients as f64).max(1.0) as Real;
     for round in 0..f.rounds {
         let started = Instant::now();
         let bytes_before = comm.bytes_sent();
         let sampled = sample(f, round, t.seed, dp.is_some());
+        let dropped = dropouts(f, round, t.seed, sampled.len());
+        // Under secure aggregation: this process's clients' keys, every client's public key and key shares.
+        let secure = match f.secure_aggregation {
+            true => Some(Secure::agree(comm, &sampled, rank, world)?),
+            false => None,
+        };
         // [weighted update sum…, weight, loss sum, clients]
         let mut sum = vec![0.0 as Real; w.len() + 3];
+        let mut masked_sum: Vec<i32> = match &secure {
+            Some(_) => vec![0; w.len() + 3],
+            None => Vec::new(),
+        };
         for (i, &c) in sampled.iter().enumerate() {
-            if i % world != rank || parts[c].is_empty() {
+            if i % world != rank || parts[c].is_empty() || dropped.contains(&i) {
                 continue;
             }
             let (mut update, loss) = train_client(spec, f, model, params, train, &parts[c], &w, round, c)?;
@@ -253,19 +264,36 @@ pub(super) fn run(
                     }
                     1.0
                 }
-                None => parts[c].len() as Real,
+                // Samples against the mean client's: about 1, so a round's sum stays in secure aggregation's range.
+                None => parts[c].len() as Real / mean_samples,
             };
-            for (s, u) in sum.iter_mut().zip(&update) {
-                *s += weight * u;
+            let mut mine: Vec<Real> = update.iter().map(|u| weight * u).collect();
+            mine.extend([weight, loss as Real, 1.0]);
+            match &secure {
+                Some(s) => {
+                    // The server is given this client's masked vector only.
+                    // `Real` is f64 in an `f64` build: the fixed point takes f32 either way.
+                    #[allow(clippy::unnecessary_cast)]
+                    let plain: Vec<f32> = mine.iter().map(|v| *v as f32).collect();
+                    let y = s.masked(i, &plain)?;
+                    masked_sum.iter_mut().zip(y).for_each(|(a, b)| *a = a.wrapping_add(b));
+                }
+                None => sum.iter_mut().zip(&mine).for_each(|(a, b)| *a += b),
             }
-            let n = w.len();
-            sum[n] += weight;
-            sum[n + 1] += loss as Real;
-            sum[n + 2] += 1.0;
         }
-        comm.all_reduce(&mut sum, ReduceOp::Sum)?;
+        match &secure {
+            Some(s) => {
+                comm.all_reduce(&mut masked_sum, ReduceOp::Sum)?;
+                s.unmask(&mut masked_sum, &dropped)?;
+                #[allow(clippy::unnecessary_cast)]
+                let unmasked: Vec<Real> =
+                    crate::secagg::dequantize(&masked_sum).into_iter().map(|v| v as Real).collect();
+                sum = unmasked;
+            }
+            None => comm.all_reduce(&mut sum, ReduceOp::Sum)?,
+        }
         let n = w.len();
-        let (weight, loss, clients) = (sum[n], f64::from(sum[n + 1]), sum[n + 2]);
+        let (weight, loss, clients) = (sum[n], f64::from(sum[n + 1]), sum[n + 2].round());
         sum.truncate(n);
         let mut delta = sum;
         match (dp, sigma) {
@@ -372,6 +400,11 @@ pub(super) fn train(
             }
         })?;
     let Some(report) = report else { return Ok(None) };
+    // The global model the rounds ended with.
+    let named: std::collections::HashMap<String, Tensor> =
+        params.vars().iter().map(|(n, v)| (n.clone(), v.as_tensor().clone())).collect();
+    let path = output.join("model.safetensors");
+    candle_core::safetensors::save(&named, &path).map_err(|e| Error::Checkpoint(format!("{}: {e}", path.display())))?;
     let last = report.rounds.last();
     let t = &spec.train;
     let summary = super::wire::Summary {
@@ -413,4 +446,75 @@ pub(super) fn train(
     };
     super::report::write_json(&output.join("summary.json"), &summary)?;
     Ok(Some(summary))
+}
+
+/// The indices (into the round's sampled clients) of those that drop out this round (`federated.dropout`).
+fn dropouts(f: &FederatedSpec, round: usize, seed: u64, sampled: usize) -> Vec<usize> {
+    let k = (f.dropout.unwrap_or(0.0) * sampled as f64).floor() as usize;
+    let mut g = SplitMix64::from_key(&[seed, round as u64, 0xd40f]);
+    let mut ids: Vec<usize> = (0..sampled).collect();
+    for i in 0..k.min(sampled) {
+        let j = i + g.below(sampled - i);
+        ids.swap(i, j);
+    }
+    let mut out = ids[..k.min(sampled)].to_vec();
+    out.sort_unstable();
+    out
+}
+
+/// A round's secure aggregation as this process sees it: its clients' keys, and every client's public key and
+/// key shares (in a deployment each share would reach its holder encrypted; here they cross between the pool's
+/// processes, which stand for the clients).
+struct Secure {
+    keys: std::collections::HashMap<usize, crate::secagg::Keys>,
+    publics: Vec<[u8; 32]>,
+    shares: Vec<Vec<[u64; 5]>>,
+}
+
+impl Secure {
+    /// Draws the keys of this process's clients (client `i` of the round in process `i mod world`) and exchanges
+    /// the public keys and the shares.
+    fn agree(comm: &Communicator, sampled: &[usize], rank: usize, world: usize) -> Result<Secure> {
+        let n = sampled.len();
+        let mut keys = std::collections::HashMap::new();
+        let mut publics = vec![0i32; n * 8];
+        let mut shares = vec![0i64; n * n * 5];
+        for i in (0..n).filter(|i| i % world == rank) {
+            let k = crate::secagg::Keys::generate();
+            for (b, chunk) in k.public.chunks(4).enumerate() {
+                publics[i * 8 + b] = i32::from_le_bytes([chunk[0], chunk[1], chunk[2], chunk[3]]);
+            }
+            for (j, s) in crate::secagg::share(&k, n).iter().enumerate() {
+                for (c, v) in s.iter().enumerate() {
+                    shares[(i * n + j) * 5 + c] = *v as i64;
+                }
+            }
+            keys.insert(i, k);
+        }
+        // Every slot is one process's: the sum gathers them.
+        comm.all_reduce(&mut publics, ReduceOp::Sum)?;
+        comm.all_reduce(&mut shares, ReduceOp::Sum)?;
+        let publics = (0..n)
+            .map(|i| {
+                let mut p = [0u8; 32];
+                for b in 0..8 {
+                    p[b * 4..b * 4 + 4].copy_from_slice(&publics[i * 8 + b].to_le_bytes());
+                }
+                p
+            })
+            .collect();
+        let shares = (0..n)
+            .map(|i| (0..n).map(|j| std::array::from_fn(|c| shares[(i * n + j) * 5 + c] as u64)).collect())
+            .collect();
+        Ok(Secure { keys, publics, shares })
+    }
+
+    fn masked(&self, i: usize, plain: &[f32]) -> Result<Vec<i32>> {
+        let k = self.keys.get(&i).ok_or_else(|| Error::InvalidArgument(format!("no keys for client {i}")))?;
+        Ok(crate::secagg::masked(k, i, &self.publics, plain))
+    }
+
+    fn unmask(&self, sum: &mut [i32], dropped: &[usize]) -> Result<()> {
+        crate::secagg::unmask(sum, &self.publics, dropped, &self.shares)
+    }
 }

@@ -115,11 +115,54 @@ fn bad_federated_tables_are_refused_naming_the_key() -> Res<()> {
             "needs a [federated] table",
         ),
         (job("clients = 4\nrounds = 2\nsecure = true"), "unknown field `secure`"),
+        (job("clients = 4\nrounds = 2\ndropout = 1.0"), "federated.dropout: 1 is not in [0, 1)"),
     ];
     for (body, want) in cases {
         let err = run(&dir, "bad", &body).err().unwrap_or_default();
         assert!(err.contains(want), "want {want:?} in: {err}");
     }
+    let _ = std::fs::remove_dir_all(dir);
+    Ok(())
+}
+
+/// The model a run ended with, every tensor as f32 values.
+fn model(dir: &Path) -> Res<Vec<(String, Vec<f32>)>> {
+    let bytes = std::fs::read(dir.join("model.safetensors")).map_err(|e| e.to_string())?;
+    let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| e.to_string())?;
+    let mut out: Vec<(String, Vec<f32>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, v)| (n, v.data().chunks(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()))
+        .collect();
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(out)
+}
+
+#[test]
+fn secure_aggregation_gives_plain_fedavgs_model_with_30_percent_dropping_out_for_few_more_bytes() -> Res<()> {
+    let dir = tmpdir("secagg")?;
+    let base = "clients = 20\nclients_per_round = 10\nlocal_steps = 10\npartition = \"dirichlet\"\nalpha = 0.5\n\
+                dropout = 0.3\n";
+    // One round from the same model: the aggregates agree to the fixed point's rounding.
+    let plain = run(&dir, "plain1", &job(&format!("{base}rounds = 1")))?;
+    let secure = run(&dir, "secure1", &job(&format!("{base}rounds = 1\nsecure_aggregation = true")))?;
+    let (a, b) = (model(&dir.join("plain1"))?, model(&dir.join("secure1"))?);
+    assert_eq!(a.len(), b.len());
+    let diff =
+        a.iter().zip(&b).flat_map(|(x, y)| x.1.iter().zip(&y.1).map(|(p, q)| (p - q).abs())).fold(0f32, f32::max);
+    assert!(diff <= 1e-6, "secure aggregation's model is plain FedAvg's within 1e-6: {diff}");
+    assert_eq!(secure["federated"]["rounds"][0]["clients"], 7, "3 of the 10 sampled dropped out: {secure}");
+    assert_eq!(plain["federated"]["rounds"][0]["clients"], 7);
+    // Whole runs: the same accuracy, and the keys and shares cost little beside the masked vectors.
+    let plain = run(&dir, "plain", &job(&format!("{base}rounds = 40")))?;
+    let secure = run(&dir, "secure", &job(&format!("{base}rounds = 40\nsecure_aggregation = true")))?;
+    let bytes = |s: &Value| -> u64 {
+        s["federated"]["rounds"].as_array().map_or(0, |r| r.iter().filter_map(|x| x["bytes"].as_u64()).sum())
+    };
+    let ratio = bytes(&secure) as f64 / bytes(&plain).max(1) as f64;
+    assert!(ratio <= 2.0, "secure aggregation sends {ratio}× plain FedAvg's bytes");
+    let (pa, sa) = (accuracy(&plain)?, accuracy(&secure)?);
+    assert!((pa - sa).abs() <= 0.02 && sa > 0.9, "accuracy plain {pa}, secure {sa}");
     let _ = std::fs::remove_dir_all(dir);
     Ok(())
 }
