@@ -348,12 +348,17 @@ impl Beat {
         self.thread.unpark();
     }
 
-    /// What `train.strategy = "auto"` chose, and why: said at once, and in every later heartbeat.
+    /// What `train.strategy = "auto"` chose, and why: said at once from the calling thread (a short run may end
+    /// before the heartbeat thread runs again), and in every later heartbeat.
     pub(super) fn chose(&self, why: String) {
         if let Ok(mut c) = self.reporter.shared.chose.lock() {
             *c = Some(why);
         }
-        self.thread.unpark();
+        let hb = self.reporter.heartbeat(None);
+        if let Err(e) = self.reporter.report(&hb) {
+            tracing::debug!(rank = self.reporter.rank, error = %e, "what the planner chose is said with the next beat");
+            self.thread.unpark();
+        }
     }
 
     pub(super) fn phase(&self, phase: Phase) {
