@@ -73,7 +73,7 @@ pub(crate) fn shuffle<T>(items: &mut [T], rng: &mut SplitMix64) {
 }
 
 /// The permutation of `0..len` for a key.
-pub(crate) fn permutation(len: usize, key: &[u64]) -> Vec<usize> {
+pub fn permutation(len: usize, key: &[u64]) -> Vec<usize> {
     let mut p: Vec<usize> = (0..len).collect();
     shuffle(&mut p, &mut SplitMix64::from_key(key));
     p

@@ -26,7 +26,7 @@ use shoal_comm::{Communicator, Store};
 
 use super::heartbeat::{Beat, Phase};
 use super::report::write_json;
-use super::wire::{StepTime, Summary, metrics_file};
+use super::wire::{Summary, metrics_file};
 use crate::error::{Error, Result};
 use crate::spec::JobSpec;
 
@@ -184,40 +184,12 @@ fn pass_on(out: impl std::io::Read, output: &Path, rank: usize, resume: bool, be
 
 fn summary(spec: &JobSpec, world: usize, seen: &Seen, elapsed: Duration) -> Summary {
     Summary {
-        name: spec.name.clone(),
-        model: "command".into(),
-        dataset: String::new(),
-        parameters: 0,
         steps: seen.step.unwrap_or(0) as usize,
-        world_size: world,
-        strategy: Default::default(),
         final_loss: seen.loss.filter(|l| l.is_finite()),
         eval_loss: seen.eval_loss.unwrap_or(f64::NAN),
         eval_accuracy: seen.eval_accuracy,
-        eval_perplexity: None,
-        baseline_loss: None,
-        samples_per_s: 0.0,
-        comm_bytes: 0,
-        comm_bytes_per_step: 0.0,
-        compression: None,
-        overlap: false,
-        step_time: StepTime::default(),
-        elapsed_s: elapsed.as_secs_f64(),
-        resumed_from: 0,
-        checkpoints: 0,
-        checkpoint_mb_per_s: None,
-        checkpoint_stall_s: 0.0,
-        checkpoint_save_s: 0.0,
-        memory_copies: 0,
-        memory_stall_s: 0.0,
-        resumed_from_memory: false,
-        memory_bytes: Vec::new(),
-        bubble_fraction: None,
-        bubble_theory: None,
-        stage_layers: None,
-        shares: None,
         command: spec.train.command.clone(),
         metrics_lines: seen.lines,
-        federated: None,
+        ..Summary::bare(&spec.name, "command", "", world, Default::default(), elapsed.as_secs_f64())
     }
 }

@@ -63,14 +63,13 @@ fn sample(f: &FederatedSpec, round: usize, seed: u64, poisson: bool) -> Vec<usiz
         let q = f.per_round() as f64 / f.clients as f64;
         return (0..f.clients).filter(|_| g.unit_f64() < q).collect();
     }
-    // A partial Fisher–Yates shuffle: the first `per_round` of a seeded permutation.
-    let mut ids: Vec<usize> = (0..f.clients).collect();
-    let k = f.per_round();
-    for i in 0..k {
-        let j = i + g.below(f.clients - i);
-        ids.swap(i, j);
-    }
-    let mut chosen = ids[..k].to_vec();
+    first_of_permutation(f.clients, f.per_round(), &[seed, round as u64, 0xfed])
+}
+
+/// The first `k` of a seeded permutation of `0..n`, sorted.
+fn first_of_permutation(n: usize, k: usize, key: &[u64]) -> Vec<usize> {
+    let mut chosen = shoal_data::rng::permutation(n, key);
+    chosen.truncate(k.min(n));
     chosen.sort_unstable();
     chosen
 }
@@ -115,14 +114,10 @@ fn train_client(
     let cfg = super::setup::optimizer_config(spec);
     let mut local = w.to_vec();
     let (mut m, mut v) = (Vec::new(), Vec::new());
-    let order = {
-        let mut g = SplitMix64::from_key(&[t.seed, round as u64, client as u64, 0x10ca1]);
-        let mut o = mine.to_vec();
-        for i in (1..o.len()).rev() {
-            o.swap(i, g.below(i + 1));
-        }
-        o
-    };
+    let order: Vec<usize> = shoal_data::rng::permutation(mine.len(), &[t.seed, round as u64, client as u64, 0x10ca1])
+        .into_iter()
+        .map(|k| mine[k])
+        .collect();
     let mu = if f.algorithm == FedAlgorithm::Fedprox { f.mu() } else { 0.0 };
     let mut loss_sum = 0f64;
     for step in 0..steps {
@@ -407,42 +402,26 @@ pub(super) fn train(
     candle_core::safetensors::save(&named, &path).map_err(|e| Error::Checkpoint(format!("{}: {e}", path.display())))?;
     let last = report.rounds.last();
     let t = &spec.train;
+    let bytes = setup.comm.bytes_sent();
+    let model = format!("{:?}", t.model.kind).to_lowercase();
+    let bare = super::wire::Summary::bare(
+        &spec.name,
+        &model,
+        &t.dataset,
+        setup.world,
+        crate::spec::Strategy::Federated,
+        started.elapsed().as_secs_f64(),
+    );
     let summary = super::wire::Summary {
-        name: spec.name.clone(),
-        model: format!("{:?}", t.model.kind).to_lowercase(),
-        dataset: t.dataset.clone(),
         parameters: params.full_count(),
         steps: report.rounds.len(),
-        world_size: setup.world,
-        strategy: crate::spec::Strategy::Federated,
         final_loss: last.map(|r| r.loss).filter(|l| l.is_finite()),
         eval_loss: last.map_or(f64::NAN, |r| r.eval_loss),
         eval_accuracy: last.map(|r| r.eval_accuracy),
-        eval_perplexity: None,
-        baseline_loss: None,
-        samples_per_s: 0.0,
-        comm_bytes: setup.comm.bytes_sent(),
-        comm_bytes_per_step: setup.comm.bytes_sent() as f64 / report.rounds.len().max(1) as f64,
-        compression: None,
-        overlap: false,
-        step_time: super::wire::StepTime::default(),
-        elapsed_s: started.elapsed().as_secs_f64(),
-        resumed_from: 0,
-        checkpoints: 0,
-        checkpoint_mb_per_s: None,
-        checkpoint_stall_s: 0.0,
-        checkpoint_save_s: 0.0,
-        memory_copies: 0,
-        memory_stall_s: 0.0,
-        resumed_from_memory: false,
-        memory_bytes: Vec::new(),
-        bubble_fraction: None,
-        bubble_theory: None,
-        stage_layers: None,
-        shares: None,
-        command: Vec::new(),
-        metrics_lines: 0,
+        comm_bytes: bytes,
+        comm_bytes_per_step: bytes as f64 / report.rounds.len().max(1) as f64,
         federated: Some(report),
+        ..bare
     };
     super::report::write_json(&output.join("summary.json"), &summary)?;
     Ok(Some(summary))
@@ -451,15 +430,7 @@ pub(super) fn train(
 /// The indices (into the round's sampled clients) of those that drop out this round (`federated.dropout`).
 fn dropouts(f: &FederatedSpec, round: usize, seed: u64, sampled: usize) -> Vec<usize> {
     let k = (f.dropout.unwrap_or(0.0) * sampled as f64).floor() as usize;
-    let mut g = SplitMix64::from_key(&[seed, round as u64, 0xd40f]);
-    let mut ids: Vec<usize> = (0..sampled).collect();
-    for i in 0..k.min(sampled) {
-        let j = i + g.below(sampled - i);
-        ids.swap(i, j);
-    }
-    let mut out = ids[..k.min(sampled)].to_vec();
-    out.sort_unstable();
-    out
+    first_of_permutation(sampled, k, &[seed, round as u64, 0xd40f])
 }
 
 /// A round's secure aggregation as this process sees it: its clients' keys, and every client's public key and

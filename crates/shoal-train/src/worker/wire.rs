@@ -103,6 +103,50 @@ pub struct Summary {
     pub federated: Option<FederatedReport>,
 }
 
+impl Summary {
+    /// A summary of a run that has none of built-in training's measures (a job's own program, federated rounds):
+    /// the names and sizes given, every measure empty.
+    pub fn bare(name: &str, model: &str, dataset: &str, world_size: usize, strategy: Strategy, elapsed_s: f64) -> Self {
+        Summary {
+            name: name.to_owned(),
+            model: model.to_owned(),
+            dataset: dataset.to_owned(),
+            parameters: 0,
+            steps: 0,
+            world_size,
+            strategy,
+            final_loss: None,
+            eval_loss: f64::NAN,
+            eval_accuracy: None,
+            eval_perplexity: None,
+            baseline_loss: None,
+            samples_per_s: 0.0,
+            comm_bytes: 0,
+            comm_bytes_per_step: 0.0,
+            compression: None,
+            overlap: false,
+            step_time: StepTime::default(),
+            elapsed_s,
+            resumed_from: 0,
+            checkpoints: 0,
+            checkpoint_mb_per_s: None,
+            checkpoint_stall_s: 0.0,
+            checkpoint_save_s: 0.0,
+            memory_copies: 0,
+            memory_stall_s: 0.0,
+            resumed_from_memory: false,
+            memory_bytes: Vec::new(),
+            bubble_fraction: None,
+            bubble_theory: None,
+            stage_layers: None,
+            shares: None,
+            command: Vec::new(),
+            metrics_lines: 0,
+            federated: None,
+        }
+    }
+}
+
 fn is_zero(n: &u64) -> bool {
     *n == 0
 }
