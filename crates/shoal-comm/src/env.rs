@@ -50,6 +50,8 @@ pub mod var {
     /// `1`: every rank writes the dataset rows (and their epochs) each step trained on, a line a step, to
     /// `samples-rank-R.jsonl` beside its metrics (an audit of what a run read; a job may set it in `[env]`).
     pub const RECORD_SAMPLES: &str = "SHOAL_RECORD_SAMPLES";
+    /// `1` (`shoal run --verbose`): rank 0 says more at start (a federated job: each client's label histogram).
+    pub const VERBOSE: &str = "SHOAL_VERBOSE";
     pub const HOST_ID: &str = "SHOAL_HOST_ID";
     /// A task that joins a running group in place: the group's generation, and the task's number in its attempt.
     pub const GENERATION: &str = "SHOAL_GENERATION";

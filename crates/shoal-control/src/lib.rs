@@ -43,7 +43,6 @@ pub mod metrics;
 pub mod observe;
 pub mod policy;
 pub mod server;
-pub mod tls;
 pub mod view;
 
 pub use error::{ControlError, Result};

@@ -69,7 +69,7 @@ pub struct ServerOptions {
     /// An executor made by the caller (tests), instead of the one `executor_kind` names.
     pub executor: Option<Arc<dyn shoal_exec::Executor>>,
     /// Serve HTTPS with this certificate and key (`--tls-cert`, `--tls-key`); `None`: plain HTTP.
-    pub tls: Option<crate::tls::TlsFiles>,
+    pub tls: Option<shoal_http::tls::TlsFiles>,
     /// The URL tasks reach this server at, for their heartbeats (`--advertise-url`). [`start`] fills in its own
     /// address when absent (loopback for an unspecified one); with none, tasks report through files only.
     pub advertise: Option<String>,
@@ -441,75 +441,7 @@ fn cluster_nodes(list: &[NodeInfo], opts: &ServerOptions) -> Vec<Node> {
     nodes
 }
 
-/// How long a client may take to send a request's headers — and how long a kept-alive connection may sit idle
-/// before its next request.
-pub const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
-/// Connections served at once; more are closed as they arrive (logged).
-pub const MAX_CONNECTIONS: usize = 512;
-
-/// Serves `app` on `listener` until `shutdown` changes: HTTP/1.1 (inside TLS when `tls` is given) with
-/// [`HEADER_TIMEOUT`] on the TLS handshake, on headers and on idle connections, at most [`MAX_CONNECTIONS`] at
-/// once, then a graceful shutdown (open requests finish).
-async fn serve(
-    listener: tokio::net::TcpListener,
-    app: axum::Router,
-    tls: Option<tokio_rustls::TlsAcceptor>,
-    mut shutdown: tokio::sync::watch::Receiver<bool>,
-) -> std::io::Result<()> {
-    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
-    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
-    let mut http = hyper::server::conn::http1::Builder::new();
-    http.timer(hyper_util::rt::TokioTimer::new()).header_read_timeout(HEADER_TIMEOUT).keep_alive(true);
-    loop {
-        let (stream, peer) = tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok(a) => a,
-                Err(e) => {
-                    // Out of descriptors and the like: wait a moment rather than spin.
-                    tracing::warn!(error = %e, "accepting a connection failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-            _ = shutdown.changed() => break,
-        };
-        let Ok(slot) = slots.clone().try_acquire_owned() else {
-            tracing::warn!(%peer, limit = MAX_CONNECTIONS, "too many connections; closing a new one");
-            drop(stream);
-            continue;
-        };
-        let svc = hyper_util::service::TowerToHyperService::new(app.clone());
-        let (http, watcher, tls) = (http.clone(), graceful.watcher(), tls.clone());
-        tokio::spawn(async move {
-            let served = match tls {
-                None => watcher.watch(http.serve_connection(hyper_util::rt::TokioIo::new(stream), svc)).await,
-                Some(acceptor) => match tokio::time::timeout(HEADER_TIMEOUT, acceptor.accept(stream)).await {
-                    Ok(Ok(tls_stream)) => {
-                        let conn = http.serve_connection(hyper_util::rt::TokioIo::new(tls_stream), svc);
-                        watcher.watch(conn).await
-                    }
-                    Ok(Err(e)) => {
-                        tracing::debug!(%peer, error = %e, "TLS handshake failed");
-                        Ok(())
-                    }
-                    Err(_) => {
-                        tracing::debug!(%peer, "TLS handshake did not finish in time");
-                        Ok(())
-                    }
-                },
-            };
-            if let Err(e) = served {
-                tracing::debug!(%peer, error = %e, "connection ended with an error");
-            }
-            drop(slot);
-        });
-    }
-    tokio::select! {
-        _ = graceful.shutdown() => {}
-        _ = tokio::time::sleep(Duration::from_secs(5)) => tracing::warn!("open connections did not finish in 5 s"),
-    }
-    Ok(())
-}
+pub use shoal_http::{HEADER_TIMEOUT, MAX_CONNECTIONS};
 
 /// Starts a server; returns once it listens.
 pub async fn start(opts: ServerOptions) -> Result<Server> {
@@ -517,7 +449,12 @@ pub async fn start(opts: ServerOptions) -> Result<Server> {
     let listener = tokio::net::TcpListener::bind(opts.listen)
         .await
         .map_err(|e| ControlError::Config(format!("cannot listen on {}: {e}", opts.listen)))?;
-    let tls = opts.tls.as_ref().map(crate::tls::server_config).transpose()?.map(tokio_rustls::TlsAcceptor::from);
+    let tls = match &opts.tls {
+        Some(files) => Some(tokio_rustls::TlsAcceptor::from(
+            shoal_http::tls::server_config(files, None).map_err(|e| ControlError::Config(e.0))?,
+        )),
+        None => None,
+    };
     if tls.is_none() && !opts.listen.ip().is_loopback() {
         tracing::warn!(
             listen = %opts.listen,
@@ -539,7 +476,7 @@ pub async fn start(opts: ServerOptions) -> Result<Server> {
     let (tx, rx) = tokio::sync::watch::channel(false);
     let looping = tokio::spawn(control.clone().run(rx.clone()));
     let app = router(AppState { control: control.clone(), auth: !opts.no_auth });
-    let serve = tokio::spawn(serve(listener, app, tls, rx));
+    let serve = tokio::spawn(shoal_http::serve(listener, app, tls, rx));
     tracing::info!(%addr, database = %crate::db::redact(&url), "shoal server listening");
     Ok(Server { addr, admin_token: token, control, shutdown: tx, serve, looping, _lock: lock })
 }

@@ -54,6 +54,33 @@ pub struct FederatedSpec {
     /// `[federated.dp]`: differential privacy of the clients' updates.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dp: Option<DpSpec>,
+    /// Seconds a round waits for its sampled clients' updates: those that have not arrived by then are dropped
+    /// from the round (counted as late) and the rest are combined. Default 600 with remote clients; in simulation
+    /// a client whose local training takes longer is dropped the same way (default: no deadline).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub round_timeout: Option<f64>,
+    /// Serve remote clients at this address (`host:port`) instead of simulating them: each runs
+    /// `shoal fed client --server URL --data PATH` on its own data. Needs `tokens`, and `tls_cert` and `tls_key`
+    /// unless the address is loopback.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub listen: Option<String>,
+    /// The remote clients: a file of lines `NAME TOKEN` (blank lines and `#` comments skipped), one a client; a
+    /// client authenticates with its token, and `clients` must equal the lines.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens: Option<String>,
+    /// The server's certificate chain (PEM) for HTTPS.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls_cert: Option<String>,
+    /// Its private key (PEM).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls_key: Option<String>,
+    /// Require every client to present a certificate signed by this CA (PEM) as well as its token (mutual TLS).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_ca: Option<String>,
+    /// Seconds the server waits for enough clients to be connected before a round (default 300): at least
+    /// `clients_per_round` of them, or all.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub join_timeout: Option<f64>,
 }
 
 /// `federated.algorithm`.
@@ -177,6 +204,56 @@ impl FederatedSpec {
         if let Some(d) = self.dropout.filter(|d| !(*d >= 0.0 && *d < 1.0)) {
             return at("dropout", format!("{d} is not in [0, 1)"));
         }
+        positive("round_timeout", self.round_timeout)?;
+        positive("join_timeout", self.join_timeout)?;
+        match &self.listen {
+            Some(addr) => {
+                let Ok(sock) = addr.parse::<std::net::SocketAddr>() else {
+                    return at("listen", format!("{addr:?} is not an address and port like \"0.0.0.0:7443\""));
+                };
+                if self.tokens.is_none() {
+                    return at(
+                        "tokens",
+                        "remote clients authenticate by token: give the file of `NAME TOKEN` lines".into(),
+                    );
+                }
+                if self.tls_cert.is_some() != self.tls_key.is_some() {
+                    let missing = if self.tls_cert.is_none() { "tls_cert" } else { "tls_key" };
+                    return at(missing, "give tls_cert and tls_key together".into());
+                }
+                if self.tls_cert.is_none() && !sock.ip().is_loopback() {
+                    return at(
+                        "tls_cert",
+                        format!("{addr} is not loopback: updates and tokens would cross the network unencrypted"),
+                    );
+                }
+                if self.client_ca.is_some() && self.tls_cert.is_none() {
+                    return at("client_ca", "client certificates need HTTPS: give tls_cert and tls_key".into());
+                }
+                if self.secure_aggregation {
+                    return at(
+                        "secure_aggregation",
+                        "is simulated only for now (without `listen`): remote clients send their updates over TLS"
+                            .into(),
+                    );
+                }
+                if self.dropout.is_some() {
+                    return at("dropout", "is for simulations: remote clients drop out for real".into());
+                }
+            }
+            None => {
+                let remote = [
+                    ("tokens", self.tokens.is_some()),
+                    ("tls_cert", self.tls_cert.is_some()),
+                    ("tls_key", self.tls_key.is_some()),
+                    ("client_ca", self.client_ca.is_some()),
+                    ("join_timeout", self.join_timeout.is_some()),
+                ];
+                if let Some((key, _)) = remote.iter().find(|(_, on)| *on) {
+                    return at(key, "applies to remote clients only (give `listen`)".into());
+                }
+            }
+        }
         if self.shards_per_client == Some(0) {
             return at("shards_per_client", "must be at least 1".into());
         }
@@ -201,6 +278,24 @@ impl FederatedSpec {
             }
         }
         Ok(())
+    }
+}
+
+impl FederatedSpec {
+    /// Whether the clients are remote (`listen`), not simulated.
+    pub fn remote(&self) -> bool {
+        self.listen.is_some()
+    }
+
+    /// `round_timeout` in effect: remote clients default to 600 s; simulated ones have none unless given.
+    pub fn deadline(&self) -> Option<std::time::Duration> {
+        let secs = self.round_timeout.or(self.remote().then_some(600.0))?;
+        Some(std::time::Duration::from_secs_f64(secs))
+    }
+
+    /// `join_timeout` in effect.
+    pub fn join_deadline(&self) -> std::time::Duration {
+        std::time::Duration::from_secs_f64(self.join_timeout.unwrap_or(300.0))
     }
 }
 

@@ -1640,11 +1640,17 @@ impl JobSpec {
             self.checkpoint.validate(),
             if numbers.is_ok() { self.validate_parallel() } else { Ok(()) },
             platform(self.compression.map_or(Ok(()), |c| c.validate(self.train.strategy, self.train.optimizer))),
-            platform(
-                self.robust
-                    .map_or(Ok(()), |r| r.validate(self.train.strategy, self.compression.is_some_and(|c| c.is_on()))),
-            ),
-            platform(self.chaos.as_ref().map_or(Ok(()), |c| c.validate(self.robust.as_ref()))),
+            // A federated job's [robust] and [chaos] are checked with [federated].
+            match self.train.strategy {
+                Strategy::Federated => Ok(()),
+                strategy => platform(
+                    self.robust.map_or(Ok(()), |r| r.validate(strategy, self.compression.is_some_and(|c| c.is_on()))),
+                ),
+            },
+            match self.train.strategy {
+                Strategy::Federated => Ok(()),
+                _ => platform(self.chaos.as_ref().map_or(Ok(()), |c| c.validate(self.robust.as_ref()))),
+            },
             self.validate_ps(),
             self.validate_balance(),
             self.validate_sharding(),
@@ -1761,12 +1767,50 @@ impl JobSpec {
             ));
         }
         f.validate().map_err(|(k, m)| SpecError::at(&k, m))?;
+        if let Some(r) = &self.robust {
+            let rule = r.rule.rule();
+            if f.secure_aggregation {
+                return Err(SpecError::at(
+                    "robust.rule",
+                    "secure aggregation shows the server only the sum of the updates, which a robust rule cannot sift",
+                ));
+            }
+            if f.dp.is_some() && rule != shoal_ps::Rule::Mean {
+                return Err(SpecError::at(
+                    "robust.rule",
+                    "the privacy accountant assumes the noised mean of the clipped updates; a robust rule changes it",
+                ));
+            }
+            if rule == shoal_ps::Rule::Mean && r.f > 0 {
+                return Err(SpecError::at(
+                    "robust.f",
+                    format!("the mean bears no attacker (f = {}): choose a robust rule", r.f),
+                ));
+            }
+            // The rule sees each round's sampled clients.
+            let n = if f.dp.is_some() { f.clients } else { f.per_round() };
+            rule.check(n, r.f).map_err(|e| SpecError::at("robust.f", format!("{e} (the clients of a round)")))?;
+        }
+        if let Some(c) = &self.chaos {
+            if self.robust.is_none() {
+                return Err(SpecError::at(
+                    "chaos.attack",
+                    "attacks are simulated where [robust] combines the updates: add [robust] (rule = \"mean\" for no \
+                     defence)",
+                ));
+            }
+            if f.remote() {
+                return Err(SpecError::at(
+                    "chaos.byzantine_clients",
+                    "attacks are simulated: not with federated.listen",
+                ));
+            }
+            c.validate_federated(f.clients).map_err(|(k, m)| SpecError::at(&k, m))?;
+        }
         let why = "federated clients train whole models on their own data";
         let set = [
             ("parallel", self.parallel.is_some()),
             ("compression", self.compression.is_some()),
-            ("chaos", self.chaos.is_some()),
-            ("robust", self.robust.is_some()),
             ("phases", !self.phases.is_empty()),
             ("train.balance", t.balance != Balance::Static),
             ("train.grad_accum", t.grad_accum != 1),
@@ -2071,6 +2115,15 @@ impl JobSpec {
     pub fn validate_world(&self, world_size: usize) -> Result<()> {
         if world_size == 0 {
             return Err(SpecError::at("", "the world size must be at least 1"));
+        }
+        if let Some(f) = self.federated.as_ref().filter(|f| f.remote() && world_size > 1) {
+            return Err(SpecError::at(
+                "workers.count",
+                format!(
+                    "federated.listen {}: one process serves the remote clients, not {world_size}",
+                    f.listen.as_deref().unwrap_or_default()
+                ),
+            ));
         }
         if self.is_command() || self.train.strategy == Strategy::Federated {
             // The program splits its own work; a federated job's batches are each client's own.

@@ -96,7 +96,11 @@ impl RobustSpec {
 #[serde(deny_unknown_fields)]
 pub struct ChaosSpec {
     /// The ranks that lie.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub byzantine_ranks: Vec<usize>,
+    /// Under `train.strategy = "federated"`: the clients that lie (their update replaced by the attack's).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub byzantine_clients: Vec<usize>,
     /// What they send.
     pub attack: AttackName,
     /// The attack's strength (default: 10 for `signflip`, 1 for `noise` and `alie`, 0.5 for `ipm`).
@@ -142,6 +146,12 @@ impl ChaosSpec {
                     .into(),
             ));
         }
+        if !self.byzantine_clients.is_empty() {
+            return Err((
+                "chaos.byzantine_clients".into(),
+                "applies to train.strategy = \"federated\" only: name ranks with byzantine_ranks".into(),
+            ));
+        }
         if self.byzantine_ranks.is_empty() {
             return Err(("chaos.byzantine_ranks".into(), "names no rank".into()));
         }
@@ -149,6 +159,34 @@ impl ChaosSpec {
         sorted.sort_unstable();
         if sorted.windows(2).any(|w| w[0] == w[1]) {
             return Err(("chaos.byzantine_ranks".into(), format!("names a rank twice: {:?}", self.byzantine_ranks)));
+        }
+        if let Some(s) = self.scale
+            && !(s.is_finite() && s >= 0.0)
+        {
+            return Err(("chaos.scale".into(), format!("must be a finite number of at least 0, got {s}")));
+        }
+        Ok(())
+    }
+
+    /// The table under `train.strategy = "federated"`: the lying clients are named by `byzantine_clients`, each
+    /// one of the `clients`.
+    pub fn validate_federated(&self, clients: usize) -> Result<(), (String, String)> {
+        if !self.byzantine_ranks.is_empty() {
+            return Err((
+                "chaos.byzantine_ranks".into(),
+                "a federated job's attackers are clients: name them with byzantine_clients".into(),
+            ));
+        }
+        if self.byzantine_clients.is_empty() {
+            return Err(("chaos.byzantine_clients".into(), "names no client".into()));
+        }
+        if let Some(c) = self.byzantine_clients.iter().find(|&&c| c >= clients) {
+            return Err(("chaos.byzantine_clients".into(), format!("client {c} is not one of the {clients} clients")));
+        }
+        let mut sorted = self.byzantine_clients.clone();
+        sorted.sort_unstable();
+        if sorted.windows(2).any(|w| w[0] == w[1]) {
+            return Err(("chaos.byzantine_clients".into(), "names a client twice".into()));
         }
         if let Some(s) = self.scale
             && !(s.is_finite() && s >= 0.0)

@@ -36,6 +36,7 @@ pub mod batch;
 pub mod checkpoint;
 pub mod dp;
 pub mod error;
+pub mod fed;
 pub mod kernels;
 pub mod layers;
 pub mod memory;

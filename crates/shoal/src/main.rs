@@ -9,6 +9,7 @@ mod bench_workloads;
 mod checkpoint;
 mod data;
 mod faults;
+mod fed;
 mod k8s;
 mod nodes;
 mod plan;
@@ -186,6 +187,12 @@ enum Cmd {
         #[command(subcommand)]
         cmd: data::DataCmd,
     },
+    /// Federated learning's real clients: `client` trains on its own data for a job's server
+    /// (`federated.listen`); `partition` cuts a job's dataset into one file per client.
+    Fed {
+        #[command(subcommand)]
+        cmd: fed::FedCmd,
+    },
     /// List the built-in datasets.
     Datasets {
         /// One JSON array of objects (name, kind, len, features, classes, description).
@@ -294,6 +301,7 @@ fn main() -> std::process::ExitCode {
         Cmd::Nodes { json, client } => platform::Client::from_args(&client).and_then(|c| platform::nodes(&c, json)),
         Cmd::Datasets { json } => datasets(json),
         Cmd::Data { cmd } => data::run(&cmd),
+        Cmd::Fed { cmd } => fed::run(&cmd),
         Cmd::Validate { job, json } => validate::run(&job, json),
         Cmd::K8s { cmd } => k8s::run(&cmd),
         Cmd::Plan(args) => plan::run(&args),

@@ -395,7 +395,7 @@ pub fn server_options(args: &ServerArgs) -> Result<shoal_control::ServerOptions>
     };
 
     if let (Some(cert), Some(key)) = (&args.tls_cert, &args.tls_key) {
-        o.tls = Some(shoal_control::tls::TlsFiles { cert: cert.clone(), key: key.clone() });
+        o.tls = Some(shoal_http::tls::TlsFiles { cert: cert.clone(), key: key.clone() });
     }
     if let Some(u) = &args.advertise_url {
         if !(u.starts_with("http://") || u.starts_with("https://")) {

@@ -83,6 +83,9 @@ pub struct RunArgs {
     /// Resume a job from its newest valid checkpoint (job files only).
     #[arg(long)]
     pub resume: bool,
+    /// Say more at start (a federated job: each client's label histogram).
+    #[arg(short, long)]
+    pub verbose: bool,
     #[command(flatten)]
     pub nodes: crate::nodes::NodeArgs,
     /// A job file (built-in models) instead of `-- CMD ARGS…`.
@@ -123,7 +126,7 @@ fn run(args: &RunArgs) -> Result<ExitCode> {
     let nodes = args.nodes.nodes()?;
     match (&args.job, args.command.is_empty()) {
         (Some(job), true) if job.extension().is_some_and(|e| e == "toml") => {
-            run_job(args.ranks, job, args.output.as_deref(), args.resume, args.json, nodes)
+            run_job(args.ranks, job, args.output.as_deref(), args.resume, args.json, args.verbose, nodes)
         }
         (Some(job), true) => bail!(
             "{} is not a job file (JOB.toml); to run a program, put `--` before it: shoal run -n {} -- {} …",
@@ -178,6 +181,7 @@ pub fn run_job(
     output: Option<&Path>,
     resume: bool,
     json: bool,
+    verbose: bool,
     nodes: Option<Nodes>,
 ) -> Result<ExitCode> {
     // Every error of the spec names the file and its key path, before any process starts.
@@ -260,6 +264,9 @@ pub fn run_job(
     if std::env::var_os(threads).is_none() && !spec.env.contains_key(threads) {
         let cpus = std::thread::available_parallelism().map(|c| c.get()).unwrap_or(1);
         env.push((threads.to_string(), (cpus / processes).max(1).to_string()));
+    }
+    if verbose {
+        env.push((shoal_comm::env::var::VERBOSE.to_string(), "1".to_string()));
     }
     let code = run_ranks(&exe, &args, &env, &opts)?;
     if code != ExitCode::SUCCESS {

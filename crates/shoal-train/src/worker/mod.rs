@@ -28,10 +28,10 @@ mod regroup;
 mod report;
 mod resume;
 mod serve;
-mod setup;
+pub(crate) mod setup;
 mod stop;
 mod train_loop;
-mod wire;
+pub(crate) mod wire;
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -42,8 +42,8 @@ use crate::spec::JobSpec;
 pub use eval::unigram_baseline;
 pub use heartbeat::{INTERVAL as HEARTBEAT_INTERVAL, TAG_HEADER as HEARTBEAT_TAG_HEADER, heartbeat_file};
 pub use report::write_json;
-pub use setup::{build_model, checkpoint_remote, checkpoint_root, open_data};
-pub use wire::{EvalMetrics, StepMetrics, StepTime, Summary, metrics_file};
+pub use setup::{build_model, checkpoint_remote, checkpoint_root, open_data, optimizer_config};
+pub use wire::{EvalMetrics, FederatedReport, RoundReport, StepMetrics, StepTime, Summary, metrics_file};
 
 /// How a worker runs.
 #[derive(Debug, Clone)]

@@ -401,7 +401,7 @@ pub(super) fn server_wait(timeout: std::time::Duration) -> std::time::Duration {
 }
 
 /// The optimizer `train.optimizer` names, with its settings.
-pub(super) fn optimizer_config(spec: &JobSpec) -> OptimConfig {
+pub fn optimizer_config(spec: &JobSpec) -> OptimConfig {
     let t = &spec.train;
     match t.optimizer {
         OptimizerKind::Sgd => OptimConfig::Sgd { momentum: t.momentum(), weight_decay: t.weight_decay() },

@@ -252,14 +252,32 @@ pub struct FederatedReport {
     pub noise_multiplier: Option<f64>,
     pub delta: Option<f64>,
     pub epsilon: Option<f64>,
-    /// Each client's samples of each class (the partition's label histogram).
+    /// Each client's samples of each class (the partition's label histogram; empty with remote clients, whose
+    /// data the server never sees).
     pub histogram: Vec<Vec<usize>>,
+    /// `[robust]`'s rule the server combined the updates by (`mean` without the table).
+    #[serde(default)]
+    pub rule: String,
+    /// Whether the clients were remote (`federated.listen`).
+    #[serde(default)]
+    pub remote: bool,
 }
 
+/// One federated round, as `summary.json` and the round's line of `metrics.jsonl` give it.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct RoundReport {
     pub round: usize,
+    /// Clients whose updates were combined.
     pub clients: usize,
+    /// Clients sampled for the round.
+    #[serde(default)]
+    pub sampled: usize,
+    /// Sampled clients that dropped out (never sent an update).
+    #[serde(default)]
+    pub dropped: usize,
+    /// Sampled clients whose update missed `federated.round_timeout`.
+    #[serde(default)]
+    pub late: usize,
     pub loss: f64,
     pub eval_loss: f64,
     pub eval_accuracy: f64,
