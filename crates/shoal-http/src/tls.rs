@@ -93,6 +93,22 @@ pub fn client(ca: Option<&Path>, identity: Option<&TlsFiles>, timeout: Duration)
             .iter()
             .map(|c| ureq::tls::Certificate::from_der(c.as_ref()).to_owned())
             .collect();
+        // The pair is checked here, so that a bad one is an error naming the files rather than a failure deep in
+        // the first request.
+        let der = PrivateKeyDer::from_pem_file(&id.key)
+            .map_err(|e| bad(&id.key, format!("no private key read (--key): {e}")))?;
+        rustls::ClientConfig::builder_with_provider(provider())
+            .with_safe_default_protocol_versions()
+            .map_err(|e| ConfigError(format!("TLS protocol versions: {e}")))?
+            .with_root_certificates(rustls::RootCertStore::empty())
+            .with_client_auth_cert(certificates(&id.cert, "--cert")?, der)
+            .map_err(|e| {
+                ConfigError(format!(
+                    "{} and {} do not make a usable client certificate and key (--cert, --key): {e}",
+                    id.cert.display(),
+                    id.key.display()
+                ))
+            })?;
         let pem = std::fs::read(&id.key).map_err(|e| bad(&id.key, format!("reading the key (--key): {e}")))?;
         let key = ureq::tls::PrivateKey::from_pem(&pem)
             .map_err(|e| bad(&id.key, format!("no private key read (--key): {e}")))?;

@@ -121,7 +121,9 @@ impl Link {
                 },
                 Err(e) => e,
             };
-            if let ureq::Error::Tls(_) | ureq::Error::Rustls(_) = failure {
+            // A certificate refused, either way, is not waited out; a connection cut mid-stream is.
+            let said = failure.to_string().to_lowercase();
+            if matches!(failure, ureq::Error::Tls(_)) || said.contains("certificate") || said.contains("alert") {
                 return Err(Error::InvalidArgument(format!("{url}: TLS refused: {failure}")));
             }
             if began.elapsed() + pause > self.retry_for {

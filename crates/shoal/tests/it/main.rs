@@ -12,6 +12,7 @@ mod deploy;
 mod diagnose;
 mod faults;
 mod federated;
+mod federated_remote;
 mod frameworks;
 mod hosts;
 mod kubelet;

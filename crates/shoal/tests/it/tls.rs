@@ -18,13 +18,13 @@ fn tmpdir(tag: &str) -> PathBuf {
     d
 }
 
-fn openssl(dir: &Path, args: &[&str]) {
+pub(crate) fn openssl(dir: &Path, args: &[&str]) {
     let out = Command::new("openssl").args(args).current_dir(dir).output().expect("the openssl command");
     assert!(out.status.success(), "openssl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
 }
 
 /// A CA (`ca.pem`) and a certificate it signed for 127.0.0.1 (`server.pem`, `server.key`).
-fn certificates(dir: &Path) {
+pub(crate) fn certificates(dir: &Path) {
     openssl(
         dir,
         &["req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-keyout", "ca.key"]
