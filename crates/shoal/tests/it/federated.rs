@@ -166,3 +166,58 @@ fn secure_aggregation_gives_plain_fedavgs_model_with_30_percent_dropping_out_for
     let _ = std::fs::remove_dir_all(dir);
     Ok(())
 }
+
+#[test]
+fn a_robust_rule_bears_attacking_clients_that_wreck_the_mean() -> Res<()> {
+    let dir = tmpdir("robust")?;
+    // 3 of 20 clients send their update reversed and scaled 10×, in every round they are sampled for.
+    let base = "clients = 20\nclients_per_round = 10\nrounds = 30\nlocal_steps = 10\n";
+    let attack = "[chaos]\nbyzantine_clients = [0, 1, 2]\nattack = \"signflip\"\n";
+    let mean = run(&dir, "mean", &format!("{}[robust]\nrule = \"mean\"\n{attack}", job(base)))?;
+    let median = run(&dir, "median", &format!("{}[robust]\nrule = \"median\"\nf = 3\n{attack}", job(base)))?;
+    let honest = run(&dir, "honest", &format!("{}[robust]\nrule = \"median\"\nf = 3\n", job(base)))?;
+    let (m, d, h) = (accuracy(&mean)?, accuracy(&median)?, accuracy(&honest)?);
+    assert!(m < 0.5, "the mean under 3 sign-flipping clients should fail: {m}");
+    assert!(d > 0.85, "the coordinate-wise median bears them: {d}");
+    assert!(h > 0.85, "the median with honest clients only: {h}");
+    assert_eq!(median["federated"]["rule"], "median");
+    eprintln!(
+        "held-out accuracy under 3 sign-flipping clients: mean {m:.4}, median {d:.4}; median, no attacker {h:.4}"
+    );
+    // The attackers are refused by name where they cannot be.
+    let cases = [
+        (
+            format!(
+                "{}[robust]\nrule = \"median\"\nf = 1\n[chaos]\nbyzantine_ranks = [0]\nattack = \"noise\"\n",
+                job(base)
+            ),
+            "chaos.byzantine_ranks: a federated job's attackers are clients",
+        ),
+        (
+            format!(
+                "{}[robust]\nrule = \"median\"\nf = 1\n[chaos]\nbyzantine_clients = [20]\nattack = \"noise\"\n",
+                job(base)
+            ),
+            "client 20 is not one of the 20 clients",
+        ),
+        (format!("{}[robust]\nrule = \"krum\"\nf = 4\n", job(base)), "robust.f"),
+        (
+            format!("{}secure_aggregation = true\n[robust]\nrule = \"median\"\nf = 1\n", job(base)),
+            "robust.rule: secure aggregation",
+        ),
+        (job(&format!("{base}listen = \"127.0.0.1:7000\"")), "federated.tokens"),
+        (job(&format!("{base}listen = \"0.0.0.0:7000\"\ntokens = \"t\"")), "federated.tls_cert"),
+        (
+            job(&format!("{base}listen = \"127.0.0.1:7000\"\ntokens = \"t\"\nsecure_aggregation = true")),
+            "federated.secure_aggregation",
+        ),
+        (job(&format!("{base}tokens = \"t\"")), "federated.tokens: applies to remote clients only"),
+        (job(&format!("{base}listen = \"127.0.0.1:7000\"\ntokens = \"t\"")), "workers.count"),
+    ];
+    for (body, want) in cases {
+        let err = run(&dir, "bad", &body).err().unwrap_or_default();
+        assert!(err.contains(want), "want {want:?} in: {err}");
+    }
+    let _ = std::fs::remove_dir_all(dir);
+    Ok(())
+}
