@@ -1153,6 +1153,8 @@ async function jobView(ctx, root, seg) {
   const barsEl = h('div', { class: 'bars' }, h('div', { class: 'empty' }, 'waiting for data…'));
   const computeEl = h('div', { class: 'chart' });
   const shareEl = h('div', { class: 'chart' });
+  const roundsEl = h('div', { id: 'rounds-chart', class: 'chart' });
+  const roundsBox = h('div', { id: 'rounds-table' });
   const memoryEl = h('div', { class: 'bars', id: 'memory-bars' }, h('div', { class: 'empty' }, 'waiting for data…'));
   const cpuEl = h('div', { class: 'chart' });
   const rssEl = h('div', { class: 'chart' });
@@ -1184,6 +1186,7 @@ async function jobView(ctx, root, seg) {
         h('div', { class: 'legend' }, PHASES.map(([, label, color]) => h('span', { style: { '--c': color } }, label))), barsEl),
       card('Compute time per rank', 'seconds per step', computeEl),
       card('Batch share per rank', 'each rank\'s part of the global batch (train.balance = "dynamic")', shareEl),
+      card('Federated rounds', 'clients sampled, combined, dropped and late each round; the last rounds below', roundsEl, roundsBox),
       card('Memory per rank', 'what each rank holds for training, from its buffers (last step)',
         h('div', { class: 'legend' }, MEMORY.map(([, label, color]) => h('span', { style: { '--c': color } }, label))), memoryEl),
       ...samplesCards,
@@ -1208,6 +1211,7 @@ async function jobView(ctx, root, seg) {
   const tputChart = new LineChart(ctx, tputEl, { sync: 'steps', yMin: 0 });
   const computeChart = new LineChart(ctx, computeEl, { sync: 'steps', yMin: 0, yFmt: fmtSecs });
   const shareChart = new LineChart(ctx, shareEl, { sync: 'steps', yMin: 0, yFmt: fmtPct01 });
+  const roundsChart = new LineChart(ctx, roundsEl, { sync: 'steps', yMin: 0 });
   const cpuChart = new LineChart(ctx, cpuEl, { xTime: true, yMin: 0, yFmt: fmtPct, sync: 'time', empty: 'no resource samples yet' });
   const rssChart = new LineChart(ctx, rssEl, { xTime: true, yMin: 0, yFmt: fmtBytes, binary: true, sync: 'time', empty: 'no resource samples yet' });
   const netChart = new LineChart(ctx, netEl, { xTime: true, yMin: 0, yFmt: fmtRate, binary: true, sync: 'time', empty: 'no resource samples yet' });
@@ -1241,7 +1245,8 @@ async function jobView(ctx, root, seg) {
   }
 
   // ---- rendering
-  const trainSteps = () => at(job, 'spec', 'train', 'steps');
+  // A federated job's steps are its rounds.
+  const trainSteps = () => at(job, 'spec', 'federated', 'rounds') ?? at(job, 'spec', 'train', 'steps');
   function renderHead() {
     if (!job) return;
     const st = stateOf(job);
@@ -1295,7 +1300,8 @@ async function jobView(ctx, root, seg) {
     const lm = (job && job.last_metrics) || {};
     const lossNow = (r0 && r0.last('loss')) ?? num(lm.loss) ?? num(sum.final_loss);
     const evalNow = evals.last('eval_loss') ?? num(sum.eval_loss);
-    const acc = evals.last('eval_accuracy') ?? num(sum.eval_accuracy);
+    // A federated round's line carries its held-out accuracy beside the round's loss.
+    const acc = evals.last('eval_accuracy') ?? (r0 && r0.last('eval_accuracy')) ?? num(sum.eval_accuracy);
     const ppl = evals.last('eval_perplexity') ?? num(sum.eval_perplexity);
     let tput = null;
     let stepS = null;
@@ -1348,8 +1354,32 @@ async function jobView(ctx, root, seg) {
       shareChart.set(ranks.map((r, i) => ({ label: `rank ${r}`, color: PALETTE[i % PALETTE.length] })),
         align(ranks.map((r) => ({ x: train.get(r).x, y: train.get(r).col('share') }))));
     }
+    renderRounds(r0);
     renderBars(ranks);
     renderMemory(ranks);
+  }
+  // Federated learning: rank 0's line a round (`sampled`, `clients`, `dropped`, `late`, `round_bytes`, `epsilon`).
+  function renderRounds(r0) {
+    const fed = r0.last('sampled') !== null;
+    roundsEl.closest('section').hidden = !fed;
+    if (!fed) return;
+    roundsChart.set([
+      { label: 'sampled', color: PALETTE[0], width: 1.5 },
+      { label: 'combined', color: PALETTE[1], width: 2 },
+      { label: 'dropped', color: PALETTE[3], width: 1.5, points: true },
+      { label: 'late', color: PALETTE[4], width: 1.5, points: true },
+    ], [r0.x.slice(), r0.col('sampled'), r0.col('clients'), r0.col('dropped'), r0.col('late')]);
+    const col = (k) => r0.col(k);
+    const rows = r0.x.map((round, i) => ({ round, i })).slice(-10).reverse();
+    const cell = (k, fmt) => ({ label: k, num: true, get: (r) => fmt(col(k)[r.i]) });
+    fill(roundsBox, table([
+      { label: 'round', num: true, get: (r) => fmtInt(r.round) },
+      { label: 'accuracy', num: true, get: (r) => (isNum(col('eval_accuracy')[r.i]) ? fmtPct(100 * col('eval_accuracy')[r.i]) : DASH) },
+      cell('sampled', fmtInt), cell('clients', fmtInt), cell('dropped', fmtInt), cell('late', fmtInt),
+      { label: 'bytes', num: true, get: (r) => fmtBytes(col('round_bytes')[r.i]) },
+      { label: 'ε spent', num: true, get: (r) => (isNum(col('epsilon')[r.i]) ? fmtNum(col('epsilon')[r.i], 3) : DASH) },
+      { label: 'seconds', num: true, get: (r) => fmtSecs(col('step_s')[r.i]) },
+    ], rows));
   }
   function renderMemory(ranks) {
     stackedBars(memoryEl, MEMORY, fmtBytes, 'total', ranks.map((r) => {
