@@ -1,5 +1,5 @@
-//! Secure aggregation of federated updates (Bonawitz et al., 2017, without the self-masks): the server learns only
-//! the sum of a round's updates.
+//! Secure aggregation of federated updates (Bonawitz et al., 2017): the server learns only the sum of a round's
+//! updates.
 //!
 //! - Each client of a round draws an X25519 key pair and publishes the public key; every pair of clients `i < j`
 //!   agrees a secret by Diffie–Hellman, expanded by ChaCha20 into a mask over the update's length.
@@ -9,6 +9,11 @@
 //! - Each client also cuts its secret key into Shamir shares (threshold [`threshold`], over GF(2^61 − 1)), one
 //!   for every other client. When clients drop out after the keys were published, the survivors' shares rebuild
 //!   each dropped client's key, and its masks with the survivors are taken off the sum.
+//! - Each client also adds a self-mask from a seed of its own, shared the same way: for a client whose masked
+//!   vector arrived, the survivors reveal shares of its seed; for one that dropped, shares of its key — never both,
+//!   so a vector that arrives late cannot be unmasked alone by a server that called its client dropped.
+//! - Over the network the shares travel sealed for their holder ([`seal`], ChaCha20-Poly1305 under a key agreed
+//!   by X25519 between a second pair of keys), so the server that relays them cannot read them.
 
 use rand::RngCore;
 use rand_chacha::ChaCha20Rng;
@@ -48,14 +53,15 @@ impl Keys {
         Keys::from_secret(bytes)
     }
 
-    fn from_secret(bytes: [u8; 32]) -> Keys {
+    /// The pair of a secret key's bytes (as rebuilt from shares).
+    pub fn from_secret(bytes: [u8; 32]) -> Keys {
         let secret = StaticSecret::from(bytes);
         let public = PublicKey::from(&secret).to_bytes();
         Keys { secret, public }
     }
 
     /// The secret's bytes (for its shares).
-    fn secret_bytes(&self) -> [u8; 32] {
+    pub fn secret_bytes(&self) -> [u8; 32] {
         self.secret.to_bytes()
     }
 }
@@ -134,8 +140,13 @@ fn unchunk(values: &[u64; 5]) -> [u8; 32] {
 
 /// Shares of client keys: `shares[j]` is for client `j` (the polynomial at `x = j + 1`).
 pub fn share(keys: &Keys, n: usize) -> Vec<[u64; 5]> {
+    share_bytes(&keys.secret_bytes(), n)
+}
+
+/// Shares of any 32 secret bytes (a key, a self-mask seed) among `n` clients, [`threshold`] of which rebuild them.
+pub fn share_bytes(secret: &[u8; 32], n: usize) -> Vec<[u64; 5]> {
     let t = threshold(n);
-    let secret = chunks(&keys.secret_bytes());
+    let secret = chunks(secret);
     let mut rng = rand::rng();
     // One polynomial of degree t − 1 a chunk, its constant the chunk.
     let coeffs: Vec<Vec<u64>> =
@@ -152,8 +163,8 @@ pub fn share(keys: &Keys, n: usize) -> Vec<[u64; 5]> {
         .collect()
 }
 
-/// The key rebuilt from shares `(holder, share)` (at least [`threshold`] of them) by Lagrange at 0.
-fn rebuild(shares: &[(usize, [u64; 5])]) -> [u8; 32] {
+/// The secret rebuilt from shares `(holder, share)` (at least [`threshold`] of them) by Lagrange at 0.
+pub fn rebuild(shares: &[(usize, [u64; 5])]) -> [u8; 32] {
     let mut out = [0u64; 5];
     for (i, (xi, si)) in shares.iter().enumerate() {
         let xi = *xi as u64 + 1;
@@ -172,34 +183,120 @@ fn rebuild(shares: &[(usize, [u64; 5])]) -> [u8; 32] {
     unchunk(&out)
 }
 
-/// Takes the masks of the `dropped` clients with the survivors off `sum` (the survivors' masked vectors summed),
-/// rebuilding each dropped client's key from the survivors' shares: `shares[i][j]` is client `i`'s share for
-/// client `j`. Errors when fewer survivors than the threshold remain.
-pub fn unmask(sum: &mut [i32], publics: &[[u8; 32]], dropped: &[usize], shares: &[Vec<[u64; 5]>]) -> Result<()> {
-    let n = publics.len();
-    let survivors: Vec<usize> = (0..n).filter(|i| !dropped.contains(i)).collect();
+/// A fresh self-mask seed.
+pub fn new_seed() -> [u8; 32] {
+    let mut bytes = [0u8; 32];
+    rand::rng().fill_bytes(&mut bytes);
+    bytes
+}
+
+/// The self-mask a seed expands to, `len` values long.
+pub fn self_mask(seed: &[u8; 32], len: usize) -> Vec<i32> {
+    let mut prg = ChaCha20Rng::from_seed(*seed);
+    (0..len).map(|_| prg.next_u32() as i32).collect()
+}
+
+/// `y` plus the self-mask of `seed` (or minus it, `sign` −1).
+pub fn apply_self_mask(y: &mut [i32], seed: &[u8; 32], sign: i32) {
+    let m = self_mask(seed, y.len());
+    for (yi, mi) in y.iter_mut().zip(m) {
+        *yi = if sign >= 0 { yi.wrapping_add(mi) } else { yi.wrapping_sub(mi) };
+    }
+}
+
+/// Takes off `sum` the masks that dropped client `d` (whose key `key` was rebuilt) shared with each survivor
+/// `(index, public key)`: survivor `s` added `+m` if `s < d`, `−m` if `s > d`.
+pub fn remove_pairwise(sum: &mut [i32], key: &Keys, d: usize, survivors: &[(usize, [u8; 32])]) {
+    for (s, public) in survivors {
+        let m = mask(&key.secret, public, sum.len());
+        for (x, mi) in sum.iter_mut().zip(m) {
+            *x = if *s < d { x.wrapping_sub(mi) } else { x.wrapping_add(mi) };
+        }
+    }
+}
+
+/// Rebuilds the secret of client `of` from the survivors' shares (`shares[of][holder]`), at least [`threshold`]
+/// of `n`; an error names the client and how many shares there were.
+fn rebuild_from(shares: &[Vec<[u64; 5]>], of: usize, holders: &[usize], n: usize) -> Result<[u8; 32]> {
     let t = threshold(n);
-    if survivors.len() < t {
+    if holders.len() < t {
         return Err(Error::InvalidArgument(format!(
-            "secure aggregation: {} of {n} clients remain, fewer than the {t} that rebuild a dropped client's key",
-            survivors.len()
+            "secure aggregation: {} of {n} clients remain, fewer than the {t} that rebuild client {of}'s secret",
+            holders.len()
         )));
     }
+    let held: Vec<(usize, [u64; 5])> = holders.iter().take(t).map(|&h| (h, shares[of][h])).collect();
+    Ok(rebuild(&held))
+}
+
+/// Unmasks the survivors' summed vectors: the `dropped` clients' masks with the survivors come off by their keys
+/// rebuilt from the survivors' shares (`key_shares[i][j]`: client `i`'s key's share for client `j`), and each
+/// survivor's self-mask by its seed rebuilt the same way (`seed_shares`). Errors when fewer survivors than the
+/// threshold remain, or a key does not rebuild to its public key.
+pub fn unmask(
+    sum: &mut [i32],
+    publics: &[[u8; 32]],
+    dropped: &[usize],
+    key_shares: &[Vec<[u64; 5]>],
+    seed_shares: &[Vec<[u64; 5]>],
+) -> Result<()> {
+    let n = publics.len();
+    let survivors: Vec<usize> = (0..n).filter(|i| !dropped.contains(i)).collect();
+    let with_keys: Vec<(usize, [u8; 32])> = survivors.iter().map(|&s| (s, publics[s])).collect();
     for &d in dropped {
-        let held: Vec<(usize, [u64; 5])> = survivors.iter().take(t).map(|&s| (s, shares[d][s])).collect();
-        let keys = Keys::from_secret(rebuild(&held));
+        let keys = Keys::from_secret(rebuild_from(key_shares, d, &survivors, n)?);
         if keys.public != publics[d] {
             return Err(Error::InvalidArgument(format!("secure aggregation: client {d}'s key did not rebuild")));
         }
-        for &s in &survivors {
-            // Survivor s added +m if s < d, −m if s > d: take it off.
-            let m = mask(&keys.secret, &publics[s], sum.len());
-            for (x, mi) in sum.iter_mut().zip(m) {
-                *x = if s < d { x.wrapping_sub(mi) } else { x.wrapping_add(mi) };
-            }
-        }
+        remove_pairwise(sum, &keys, d, &with_keys);
+    }
+    for &s in &survivors {
+        apply_self_mask(sum, &rebuild_from(seed_shares, s, &survivors, n)?, -1);
     }
     Ok(())
+}
+
+/// A share's 5 field elements as 40 bytes, and back.
+pub fn share_to_bytes(share: &[u64; 5]) -> Vec<u8> {
+    share.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+pub fn share_from_bytes(bytes: &[u8]) -> Option<[u64; 5]> {
+    if bytes.len() != 40 {
+        return None;
+    }
+    let mut out = [0u64; 5];
+    for (k, c) in bytes.chunks_exact(8).enumerate() {
+        out[k] = u64::from_le_bytes(c.try_into().ok()?);
+    }
+    Some(out)
+}
+
+fn cipher(me: &Keys, peer: &[u8; 32], context: &str) -> (chacha20poly1305::ChaCha20Poly1305, chacha20poly1305::Nonce) {
+    use chacha20poly1305::KeyInit;
+    use sha2::Digest;
+    let shared = me.secret.diffie_hellman(&PublicKey::from(*peer));
+    let key = sha2::Sha256::new().chain_update(b"shoal secagg share key").chain_update(shared.as_bytes()).finalize();
+    let nonce = sha2::Sha256::new().chain_update(b"shoal secagg nonce").chain_update(context.as_bytes()).finalize();
+    let aead = chacha20poly1305::ChaCha20Poly1305::new(chacha20poly1305::Key::from_slice(&key));
+    (aead, *chacha20poly1305::Nonce::from_slice(&nonce[..12]))
+}
+
+/// `plain` sealed for the holder of `peer` (its public key): ChaCha20-Poly1305 under the X25519 secret of `me` and
+/// `peer`, the nonce from `context` (which names the round, the sender and the receiver, so no key meets a nonce
+/// twice).
+pub fn seal(me: &Keys, peer: &[u8; 32], context: &str, plain: &[u8]) -> Vec<u8> {
+    use chacha20poly1305::aead::Aead;
+    let (aead, nonce) = cipher(me, peer, context);
+    aead.encrypt(&nonce, plain).unwrap_or_default()
+}
+
+/// What [`seal`] sealed, opened by its receiver; an error when it was not sealed for `me` by `peer` in `context`.
+pub fn open(me: &Keys, peer: &[u8; 32], context: &str, sealed: &[u8]) -> Result<Vec<u8>> {
+    use chacha20poly1305::aead::Aead;
+    let (aead, nonce) = cipher(me, peer, context);
+    aead.decrypt(&nonce, sealed)
+        .map_err(|_| Error::InvalidArgument(format!("secure aggregation: a sealed share ({context}) does not open")))
 }
 
 #[cfg(test)]
@@ -226,22 +323,48 @@ mod tests {
         let keys: Vec<Keys> = (0..n).map(|_| Keys::generate()).collect();
         let publics: Vec<[u8; 32]> = keys.iter().map(|k| k.public).collect();
         let shares: Vec<Vec<[u64; 5]>> = keys.iter().map(|k| share(k, n)).collect();
+        let seeds: Vec<[u8; 32]> = (0..n).map(|_| new_seed()).collect();
+        let seed_shares: Vec<Vec<[u64; 5]>> = seeds.iter().map(|s| share_bytes(s, n)).collect();
         // Clients 2, 5 and 7 drop after the keys were published.
         let dropped = [2usize, 5, 7];
         let mut sum = vec![0i32; len];
         for i in (0..n).filter(|i| !dropped.contains(i)) {
-            for (s, y) in sum.iter_mut().zip(masked(&keys[i], i, &publics, &u[i])) {
+            let mut y = masked(&keys[i], i, &publics, &u[i]);
+            apply_self_mask(&mut y, &seeds[i], 1);
+            for (s, y) in sum.iter_mut().zip(y) {
                 *s = s.wrapping_add(y);
             }
         }
-        unmask(&mut sum, &publics, &dropped, &shares)?;
+        let mut without_seeds = sum.clone();
+        unmask(&mut sum, &publics, &dropped, &shares, &seed_shares)?;
         let got = dequantize(&sum);
         let want = plain_sum(&u, |i| !dropped.contains(&i));
         let err = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
         assert!(err < 1e-5, "the unmasked sum is the survivors' sum: max error {err}");
+        // The self-masks stay on without the seeds' shares (here: shares of other seeds).
+        let wrong: Vec<Vec<[u64; 5]>> = (0..n).map(|_| share_bytes(&new_seed(), n)).collect();
+        unmask(&mut without_seeds, &publics, &dropped, &shares, &wrong)?;
+        let off = dequantize(&without_seeds).iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        assert!(off > 1.0, "the sum came out without the self-masks removed: max error {off}");
         // Too many dropped: refused.
         let many: Vec<usize> = (0..6).collect();
-        assert!(unmask(&mut sum.clone(), &publics, &many, &shares).is_err());
+        assert!(unmask(&mut sum.clone(), &publics, &many, &shares, &seed_shares).is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn a_sealed_share_opens_only_for_its_receiver_in_its_context() -> Result<()> {
+        let (a, b, c) = (Keys::generate(), Keys::generate(), Keys::generate());
+        let share = share_to_bytes(&[1, 2, 3, 4, (1 << 61) - 2]);
+        let sealed = seal(&a, &b.public, "round 3: 0 to 1", &share);
+        assert_ne!(&sealed[..40], &share[..], "the share is not readable in the sealed bytes");
+        assert_eq!(open(&b, &a.public, "round 3: 0 to 1", &sealed)?, share);
+        assert_eq!(share_from_bytes(&share), Some([1, 2, 3, 4, (1 << 61) - 2]));
+        assert!(open(&c, &a.public, "round 3: 0 to 1", &sealed).is_err(), "a third party opened it");
+        assert!(open(&b, &a.public, "round 4: 0 to 1", &sealed).is_err(), "it opened in another round");
+        let mut tampered = sealed.clone();
+        tampered[0] ^= 1;
+        assert!(open(&b, &a.public, "round 3: 0 to 1", &tampered).is_err(), "a changed share opened");
         Ok(())
     }
 

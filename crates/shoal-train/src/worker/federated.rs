@@ -293,36 +293,40 @@ fn dropouts(f: &FederatedSpec, round: usize, seed: u64, sampled: usize) -> Vec<u
     fed::first_of_permutation(sampled, k, &[seed, round as u64, 0xd40f])
 }
 
-/// A round's secure aggregation as this process sees it: its clients' keys, and every client's public key and
-/// key shares (in a deployment each share would reach its holder encrypted; here they cross between the pool's
-/// processes, which stand for the clients).
+/// A round's secure aggregation as this process sees it: its clients' keys and self-mask seeds, and every
+/// client's public key and shares of keys and seeds (in a deployment each share reaches its holder sealed, as the
+/// hub relays them; here they cross between the pool's processes, which stand for the clients).
 struct Secure {
-    keys: std::collections::HashMap<usize, crate::secagg::Keys>,
+    keys: std::collections::HashMap<usize, (crate::secagg::Keys, [u8; 32])>,
     publics: Vec<[u8; 32]>,
-    shares: Vec<Vec<[u64; 5]>>,
+    key_shares: Vec<Vec<[u64; 5]>>,
+    seed_shares: Vec<Vec<[u64; 5]>>,
 }
 
 impl Secure {
-    /// Draws the keys of this process's clients (client `i` of the round in process `i mod world`) and exchanges
-    /// the public keys and the shares.
+    /// Draws the keys and seeds of this process's clients (client `i` of the round in process `i mod world`) and
+    /// exchanges the public keys and the shares.
     fn agree(comm: &Communicator, sampled: &[usize], rank: usize, world: usize) -> Result<Secure> {
         let n = sampled.len();
         let mut keys = std::collections::HashMap::new();
         let mut publics = vec![0i32; n * 8];
-        let mut shares = vec![0i64; n * n * 5];
+        // Every slot is one process's: the sum gathers them. Key shares, then seed shares.
+        let mut shares = vec![0i64; 2 * n * n * 5];
         for i in (0..n).filter(|i| i % world == rank) {
             let k = crate::secagg::Keys::generate();
+            let seed = crate::secagg::new_seed();
             for (b, chunk) in k.public.chunks(4).enumerate() {
                 publics[i * 8 + b] = i32::from_le_bytes([chunk[0], chunk[1], chunk[2], chunk[3]]);
             }
-            for (j, s) in crate::secagg::share(&k, n).iter().enumerate() {
-                for (c, v) in s.iter().enumerate() {
-                    shares[(i * n + j) * 5 + c] = *v as i64;
+            for (half, cut) in [crate::secagg::share(&k, n), crate::secagg::share_bytes(&seed, n)].iter().enumerate() {
+                for (j, s) in cut.iter().enumerate() {
+                    for (c, v) in s.iter().enumerate() {
+                        shares[half * n * n * 5 + (i * n + j) * 5 + c] = *v as i64;
+                    }
                 }
             }
-            keys.insert(i, k);
+            keys.insert(i, (k, seed));
         }
-        // Every slot is one process's: the sum gathers them.
         comm.all_reduce(&mut publics, ReduceOp::Sum)?;
         comm.all_reduce(&mut shares, ReduceOp::Sum)?;
         let publics = (0..n)
@@ -334,18 +338,27 @@ impl Secure {
                 p
             })
             .collect();
-        let shares = (0..n)
-            .map(|i| (0..n).map(|j| std::array::from_fn(|c| shares[(i * n + j) * 5 + c] as u64)).collect())
-            .collect();
-        Ok(Secure { keys, publics, shares })
+        let matrix = |half: usize| -> Vec<Vec<[u64; 5]>> {
+            (0..n)
+                .map(|i| {
+                    (0..n)
+                        .map(|j| std::array::from_fn(|c| shares[half * n * n * 5 + (i * n + j) * 5 + c] as u64))
+                        .collect()
+                })
+                .collect()
+        };
+        Ok(Secure { keys, publics, key_shares: matrix(0), seed_shares: matrix(1) })
     }
 
+    /// Client `i`'s masked vector: its pairwise masks and its self-mask on it.
     fn masked(&self, i: usize, plain: &[f32]) -> Result<Vec<i32>> {
-        let k = self.keys.get(&i).ok_or_else(|| Error::InvalidArgument(format!("no keys for client {i}")))?;
-        Ok(crate::secagg::masked(k, i, &self.publics, plain))
+        let (k, seed) = self.keys.get(&i).ok_or_else(|| Error::InvalidArgument(format!("no keys for client {i}")))?;
+        let mut y = crate::secagg::masked(k, i, &self.publics, plain);
+        crate::secagg::apply_self_mask(&mut y, seed, 1);
+        Ok(y)
     }
 
     fn unmask(&self, sum: &mut [i32], dropped: &[usize]) -> Result<()> {
-        crate::secagg::unmask(sum, &self.publics, dropped, &self.shares)
+        crate::secagg::unmask(sum, &self.publics, dropped, &self.key_shares, &self.seed_shares)
     }
 }
