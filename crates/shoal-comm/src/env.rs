@@ -11,6 +11,7 @@
 //! | `SHOAL_TIMEOUT` | optional: per-operation limit, e.g. `30s`, `500ms`, `2m` |
 //! | `SHOAL_FAULT_COMM_DELAY` | fault injection (feature `failpoints` only): every collective first sleeps this long (e.g. `20ms`), to test diagnosis |
 //! | `SHOAL_FAULT_SLOW_RANK` | fault injection (feature `failpoints` only): `R:F` makes rank R compute F times as long (e.g. `1:2`), to test balancing |
+//! | `SHOAL_FAULT_FED_CLIENT_EXIT` | fault injection (feature `failpoints` only): `R:STEP` makes a federated client exit in round R before secure aggregation's STEP (`keys`, `shares`, `masked`, `reveal`) |
 //! | `SHOAL_HOST_ID` | optional: overrides the host identity (tests of multi-host layouts) |
 //! | `SHOAL_SERVER`, `SHOAL_SERVER_CA` | optional: the control plane's URL, where a task sends its heartbeats (signed with the job secret), and the PEM file of certificates to trust for it |
 //! | `SHOAL_RENDEZVOUS_HOST` | optional: `1` makes rank 0 host the store at `SHOAL_RENDEZVOUS` itself (for launchers that start no store, e.g. `srun` or `mpirun`) |
@@ -47,6 +48,9 @@ pub mod var {
     pub const FAULT_DATA_DELAY: &str = "SHOAL_FAULT_DATA_DELAY";
     /// Fault injection (feature `failpoints`): `R:F` makes rank R's forward and backward take F times as long.
     pub const FAULT_SLOW_RANK: &str = "SHOAL_FAULT_SLOW_RANK";
+    /// Fault injection (feature `failpoints`): `R:STEP` makes a federated client (`shoal fed client`) exit in round
+    /// R just before the secure-aggregation step STEP (`keys`, `shares`, `masked` or `reveal`).
+    pub const FAULT_FED_CLIENT_EXIT: &str = "SHOAL_FAULT_FED_CLIENT_EXIT";
     /// `1`: every rank writes the dataset rows (and their epochs) each step trained on, a line a step, to
     /// `samples-rank-R.jsonl` beside its metrics (an audit of what a run read; a job may set it in `[env]`).
     pub const RECORD_SAMPLES: &str = "SHOAL_RECORD_SAMPLES";

@@ -230,13 +230,6 @@ impl FederatedSpec {
                 if self.client_ca.is_some() && self.tls_cert.is_none() {
                     return at("client_ca", "client certificates need HTTPS: give tls_cert and tls_key".into());
                 }
-                if self.secure_aggregation {
-                    return at(
-                        "secure_aggregation",
-                        "is simulated only for now (without `listen`): remote clients send their updates over TLS"
-                            .into(),
-                    );
-                }
                 if self.dropout.is_some() {
                     return at("dropout", "is for simulations: remote clients drop out for real".into());
                 }

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use shoal_data::Dataset;
 
-use super::hub::{MAX_WAIT, decode, encode};
+use super::board::{MAX_WAIT, decode, encode};
 use crate::error::{Error, Result};
 use crate::params::SeededRng;
 use crate::spec::JobSpec;
@@ -195,6 +195,17 @@ pub fn run(opts: &ClientOptions) -> Result<ClientReport> {
         let (head, w) = decode(&task.body)
             .ok_or_else(|| Error::InvalidArgument("the server's model is not a JSON line and f32 values".into()))?;
         let round = head["round"].as_u64().unwrap_or(0) as usize;
+        if head["secure"].as_bool() == Some(true) {
+            let taken = secure_round(&mut link, &local, &mine, &w, round, index, (f.dp, sigma, spec.train.seed))?;
+            match taken {
+                true => report.rounds.push(round + 1),
+                false => {
+                    eprintln!("federated client {name}: round {} went on without it", round + 1);
+                    report.late.push(round + 1);
+                }
+            }
+            continue;
+        }
         let (mut update, loss) = local.train(&mine, &w, round, index)?;
         super::privatize(&mut update, f.dp, sigma, spec.train.seed, round, index);
         let body = encode(&serde_json::json!({ "samples": mine.len(), "loss": loss }), &update);
@@ -219,3 +230,93 @@ pub fn run(opts: &ClientOptions) -> Result<ClientReport> {
     );
     Ok(report)
 }
+
+/// A GET held by the hub until it has an answer: `Some` of it (200), `None` when the round went on without this
+/// client (409).
+fn poll(link: &mut Link, path: &str) -> Result<Option<serde_json::Value>> {
+    let path = format!("{path}&wait={}", MAX_WAIT.as_secs());
+    loop {
+        let a = link.call(false, &path, b"")?;
+        match a.status {
+            200 => {
+                return serde_json::from_slice(&a.body)
+                    .map(Some)
+                    .map_err(|e| Error::InvalidArgument(format!("{path}: the answer is not JSON: {e}")));
+            }
+            204 => continue,
+            409 | 410 => return Ok(None),
+            _ => return Err(refused(&path, &a)),
+        }
+    }
+}
+
+/// A POST of the protocol: `true` when taken, `false` when the round went on without this client (409).
+fn post(link: &mut Link, path: &str, body: &[u8]) -> Result<bool> {
+    let a = link.call(true, path, body)?;
+    match a.status {
+        200 => Ok(true),
+        409 | 410 => Ok(false),
+        _ => Err(refused(path, &a)),
+    }
+}
+
+/// One round of secure aggregation (`super::secure`) as a client: keys, training, sealed shares, the masked
+/// vector, the revealed shares. `true` when the client's vector was in the round's sum.
+fn secure_round(
+    link: &mut Link,
+    local: &super::Local<'_>,
+    mine: &[usize],
+    w: &[crate::Real],
+    round: usize,
+    me: usize,
+    (dp, sigma, seed): (Option<crate::spec::DpSpec>, Option<f64>, u64),
+) -> Result<bool> {
+    use super::secure;
+    let q = format!("round={round}");
+    let secrets = secure::Secrets::new();
+    exit_before(round, "keys");
+    if !post(link, &format!("/fed/v1/secure/keys?{q}"), secrets.publics().to_string().as_bytes())? {
+        return Ok(false);
+    }
+    let (mut update, loss) = local.train(mine, w, round, me)?;
+    super::privatize(&mut update, dp, sigma, seed, round, me);
+    let Some(roster) = poll(link, &format!("/fed/v1/secure/roster?{q}"))? else { return Ok(false) };
+    let (roster, shares) = secure::shares_for(&secrets, round, me, &roster)?;
+    exit_before(round, "shares");
+    if !post(link, &format!("/fed/v1/secure/shares?{q}"), shares.to_string().as_bytes())? {
+        return Ok(false);
+    }
+    let Some(inbox) = poll(link, &format!("/fed/v1/secure/inbox?{q}"))? else { return Ok(false) };
+    let u2: Vec<usize> =
+        inbox["u2"].as_array().into_iter().flatten().filter_map(|v| v.as_u64()).map(|v| v as usize).collect();
+    // Under DP each clipped update counts once; else by its samples, in units the fixed point holds.
+    let weight = if dp.is_some() { 1.0 } else { mine.len() as f64 / secure::WEIGHT_UNIT };
+    #[allow(clippy::unnecessary_cast)]
+    let mut plain: Vec<f32> = update.iter().map(|u| (f64::from(*u) * weight) as f32).collect();
+    plain.extend([weight as f32, loss as f32, 1.0]);
+    let y = secure::masked(&secrets, me, &roster, &u2, &plain);
+    let bytes: Vec<u8> = y.iter().flat_map(|v| v.to_le_bytes()).collect();
+    exit_before(round, "masked");
+    if !post(link, &format!("/fed/v1/secure/masked?{q}"), &bytes)? {
+        return Ok(false);
+    }
+    let Some(survivors) = poll(link, &format!("/fed/v1/secure/survivors?{q}"))? else { return Ok(false) };
+    let u3: Vec<usize> =
+        survivors["u3"].as_array().into_iter().flatten().filter_map(|v| v.as_u64()).map(|v| v as usize).collect();
+    let reveal = secure::reveal(&secrets, round, me, &roster, &inbox, &u3)?;
+    exit_before(round, "reveal");
+    post(link, &format!("/fed/v1/secure/reveal?{q}"), reveal.to_string().as_bytes())
+}
+
+/// Fault injection (feature `failpoints`): the client exits before `step` of round `round` when
+/// `SHOAL_FAULT_FED_CLIENT_EXIT` is `ROUND:STEP` (rounds counted from 1).
+#[cfg(feature = "failpoints")]
+fn exit_before(round: usize, step: &str) {
+    if std::env::var(shoal_comm::env::var::FAULT_FED_CLIENT_EXIT).is_ok_and(|v| v == format!("{}:{step}", round + 1)) {
+        eprintln!("federated client: exiting before {step} of round {} (fault injection)", round + 1);
+        std::process::exit(3);
+    }
+}
+
+#[cfg(not(feature = "failpoints"))]
+fn exit_before(_round: usize, _step: &str) {}

@@ -11,7 +11,7 @@
 //! - `POST /fed/v1/update?round=R` with `{samples, loss}` and the update → `200`, or `409` when round `R` is not
 //!   open, the client was not sampled for it, or it already answered.
 //!
-//! A client is connected while it has been heard from within [`LIVE`]. Each round samples among the connected
+//! A client is connected while it has been heard from within [`super::board::LIVE`]. Each round samples among the connected
 //! clients ([`super::sample`]), waits for their updates until `round_timeout`, and combines what arrived; a client
 //! that fetched the model and did not answer in time is late, one that never fetched it dropped.
 
@@ -24,9 +24,9 @@ use std::time::{Duration, Instant};
 use axum::extract::{Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use sha2::{Digest, Sha256};
 use shoal_data::Dataset;
 
+use super::board::{Board, LIVE, MAX_WAIT, Open, Shared, decode, encode, hash, refuse};
 use super::{Combined, Global};
 use crate::Real;
 use crate::error::{Error, Result};
@@ -35,11 +35,6 @@ use crate::params::Params;
 use crate::spec::{FederatedSpec, JobSpec};
 use crate::worker::wire::{FederatedReport, RoundReport};
 
-/// How recently a client must have been heard from to count as connected (a polling client is heard from at least
-/// every [`MAX_WAIT`]).
-pub const LIVE: Duration = Duration::from_secs(45);
-/// The longest a `task` request is held open.
-pub const MAX_WAIT: Duration = Duration::from_secs(30);
 /// After the last round, how long the server answers `410` so that polling clients learn the job is over.
 const FAREWELL: Duration = Duration::from_secs(3);
 
@@ -86,96 +81,6 @@ fn read_tokens(path: &str, clients: usize) -> Result<Roster> {
     Ok(Roster { names, by_hash })
 }
 
-fn hash(token: &str) -> [u8; 32] {
-    Sha256::digest(token.as_bytes()).into()
-}
-
-/// The round open for updates.
-struct Open {
-    round: usize,
-    /// The global model as the `task` body sends it.
-    body: Arc<Vec<u8>>,
-    sampled: Vec<usize>,
-    fetched: Vec<bool>,
-    /// The updates that arrived: the client, its samples, its loss and update.
-    updates: BTreeMap<usize, (f64, f64, Vec<Real>)>,
-}
-
-#[derive(Default)]
-struct Board {
-    seen: Vec<Option<Instant>>,
-    open: Option<Open>,
-    done: Option<Instant>,
-    /// Bytes of the bodies received and sent.
-    bytes: u64,
-}
-
-struct Shared {
-    names: Vec<String>,
-    tokens: HashMap<[u8; 32], usize>,
-    state: Mutex<Board>,
-    /// Bumped when a round opens or the job ends: what waiting `task` requests watch.
-    changed: tokio::sync::watch::Sender<u64>,
-    /// The `join` answer but for the client's own name and index.
-    spec: serde_json::Value,
-    rounds: usize,
-    sigma: Option<f64>,
-    parameters: usize,
-}
-
-impl Shared {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Board> {
-        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
-    /// The client a request's token belongs to (and it is heard from now).
-    fn caller(&self, headers: &HeaderMap) -> std::result::Result<usize, Response> {
-        let token = headers
-            .get(axum::http::header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .map(str::trim);
-        let Some(token) = token else {
-            return Err(refuse(StatusCode::UNAUTHORIZED, "no `Authorization: Bearer TOKEN` header"));
-        };
-        let Some(&client) = self.tokens.get(&hash(token)) else {
-            tracing::warn!("a federated request with an unknown token refused");
-            return Err(refuse(StatusCode::UNAUTHORIZED, "unknown token"));
-        };
-        self.lock().seen[client] = Some(Instant::now());
-        Ok(client)
-    }
-}
-
-fn refuse(status: StatusCode, message: &str) -> Response {
-    (status, axum::Json(serde_json::json!({ "error": message }))).into_response()
-}
-
-/// A JSON line, then the values as little-endian f32: the body of a model or an update.
-pub fn encode(head: &serde_json::Value, values: &[Real]) -> Vec<u8> {
-    let mut out = head.to_string().into_bytes();
-    out.push(b'\n');
-    out.reserve(values.len() * 4);
-    // `Real` is f64 in an `f64` build: the wire takes f32 either way.
-    #[allow(clippy::unnecessary_cast)]
-    for v in values {
-        out.extend_from_slice(&(*v as f32).to_le_bytes());
-    }
-    out
-}
-
-/// The JSON line and the values of a body [`encode`] made; `None` when it is not one.
-pub fn decode(body: &[u8]) -> Option<(serde_json::Value, Vec<Real>)> {
-    let cut = body.iter().position(|&b| b == b'\n')?;
-    let head = serde_json::from_slice(&body[..cut]).ok()?;
-    let rest = &body[cut + 1..];
-    if !rest.len().is_multiple_of(4) {
-        return None;
-    }
-    let values = rest.chunks_exact(4).map(|c| Real::from(f32::from_le_bytes([c[0], c[1], c[2], c[3]]))).collect();
-    Some((head, values))
-}
-
 async fn join(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {
     let client = match s.caller(&headers) {
         Ok(c) => c,
@@ -212,6 +117,7 @@ async fn task(State(s): State<Arc<Shared>>, headers: HeaderMap, Query(q): Query<
             if let Some(open) = st.open.as_mut()
                 && let Some(k) = open.sampled.iter().position(|&c| c == client)
                 && !open.updates.contains_key(&client)
+                && open.secure.as_ref().is_none_or(|s| s.open_to(client))
             {
                 open.fetched[k] = true;
                 sent = Some((open.round, open.body.clone()));
@@ -348,6 +254,13 @@ impl<'a> Hub<'a> {
             .route("/fed/v1/join", axum::routing::post(join))
             .route("/fed/v1/task", axum::routing::get(task))
             .route("/fed/v1/update", axum::routing::post(update))
+            .route("/fed/v1/secure/keys", axum::routing::post(super::secure::post_keys))
+            .route("/fed/v1/secure/roster", axum::routing::get(super::secure::roster))
+            .route("/fed/v1/secure/shares", axum::routing::post(super::secure::post_shares))
+            .route("/fed/v1/secure/inbox", axum::routing::get(super::secure::inbox))
+            .route("/fed/v1/secure/masked", axum::routing::post(super::secure::post_masked))
+            .route("/fed/v1/secure/survivors", axum::routing::get(super::secure::survivors))
+            .route("/fed/v1/secure/reveal", axum::routing::post(super::secure::post_reveal))
             .layer(axum::extract::DefaultBodyLimit::max(self.shared.parameters * 4 + (1 << 16)))
             .with_state(self.shared.clone());
         let (stop, stopped) = tokio::sync::watch::channel(false);
@@ -418,7 +331,8 @@ impl<'a> Hub<'a> {
             let pool = self.await_clients(round)?;
             let started = Instant::now();
             let sampled = super::sample(f, round, t.seed, &pool);
-            let body = Arc::new(encode(&serde_json::json!({ "round": round }), &global.w));
+            let secure = f.secure_aggregation;
+            let body = Arc::new(encode(&serde_json::json!({ "round": round, "secure": secure }), &global.w));
             let bytes_before = {
                 let mut st = self.shared.lock();
                 st.open = Some(Open {
@@ -427,44 +341,32 @@ impl<'a> Hub<'a> {
                     fetched: vec![false; sampled.len()],
                     sampled: sampled.clone(),
                     updates: BTreeMap::new(),
+                    secure: secure.then(super::board::SecureRound::default),
                 });
                 st.bytes
             };
             self.shared.changed.send_modify(|v| *v += 1);
-            // Until every sampled client answered, or the deadline.
+            let outcome = match secure {
+                true => super::secure::run(&self.shared, round, deadline, &sampled)?,
+                false => None,
+            };
+            // Until every sampled client answered, or the deadline (under secure aggregation: the protocol's end).
             let open = loop {
                 {
                     let mut st = self.shared.lock();
                     let all = st.open.as_ref().is_some_and(|o| o.updates.len() == o.sampled.len());
-                    if all || started.elapsed() >= deadline {
+                    if all || secure || started.elapsed() >= deadline {
                         break st.open.take();
                     }
                 }
                 std::thread::sleep(Duration::from_millis(10));
             };
             let open = open.ok_or_else(|| Error::InvalidArgument("the open round vanished".into()))?;
-            let late =
-                (0..sampled.len()).filter(|&k| open.fetched[k] && !open.updates.contains_key(&sampled[k])).count();
             let dropped = (0..sampled.len()).filter(|&k| !open.fetched[k]).count();
-            let arrived = open.updates.len();
-            let total: f64 = open.updates.values().map(|(s, _, _)| s).sum();
-            let loss: f64 = open.updates.values().map(|(_, l, _)| l).sum::<f64>() / arrived.max(1) as f64;
-            if self.spec.robust.is_some() {
-                let updates: Vec<&[Real]> = open.updates.values().map(|(_, _, u)| u.as_slice()).collect();
-                global.step(Combined::Each { updates, rule, f: tolerated }, round)?;
-            } else {
-                let n = global.w.len();
-                let mean = (total / arrived.max(1) as f64).max(1e-12);
-                let mut sum = vec![0.0 as Real; n];
-                let mut weight = 0.0 as Real;
-                for (samples, _, u) in open.updates.values() {
-                    // Under DP each clipped update counts once, as the accountant assumes.
-                    let w = if f.dp.is_some() { 1.0 } else { (samples / mean) as Real };
-                    sum.iter_mut().zip(u).for_each(|(a, b)| *a += w * b);
-                    weight += w;
-                }
-                global.step(Combined::Sum { sum, weight }, round)?;
-            }
+            let Tally { arrived, late, total, loss } = match secure {
+                true => combine_secure(outcome, sampled.len(), dropped, &mut global, round)?,
+                false => combine(&open, &sampled, (rule, tolerated), self.spec.robust.is_some(), &mut global, round)?,
+            };
             super::load(self.params, &global.w)?;
             on_round(round + 1);
             let (eval_loss, eval_accuracy) = super::evaluate(self.model, self.eval, 256)?;
@@ -508,4 +410,71 @@ impl<'a> Hub<'a> {
             remote: true,
         })
     }
+}
+
+/// What a round combined: the clients, those late, their samples and mean loss.
+struct Tally {
+    arrived: usize,
+    late: usize,
+    total: f64,
+    loss: f64,
+}
+
+/// A round's updates as they arrived: by `[robust]`'s rule, or weighted by samples (under DP each clipped update
+/// counts once, as the accountant assumes).
+fn combine(
+    open: &Open,
+    sampled: &[usize],
+    (rule, tolerated): (shoal_ps::Rule, usize),
+    robust: bool,
+    global: &mut Global,
+    round: usize,
+) -> Result<Tally> {
+    let late = (0..sampled.len()).filter(|&k| open.fetched[k] && !open.updates.contains_key(&sampled[k])).count();
+    let arrived = open.updates.len();
+    let total: f64 = open.updates.values().map(|(s, _, _)| s).sum();
+    let loss = open.updates.values().map(|(_, l, _)| l).sum::<f64>() / arrived.max(1) as f64;
+    if robust {
+        let updates: Vec<&[Real]> = open.updates.values().map(|(_, _, u)| u.as_slice()).collect();
+        global.step(Combined::Each { updates, rule, f: tolerated }, round)?;
+    } else {
+        let n = global.w.len();
+        let mean = (total / arrived.max(1) as f64).max(1e-12);
+        let (mut sum, mut weight) = (vec![0.0 as Real; n], 0.0 as Real);
+        for (samples, _, u) in open.updates.values() {
+            let w = if global.private() { 1.0 } else { (samples / mean) as Real };
+            sum.iter_mut().zip(u).for_each(|(a, b)| *a += w * b);
+            weight += w;
+        }
+        global.step(Combined::Sum { sum, weight }, round)?;
+    }
+    Ok(Tally { arrived, late, total, loss })
+}
+
+/// A secure round's unmasked sum, `[update × weight…, weight, loss, clients]` (none when too few took part).
+fn combine_secure(
+    outcome: Option<super::secure::Outcome>,
+    sampled: usize,
+    dropped: usize,
+    global: &mut Global,
+    round: usize,
+) -> Result<Tally> {
+    let n = global.w.len();
+    let (mut sum, missing) = match outcome {
+        Some(o) => (o.sum, o.missing),
+        None => (vec![0.0 as Real; n + 3], sampled),
+    };
+    let arrived = f64::from(sum[n + 2]).round().max(0.0) as usize;
+    let tally = Tally {
+        arrived,
+        late: missing.saturating_sub(dropped),
+        total: f64::from(sum[n]) * super::secure::WEIGHT_UNIT,
+        loss: f64::from(sum[n + 1]) / arrived.max(1) as f64,
+    };
+    let weight = sum[n];
+    sum.truncate(n);
+    if arrived > 0 {
+        global.step(Combined::Sum { sum, weight }, round)?;
+    }
+    Ok(tally)
 }

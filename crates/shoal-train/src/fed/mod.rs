@@ -17,8 +17,10 @@
 //! - The server's step is [`Global::step`] whichever way the updates came: a weighted sum (the mean, or its secure
 //!   or private forms), or the updates one by one for a robust rule.
 
+mod board;
 pub mod client;
 pub mod hub;
+mod secure;
 
 use candle_core::{Device, Tensor};
 use shoal_data::Dataset;
@@ -263,6 +265,11 @@ impl Global {
     pub fn new(w: Vec<Real>, spec: &FederatedSpec, sigma: Option<f64>, seed: u64) -> Global {
         let n = w.len();
         Global { w, m: vec![0.0; n], v: vec![0.0; n], spec: spec.clone(), sigma, seed }
+    }
+
+    /// Whether the updates are private (`[federated.dp]`): each then counts once.
+    pub fn private(&self) -> bool {
+        self.spec.dp.is_some()
     }
 
     /// The round's combined update applied: under central DP the server's noise `σ·clip` on the sum from the

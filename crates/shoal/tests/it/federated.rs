@@ -208,8 +208,8 @@ fn a_robust_rule_bears_attacking_clients_that_wreck_the_mean() -> Res<()> {
         (job(&format!("{base}listen = \"127.0.0.1:7000\"")), "federated.tokens"),
         (job(&format!("{base}listen = \"0.0.0.0:7000\"\ntokens = \"t\"")), "federated.tls_cert"),
         (
-            job(&format!("{base}listen = \"127.0.0.1:7000\"\ntokens = \"t\"\nsecure_aggregation = true")),
-            "federated.secure_aggregation",
+            job(&format!("{base}listen = \"127.0.0.1:7000\"\ntokens = \"t\"\ndropout = 0.1")),
+            "federated.dropout: is for simulations",
         ),
         (job(&format!("{base}tokens = \"t\"")), "federated.tokens: applies to remote clients only"),
         (job(&format!("{base}listen = \"127.0.0.1:7000\"\ntokens = \"t\"")), "workers.count"),
