@@ -10,7 +10,8 @@
 //
 // Prints one JSON report on stdout:
 //   {"points": n, "points_later": m, "grew": bool|null, "job_state": "...", "console_errors": [...],
-//    "page_errors": [...], "failed_requests": [...], "screenshot": "...", "elapsed_s": x}
+//    "page_errors": [...], "failed_requests": [...], "screenshot": "...", "elapsed_s": x, "memory_ranks": n,
+//    "rounds": {"shown": bool, "points": n, "rows": n}}
 // and exits 1 when there were console errors, page errors or failed requests, or no point was drawn within
 // timeout_s (default 60), or the points did not grow while the job was running; 2 on bad usage or when the
 // browser cannot start. Progress goes to stderr.
@@ -122,6 +123,16 @@ try {
   report.job_state = await jobState(page);
   // The memory card: one bar per rank whose metrics say what it holds.
   report.memory_ranks = await page.evaluate(() => document.querySelectorAll('#memory-bars .bar-row').length).catch(() => -1);
+  // The federated rounds card: shown only for a federated job; its chart's points and its table's rows.
+  const rounds = () => page.evaluate(() => {
+    const el = document.getElementById('rounds-chart');
+    const card = el && el.closest('section');
+    return {
+      shown: Boolean(card && !card.hidden),
+      points: el ? Number(el.getAttribute('data-points')) || 0 : 0,
+      rows: document.querySelectorAll('#rounds-table tbody tr').length,
+    };
+  }).catch(() => null);
   log(`loss chart has ${report.points} point(s); job ${report.job_state}`);
   if (!failure) {
     // Live updates: while the job runs, more points should arrive without a reload.
@@ -143,6 +154,7 @@ try {
     }
     // Let charts that came with the same events settle before the picture.
     await page.waitForTimeout(2500);
+    report.rounds = await rounds();
   }
   mkdirSync(dirname(shot), { recursive: true });
   await page.screenshot({ path: shot, fullPage: true });

@@ -1196,22 +1196,24 @@ async function jobView(ctx, root, seg) {
       h('section', { class: 'card wide' }, h('header', null, h('h2', null, 'Logs'), logRank, logNote), logPre)));
 
   // ---- charts
+  // What a chart drew, on its element (`data-points`): what a browser test reads.
+  const countPoints = (el) => (u) => {
+    let n = 0;
+    for (let s = 1; s < u.data.length; s++) for (const v of u.data[s]) if (v !== null && v !== undefined) n++;
+    if (n >= 1) el.dataset.points = String(n);
+  };
   const lossChart = new LineChart(ctx, lossEl, {
     sync: 'steps',
     log: logLoss.checked,
     height: 240,
     empty: 'waiting for the first logged step…',
-    onDraw: (u) => {
-      let n = 0;
-      for (let s = 1; s < u.data.length; s++) for (const v of u.data[s]) if (v !== null && v !== undefined) n++;
-      if (n >= 1) lossEl.dataset.points = String(n);
-    },
+    onDraw: countPoints(lossEl),
   });
   logLoss.addEventListener('change', () => lossChart.setLog(logLoss.checked));
   const tputChart = new LineChart(ctx, tputEl, { sync: 'steps', yMin: 0 });
   const computeChart = new LineChart(ctx, computeEl, { sync: 'steps', yMin: 0, yFmt: fmtSecs });
   const shareChart = new LineChart(ctx, shareEl, { sync: 'steps', yMin: 0, yFmt: fmtPct01 });
-  const roundsChart = new LineChart(ctx, roundsEl, { sync: 'steps', yMin: 0 });
+  const roundsChart = new LineChart(ctx, roundsEl, { sync: 'steps', yMin: 0, onDraw: countPoints(roundsEl) });
   const cpuChart = new LineChart(ctx, cpuEl, { xTime: true, yMin: 0, yFmt: fmtPct, sync: 'time', empty: 'no resource samples yet' });
   const rssChart = new LineChart(ctx, rssEl, { xTime: true, yMin: 0, yFmt: fmtBytes, binary: true, sync: 'time', empty: 'no resource samples yet' });
   const netChart = new LineChart(ctx, netEl, { xTime: true, yMin: 0, yFmt: fmtRate, binary: true, sync: 'time', empty: 'no resource samples yet' });

@@ -269,6 +269,7 @@ hidden = [256, 256]
     assert!(st.success(), "dashboard-check.mjs failed ({st}): {report:#}\n{}", tail(&err, 4000));
     assert!(report["points"].as_u64().unwrap_or(0) >= 1, "no point on the loss chart: {report:#}");
     assert!(report["memory_ranks"].as_i64().unwrap_or(0) >= 1, "no rank on the memory card: {report:#}");
+    assert_eq!(report["rounds"]["shown"], false, "the federated rounds card shows for a DDP job: {report:#}");
     assert_eq!(report["console_errors"].as_array().map_or(usize::MAX, Vec::len), 0, "console errors: {report:#}");
     assert_eq!(report["page_errors"].as_array().map_or(usize::MAX, Vec::len), 0, "page errors: {report:#}");
     let size = std::fs::metadata(&shot).map(|m| m.len()).unwrap_or(0);
@@ -287,5 +288,49 @@ hidden = [256, 256]
         assert!(t0.elapsed() < WAIT, "job {id} did not end within {WAIT:?} of its cancel (state {state})");
         std::thread::sleep(Duration::from_millis(250));
     }
+
+    // A federated job: its page shows the rounds.
+    let fed = dir.join("fed.toml");
+    std::fs::write(
+        &fed,
+        "name = \"dash-fed\"\n[workers]\ncount = 2\n[resources]\ncpus = 1\nmemory = \"1GiB\"\n[train]\n\
+         model = \"mlp\"\ndataset = \"synthetic\"\nstrategy = \"federated\"\noptimizer = \"sgd\"\nglobal_batch = 32\n\
+         lr = 0.05\nlog_every = 1\n[federated]\nclients = 1000\nclients_per_round = 100\nrounds = 2000\n\
+         local_steps = 5\n",
+    )
+    .expect("federated job spec");
+    let (ok, out, err) = client(&g, &addr, &token, &["submit", &fed.to_string_lossy(), "--json"]);
+    assert!(ok, "shoal submit failed: {err}\nserver log:\n{}", g.server_log());
+    let fed_id = serde_json::from_str::<Value>(&out)
+        .ok()
+        .and_then(|v| v["id"].as_str().map(str::to_owned))
+        .unwrap_or_else(|| panic!("shoal submit --json printed no id: {out}"));
+    let t0 = Instant::now();
+    while status(&g, &addr, &token, &fed_id)["last_metrics"]["step"].as_f64().unwrap_or(0.0) < 2.0 {
+        assert!(t0.elapsed() < WAIT, "federated job {fed_id} logged no 2 rounds within {WAIT:?}:\n{}", g.server_log());
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    let mut check = Command::new("node");
+    check
+        .arg(scripts().join("dashboard-check.mjs"))
+        .arg(format!("http://{addr}/#token={token}&/jobs/{fed_id}"))
+        .arg(dir.join("federated.png"))
+        .arg(CHECK_TIMEOUT_S.to_string())
+        .env("NODE_PATH", &node_modules)
+        .env("SHOAL_PLAYWRIGHT_NODE_MODULES", &node_modules);
+    let (st, out, err) =
+        run_until(check, &dir, "dashboard-fed", Duration::from_secs(CHECK_TIMEOUT_S + 150), "dashboard-check.mjs");
+    let report: Value = out
+        .lines()
+        .rev()
+        .find_map(|l| serde_json::from_str(l).ok())
+        .unwrap_or_else(|| panic!("dashboard-check.mjs printed no JSON report; stderr:\n{err}"));
+    assert!(st.success(), "dashboard-check.mjs on the federated job failed ({st}): {report:#}\n{}", tail(&err, 4000));
+    let rounds = &report["rounds"];
+    assert_eq!(rounds["shown"], true, "no rounds card on a federated job's page: {report:#}");
+    assert!(rounds["points"].as_u64().unwrap_or(0) >= 1, "the rounds chart drew nothing: {report:#}");
+    assert!(rounds["rows"].as_u64().unwrap_or(0) >= 1, "the rounds table is empty: {report:#}");
+    let (ok, _, err) = client(&g, &addr, &token, &["cancel", &fed_id]);
+    assert!(ok, "shoal cancel {fed_id} failed: {err}");
     drop(g);
 }
