@@ -47,13 +47,37 @@ pub(super) fn run(spec: &JobSpec, output: &Path, resume: bool) -> Result<Option<
     ran
 }
 
+/// A free port for the framework on `ip`, below the kernel's ephemeral range: the port is released before the
+/// program binds it, and a port there is never handed out to another process's `bind(0)` or outgoing connection
+/// meanwhile. Candidates start at a place drawn from the job and rank, so the ranks of one host seldom collide;
+/// without such a port, one from the ephemeral range.
+fn framework_port(ip: std::net::IpAddr, key: &str) -> Result<u16> {
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next().and_then(|w| w.parse::<u16>().ok()))
+        .unwrap_or(32768);
+    let (first, span) = (10_000u16, low.saturating_sub(10_000));
+    if span > 0 {
+        let start = shoal_data::rng::SplitMix64::from_key(&[key.bytes().fold(0u64, |h, b| h.wrapping_mul(131) ^ u64::from(b))])
+            .next_u64()
+            % u64::from(span);
+        for k in 0..u64::from(span).min(512) {
+            let port = first + ((start + k) % u64::from(span)) as u16;
+            if std::net::TcpListener::bind((ip, port)).is_ok() {
+                return Ok(port);
+            }
+        }
+    }
+    let listener = std::net::TcpListener::bind((ip, 0))
+        .map_err(|e| Error::io(format!("reserving a port on {ip} for the framework"), e))?;
+    Ok(listener.local_addr().map_err(|e| Error::io("reading the framework's port", e))?.port())
+}
+
 /// Every rank's `host:port` for its framework, in rank order: each reserves a free port where its peers reach it.
 fn framework_addresses(comm: &Communicator) -> Result<Vec<String>> {
     let cfg = comm.config();
-    let listener = std::net::TcpListener::bind((cfg.advertise, 0))
-        .map_err(|e| Error::io(format!("reserving a port on {} for the framework", cfg.advertise), e))?;
-    let mine = listener.local_addr().map_err(|e| Error::io("reading the framework's port", e))?.to_string();
-    drop(listener);
+    let port = framework_port(cfg.advertise, &format!("{}/{}", cfg.name, comm.rank()))?;
+    let mine = std::net::SocketAddr::new(cfg.advertise, port).to_string();
     let key = |r: usize| format!("{}/framework/{r}", cfg.name);
     let store: &dyn Store = comm.store().as_ref();
     store.set(&key(comm.rank()), mine.as_bytes())?;
