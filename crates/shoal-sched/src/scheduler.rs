@@ -1,7 +1,7 @@
 //! The scheduler: job states, one scheduling pass, shrink/preemption, backfill
 //! reservation, elastic growth.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap, VecDeque};
 
 use crate::error::{Result, SchedError};
 use crate::fgd;
@@ -9,6 +9,7 @@ use crate::model::{
     Config, Decision, JobId, JobRequest, JobStatus, Node, NodeAllocation, PreemptReason, Queue, Quota, Resources,
     TaskPlacement,
 };
+use crate::pending::{Class, ClassKey, PendInfo, PendKey, Pos};
 use crate::place::{self, NodeFree, Pack, TaskAlloc};
 use crate::policy::{Ordering, Packing};
 
@@ -105,22 +106,6 @@ fn pack_of(packing: Packing, workload: &[(Resources, u64)]) -> Pack<'_> {
 
 type ShapeKey = (u64, u64, u64, u64);
 
-/// A pending job's place in a pass's order when that order is static: (priority, highest first), the ordering's
-/// key, submission time, id.
-type PendKey = (std::cmp::Reverse<i32>, u64, u64, JobId);
-
-/// What a pass needs of a pending job to pass over it without looking it up.
-#[derive(Debug, Clone)]
-struct PendInfo {
-    team: String,
-    per_task: Resources,
-    tasks_min: u32,
-    tasks_max: u32,
-    spread: bool,
-    /// The job's [`Job::failed_at`].
-    failed_at: Option<u64>,
-}
-
 fn shape_key(r: &Resources) -> ShapeKey {
     (r.cpus_milli, r.memory_bytes, r.gpus_milli, r.gpu_memory_bytes)
 }
@@ -150,7 +135,8 @@ pub struct Scheduler {
     total: Usage,
     queues: BTreeMap<String, QueueState>,
     teams: BTreeMap<String, Usage>,
-    jobs: BTreeMap<JobId, Job>,
+    /// Every job by id. Hashed: nothing iterates it where the order would show (a pass sorts what it takes).
+    jobs: HashMap<JobId, Job>,
     /// The head job's reservation made by the last pass: `(job, start time)`.
     last_reservation: Option<(JobId, u64)>,
     /// Largest node CPU, memory, GPU count and GPU memory (for `submit`).
@@ -167,14 +153,21 @@ pub struct Scheduler {
     /// The first job of the last pass's order that could not start.
     last_blocked: Option<JobId>,
     /// Whether no queue has a guarantee (no job ever borrows): then a pending job's place in the order never
-    /// changes and the pending jobs are kept in order in `pending`.
+    /// changes and the pending jobs are kept in order in `classes`.
     static_order: bool,
-    pending: BTreeMap<PendKey, PendInfo>,
+    /// The pending jobs by class, each in pass order (`pending.rs`).
+    classes: BTreeMap<ClassKey, Class>,
+    /// The jobs running or draining.
+    active: BTreeSet<JobId>,
     /// Jobs draining.
     draining: usize,
     /// Running jobs by priority, and how many of them may grow or shrink.
     running_by_priority: BTreeMap<i32, usize>,
     running_elastic: usize,
+    /// Under [`Ordering::Las`], for each running job and each threshold: (threshold's position, the job's
+    /// priority, when its attained service reaches the threshold at its present size, its id). Whether some
+    /// running job of a priority is above a level now is one look-up.
+    las_reach: BTreeSet<(usize, i32, u64, JobId)>,
     /// In this pass, a rank for which no job was running below it, nothing drained and no peer could shrink: no
     /// job of that rank or lower can make room until something is preempted.
     no_room_below: Option<(i32, i64)>,
@@ -221,7 +214,7 @@ impl Scheduler {
             total,
             queues: qs.clone(),
             teams: BTreeMap::new(),
-            jobs: BTreeMap::new(),
+            jobs: HashMap::new(),
             allocated: Usage::default(),
             released: 0,
             shapes: VecDeque::new(),
@@ -229,7 +222,9 @@ impl Scheduler {
             workload: None,
             last_blocked: None,
             static_order: qs.values().all(|q: &QueueState| q.queue.guaranteed == Quota::UNLIMITED),
-            pending: BTreeMap::new(),
+            classes: BTreeMap::new(),
+            active: BTreeSet::new(),
+            las_reach: BTreeSet::new(),
             draining: 0,
             running_by_priority: BTreeMap::new(),
             running_elastic: 0,
@@ -306,7 +301,7 @@ impl Scheduler {
 
     /// Number of pending jobs.
     pub fn pending_count(&self) -> usize {
-        self.jobs.values().filter(|j| matches!(j.state, State::Pending)).count()
+        self.jobs.len() - self.active.len()
     }
 
     /// What is allocated on each node, recomputed from the jobs' tasks.
@@ -391,20 +386,41 @@ impl Scheduler {
         (std::cmp::Reverse(j.req.priority), key, j.req.submitted_at_ms, j.req.id.clone())
     }
 
+    /// The class of a job in the static order.
+    fn class_key(&self, req: &JobRequest) -> ClassKey {
+        let team = if self.config.policy.ordering == Ordering::Drf { req.team.clone() } else { String::new() };
+        (team, shape_key(&req.per_task), req.tasks_min, req.tasks_max, req.spread)
+    }
+
     /// Puts a job that became pending in the static order.
     fn index_pending(&mut self, j: &Job) {
         if !self.static_order {
             return;
         }
         let info = PendInfo {
-            team: if self.config.policy.ordering == Ordering::Drf { j.req.team.clone() } else { String::new() },
             per_task: j.req.per_task,
             tasks_min: j.req.tasks_min,
             tasks_max: j.req.tasks_max,
             spread: j.req.spread,
+            runtime: j.req.expected_runtime_ms.unwrap_or(u64::MAX),
             failed_at: j.failed_at,
         };
-        self.pending.insert(self.pend_key(j), info);
+        let key = self.pend_key(j);
+        self.classes.entry(self.class_key(&j.req)).or_default().insert(key, info);
+    }
+
+    /// Takes a job out of the static order.
+    fn unindex_pending(&mut self, j: &Job) {
+        if !self.static_order {
+            return;
+        }
+        let (ck, key) = (self.class_key(&j.req), self.pend_key(j));
+        if let Some(c) = self.classes.get_mut(&ck) {
+            c.remove(&key);
+            if c.is_empty() {
+                self.classes.remove(&ck);
+            }
+        }
     }
 
     fn remember_shape(&mut self, r: &Resources) {
@@ -535,20 +551,19 @@ impl Scheduler {
 
     /// Forgets a job (done, failed or cancelled), freeing what it held.
     pub fn finish(&mut self, job: &str) -> Result<()> {
+        self.las_mark(job, false);
         let Some(j) = self.jobs.remove(job) else {
             return Err(SchedError::UnknownJob { job: job.to_string() });
         };
         match &j.state {
-            State::Pending => {
-                if self.static_order {
-                    self.pending.remove(&self.pend_key(&j));
-                }
-            }
+            State::Pending => self.unindex_pending(&j),
             State::Running { tasks, .. } => {
+                self.active.remove(job);
                 self.stopped_running(&j.req);
                 self.free_tasks(&j.req, tasks);
             }
             State::Draining { tasks, .. } => {
+                self.active.remove(job);
                 self.draining -= 1;
                 self.free_tasks(&j.req, tasks);
             }
@@ -573,8 +588,9 @@ impl Scheduler {
             j.req.avoid_nodes.push(node.to_owned());
             j.failed_at = None;
             if matches!(j.state, State::Pending) && self.static_order {
-                let key = self.pend_key(&self.jobs[job]);
-                if let Some(info) = self.pending.get_mut(&key) {
+                let j = &self.jobs[job];
+                let (ck, key) = (self.class_key(&j.req), self.pend_key(j));
+                if let Some(info) = self.classes.get_mut(&ck).and_then(|c| c.get_mut(&key)) {
                     info.failed_at = None;
                 }
             }
@@ -585,10 +601,14 @@ impl Scheduler {
     /// Frees the tasks at `positions` (in the order the job's tasks were placed and grown) of a running job that
     /// goes on without them (an elastic job that lost them and regrouped in place); the rest keep their places.
     pub fn release_tasks(&mut self, job: &str, positions: &[usize]) -> Result<()> {
+        self.las_mark(job, false);
         let Some(j) = self.jobs.get_mut(job) else {
             return Err(SchedError::UnknownJob { job: job.to_string() });
         };
-        let State::Running { tasks, .. } = &mut j.state else { return Ok(()) };
+        let State::Running { tasks, .. } = &mut j.state else {
+            self.las_mark(job, true);
+            return Ok(());
+        };
         let mut freed = Vec::new();
         let mut i = 0;
         tasks.retain(|t| {
@@ -601,6 +621,7 @@ impl Scheduler {
         });
         let req = j.req.clone();
         self.free_tasks(&req, &freed);
+        self.las_mark(job, true);
         Ok(())
     }
 
@@ -675,6 +696,49 @@ impl Scheduler {
         }
     }
 
+    /// A running job's entries in `las_reach` (none but under [`Ordering::Las`]).
+    fn las_marks(&self, j: &Job) -> Vec<(usize, i32, u64, JobId)> {
+        let State::Running { tasks, .. } = &j.state else { return Vec::new() };
+        if self.config.policy.ordering != Ordering::Las {
+            return Vec::new();
+        }
+        let rate = service_rate(&j.req, tasks.len());
+        let marks = self.config.las_thresholds_gpu_ms.iter().enumerate().map(|(i, &t)| {
+            let target = t.saturating_mul(1000);
+            let at = match target.checked_sub(j.attained) {
+                None | Some(0) => 0,
+                Some(_) if rate == 0 => u64::MAX,
+                Some(left) => j.since.saturating_add(left.div_ceil(rate)),
+            };
+            (i, j.req.priority, at, j.req.id.clone())
+        });
+        marks.collect()
+    }
+
+    /// Takes the job's entries out of `las_reach` (before it stops or changes size) or puts them in (after).
+    fn las_mark(&mut self, id: &str, add: bool) {
+        if self.config.policy.ordering != Ordering::Las {
+            return;
+        }
+        let Some(j) = self.jobs.get(id) else { return };
+        for m in self.las_marks(j) {
+            if add {
+                self.las_reach.insert(m);
+            } else {
+                self.las_reach.remove(&m);
+            }
+        }
+    }
+
+    /// Whether some running job of `priority` has reached threshold `level` (so stands at a lower rank than a job
+    /// of that level) at `now`.
+    fn las_above(&self, priority: i32, level: usize, now: u64) -> bool {
+        self.las_reach
+            .range((level, priority, 0, String::new())..)
+            .next()
+            .is_some_and(|&(l, p, at, _)| l == level && p == priority && at <= now)
+    }
+
     /// Folds a running job's service up to `now` into its attained service (before its size changes).
     fn fold_service(j: &mut Job, now: u64) {
         j.attained = Self::attained_at(j, now);
@@ -694,10 +758,10 @@ impl Scheduler {
         let expired: Vec<JobId> = if self.draining == 0 {
             Vec::new()
         } else {
-            self.jobs
+            self.active
                 .iter()
-                .filter(|(_, j)| matches!(j.state, State::Draining { until_ms, .. } if until_ms <= now_ms))
-                .map(|(id, _)| id.clone())
+                .filter(|id| matches!(self.jobs[*id].state, State::Draining { until_ms, .. } if until_ms <= now_ms))
+                .cloned()
                 .collect()
         };
         for id in expired {
@@ -706,6 +770,7 @@ impl Scheduler {
                 continue;
             };
             let req = j.req.clone();
+            self.active.remove(&id);
             self.draining -= 1;
             self.free_tasks(&req, &tasks);
             if let Some(j) = self.jobs.get(&id) {
@@ -808,10 +873,11 @@ impl Scheduler {
     }
 
     /// [`Scheduler::schedule`]'s pass over the pending jobs when their order is static: the same decisions as the
-    /// general pass, with the jobs taken in order from `pending` and those known not to fit passed over without
-    /// being looked up. Whether some job waits.
+    /// general pass, with the jobs taken in order from their classes (`pending.rs`), a class dropped for the rest
+    /// of the pass once its jobs cannot fit, and those known not to fit passed over without being looked up.
+    /// Whether some job waits.
     fn pass_static(&mut self, now: u64, out: &mut Vec<Decision>) -> bool {
-        let order = std::mem::take(&mut self.pending);
+        let classes = std::mem::take(&mut self.classes);
         self.last_reservation = None;
         self.last_blocked = None;
         let mut st = Pass {
@@ -823,66 +889,109 @@ impl Scheduler {
             placed: Vec::new(),
             failed: Vec::new(),
         };
-        if self.config.policy.ordering != Ordering::Drf {
-            for (key, info) in &order {
-                if self.visit(key, info, now, &mut st, out) {
-                    break;
+        // Each team (one, unnamed, but under DRF) merges its classes by their next job.
+        type Next<'a> = std::cmp::Reverse<(&'a PendKey, usize, Pos)>;
+        let list: Vec<(&ClassKey, &Class)> = classes.iter().collect();
+        let mut teams: Vec<(&str, BinaryHeap<Next<'_>>, Vec<usize>)> = Vec::new();
+        for (ci, (ck, c)) in list.iter().enumerate() {
+            let ti = match teams.iter().position(|t| t.0 == ck.0) {
+                Some(ti) => ti,
+                None => {
+                    teams.push((ck.0.as_str(), BinaryHeap::new(), Vec::new()));
+                    teams.len() - 1
                 }
+            };
+            teams[ti].2.push(ci);
+            if let Some(p) = c.next(None, u64::MAX) {
+                teams[ti].1.push(std::cmp::Reverse((c.at(p).0, ci, p)));
             }
-        } else {
-            // Within one priority, teams take turns by dominant share, each in its order.
-            let entries: Vec<(&PendKey, &PendInfo)> = order.iter().collect();
-            let mut i = 0;
-            'pass: while i < entries.len() {
-                let group = entries[i].0.0;
-                let mut teams: Vec<(&str, VecDeque<usize>)> = Vec::new();
-                while i < entries.len() && entries[i].0.0 == group {
-                    let team = entries[i].1.team.as_str();
-                    match teams.iter_mut().find(|(t, _)| *t == team) {
-                        Some((_, q)) => q.push_back(i),
-                        None => teams.push((team, VecDeque::from([i]))),
+        }
+        'pass: loop {
+            // The next priority; under DRF the teams take turns by dominant share, ties to the earliest head and
+            // then to the team whose first job of the priority (whatever became of it) comes first.
+            let Some(group) = teams.iter().filter_map(|t| t.1.peek().map(|n| n.0.0.0)).min() else { break };
+            let mut order: Vec<(&PendKey, usize)> = Vec::new();
+            if teams.len() > 1 {
+                let from: PendKey = (group, 0, 0, String::new());
+                for (ti, t) in teams.iter().enumerate() {
+                    let first = t.2.iter().filter_map(|&ci| list[ci].1.first_from(&from)).min();
+                    if let Some(k) = first.filter(|k| k.0 == group) {
+                        order.push((k, ti));
                     }
-                    i += 1;
                 }
-                loop {
-                    let mut best: Option<(f64, u64, usize)> = None;
-                    for (ti, (team, q)) in teams.iter().enumerate() {
-                        let Some(&e) = q.front() else { continue };
-                        let at = entries[e].0.2;
-                        let share = self.dominant_share(team);
-                        if best.is_none_or(|(bs, bat, _)| share < bs || (share == bs && at < bat)) {
-                            best = Some((share, at, ti));
-                        }
+                order.sort();
+            } else if let Some(n) = teams[0].1.peek() {
+                order.push((n.0.0, 0));
+            }
+            loop {
+                let mut best: Option<(f64, u64, usize)> = None;
+                for &(_, ti) in &order {
+                    let Some(std::cmp::Reverse((k, _, _))) = teams[ti].1.peek() else { continue };
+                    if k.0 != group {
+                        continue;
                     }
-                    let Some((_, _, ti)) = best else { break };
-                    let Some(e) = teams[ti].1.pop_front() else { break };
-                    if self.visit(entries[e].0, entries[e].1, now, &mut st, out) {
-                        break 'pass;
+                    let share = if teams.len() > 1 { self.dominant_share(teams[ti].0) } else { 0.0 };
+                    if best.is_none_or(|(bs, bat, _)| share < bs || (share == bs && k.2 < bat)) {
+                        best = Some((share, k.2, ti));
                     }
+                }
+                let Some((_, _, ti)) = best else { break };
+                let Some(std::cmp::Reverse((key, ci, pos))) = teams[ti].1.pop() else { break };
+                let class = list[ci].1;
+                let (stop, fate) = self.visit(key, class.at(pos).1, now, &mut st, out);
+                if stop {
+                    break 'pass;
+                }
+                let next = match fate {
+                    Fate::Dead => None,
+                    Fate::Next => class.next(Some(class.after(pos)), u64::MAX),
+                    Fate::EndsBy(t) => class.next(Some(class.after(pos)), t),
+                };
+                if let Some(p) = next {
+                    teams[ti].1.push(std::cmp::Reverse((class.at(p).0, ci, p)));
                 }
             }
         }
-        self.pending = order;
+        drop(teams);
+        drop(list);
+        self.classes = classes;
         for (k, f) in st.failed {
-            if let Some(info) = self.pending.get_mut(&k) {
+            let Some(j) = self.jobs.get(&k.3) else { continue };
+            let ck = self.class_key(&j.req);
+            if let Some(info) = self.classes.get_mut(&ck).and_then(|c| c.get_mut(&k)) {
                 info.failed_at = f;
             }
         }
         for k in st.placed {
-            self.pending.remove(&k);
+            let Some(j) = self.jobs.get(&k.3) else { continue };
+            let ck = self.class_key(&j.req);
+            if let Some(c) = self.classes.get_mut(&ck) {
+                c.remove(&k);
+                if c.is_empty() {
+                    self.classes.remove(&ck);
+                }
+            }
         }
         st.waiting
     }
 
-    /// One pending job of [`Scheduler::pass_static`]; whether the pass stops there.
-    fn visit(&mut self, key: &PendKey, info: &PendInfo, now: u64, st: &mut Pass, out: &mut Vec<Decision>) -> bool {
+    /// One pending job of [`Scheduler::pass_static`]: whether the pass stops there, and what is left to try of
+    /// the job's class in this pass.
+    fn visit(
+        &mut self,
+        key: &PendKey,
+        info: &PendInfo,
+        now: u64,
+        st: &mut Pass,
+        out: &mut Vec<Decision>,
+    ) -> (bool, Fate) {
         let ordering = self.config.policy.ordering;
-        let passive = st.reservation.is_some() || (st.tries == 0 && !ordering.reserves());
+        let passive = |st: &Pass| st.reservation.is_some() || (st.tries == 0 && !ordering.reserves());
         let known = info.failed_at == Some(self.released);
         let counts: &[u32] =
             if info.tasks_max > info.tasks_min { &[info.tasks_max, info.tasks_min] } else { &[info.tasks_min] };
-        let dominated = |k: u32| {
-            st.failed_now.iter().any(|(c, ck, cs)| {
+        let dominated = |cache: &[(Resources, u32, bool)], k: u32| {
+            cache.iter().any(|(c, ck, cs)| {
                 *cs == info.spread
                     && k >= *ck
                     && info.per_task.cpus_milli >= c.cpus_milli
@@ -891,7 +1000,7 @@ impl Scheduler {
                     && info.per_task.gpu_memory_bytes >= c.gpu_memory_bytes
             })
         };
-        let attempt = if passive && (known || counts.iter().all(|&k| dominated(k))) {
+        let attempt = if passive(st) && (known || counts.iter().all(|&k| dominated(&st.failed_now, k))) {
             // It cannot fit now, so not beside the reservation either; and nothing is tried for it.
             Attempt::Waiting
         } else {
@@ -918,9 +1027,24 @@ impl Scheduler {
             if self.last_blocked.is_none() {
                 self.last_blocked = Some(key.3.clone());
             }
-            return ordering == Ordering::Fifo;
+            if ordering == Ordering::Fifo {
+                return (true, Fate::Dead);
+            }
         }
-        false
+        // From here on in this pass nothing is freed and no room is made: what cannot fit now never will, and
+        // beside the reservation what cannot fit in both states only may if it ends before it starts.
+        if !passive(st) {
+            return (false, Fate::Next);
+        }
+        if (attempt == Attempt::Waiting && known) || counts.iter().all(|&k| dominated(&st.failed_now, k)) {
+            return (false, Fate::Dead);
+        }
+        if let Some(rv) = &st.reservation
+            && counts.iter().all(|&k| dominated(&st.failed_dual, k) || dominated(&st.failed_now, k))
+        {
+            return (false, Fate::EndsBy(rv.time.saturating_sub(now)));
+        }
+        (false, Fate::Next)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -1051,11 +1175,13 @@ impl Scheduler {
                 out.push(Decision::Place { job: req.id.clone(), assignments: self.placements(&tasks) });
                 if let Some(j) = self.jobs.get_mut(id) {
                     j.state = State::Running { started_ms: now, tasks };
+                    self.active.insert(req.id.clone());
                     *self.running_by_priority.entry(req.priority).or_default() += 1;
                     self.running_elastic += usize::from(req.tasks_max > req.tasks_min);
                     j.since = now;
                     j.failed_at = None;
                 }
+                self.las_mark(id, true);
                 Attempt::Placed
             }
             None => Attempt::Waiting,
@@ -1066,8 +1192,9 @@ impl Scheduler {
     /// run times), and the cluster then with the job placed.
     fn reserve(&self, req: &JobRequest, now: u64) -> Option<Reservation> {
         let mut ends: Vec<(u64, &JobId, &Job)> = self
-            .jobs
+            .active
             .iter()
+            .map(|id| (id, &self.jobs[id]))
             .filter_map(|(id, j)| match &j.state {
                 State::Running { started_ms, .. } => {
                     j.req.expected_runtime_ms.map(|rt| (started_ms.saturating_add(rt).max(now), id, j))
@@ -1084,11 +1211,16 @@ impl Scheduler {
                 bounds.push(b);
             }
         }
-        let release = |f: &mut Vec<NodeFree>, range: std::ops::Range<usize>| {
+        // Releases (or takes back, which undoes it exactly) what the jobs of a range of `ends` hold.
+        let release = |f: &mut Vec<NodeFree>, range: std::ops::Range<usize>, undo: bool| {
             for (_, _, j) in &ends[range] {
                 if let State::Running { tasks, .. } | State::Draining { tasks, .. } = &j.state {
                     for t in tasks {
-                        place::release(f, t, &j.req.per_task);
+                        if undo {
+                            place::alloc(f, t, &j.req.per_task);
+                        } else {
+                            place::release(f, t, &j.req.per_task);
+                        }
                     }
                 }
             }
@@ -1099,29 +1231,29 @@ impl Scheduler {
         if hi == 0 {
             return None;
         }
-        let mut all = self.free.clone();
-        release(&mut all, 0..ends.len());
-        if !place::fits(&all, r, req.tasks_min, req.spread) {
+        let mut below = self.free.clone();
+        release(&mut below, 0..ends.len(), false);
+        if !place::fits(&below, r, req.tasks_min, req.spread) {
             return None;
         }
+        release(&mut below, 0..ends.len(), true);
         hi -= 1;
         // `below`: the cluster with ends[..done] released, every bound before `lo` known not to fit.
-        let (mut below, mut done) = (self.free.clone(), 0usize);
+        let mut done = 0usize;
         while lo < hi {
             let mid = (lo + hi) / 2;
-            let mut f = below.clone();
-            release(&mut f, done..bounds[mid]);
-            if place::fits(&f, r, req.tasks_min, req.spread) {
+            release(&mut below, done..bounds[mid], false);
+            if place::fits(&below, r, req.tasks_min, req.spread) {
                 hi = mid;
+                release(&mut below, done..bounds[mid], true);
             } else {
                 lo = mid + 1;
-                below = f;
                 done = bounds[mid];
             }
         }
         let b = bounds[lo];
         let mut free = below;
-        release(&mut free, done..b);
+        release(&mut free, done..b, false);
         place::place(&mut free, None, r, req.tasks_min, req.spread, Pack::BestFit)?;
         Some(Reservation { time: ends[b - 1].0, free })
     }
@@ -1134,11 +1266,20 @@ impl Scheduler {
         let ordering = self.config.policy.ordering;
         if self.static_order
             && self.draining == 0
-            && ordering != Ordering::Las
             && (ordering != Ordering::Elastic || self.running_elastic == 0)
             && self.running_by_priority.keys().next().is_none_or(|&p| p >= req.priority)
         {
-            return None;
+            if ordering != Ordering::Las {
+                return None;
+            }
+            // Under LAS a running job of the same priority is below it once it has reached the threshold of the
+            // job's level.
+            let level = self.jobs.get(&req.id).map(|j| self.las_level(j, now)).unwrap_or(0);
+            if !self.las_above(req.priority, level, now) {
+                let rank = (req.priority, -(level as i64));
+                self.no_room_below = Some(self.no_room_below.map_or(rank, |r| r.max(rank)));
+                return None;
+            }
         }
         let reclaim = self
             .queues
@@ -1168,7 +1309,8 @@ impl Scheduler {
         type Victim<'a> = ((i32, i64), u64, std::cmp::Reverse<u64>, &'a JobId);
         let mut victims: Vec<Victim<'_>> = Vec::new();
         let mut peers: Vec<(u64, std::cmp::Reverse<u64>, &JobId)> = Vec::new();
-        for (id, j) in &self.jobs {
+        for id in &self.active {
+            let j = &self.jobs[id];
             match &j.state {
                 State::Draining { .. } => steps.push(Step::Drain(id.clone())),
                 State::Running { started_ms, .. } if eligible(j) => {
@@ -1234,45 +1376,53 @@ impl Scheduler {
                 *shrunk.entry(id.as_str()).or_default() += 1;
             }
         }
-        let apply = |f: &mut Vec<NodeFree>, range: std::ops::Range<usize>| {
+        // Carries out a range of steps on `f` (or takes them back, which undoes them exactly).
+        let apply = |f: &mut Vec<NodeFree>, range: std::ops::Range<usize>, undo: bool| {
+            let mut free = |t: &TaskAlloc, r: &Resources| {
+                if undo {
+                    place::alloc(f, t, r);
+                } else {
+                    place::release(f, t, r);
+                }
+            };
             for (s, j) in steps[range.clone()].iter().zip(&jobs_of[range]) {
                 let (State::Running { tasks, .. } | State::Draining { tasks, .. }) = &j.state else { continue };
                 match s {
-                    Step::ShrinkOne(_, t) => place::release(f, &tasks[*t], &j.req.per_task),
+                    Step::ShrinkOne(_, t) => free(&tasks[*t], &j.req.per_task),
                     Step::Drain(_) => {
                         for t in tasks {
-                            place::release(f, t, &j.req.per_task);
+                            free(t, &j.req.per_task);
                         }
                     }
                     Step::Preempt(id) => {
                         // Tasks already released by this job's shrink steps.
                         let gone = shrunk.get(id.as_str()).copied().unwrap_or(0);
                         for t in &tasks[..tasks.len() - gone] {
-                            place::release(f, t, &j.req.per_task);
+                            free(t, &j.req.per_task);
                         }
                     }
                 }
             }
         };
         let r = &req.per_task;
-        let mut all = self.free.clone();
-        apply(&mut all, 0..steps.len());
-        if !place::fits(&all, r, req.tasks_min, req.spread) {
+        let mut below = self.free.clone();
+        apply(&mut below, 0..steps.len(), false);
+        if !place::fits(&below, r, req.tasks_min, req.spread) {
             return None;
         }
+        apply(&mut below, 0..steps.len(), true);
         // The shortest prefix of steps that makes room (monotone: binary search); `below` is the cluster after
         // steps[..done], a prefix known not to make room.
         let (mut lo, mut hi) = (1usize, steps.len());
-        let (mut below, mut done) = (self.free.clone(), 0usize);
+        let mut done = 0usize;
         while lo < hi {
             let mid = (lo + hi) / 2;
-            let mut f = below.clone();
-            apply(&mut f, done..mid);
-            if place::fits(&f, r, req.tasks_min, req.spread) {
+            apply(&mut below, done..mid, false);
+            if place::fits(&below, r, req.tasks_min, req.spread) {
                 hi = mid;
+                apply(&mut below, done..mid, true);
             } else {
                 lo = mid + 1;
-                below = f;
                 done = mid;
             }
         }
@@ -1292,6 +1442,7 @@ impl Scheduler {
             }
         }
         for (id, by) in shrinks {
+            self.las_mark(&id, false);
             let Some(j) = self.jobs.get_mut(&id) else { continue };
             let State::Running { tasks, .. } = &mut j.state else { continue };
             let rate = service_rate(&j.req, tasks.len());
@@ -1300,10 +1451,12 @@ impl Scheduler {
             let removed = tasks.split_off(tasks.len() - by as usize);
             let vreq = j.req.clone();
             self.free_tasks(&vreq, &removed);
+            self.las_mark(&id, true);
             out.push(Decision::Shrink { job: id, by, for_job: req.id.clone() });
         }
         let grace = self.config.preempt_grace_ms;
         for id in preempted {
+            self.las_mark(id, false);
             let Some(j) = self.jobs.get_mut(id) else { continue };
             let State::Running { tasks, .. } = std::mem::replace(&mut j.state, State::Pending) else {
                 continue;
@@ -1333,8 +1486,9 @@ impl Scheduler {
     fn grow(&mut self, now: u64, out: &mut Vec<Decision>) {
         let pack = self.config.policy.packing;
         let mut elastic: Vec<(i32, u64, JobId)> = self
-            .jobs
+            .active
             .iter()
+            .map(|id| (id, &self.jobs[id]))
             .filter(|(_, j)| matches!(&j.state, State::Running { tasks, .. } if (tasks.len() as u32) < j.req.tasks_max))
             .map(|(id, j)| (j.req.priority, j.req.submitted_at_ms, id.clone()))
             .collect();
@@ -1378,12 +1532,14 @@ impl Scheduler {
                 continue;
             }
             let tasks = self.placements(&added);
+            self.las_mark(&id, false);
             if let Some(j) = self.jobs.get_mut(&id) {
                 Self::fold_service(j, now);
                 if let State::Running { tasks: have, .. } = &mut j.state {
                     have.extend(added);
                 }
             }
+            self.las_mark(&id, true);
             out.push(Decision::Grow { job: id, tasks });
         }
     }
@@ -1397,9 +1553,20 @@ struct Pass {
     waiting: bool,
     failed_now: Vec<(Resources, u32, bool)>,
     failed_dual: Vec<(Resources, u32, bool)>,
-    /// Jobs placed, and jobs whose `failed_at` changed, to write back into `pending`.
+    /// Jobs placed, and jobs whose `failed_at` changed, to write back into the classes.
     placed: Vec<PendKey>,
     failed: Vec<(PendKey, Option<u64>)>,
+}
+
+/// What is left to try of a class in a pass after one of its jobs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fate {
+    /// Its later jobs.
+    Next,
+    /// Nothing: none of them can fit.
+    Dead,
+    /// Those expected to end within this many milliseconds (before the reservation starts).
+    EndsBy(u64),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
