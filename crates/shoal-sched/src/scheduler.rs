@@ -159,6 +159,9 @@ pub struct Scheduler {
     classes: BTreeMap<ClassKey, Class>,
     /// The jobs running or draining.
     active: BTreeSet<JobId>,
+    /// When they end: a running job at its start plus its expected run time (none without one), a draining one
+    /// at the end of its grace period.
+    ends: BTreeSet<(u64, JobId)>,
     /// Jobs draining.
     draining: usize,
     /// Running jobs by priority, and how many of them may grow or shrink.
@@ -224,6 +227,7 @@ impl Scheduler {
             static_order: qs.values().all(|q: &QueueState| q.queue.guaranteed == Quota::UNLIMITED),
             classes: BTreeMap::new(),
             active: BTreeSet::new(),
+            ends: BTreeSet::new(),
             las_reach: BTreeSet::new(),
             draining: 0,
             running_by_priority: BTreeMap::new(),
@@ -552,6 +556,7 @@ impl Scheduler {
     /// Forgets a job (done, failed or cancelled), freeing what it held.
     pub fn finish(&mut self, job: &str) -> Result<()> {
         self.las_mark(job, false);
+        self.end_mark(job, false);
         let Some(j) = self.jobs.remove(job) else {
             return Err(SchedError::UnknownJob { job: job.to_string() });
         };
@@ -696,6 +701,27 @@ impl Scheduler {
         }
     }
 
+    /// A running or draining job's entry in `ends`.
+    fn end_of(j: &Job) -> Option<(u64, JobId)> {
+        match &j.state {
+            State::Running { started_ms, .. } => {
+                j.req.expected_runtime_ms.map(|rt| (started_ms.saturating_add(rt), j.req.id.clone()))
+            }
+            State::Draining { until_ms, .. } => Some((*until_ms, j.req.id.clone())),
+            State::Pending => None,
+        }
+    }
+
+    /// Takes the job's entry out of `ends` (before its state changes) or puts it in (after).
+    fn end_mark(&mut self, id: &str, add: bool) {
+        let Some(e) = self.jobs.get(id).and_then(Self::end_of) else { return };
+        if add {
+            self.ends.insert(e);
+        } else {
+            self.ends.remove(&e);
+        }
+    }
+
     /// A running job's entries in `las_reach` (none but under [`Ordering::Las`]).
     fn las_marks(&self, j: &Job) -> Vec<(usize, i32, u64, JobId)> {
         let State::Running { tasks, .. } = &j.state else { return Vec::new() };
@@ -765,6 +791,7 @@ impl Scheduler {
                 .collect()
         };
         for id in expired {
+            self.end_mark(&id, false);
             let Some(j) = self.jobs.get_mut(&id) else { continue };
             let State::Draining { tasks, .. } = std::mem::replace(&mut j.state, State::Pending) else {
                 continue;
@@ -1182,6 +1209,7 @@ impl Scheduler {
                     j.failed_at = None;
                 }
                 self.las_mark(id, true);
+                self.end_mark(id, true);
                 Attempt::Placed
             }
             None => Attempt::Waiting,
@@ -1190,30 +1218,20 @@ impl Scheduler {
 
     /// The earliest time the job fits as running jobs end (by their expected
     /// run times), and the cluster then with the job placed.
+    ///
+    /// The ends are taken in time order from `ends` (those already past count as now), a group of equal times at a
+    /// time, as far as needed: galloping (1, 2, 4... groups) to the first count of groups after which the job
+    /// fits, then a binary search below it. Fitting is monotone in what is released, so this is the first group
+    /// after which it fits, as a search over every end would find.
     fn reserve(&self, req: &JobRequest, now: u64) -> Option<Reservation> {
-        let mut ends: Vec<(u64, &JobId, &Job)> = self
-            .active
-            .iter()
-            .map(|id| (id, &self.jobs[id]))
-            .filter_map(|(id, j)| match &j.state {
-                State::Running { started_ms, .. } => {
-                    j.req.expected_runtime_ms.map(|rt| (started_ms.saturating_add(rt).max(now), id, j))
-                }
-                State::Draining { until_ms, .. } => Some(((*until_ms).max(now), id, j)),
-                State::Pending => None,
-            })
-            .collect();
-        ends.sort_by(|a, b| (a.0, a.1).cmp(&(b.0, b.1)));
+        let mut source =
+            self.ends.iter().filter_map(|(t, id)| self.jobs.get(id).map(|j| ((*t).max(now), j))).peekable();
+        let mut ends: Vec<(u64, &Job)> = Vec::new();
         // Group boundaries: after releasing ends[..b], the time is ends[b-1].0.
         let mut bounds: Vec<usize> = Vec::new();
-        for b in 1..=ends.len() {
-            if b == ends.len() || ends[b].0 != ends[b - 1].0 {
-                bounds.push(b);
-            }
-        }
         // Releases (or takes back, which undoes it exactly) what the jobs of a range of `ends` hold.
-        let release = |f: &mut Vec<NodeFree>, range: std::ops::Range<usize>, undo: bool| {
-            for (_, _, j) in &ends[range] {
+        let release = |f: &mut Vec<NodeFree>, ends: &[(u64, &Job)], range: std::ops::Range<usize>, undo: bool| {
+            for (_, j) in &ends[range] {
                 if let State::Running { tasks, .. } | State::Draining { tasks, .. } = &j.state {
                     for t in tasks {
                         if undo {
@@ -1226,26 +1244,43 @@ impl Scheduler {
             }
         };
         let r = &req.per_task;
-        let (mut lo, mut hi) = (0usize, bounds.len());
-        // Find the first bound index whose state fits (monotone in releases).
-        if hi == 0 {
-            return None;
-        }
+        let fits = |f: &[NodeFree]| place::fits(f, r, req.tasks_min, req.spread);
+        let before = |bounds: &[usize], g: usize| if g == 0 { 0 } else { bounds[g - 1] };
         let mut below = self.free.clone();
-        release(&mut below, 0..ends.len(), false);
-        if !place::fits(&below, r, req.tasks_min, req.spread) {
-            return None;
-        }
-        release(&mut below, 0..ends.len(), true);
-        hi -= 1;
+        // Galloping: `done` groups released in `below`, known not to be enough.
+        let (mut done, mut want) = (0usize, 1usize);
+        let (mut lo, mut hi) = loop {
+            while bounds.len() < want {
+                let Some(&(t, _)) = source.peek() else { break };
+                while let Some(&(u, j)) = source.peek() {
+                    if u != t {
+                        break;
+                    }
+                    ends.push((u, j));
+                    source.next();
+                }
+                bounds.push(ends.len());
+            }
+            let upto = bounds.len().min(want);
+            if upto <= done {
+                return None;
+            }
+            release(&mut below, &ends, before(&bounds, done)..bounds[upto - 1], false);
+            if fits(&below) {
+                release(&mut below, &ends, before(&bounds, done)..bounds[upto - 1], true);
+                break (done, upto - 1);
+            }
+            done = upto;
+            want *= 2;
+        };
         // `below`: the cluster with ends[..done] released, every bound before `lo` known not to fit.
-        let mut done = 0usize;
+        let mut done = before(&bounds, lo);
         while lo < hi {
             let mid = (lo + hi) / 2;
-            release(&mut below, done..bounds[mid], false);
-            if place::fits(&below, r, req.tasks_min, req.spread) {
+            release(&mut below, &ends, done..bounds[mid], false);
+            if fits(&below) {
                 hi = mid;
-                release(&mut below, done..bounds[mid], true);
+                release(&mut below, &ends, done..bounds[mid], true);
             } else {
                 lo = mid + 1;
                 done = bounds[mid];
@@ -1253,7 +1288,7 @@ impl Scheduler {
         }
         let b = bounds[lo];
         let mut free = below;
-        release(&mut free, done..b, false);
+        release(&mut free, &ends, done..b, false);
         place::place(&mut free, None, r, req.tasks_min, req.spread, Pack::BestFit)?;
         Some(Reservation { time: ends[b - 1].0, free })
     }
@@ -1457,6 +1492,7 @@ impl Scheduler {
         let grace = self.config.preempt_grace_ms;
         for id in preempted {
             self.las_mark(id, false);
+            self.end_mark(id, false);
             let Some(j) = self.jobs.get_mut(id) else { continue };
             let State::Running { tasks, .. } = std::mem::replace(&mut j.state, State::Pending) else {
                 continue;
@@ -1470,6 +1506,7 @@ impl Scheduler {
             j.attained = j.attained.saturating_add(rate.saturating_mul(now.saturating_sub(j.since)));
             j.since = now;
             j.state = State::Draining { until_ms: now.saturating_add(grace), tasks };
+            self.ends.insert((now.saturating_add(grace), id.clone()));
             let vreq = j.req.clone();
             self.stopped_running(&vreq);
             self.draining += 1;
