@@ -82,11 +82,16 @@ struct Job {
     /// The value of [`Scheduler::released`] when every size of the job last failed to fit the cluster as it was:
     /// while nothing has been released since, it still cannot fit (fitting is monotone in free capacity).
     failed_at: Option<u64>,
+    /// When making room for the job last found that even every job it may take from and every draining one would
+    /// not be enough: (`Scheduler::released`, `Scheduler::preempted`, time). While nothing was freed, preempted or
+    /// shrunk since, and (under LAS) no running job of its priority crossed its level's threshold, it still is
+    /// not: a job started since takes from the free capacity what it adds to the jobs taken from, or less.
+    room_failed: Option<(u64, u64, u64)>,
 }
 
 impl Job {
     fn new(req: JobRequest) -> Job {
-        Job { req, state: State::Pending, attained: 0, since: 0, failed_at: None }
+        Job { req, state: State::Pending, attained: 0, since: 0, failed_at: None, room_failed: None }
     }
 }
 
@@ -145,6 +150,8 @@ pub struct Scheduler {
     allocated: Usage,
     /// How many times capacity was freed (finish, requeue, shrink, release).
     released: u64,
+    /// How many jobs were preempted or shrunk.
+    preempted: u64,
     /// The latest submitted jobs' task shapes (at most `config.shape_window`) and how many of each.
     shapes: VecDeque<ShapeKey>,
     shape_counts: BTreeMap<ShapeKey, u64>,
@@ -163,7 +170,7 @@ pub struct Scheduler {
     /// at the end of its grace period.
     ends: BTreeSet<(u64, JobId)>,
     /// Jobs draining.
-    draining: usize,
+    draining: BTreeSet<JobId>,
     /// Running jobs by priority, and how many of them may grow or shrink.
     running_by_priority: BTreeMap<i32, usize>,
     running_elastic: usize,
@@ -220,6 +227,7 @@ impl Scheduler {
             jobs: HashMap::new(),
             allocated: Usage::default(),
             released: 0,
+            preempted: 0,
             shapes: VecDeque::new(),
             shape_counts: BTreeMap::new(),
             workload: None,
@@ -229,7 +237,7 @@ impl Scheduler {
             active: BTreeSet::new(),
             ends: BTreeSet::new(),
             las_reach: BTreeSet::new(),
-            draining: 0,
+            draining: BTreeSet::new(),
             running_by_priority: BTreeMap::new(),
             running_elastic: 0,
             no_room_below: None,
@@ -569,7 +577,7 @@ impl Scheduler {
             }
             State::Draining { tasks, .. } => {
                 self.active.remove(job);
-                self.draining -= 1;
+                self.draining.remove(job);
                 self.free_tasks(&j.req, tasks);
             }
         }
@@ -765,6 +773,14 @@ impl Scheduler {
             .is_some_and(|&(l, p, at, _)| l == level && p == priority && at <= now)
     }
 
+    /// Whether some running job of `priority` reached threshold `level` after `after`, up to `now`.
+    fn las_crossed(&self, priority: i32, level: usize, after: u64, now: u64) -> bool {
+        self.las_reach
+            .range((level, priority, after.saturating_add(1), String::new())..)
+            .next()
+            .is_some_and(|&(l, p, at, _)| l == level && p == priority && at <= now)
+    }
+
     /// Folds a running job's service up to `now` into its attained service (before its size changes).
     fn fold_service(j: &mut Job, now: u64) {
         j.attained = Self::attained_at(j, now);
@@ -781,15 +797,12 @@ impl Scheduler {
         }
 
         // Preempted jobs whose grace period is over go back to pending.
-        let expired: Vec<JobId> = if self.draining == 0 {
-            Vec::new()
-        } else {
-            self.active
-                .iter()
-                .filter(|id| matches!(self.jobs[*id].state, State::Draining { until_ms, .. } if until_ms <= now_ms))
-                .cloned()
-                .collect()
-        };
+        let expired: Vec<JobId> = self
+            .draining
+            .iter()
+            .filter(|id| matches!(self.jobs[*id].state, State::Draining { until_ms, .. } if until_ms <= now_ms))
+            .cloned()
+            .collect();
         for id in expired {
             self.end_mark(&id, false);
             let Some(j) = self.jobs.get_mut(&id) else { continue };
@@ -798,7 +811,7 @@ impl Scheduler {
             };
             let req = j.req.clone();
             self.active.remove(&id);
-            self.draining -= 1;
+            self.draining.remove(&id);
             self.free_tasks(&req, &tasks);
             if let Some(j) = self.jobs.get(&id) {
                 let j = j.clone();
@@ -1300,7 +1313,7 @@ impl Scheduler {
         // no room can be made, without looking at every job.
         let ordering = self.config.policy.ordering;
         if self.static_order
-            && self.draining == 0
+            && self.draining.is_empty()
             && (ordering != Ordering::Elastic || self.running_elastic == 0)
             && self.running_by_priority.keys().next().is_none_or(|&p| p >= req.priority)
         {
@@ -1324,6 +1337,17 @@ impl Scheduler {
         if self.static_order && self.no_room_below.is_some_and(|r| req_rank <= r) {
             return None;
         }
+        // Known not to be enough, and nothing since could have made it so (see `Job::room_failed`); not under the
+        // elastic ordering, where a job started since may be a peer to shrink.
+        let memo = self.static_order && ordering != Ordering::Elastic;
+        if memo
+            && let Some((released, preempted, at)) = self.jobs.get(&req.id).and_then(|j| j.room_failed)
+            && released == self.released
+            && preempted == self.preempted
+            && (ordering != Ordering::Las || !self.las_crossed(req.priority, (-req_rank.1) as usize, at, now))
+        {
+            return None;
+        }
         let eligible = |v: &Job| {
             v.req.id != req.id
                 && ((v.req.queue == req.queue && self.rank(v, now) < req_rank)
@@ -1344,7 +1368,24 @@ impl Scheduler {
         type Victim<'a> = ((i32, i64), u64, std::cmp::Reverse<u64>, &'a JobId);
         let mut victims: Vec<Victim<'_>> = Vec::new();
         let mut peers: Vec<(u64, std::cmp::Reverse<u64>, &JobId)> = Vec::new();
-        for id in &self.active {
+        // Every running or draining job; under LAS in a static order with nothing running at a lower priority, only
+        // the draining ones and those of its priority that reached its level's threshold (the others are no
+        // victims).
+        let las_only = self.static_order
+            && ordering == Ordering::Las
+            && self.running_by_priority.keys().next().is_none_or(|&p| p >= req.priority);
+        let level = (-req_rank.1) as usize;
+        let candidates: Box<dyn Iterator<Item = &JobId>> = if las_only {
+            let reached = self
+                .las_reach
+                .range((level, req.priority, 0, String::new())..)
+                .take_while(|&&(l, p, at, _)| l == level && p == req.priority && at <= now)
+                .map(|(_, _, _, id)| id);
+            Box::new(self.draining.iter().chain(reached))
+        } else {
+            Box::new(self.active.iter())
+        };
+        for id in candidates {
             let j = &self.jobs[id];
             match &j.state {
                 State::Draining { .. } => steps.push(Step::Drain(id.clone())),
@@ -1443,6 +1484,9 @@ impl Scheduler {
         let mut below = self.free.clone();
         apply(&mut below, 0..steps.len(), false);
         if !place::fits(&below, r, req.tasks_min, req.spread) {
+            if memo && let Some(j) = self.jobs.get_mut(&req.id) {
+                j.room_failed = Some((self.released, self.preempted, now));
+            }
             return None;
         }
         apply(&mut below, 0..steps.len(), true);
@@ -1484,6 +1528,7 @@ impl Scheduler {
             j.attained = j.attained.saturating_add(rate.saturating_mul(now.saturating_sub(j.since)));
             j.since = j.since.max(now);
             let removed = tasks.split_off(tasks.len() - by as usize);
+            self.preempted += 1;
             let vreq = j.req.clone();
             self.free_tasks(&vreq, &removed);
             self.las_mark(&id, true);
@@ -1507,9 +1552,10 @@ impl Scheduler {
             j.since = now;
             j.state = State::Draining { until_ms: now.saturating_add(grace), tasks };
             self.ends.insert((now.saturating_add(grace), id.clone()));
+            self.preempted += 1;
             let vreq = j.req.clone();
             self.stopped_running(&vreq);
-            self.draining += 1;
+            self.draining.insert(id.clone());
             out.push(Decision::Preempt { job: id.clone(), reason, grace_ms: grace });
         }
         if !out.is_empty() {
