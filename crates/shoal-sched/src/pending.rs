@@ -122,10 +122,11 @@ impl Class {
     pub fn next(&self, from: Option<Pos>, max_runtime: u64) -> Option<Pos> {
         let (mut ci, mut ii) = from.unwrap_or((0, 0));
         while let Some(c) = self.chunks.get(ci) {
-            if c.min_runtime <= max_runtime {
-                if let Some(off) = c.items[ii.min(c.items.len())..].iter().position(|(_, i)| i.runtime <= max_runtime) {
-                    return Some((ci, ii + off));
-                }
+            let rest = &c.items[ii.min(c.items.len())..];
+            if c.min_runtime <= max_runtime
+                && let Some(off) = rest.iter().position(|(_, i)| i.runtime <= max_runtime)
+            {
+                return Some((ci, ii + off));
             }
             ci += 1;
             ii = 0;

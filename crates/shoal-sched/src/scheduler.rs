@@ -946,10 +946,9 @@ impl Scheduler {
                 teams[ti].1.push(std::cmp::Reverse((c.at(p).0, ci, p)));
             }
         }
-        'pass: loop {
-            // The next priority; under DRF the teams take turns by dominant share, ties to the earliest head and
-            // then to the team whose first job of the priority (whatever became of it) comes first.
-            let Some(group) = teams.iter().filter_map(|t| t.1.peek().map(|n| n.0.0.0)).min() else { break };
+        // The next priority; under DRF the teams take turns by dominant share, ties to the earliest head and then
+        // to the team whose first job of the priority (whatever became of it) comes first.
+        'pass: while let Some(group) = teams.iter().filter_map(|t| t.1.peek().map(|n| n.0.0.0)).min() {
             let mut order: Vec<(&PendKey, usize)> = Vec::new();
             if teams.len() > 1 {
                 let from: PendKey = (group, 0, 0, String::new());
