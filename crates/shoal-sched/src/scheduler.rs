@@ -87,11 +87,13 @@ struct Job {
     /// shrunk since, and (under LAS) no running job of its priority crossed its level's threshold, it still is
     /// not: a job started since takes from the free capacity what it adds to the jobs taken from, or less.
     room_failed: Option<(u64, u64, u64)>,
+    /// Under LAS while it runs: the level it is filed under in `Scheduler::las_running`.
+    las_filed: usize,
 }
 
 impl Job {
     fn new(req: JobRequest) -> Job {
-        Job { req, state: State::Pending, attained: 0, since: 0, failed_at: None, room_failed: None }
+        Job { req, state: State::Pending, attained: 0, since: 0, failed_at: None, room_failed: None, las_filed: 0 }
     }
 }
 
@@ -120,6 +122,19 @@ fn shape_key(r: &Resources) -> ShapeKey {
 struct Reservation {
     time: u64,
     free: Vec<NodeFree>,
+}
+
+/// A running job's place among the victims of its priority and level.
+type LasVictim = (std::cmp::Reverse<u64>, std::cmp::Reverse<u64>, JobId);
+
+/// The jobs of an LAS index of `priority` above `level`, in victim order: the deepest level first.
+fn las_in_order(
+    index: &BTreeMap<(i32, usize), BTreeSet<LasVictim>>,
+    priority: i32,
+    level: usize,
+    deepest: usize,
+) -> impl Iterator<Item = &JobId> {
+    (level + 1..=deepest).rev().filter_map(move |l| index.get(&(priority, l))).flat_map(|set| set.iter().map(|v| &v.2))
 }
 
 /// One step of "making room" for a pending job.
@@ -178,6 +193,14 @@ pub struct Scheduler {
     /// priority, when its attained service reaches the threshold at its present size, its id). Whether some
     /// running job of a priority is above a level now is one look-up.
     las_reach: BTreeSet<(usize, i32, u64, JobId)>,
+    /// Under LAS: the running jobs by priority and level (as of the last pass), each in the order they are
+    /// preempted in: most recent start first, then the latest submitted, then id.
+    las_running: BTreeMap<(i32, usize), BTreeSet<LasVictim>>,
+    /// Under LAS: when running jobs will reach a threshold they have not yet, to refile them then.
+    las_cross: BTreeSet<(u64, JobId)>,
+    /// Under LAS: the running jobs with more tasks than their minimum (so could be shrunk), filed as in
+    /// `las_running`.
+    las_shrinkable: BTreeMap<(i32, usize), BTreeSet<LasVictim>>,
     /// In this pass, a rank for which no job was running below it, nothing drained and no peer could shrink: no
     /// job of that rank or lower can make room until something is preempted.
     no_room_below: Option<(i32, i64)>,
@@ -237,6 +260,9 @@ impl Scheduler {
             active: BTreeSet::new(),
             ends: BTreeSet::new(),
             las_reach: BTreeSet::new(),
+            las_running: BTreeMap::new(),
+            las_cross: BTreeSet::new(),
+            las_shrinkable: BTreeMap::new(),
             draining: BTreeSet::new(),
             running_by_priority: BTreeMap::new(),
             running_elastic: 0,
@@ -755,11 +781,75 @@ impl Scheduler {
             return;
         }
         let Some(j) = self.jobs.get(id) else { return };
-        for m in self.las_marks(j) {
+        let State::Running { started_ms, tasks } = &j.state else { return };
+        let marks = self.las_marks(j);
+        let slot = (j.req.priority, if add { Self::level_by(&marks, j.since) } else { j.las_filed });
+        let victim = (std::cmp::Reverse(*started_ms), std::cmp::Reverse(j.req.submitted_at_ms), j.req.id.clone());
+        let above_min = tasks.len() > j.req.tasks_min as usize;
+        for m in marks {
+            let cross = (m.2 > 0 && m.2 < u64::MAX).then(|| (m.2, m.3.clone()));
             if add {
                 self.las_reach.insert(m);
+                self.las_cross.extend(cross);
             } else {
                 self.las_reach.remove(&m);
+                if let Some(c) = cross {
+                    self.las_cross.remove(&c);
+                }
+            }
+        }
+        if add {
+            if above_min {
+                self.las_shrinkable.entry(slot).or_default().insert(victim.clone());
+            }
+            self.las_running.entry(slot).or_default().insert(victim);
+            if let Some(j) = self.jobs.get_mut(id) {
+                j.las_filed = slot.1;
+            }
+        } else {
+            Self::unfile(&mut self.las_running, slot, &victim);
+            Self::unfile(&mut self.las_shrinkable, slot, &victim);
+        }
+    }
+
+    fn unfile(index: &mut BTreeMap<(i32, usize), BTreeSet<LasVictim>>, slot: (i32, usize), v: &LasVictim) {
+        if let Some(set) = index.get_mut(&slot) {
+            set.remove(v);
+            if set.is_empty() {
+                index.remove(&slot);
+            }
+        }
+    }
+
+    /// The level of a running job at `t` (at or after its `since`) from its marks: how many thresholds, in order,
+    /// it has reached.
+    fn level_by(marks: &[(usize, i32, u64, JobId)], t: u64) -> usize {
+        marks.iter().take_while(|m| m.2 <= t).count()
+    }
+
+    /// Refiles the running jobs that crossed a threshold by `now` under their level now.
+    fn las_refile(&mut self, now: u64) {
+        while let Some((at, id)) = self.las_cross.first().cloned() {
+            if at > now {
+                break;
+            }
+            self.las_cross.pop_first();
+            let Some(j) = self.jobs.get(&id) else { continue };
+            let State::Running { started_ms, .. } = &j.state else { continue };
+            let level = Self::level_by(&self.las_marks(j), now);
+            let old = (j.req.priority, j.las_filed);
+            if level == old.1 {
+                continue;
+            }
+            let victim = (std::cmp::Reverse(*started_ms), std::cmp::Reverse(j.req.submitted_at_ms), id.clone());
+            Self::unfile(&mut self.las_running, old, &victim);
+            if self.las_shrinkable.get(&old).is_some_and(|set| set.contains(&victim)) {
+                Self::unfile(&mut self.las_shrinkable, old, &victim);
+                self.las_shrinkable.entry((old.0, level)).or_default().insert(victim.clone());
+            }
+            self.las_running.entry((old.0, level)).or_default().insert(victim);
+            if let Some(j) = self.jobs.get_mut(&id) {
+                j.las_filed = level;
             }
         }
     }
@@ -792,6 +882,9 @@ impl Scheduler {
         let mut out = Vec::new();
         let ordering = self.config.policy.ordering;
         self.no_room_below = None;
+        if ordering == Ordering::Las {
+            self.las_refile(now_ms);
+        }
         if self.config.policy.packing == Packing::Fgd && self.workload.is_none() {
             self.workload = Some(self.count_workload());
         }
@@ -1374,69 +1467,135 @@ impl Scheduler {
             && ordering == Ordering::Las
             && self.running_by_priority.keys().next().is_none_or(|&p| p >= req.priority);
         let level = (-req_rank.1) as usize;
-        let candidates: Box<dyn Iterator<Item = &JobId>> = if las_only {
-            let reached = self
-                .las_reach
-                .range((level, req.priority, 0, String::new())..)
-                .take_while(|&&(l, p, at, _)| l == level && p == req.priority && at <= now)
-                .map(|(_, _, _, id)| id);
-            Box::new(self.draining.iter().chain(reached))
+        if las_only {
+            // The steps are the draining jobs, the shrinking of the victims above their minimum, then the victims
+            // in order, the deepest level first — taken from `las_running` only as far as needed (galloping: 1,
+            // 2, 4... victims), not all gathered and sorted. The search below then runs on that prefix, in which
+            // the shortest one that makes room lies.
+            steps.extend(self.draining.iter().map(|id| Step::Drain(id.clone())));
+            let deepest = self.config.las_thresholds_gpu_ms.len();
+            let is_victim =
+                |id: &&JobId| matches!(self.jobs[*id].state, State::Running { .. }) && eligible(&self.jobs[*id]);
+            for id in las_in_order(&self.las_shrinkable, req.priority, level, deepest).filter(is_victim) {
+                let j = &self.jobs[id];
+                if let State::Running { tasks, .. } = &j.state {
+                    for t in (j.req.tasks_min as usize..tasks.len()).rev() {
+                        steps.push(Step::ShrinkOne(id.clone(), t));
+                    }
+                }
+            }
+            let mut source = las_in_order(&self.las_running, req.priority, level, deepest).filter(is_victim);
+            // What a step releases: a preempted job's tasks but those its shrink steps released.
+            let release_all = |f: &mut Vec<NodeFree>, j: &Job, preempt: bool| {
+                if let State::Running { tasks, .. } | State::Draining { tasks, .. } = &j.state {
+                    let keep = if preempt { (j.req.tasks_min as usize).min(tasks.len()) } else { tasks.len() };
+                    for t in &tasks[..keep] {
+                        place::release(f, t, &j.req.per_task);
+                    }
+                }
+            };
+            let mut scratch = self.free.clone();
+            for id in &self.draining {
+                release_all(&mut scratch, &self.jobs[id], false);
+            }
+            for s in &steps {
+                if let Step::ShrinkOne(id, t) = s
+                    && let State::Running { tasks, .. } = &self.jobs[id].state
+                {
+                    place::release(&mut scratch, &tasks[*t], &self.jobs[id].req.per_task);
+                }
+            }
+            let mut taken: Vec<&JobId> = Vec::new();
+            let mut enough = !steps.is_empty() && place::fits(&scratch, &req.per_task, req.tasks_min, req.spread);
+            let mut want = 1usize;
+            while !enough {
+                let before = taken.len();
+                taken.extend(source.by_ref().take(want - before));
+                if taken.len() == before {
+                    break;
+                }
+                for id in &taken[before..] {
+                    release_all(&mut scratch, &self.jobs[*id], true);
+                }
+                enough = place::fits(&scratch, &req.per_task, req.tasks_min, req.spread);
+                want *= 2;
+            }
+            if steps.is_empty() && taken.is_empty() {
+                self.no_room_below = Some(self.no_room_below.map_or(req_rank, |r| r.max(req_rank)));
+                return None;
+            }
+            if !enough {
+                if memo && let Some(j) = self.jobs.get_mut(&req.id) {
+                    j.room_failed = Some((self.released, self.preempted, now));
+                }
+                return None;
+            }
+            steps.extend(taken.into_iter().map(|id| Step::Preempt(id.clone())));
         } else {
-            Box::new(self.active.iter())
-        };
-        for id in candidates {
-            let j = &self.jobs[id];
-            match &j.state {
-                State::Draining { .. } => steps.push(Step::Drain(id.clone())),
-                State::Running { started_ms, .. } if eligible(j) => {
-                    victims.push((
-                        self.rank(j, now),
-                        now.saturating_sub(*started_ms),
-                        std::cmp::Reverse(j.req.submitted_at_ms),
-                        id,
-                    ));
-                }
-                State::Running { started_ms, tasks } if shrinkable(j) && tasks.len() > j.req.tasks_min as usize => {
-                    peers.push((now.saturating_sub(*started_ms), std::cmp::Reverse(j.req.submitted_at_ms), id));
-                }
-                _ => {}
-            }
-        }
-        if steps.is_empty() && victims.is_empty() && peers.is_empty() {
-            // Fewer jobs still are below a lower rank.
-            self.no_room_below = Some(self.no_room_below.map_or(req_rank, |r| r.max(req_rank)));
-            return None;
-        }
-        peers.sort();
-        victims.sort();
-        // Reclaim takes from another queue only what it holds beyond its guarantee.
-        let mut left: BTreeMap<&str, Usage> = BTreeMap::new();
-        victims.retain(|&(_, _, _, id)| {
-            let v = &self.jobs[id];
-            if v.req.queue == req.queue {
-                return true;
-            }
-            let Some(q) = self.queues.get(&v.req.queue) else { return false };
-            let used = left.entry(v.req.queue.as_str()).or_insert(q.used);
-            if used.within(Usage::default(), &q.queue.guaranteed) {
-                return false; // back within its guarantee
-            }
-            if let State::Running { tasks, .. } = &v.state {
-                used.sub(Usage::of(&v.req.per_task, tasks.len() as u32));
-            }
-            true
-        });
-        // Shrinking elastic jobs first (they lose no progress), lower ranks before peers, then preemption.
-        for id in victims.iter().map(|v| v.3).chain(peers.iter().map(|p| p.2)) {
-            let j = &self.jobs[id];
-            if let State::Running { tasks, .. } = &j.state {
-                for t in (j.req.tasks_min as usize..tasks.len()).rev() {
-                    steps.push(Step::ShrinkOne(id.clone(), t));
+            let candidates: Box<dyn Iterator<Item = &JobId>> = if las_only {
+                let reached = self
+                    .las_reach
+                    .range((level, req.priority, 0, String::new())..)
+                    .take_while(|&&(l, p, at, _)| l == level && p == req.priority && at <= now)
+                    .map(|(_, _, _, id)| id);
+                Box::new(self.draining.iter().chain(reached))
+            } else {
+                Box::new(self.active.iter())
+            };
+            for id in candidates {
+                let j = &self.jobs[id];
+                match &j.state {
+                    State::Draining { .. } => steps.push(Step::Drain(id.clone())),
+                    State::Running { started_ms, .. } if eligible(j) => {
+                        victims.push((
+                            self.rank(j, now),
+                            now.saturating_sub(*started_ms),
+                            std::cmp::Reverse(j.req.submitted_at_ms),
+                            id,
+                        ));
+                    }
+                    State::Running { started_ms, tasks } if shrinkable(j) && tasks.len() > j.req.tasks_min as usize => {
+                        peers.push((now.saturating_sub(*started_ms), std::cmp::Reverse(j.req.submitted_at_ms), id));
+                    }
+                    _ => {}
                 }
             }
-        }
-        for &(_, _, _, id) in &victims {
-            steps.push(Step::Preempt(id.clone()));
+            if steps.is_empty() && victims.is_empty() && peers.is_empty() {
+                // Fewer jobs still are below a lower rank.
+                self.no_room_below = Some(self.no_room_below.map_or(req_rank, |r| r.max(req_rank)));
+                return None;
+            }
+            peers.sort();
+            victims.sort();
+            // Reclaim takes from another queue only what it holds beyond its guarantee.
+            let mut left: BTreeMap<&str, Usage> = BTreeMap::new();
+            victims.retain(|&(_, _, _, id)| {
+                let v = &self.jobs[id];
+                if v.req.queue == req.queue {
+                    return true;
+                }
+                let Some(q) = self.queues.get(&v.req.queue) else { return false };
+                let used = left.entry(v.req.queue.as_str()).or_insert(q.used);
+                if used.within(Usage::default(), &q.queue.guaranteed) {
+                    return false; // back within its guarantee
+                }
+                if let State::Running { tasks, .. } = &v.state {
+                    used.sub(Usage::of(&v.req.per_task, tasks.len() as u32));
+                }
+                true
+            });
+            // Shrinking elastic jobs first (they lose no progress), lower ranks before peers, then preemption.
+            for id in victims.iter().map(|v| v.3).chain(peers.iter().map(|p| p.2)) {
+                let j = &self.jobs[id];
+                if let State::Running { tasks, .. } = &j.state {
+                    for t in (j.req.tasks_min as usize..tasks.len()).rev() {
+                        steps.push(Step::ShrinkOne(id.clone(), t));
+                    }
+                }
+            }
+            for &(_, _, _, id) in &victims {
+                steps.push(Step::Preempt(id.clone()));
+            }
         }
         // Each step's job, looked up once, and how many tasks each job's shrink steps release.
         let jobs_of: Vec<&Job> = steps
