@@ -1467,6 +1467,8 @@ impl Scheduler {
             && ordering == Ordering::Las
             && self.running_by_priority.keys().next().is_none_or(|&p| p >= req.priority);
         let level = (-req_rank.1) as usize;
+        // The cluster after every step, when already known.
+        let mut after_all: Option<Vec<NodeFree>> = None;
         if las_only {
             // The steps are the draining jobs, the shrinking of the victims above their minimum, then the victims
             // in order, the deepest level first — taken from `las_running` only as far as needed (galloping: 1,
@@ -1531,6 +1533,7 @@ impl Scheduler {
                 return None;
             }
             steps.extend(taken.into_iter().map(|id| Step::Preempt(id.clone())));
+            after_all = Some(scratch);
         } else {
             let candidates: Box<dyn Iterator<Item = &JobId>> = if las_only {
                 let reached = self
@@ -1639,8 +1642,11 @@ impl Scheduler {
             }
         };
         let r = &req.per_task;
-        let mut below = self.free.clone();
-        apply(&mut below, 0..steps.len(), false);
+        let mut below = after_all.unwrap_or_else(|| {
+            let mut f = self.free.clone();
+            apply(&mut f, 0..steps.len(), false);
+            f
+        });
         if !place::fits(&below, r, req.tasks_min, req.spread) {
             if memo && let Some(j) = self.jobs.get_mut(&req.id) {
                 j.room_failed = Some((self.released, self.preempted, now));
