@@ -181,6 +181,8 @@ pub struct Scheduler {
     classes: BTreeMap<ClassKey, Class>,
     /// The jobs running or draining.
     active: BTreeSet<JobId>,
+    /// The running jobs with more tasks than their minimum (elastic jobs that could shrink).
+    above_min: BTreeSet<JobId>,
     /// When they end: a running job at its start plus its expected run time (none without one), a draining one
     /// at the end of its grace period.
     ends: BTreeSet<(u64, JobId)>,
@@ -258,6 +260,7 @@ impl Scheduler {
             static_order: qs.values().all(|q: &QueueState| q.queue.guaranteed == Quota::UNLIMITED),
             classes: BTreeMap::new(),
             active: BTreeSet::new(),
+            above_min: BTreeSet::new(),
             ends: BTreeSet::new(),
             las_reach: BTreeSet::new(),
             las_running: BTreeMap::new(),
@@ -775,8 +778,19 @@ impl Scheduler {
         marks.collect()
     }
 
-    /// Takes the job's entries out of `las_reach` (before it stops or changes size) or puts them in (after).
+    /// Takes the job out of `above_min` and, under LAS, its entries out of the LAS indexes (before it stops or changes
+    /// size) or puts them in (after).
     fn las_mark(&mut self, id: &str, add: bool) {
+        if let Some(j) = self.jobs.get(id)
+            && let State::Running { tasks, .. } = &j.state
+            && tasks.len() > j.req.tasks_min as usize
+        {
+            if add {
+                self.above_min.insert(j.req.id.clone());
+            } else {
+                self.above_min.remove(id);
+            }
+        }
         if self.config.policy.ordering != Ordering::Las {
             return;
         }
@@ -1535,7 +1549,14 @@ impl Scheduler {
             steps.extend(taken.into_iter().map(|id| Step::Preempt(id.clone())));
             after_all = Some(scratch);
         } else {
-            let candidates: Box<dyn Iterator<Item = &JobId>> = if las_only {
+            // Under the elastic ordering in a static order with nothing running at a lower priority: the draining jobs
+            // and the peers that could shrink.
+            let elastic_only = self.static_order
+                && ordering == Ordering::Elastic
+                && self.running_by_priority.keys().next().is_none_or(|&p| p >= req.priority);
+            let candidates: Box<dyn Iterator<Item = &JobId>> = if elastic_only {
+                Box::new(self.draining.iter().chain(self.above_min.iter()))
+            } else if las_only {
                 let reached = self
                     .las_reach
                     .range((level, req.priority, 0, String::new())..)
