@@ -52,6 +52,7 @@ mod error;
 mod fgd;
 mod free;
 mod model;
+mod pending;
 mod place;
 mod policy;
 mod scheduler;

@@ -1,7 +1,7 @@
 //! The scheduler: job states, one scheduling pass, shrink/preemption, backfill
 //! reservation, elastic growth.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap, VecDeque};
 
 use crate::error::{Result, SchedError};
 use crate::fgd;
@@ -9,6 +9,7 @@ use crate::model::{
     Config, Decision, JobId, JobRequest, JobStatus, Node, NodeAllocation, PreemptReason, Queue, Quota, Resources,
     TaskPlacement,
 };
+use crate::pending::{Class, ClassKey, PendInfo, PendKey, Pos};
 use crate::place::{self, NodeFree, Pack, TaskAlloc};
 use crate::policy::{Ordering, Packing};
 
@@ -81,11 +82,18 @@ struct Job {
     /// The value of [`Scheduler::released`] when every size of the job last failed to fit the cluster as it was:
     /// while nothing has been released since, it still cannot fit (fitting is monotone in free capacity).
     failed_at: Option<u64>,
+    /// When making room for the job last found that even every job it may take from and every draining one would
+    /// not be enough: (`Scheduler::released`, `Scheduler::preempted`, time). While nothing was freed, preempted or
+    /// shrunk since, and (under LAS) no running job of its priority crossed its level's threshold, it still is
+    /// not: a job started since takes from the free capacity what it adds to the jobs taken from, or less.
+    room_failed: Option<(u64, u64, u64)>,
+    /// Under LAS while it runs: the level it is filed under in `Scheduler::las_running`.
+    las_filed: usize,
 }
 
 impl Job {
     fn new(req: JobRequest) -> Job {
-        Job { req, state: State::Pending, attained: 0, since: 0, failed_at: None }
+        Job { req, state: State::Pending, attained: 0, since: 0, failed_at: None, room_failed: None, las_filed: 0 }
     }
 }
 
@@ -105,22 +113,6 @@ fn pack_of(packing: Packing, workload: &[(Resources, u64)]) -> Pack<'_> {
 
 type ShapeKey = (u64, u64, u64, u64);
 
-/// A pending job's place in a pass's order when that order is static: (priority, highest first), the ordering's
-/// key, submission time, id.
-type PendKey = (std::cmp::Reverse<i32>, u64, u64, JobId);
-
-/// What a pass needs of a pending job to pass over it without looking it up.
-#[derive(Debug, Clone)]
-struct PendInfo {
-    team: String,
-    per_task: Resources,
-    tasks_min: u32,
-    tasks_max: u32,
-    spread: bool,
-    /// The job's [`Job::failed_at`].
-    failed_at: Option<u64>,
-}
-
 fn shape_key(r: &Resources) -> ShapeKey {
     (r.cpus_milli, r.memory_bytes, r.gpus_milli, r.gpu_memory_bytes)
 }
@@ -130,6 +122,19 @@ fn shape_key(r: &Resources) -> ShapeKey {
 struct Reservation {
     time: u64,
     free: Vec<NodeFree>,
+}
+
+/// A running job's place among the victims of its priority and level.
+type LasVictim = (std::cmp::Reverse<u64>, std::cmp::Reverse<u64>, JobId);
+
+/// The jobs of an LAS index of `priority` above `level`, in victim order: the deepest level first.
+fn las_in_order(
+    index: &BTreeMap<(i32, usize), BTreeSet<LasVictim>>,
+    priority: i32,
+    level: usize,
+    deepest: usize,
+) -> impl Iterator<Item = &JobId> {
+    (level + 1..=deepest).rev().filter_map(move |l| index.get(&(priority, l))).flat_map(|set| set.iter().map(|v| &v.2))
 }
 
 /// One step of "making room" for a pending job.
@@ -150,7 +155,8 @@ pub struct Scheduler {
     total: Usage,
     queues: BTreeMap<String, QueueState>,
     teams: BTreeMap<String, Usage>,
-    jobs: BTreeMap<JobId, Job>,
+    /// Every job by id. Hashed: nothing iterates it where the order would show (a pass sorts what it takes).
+    jobs: HashMap<JobId, Job>,
     /// The head job's reservation made by the last pass: `(job, start time)`.
     last_reservation: Option<(JobId, u64)>,
     /// Largest node CPU, memory, GPU count and GPU memory (for `submit`).
@@ -159,6 +165,8 @@ pub struct Scheduler {
     allocated: Usage,
     /// How many times capacity was freed (finish, requeue, shrink, release).
     released: u64,
+    /// How many jobs were preempted or shrunk.
+    preempted: u64,
     /// The latest submitted jobs' task shapes (at most `config.shape_window`) and how many of each.
     shapes: VecDeque<ShapeKey>,
     shape_counts: BTreeMap<ShapeKey, u64>,
@@ -167,14 +175,34 @@ pub struct Scheduler {
     /// The first job of the last pass's order that could not start.
     last_blocked: Option<JobId>,
     /// Whether no queue has a guarantee (no job ever borrows): then a pending job's place in the order never
-    /// changes and the pending jobs are kept in order in `pending`.
+    /// changes and the pending jobs are kept in order in `classes`.
     static_order: bool,
-    pending: BTreeMap<PendKey, PendInfo>,
+    /// The pending jobs by class, each in pass order (`pending.rs`).
+    classes: BTreeMap<ClassKey, Class>,
+    /// The jobs running or draining.
+    active: BTreeSet<JobId>,
+    /// The running jobs with more tasks than their minimum (elastic jobs that could shrink).
+    above_min: BTreeSet<JobId>,
+    /// When they end: a running job at its start plus its expected run time (none without one), a draining one
+    /// at the end of its grace period.
+    ends: BTreeSet<(u64, JobId)>,
     /// Jobs draining.
-    draining: usize,
+    draining: BTreeSet<JobId>,
     /// Running jobs by priority, and how many of them may grow or shrink.
     running_by_priority: BTreeMap<i32, usize>,
     running_elastic: usize,
+    /// Under [`Ordering::Las`], for each running job and each threshold: (threshold's position, the job's
+    /// priority, when its attained service reaches the threshold at its present size, its id). Whether some
+    /// running job of a priority is above a level now is one look-up.
+    las_reach: BTreeSet<(usize, i32, u64, JobId)>,
+    /// Under LAS: the running jobs by priority and level (as of the last pass), each in the order they are
+    /// preempted in: most recent start first, then the latest submitted, then id.
+    las_running: BTreeMap<(i32, usize), BTreeSet<LasVictim>>,
+    /// Under LAS: when running jobs will reach a threshold they have not yet, to refile them then.
+    las_cross: BTreeSet<(u64, JobId)>,
+    /// Under LAS: the running jobs with more tasks than their minimum (so could be shrunk), filed as in
+    /// `las_running`.
+    las_shrinkable: BTreeMap<(i32, usize), BTreeSet<LasVictim>>,
     /// In this pass, a rank for which no job was running below it, nothing drained and no peer could shrink: no
     /// job of that rank or lower can make room until something is preempted.
     no_room_below: Option<(i32, i64)>,
@@ -221,16 +249,24 @@ impl Scheduler {
             total,
             queues: qs.clone(),
             teams: BTreeMap::new(),
-            jobs: BTreeMap::new(),
+            jobs: HashMap::new(),
             allocated: Usage::default(),
             released: 0,
+            preempted: 0,
             shapes: VecDeque::new(),
             shape_counts: BTreeMap::new(),
             workload: None,
             last_blocked: None,
             static_order: qs.values().all(|q: &QueueState| q.queue.guaranteed == Quota::UNLIMITED),
-            pending: BTreeMap::new(),
-            draining: 0,
+            classes: BTreeMap::new(),
+            active: BTreeSet::new(),
+            above_min: BTreeSet::new(),
+            ends: BTreeSet::new(),
+            las_reach: BTreeSet::new(),
+            las_running: BTreeMap::new(),
+            las_cross: BTreeSet::new(),
+            las_shrinkable: BTreeMap::new(),
+            draining: BTreeSet::new(),
             running_by_priority: BTreeMap::new(),
             running_elastic: 0,
             no_room_below: None,
@@ -306,7 +342,7 @@ impl Scheduler {
 
     /// Number of pending jobs.
     pub fn pending_count(&self) -> usize {
-        self.jobs.values().filter(|j| matches!(j.state, State::Pending)).count()
+        self.jobs.len() - self.active.len()
     }
 
     /// What is allocated on each node, recomputed from the jobs' tasks.
@@ -391,20 +427,41 @@ impl Scheduler {
         (std::cmp::Reverse(j.req.priority), key, j.req.submitted_at_ms, j.req.id.clone())
     }
 
+    /// The class of a job in the static order.
+    fn class_key(&self, req: &JobRequest) -> ClassKey {
+        let team = if self.config.policy.ordering == Ordering::Drf { req.team.clone() } else { String::new() };
+        (team, shape_key(&req.per_task), req.tasks_min, req.tasks_max, req.spread)
+    }
+
     /// Puts a job that became pending in the static order.
     fn index_pending(&mut self, j: &Job) {
         if !self.static_order {
             return;
         }
         let info = PendInfo {
-            team: if self.config.policy.ordering == Ordering::Drf { j.req.team.clone() } else { String::new() },
             per_task: j.req.per_task,
             tasks_min: j.req.tasks_min,
             tasks_max: j.req.tasks_max,
             spread: j.req.spread,
+            runtime: j.req.expected_runtime_ms.unwrap_or(u64::MAX),
             failed_at: j.failed_at,
         };
-        self.pending.insert(self.pend_key(j), info);
+        let key = self.pend_key(j);
+        self.classes.entry(self.class_key(&j.req)).or_default().insert(key, info);
+    }
+
+    /// Takes a job out of the static order.
+    fn unindex_pending(&mut self, j: &Job) {
+        if !self.static_order {
+            return;
+        }
+        let (ck, key) = (self.class_key(&j.req), self.pend_key(j));
+        if let Some(c) = self.classes.get_mut(&ck) {
+            c.remove(&key);
+            if c.is_empty() {
+                self.classes.remove(&ck);
+            }
+        }
     }
 
     fn remember_shape(&mut self, r: &Resources) {
@@ -535,21 +592,21 @@ impl Scheduler {
 
     /// Forgets a job (done, failed or cancelled), freeing what it held.
     pub fn finish(&mut self, job: &str) -> Result<()> {
+        self.las_mark(job, false);
+        self.end_mark(job, false);
         let Some(j) = self.jobs.remove(job) else {
             return Err(SchedError::UnknownJob { job: job.to_string() });
         };
         match &j.state {
-            State::Pending => {
-                if self.static_order {
-                    self.pending.remove(&self.pend_key(&j));
-                }
-            }
+            State::Pending => self.unindex_pending(&j),
             State::Running { tasks, .. } => {
+                self.active.remove(job);
                 self.stopped_running(&j.req);
                 self.free_tasks(&j.req, tasks);
             }
             State::Draining { tasks, .. } => {
-                self.draining -= 1;
+                self.active.remove(job);
+                self.draining.remove(job);
                 self.free_tasks(&j.req, tasks);
             }
         }
@@ -573,8 +630,9 @@ impl Scheduler {
             j.req.avoid_nodes.push(node.to_owned());
             j.failed_at = None;
             if matches!(j.state, State::Pending) && self.static_order {
-                let key = self.pend_key(&self.jobs[job]);
-                if let Some(info) = self.pending.get_mut(&key) {
+                let j = &self.jobs[job];
+                let (ck, key) = (self.class_key(&j.req), self.pend_key(j));
+                if let Some(info) = self.classes.get_mut(&ck).and_then(|c| c.get_mut(&key)) {
                     info.failed_at = None;
                 }
             }
@@ -585,10 +643,14 @@ impl Scheduler {
     /// Frees the tasks at `positions` (in the order the job's tasks were placed and grown) of a running job that
     /// goes on without them (an elastic job that lost them and regrouped in place); the rest keep their places.
     pub fn release_tasks(&mut self, job: &str, positions: &[usize]) -> Result<()> {
+        self.las_mark(job, false);
         let Some(j) = self.jobs.get_mut(job) else {
             return Err(SchedError::UnknownJob { job: job.to_string() });
         };
-        let State::Running { tasks, .. } = &mut j.state else { return Ok(()) };
+        let State::Running { tasks, .. } = &mut j.state else {
+            self.las_mark(job, true);
+            return Ok(());
+        };
         let mut freed = Vec::new();
         let mut i = 0;
         tasks.retain(|t| {
@@ -601,6 +663,7 @@ impl Scheduler {
         });
         let req = j.req.clone();
         self.free_tasks(&req, &freed);
+        self.las_mark(job, true);
         Ok(())
     }
 
@@ -675,6 +738,153 @@ impl Scheduler {
         }
     }
 
+    /// A running or draining job's entry in `ends`.
+    fn end_of(j: &Job) -> Option<(u64, JobId)> {
+        match &j.state {
+            State::Running { started_ms, .. } => {
+                j.req.expected_runtime_ms.map(|rt| (started_ms.saturating_add(rt), j.req.id.clone()))
+            }
+            State::Draining { until_ms, .. } => Some((*until_ms, j.req.id.clone())),
+            State::Pending => None,
+        }
+    }
+
+    /// Takes the job's entry out of `ends` (before its state changes) or puts it in (after).
+    fn end_mark(&mut self, id: &str, add: bool) {
+        let Some(e) = self.jobs.get(id).and_then(Self::end_of) else { return };
+        if add {
+            self.ends.insert(e);
+        } else {
+            self.ends.remove(&e);
+        }
+    }
+
+    /// A running job's entries in `las_reach` (none but under [`Ordering::Las`]).
+    fn las_marks(&self, j: &Job) -> Vec<(usize, i32, u64, JobId)> {
+        let State::Running { tasks, .. } = &j.state else { return Vec::new() };
+        if self.config.policy.ordering != Ordering::Las {
+            return Vec::new();
+        }
+        let rate = service_rate(&j.req, tasks.len());
+        let marks = self.config.las_thresholds_gpu_ms.iter().enumerate().map(|(i, &t)| {
+            let target = t.saturating_mul(1000);
+            let at = match target.checked_sub(j.attained) {
+                None | Some(0) => 0,
+                Some(_) if rate == 0 => u64::MAX,
+                Some(left) => j.since.saturating_add(left.div_ceil(rate)),
+            };
+            (i, j.req.priority, at, j.req.id.clone())
+        });
+        marks.collect()
+    }
+
+    /// Takes the job out of `above_min` and, under LAS, its entries out of the LAS indexes (before it stops or changes
+    /// size) or puts them in (after).
+    fn las_mark(&mut self, id: &str, add: bool) {
+        if let Some(j) = self.jobs.get(id)
+            && let State::Running { tasks, .. } = &j.state
+            && tasks.len() > j.req.tasks_min as usize
+        {
+            if add {
+                self.above_min.insert(j.req.id.clone());
+            } else {
+                self.above_min.remove(id);
+            }
+        }
+        if self.config.policy.ordering != Ordering::Las {
+            return;
+        }
+        let Some(j) = self.jobs.get(id) else { return };
+        let State::Running { started_ms, tasks } = &j.state else { return };
+        let marks = self.las_marks(j);
+        let slot = (j.req.priority, if add { Self::level_by(&marks, j.since) } else { j.las_filed });
+        let victim = (std::cmp::Reverse(*started_ms), std::cmp::Reverse(j.req.submitted_at_ms), j.req.id.clone());
+        let above_min = tasks.len() > j.req.tasks_min as usize;
+        for m in marks {
+            let cross = (m.2 > 0 && m.2 < u64::MAX).then(|| (m.2, m.3.clone()));
+            if add {
+                self.las_reach.insert(m);
+                self.las_cross.extend(cross);
+            } else {
+                self.las_reach.remove(&m);
+                if let Some(c) = cross {
+                    self.las_cross.remove(&c);
+                }
+            }
+        }
+        if add {
+            if above_min {
+                self.las_shrinkable.entry(slot).or_default().insert(victim.clone());
+            }
+            self.las_running.entry(slot).or_default().insert(victim);
+            if let Some(j) = self.jobs.get_mut(id) {
+                j.las_filed = slot.1;
+            }
+        } else {
+            Self::unfile(&mut self.las_running, slot, &victim);
+            Self::unfile(&mut self.las_shrinkable, slot, &victim);
+        }
+    }
+
+    fn unfile(index: &mut BTreeMap<(i32, usize), BTreeSet<LasVictim>>, slot: (i32, usize), v: &LasVictim) {
+        if let Some(set) = index.get_mut(&slot) {
+            set.remove(v);
+            if set.is_empty() {
+                index.remove(&slot);
+            }
+        }
+    }
+
+    /// The level of a running job at `t` (at or after its `since`) from its marks: how many thresholds, in order,
+    /// it has reached.
+    fn level_by(marks: &[(usize, i32, u64, JobId)], t: u64) -> usize {
+        marks.iter().take_while(|m| m.2 <= t).count()
+    }
+
+    /// Refiles the running jobs that crossed a threshold by `now` under their level now.
+    fn las_refile(&mut self, now: u64) {
+        while let Some((at, id)) = self.las_cross.first().cloned() {
+            if at > now {
+                break;
+            }
+            self.las_cross.pop_first();
+            let Some(j) = self.jobs.get(&id) else { continue };
+            let State::Running { started_ms, .. } = &j.state else { continue };
+            let level = Self::level_by(&self.las_marks(j), now);
+            let old = (j.req.priority, j.las_filed);
+            if level == old.1 {
+                continue;
+            }
+            let victim = (std::cmp::Reverse(*started_ms), std::cmp::Reverse(j.req.submitted_at_ms), id.clone());
+            Self::unfile(&mut self.las_running, old, &victim);
+            if self.las_shrinkable.get(&old).is_some_and(|set| set.contains(&victim)) {
+                Self::unfile(&mut self.las_shrinkable, old, &victim);
+                self.las_shrinkable.entry((old.0, level)).or_default().insert(victim.clone());
+            }
+            self.las_running.entry((old.0, level)).or_default().insert(victim);
+            if let Some(j) = self.jobs.get_mut(&id) {
+                j.las_filed = level;
+            }
+        }
+    }
+
+    /// Whether some running job of `priority` has reached threshold `level` (so stands at a lower rank than a job
+    /// of that level) at `now`.
+    fn las_above(&self, priority: i32, level: usize, now: u64) -> bool {
+        self.las_reach
+            .range((level, priority, 0, String::new())..)
+            .next()
+            .is_some_and(|&(l, p, at, _)| l == level && p == priority && at <= now)
+    }
+
+    /// Whether some running job of `priority` reached threshold `level` after `after`, up to `now`.
+    fn las_crossed(&self, priority: i32, level: usize, after: u64, now: u64) -> bool {
+        self.las_reach
+            .range((level, priority, after.saturating_add(1), String::new())..)
+            .next()
+            .is_some_and(|&(l, p, at, _)| l == level && p == priority && at <= now)
+    }
+
     /// Folds a running job's service up to `now` into its attained service (before its size changes).
     fn fold_service(j: &mut Job, now: u64) {
         j.attained = Self::attained_at(j, now);
@@ -686,27 +896,29 @@ impl Scheduler {
         let mut out = Vec::new();
         let ordering = self.config.policy.ordering;
         self.no_room_below = None;
+        if ordering == Ordering::Las {
+            self.las_refile(now_ms);
+        }
         if self.config.policy.packing == Packing::Fgd && self.workload.is_none() {
             self.workload = Some(self.count_workload());
         }
 
         // Preempted jobs whose grace period is over go back to pending.
-        let expired: Vec<JobId> = if self.draining == 0 {
-            Vec::new()
-        } else {
-            self.jobs
-                .iter()
-                .filter(|(_, j)| matches!(j.state, State::Draining { until_ms, .. } if until_ms <= now_ms))
-                .map(|(id, _)| id.clone())
-                .collect()
-        };
+        let expired: Vec<JobId> = self
+            .draining
+            .iter()
+            .filter(|id| matches!(self.jobs[*id].state, State::Draining { until_ms, .. } if until_ms <= now_ms))
+            .cloned()
+            .collect();
         for id in expired {
+            self.end_mark(&id, false);
             let Some(j) = self.jobs.get_mut(&id) else { continue };
             let State::Draining { tasks, .. } = std::mem::replace(&mut j.state, State::Pending) else {
                 continue;
             };
             let req = j.req.clone();
-            self.draining -= 1;
+            self.active.remove(&id);
+            self.draining.remove(&id);
             self.free_tasks(&req, &tasks);
             if let Some(j) = self.jobs.get(&id) {
                 let j = j.clone();
@@ -808,10 +1020,11 @@ impl Scheduler {
     }
 
     /// [`Scheduler::schedule`]'s pass over the pending jobs when their order is static: the same decisions as the
-    /// general pass, with the jobs taken in order from `pending` and those known not to fit passed over without
-    /// being looked up. Whether some job waits.
+    /// general pass, with the jobs taken in order from their classes (`pending.rs`), a class dropped for the rest
+    /// of the pass once its jobs cannot fit, and those known not to fit passed over without being looked up.
+    /// Whether some job waits.
     fn pass_static(&mut self, now: u64, out: &mut Vec<Decision>) -> bool {
-        let order = std::mem::take(&mut self.pending);
+        let classes = std::mem::take(&mut self.classes);
         self.last_reservation = None;
         self.last_blocked = None;
         let mut st = Pass {
@@ -823,66 +1036,108 @@ impl Scheduler {
             placed: Vec::new(),
             failed: Vec::new(),
         };
-        if self.config.policy.ordering != Ordering::Drf {
-            for (key, info) in &order {
-                if self.visit(key, info, now, &mut st, out) {
-                    break;
+        // Each team (one, unnamed, but under DRF) merges its classes by their next job.
+        type Next<'a> = std::cmp::Reverse<(&'a PendKey, usize, Pos)>;
+        let list: Vec<(&ClassKey, &Class)> = classes.iter().collect();
+        let mut teams: Vec<(&str, BinaryHeap<Next<'_>>, Vec<usize>)> = Vec::new();
+        for (ci, (ck, c)) in list.iter().enumerate() {
+            let ti = match teams.iter().position(|t| t.0 == ck.0) {
+                Some(ti) => ti,
+                None => {
+                    teams.push((ck.0.as_str(), BinaryHeap::new(), Vec::new()));
+                    teams.len() - 1
                 }
+            };
+            teams[ti].2.push(ci);
+            if let Some(p) = c.next(None, u64::MAX) {
+                teams[ti].1.push(std::cmp::Reverse((c.at(p).0, ci, p)));
             }
-        } else {
-            // Within one priority, teams take turns by dominant share, each in its order.
-            let entries: Vec<(&PendKey, &PendInfo)> = order.iter().collect();
-            let mut i = 0;
-            'pass: while i < entries.len() {
-                let group = entries[i].0.0;
-                let mut teams: Vec<(&str, VecDeque<usize>)> = Vec::new();
-                while i < entries.len() && entries[i].0.0 == group {
-                    let team = entries[i].1.team.as_str();
-                    match teams.iter_mut().find(|(t, _)| *t == team) {
-                        Some((_, q)) => q.push_back(i),
-                        None => teams.push((team, VecDeque::from([i]))),
+        }
+        // The next priority; under DRF the teams take turns by dominant share, ties to the earliest head and then
+        // to the team whose first job of the priority (whatever became of it) comes first.
+        'pass: while let Some(group) = teams.iter().filter_map(|t| t.1.peek().map(|n| n.0.0.0)).min() {
+            let mut order: Vec<(&PendKey, usize)> = Vec::new();
+            if teams.len() > 1 {
+                let from: PendKey = (group, 0, 0, String::new());
+                for (ti, t) in teams.iter().enumerate() {
+                    let first = t.2.iter().filter_map(|&ci| list[ci].1.first_from(&from)).min();
+                    if let Some(k) = first.filter(|k| k.0 == group) {
+                        order.push((k, ti));
                     }
-                    i += 1;
                 }
-                loop {
-                    let mut best: Option<(f64, u64, usize)> = None;
-                    for (ti, (team, q)) in teams.iter().enumerate() {
-                        let Some(&e) = q.front() else { continue };
-                        let at = entries[e].0.2;
-                        let share = self.dominant_share(team);
-                        if best.is_none_or(|(bs, bat, _)| share < bs || (share == bs && at < bat)) {
-                            best = Some((share, at, ti));
-                        }
+                order.sort();
+            } else if let Some(n) = teams[0].1.peek() {
+                order.push((n.0.0, 0));
+            }
+            loop {
+                let mut best: Option<(f64, u64, usize)> = None;
+                for &(_, ti) in &order {
+                    let Some(std::cmp::Reverse((k, _, _))) = teams[ti].1.peek() else { continue };
+                    if k.0 != group {
+                        continue;
                     }
-                    let Some((_, _, ti)) = best else { break };
-                    let Some(e) = teams[ti].1.pop_front() else { break };
-                    if self.visit(entries[e].0, entries[e].1, now, &mut st, out) {
-                        break 'pass;
+                    let share = if teams.len() > 1 { self.dominant_share(teams[ti].0) } else { 0.0 };
+                    if best.is_none_or(|(bs, bat, _)| share < bs || (share == bs && k.2 < bat)) {
+                        best = Some((share, k.2, ti));
                     }
+                }
+                let Some((_, _, ti)) = best else { break };
+                let Some(std::cmp::Reverse((key, ci, pos))) = teams[ti].1.pop() else { break };
+                let class = list[ci].1;
+                let (stop, fate) = self.visit(key, class.at(pos).1, now, &mut st, out);
+                if stop {
+                    break 'pass;
+                }
+                let next = match fate {
+                    Fate::Dead => None,
+                    Fate::Next => class.next(Some(class.after(pos)), u64::MAX),
+                    Fate::EndsBy(t) => class.next(Some(class.after(pos)), t),
+                };
+                if let Some(p) = next {
+                    teams[ti].1.push(std::cmp::Reverse((class.at(p).0, ci, p)));
                 }
             }
         }
-        self.pending = order;
+        drop(teams);
+        drop(list);
+        self.classes = classes;
         for (k, f) in st.failed {
-            if let Some(info) = self.pending.get_mut(&k) {
+            let Some(j) = self.jobs.get(&k.3) else { continue };
+            let ck = self.class_key(&j.req);
+            if let Some(info) = self.classes.get_mut(&ck).and_then(|c| c.get_mut(&k)) {
                 info.failed_at = f;
             }
         }
         for k in st.placed {
-            self.pending.remove(&k);
+            let Some(j) = self.jobs.get(&k.3) else { continue };
+            let ck = self.class_key(&j.req);
+            if let Some(c) = self.classes.get_mut(&ck) {
+                c.remove(&k);
+                if c.is_empty() {
+                    self.classes.remove(&ck);
+                }
+            }
         }
         st.waiting
     }
 
-    /// One pending job of [`Scheduler::pass_static`]; whether the pass stops there.
-    fn visit(&mut self, key: &PendKey, info: &PendInfo, now: u64, st: &mut Pass, out: &mut Vec<Decision>) -> bool {
+    /// One pending job of [`Scheduler::pass_static`]: whether the pass stops there, and what is left to try of
+    /// the job's class in this pass.
+    fn visit(
+        &mut self,
+        key: &PendKey,
+        info: &PendInfo,
+        now: u64,
+        st: &mut Pass,
+        out: &mut Vec<Decision>,
+    ) -> (bool, Fate) {
         let ordering = self.config.policy.ordering;
-        let passive = st.reservation.is_some() || (st.tries == 0 && !ordering.reserves());
+        let passive = |st: &Pass| st.reservation.is_some() || (st.tries == 0 && !ordering.reserves());
         let known = info.failed_at == Some(self.released);
         let counts: &[u32] =
             if info.tasks_max > info.tasks_min { &[info.tasks_max, info.tasks_min] } else { &[info.tasks_min] };
-        let dominated = |k: u32| {
-            st.failed_now.iter().any(|(c, ck, cs)| {
+        let dominated = |cache: &[(Resources, u32, bool)], k: u32| {
+            cache.iter().any(|(c, ck, cs)| {
                 *cs == info.spread
                     && k >= *ck
                     && info.per_task.cpus_milli >= c.cpus_milli
@@ -891,7 +1146,7 @@ impl Scheduler {
                     && info.per_task.gpu_memory_bytes >= c.gpu_memory_bytes
             })
         };
-        let attempt = if passive && (known || counts.iter().all(|&k| dominated(k))) {
+        let attempt = if passive(st) && (known || counts.iter().all(|&k| dominated(&st.failed_now, k))) {
             // It cannot fit now, so not beside the reservation either; and nothing is tried for it.
             Attempt::Waiting
         } else {
@@ -918,9 +1173,24 @@ impl Scheduler {
             if self.last_blocked.is_none() {
                 self.last_blocked = Some(key.3.clone());
             }
-            return ordering == Ordering::Fifo;
+            if ordering == Ordering::Fifo {
+                return (true, Fate::Dead);
+            }
         }
-        false
+        // From here on in this pass nothing is freed and no room is made: what cannot fit now never will, and
+        // beside the reservation what cannot fit in both states only may if it ends before it starts.
+        if !passive(st) {
+            return (false, Fate::Next);
+        }
+        if (attempt == Attempt::Waiting && known) || counts.iter().all(|&k| dominated(&st.failed_now, k)) {
+            return (false, Fate::Dead);
+        }
+        if let Some(rv) = &st.reservation
+            && counts.iter().all(|&k| dominated(&st.failed_dual, k) || dominated(&st.failed_now, k))
+        {
+            return (false, Fate::EndsBy(rv.time.saturating_sub(now)));
+        }
+        (false, Fate::Next)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -1051,11 +1321,14 @@ impl Scheduler {
                 out.push(Decision::Place { job: req.id.clone(), assignments: self.placements(&tasks) });
                 if let Some(j) = self.jobs.get_mut(id) {
                     j.state = State::Running { started_ms: now, tasks };
+                    self.active.insert(req.id.clone());
                     *self.running_by_priority.entry(req.priority).or_default() += 1;
                     self.running_elastic += usize::from(req.tasks_max > req.tasks_min);
                     j.since = now;
                     j.failed_at = None;
                 }
+                self.las_mark(id, true);
+                self.end_mark(id, true);
                 Attempt::Placed
             }
             None => Attempt::Waiting,
@@ -1064,64 +1337,77 @@ impl Scheduler {
 
     /// The earliest time the job fits as running jobs end (by their expected
     /// run times), and the cluster then with the job placed.
+    ///
+    /// The ends are taken in time order from `ends` (those already past count as now), a group of equal times at a
+    /// time, as far as needed: galloping (1, 2, 4... groups) to the first count of groups after which the job
+    /// fits, then a binary search below it. Fitting is monotone in what is released, so this is the first group
+    /// after which it fits, as a search over every end would find.
     fn reserve(&self, req: &JobRequest, now: u64) -> Option<Reservation> {
-        let mut ends: Vec<(u64, &JobId, &Job)> = self
-            .jobs
-            .iter()
-            .filter_map(|(id, j)| match &j.state {
-                State::Running { started_ms, .. } => {
-                    j.req.expected_runtime_ms.map(|rt| (started_ms.saturating_add(rt).max(now), id, j))
-                }
-                State::Draining { until_ms, .. } => Some(((*until_ms).max(now), id, j)),
-                State::Pending => None,
-            })
-            .collect();
-        ends.sort_by(|a, b| (a.0, a.1).cmp(&(b.0, b.1)));
+        let mut source =
+            self.ends.iter().filter_map(|(t, id)| self.jobs.get(id).map(|j| ((*t).max(now), j))).peekable();
+        let mut ends: Vec<(u64, &Job)> = Vec::new();
         // Group boundaries: after releasing ends[..b], the time is ends[b-1].0.
         let mut bounds: Vec<usize> = Vec::new();
-        for b in 1..=ends.len() {
-            if b == ends.len() || ends[b].0 != ends[b - 1].0 {
-                bounds.push(b);
-            }
-        }
-        let release = |f: &mut Vec<NodeFree>, range: std::ops::Range<usize>| {
-            for (_, _, j) in &ends[range] {
+        // Releases (or takes back, which undoes it exactly) what the jobs of a range of `ends` hold.
+        let release = |f: &mut Vec<NodeFree>, ends: &[(u64, &Job)], range: std::ops::Range<usize>, undo: bool| {
+            for (_, j) in &ends[range] {
                 if let State::Running { tasks, .. } | State::Draining { tasks, .. } = &j.state {
                     for t in tasks {
-                        place::release(f, t, &j.req.per_task);
+                        if undo {
+                            place::alloc(f, t, &j.req.per_task);
+                        } else {
+                            place::release(f, t, &j.req.per_task);
+                        }
                     }
                 }
             }
         };
         let r = &req.per_task;
-        let (mut lo, mut hi) = (0usize, bounds.len());
-        // Find the first bound index whose state fits (monotone in releases).
-        if hi == 0 {
-            return None;
-        }
-        let mut all = self.free.clone();
-        release(&mut all, 0..ends.len());
-        if !place::fits(&all, r, req.tasks_min, req.spread) {
-            return None;
-        }
-        hi -= 1;
+        let fits = |f: &[NodeFree]| place::fits(f, r, req.tasks_min, req.spread);
+        let before = |bounds: &[usize], g: usize| if g == 0 { 0 } else { bounds[g - 1] };
+        let mut below = self.free.clone();
+        // Galloping: `done` groups released in `below`, known not to be enough.
+        let (mut done, mut want) = (0usize, 1usize);
+        let (mut lo, mut hi) = loop {
+            while bounds.len() < want {
+                let Some(&(t, _)) = source.peek() else { break };
+                while let Some(&(u, j)) = source.peek() {
+                    if u != t {
+                        break;
+                    }
+                    ends.push((u, j));
+                    source.next();
+                }
+                bounds.push(ends.len());
+            }
+            let upto = bounds.len().min(want);
+            if upto <= done {
+                return None;
+            }
+            release(&mut below, &ends, before(&bounds, done)..bounds[upto - 1], false);
+            if fits(&below) {
+                release(&mut below, &ends, before(&bounds, done)..bounds[upto - 1], true);
+                break (done, upto - 1);
+            }
+            done = upto;
+            want *= 2;
+        };
         // `below`: the cluster with ends[..done] released, every bound before `lo` known not to fit.
-        let (mut below, mut done) = (self.free.clone(), 0usize);
+        let mut done = before(&bounds, lo);
         while lo < hi {
             let mid = (lo + hi) / 2;
-            let mut f = below.clone();
-            release(&mut f, done..bounds[mid]);
-            if place::fits(&f, r, req.tasks_min, req.spread) {
+            release(&mut below, &ends, done..bounds[mid], false);
+            if fits(&below) {
                 hi = mid;
+                release(&mut below, &ends, done..bounds[mid], true);
             } else {
                 lo = mid + 1;
-                below = f;
                 done = bounds[mid];
             }
         }
         let b = bounds[lo];
         let mut free = below;
-        release(&mut free, done..b);
+        release(&mut free, &ends, done..b, false);
         place::place(&mut free, None, r, req.tasks_min, req.spread, Pack::BestFit)?;
         Some(Reservation { time: ends[b - 1].0, free })
     }
@@ -1133,12 +1419,21 @@ impl Scheduler {
         // no room can be made, without looking at every job.
         let ordering = self.config.policy.ordering;
         if self.static_order
-            && self.draining == 0
-            && ordering != Ordering::Las
+            && self.draining.is_empty()
             && (ordering != Ordering::Elastic || self.running_elastic == 0)
             && self.running_by_priority.keys().next().is_none_or(|&p| p >= req.priority)
         {
-            return None;
+            if ordering != Ordering::Las {
+                return None;
+            }
+            // Under LAS a running job of the same priority is below it once it has reached the threshold of the
+            // job's level.
+            let level = self.jobs.get(&req.id).map(|j| self.las_level(j, now)).unwrap_or(0);
+            if !self.las_above(req.priority, level, now) {
+                let rank = (req.priority, -(level as i64));
+                self.no_room_below = Some(self.no_room_below.map_or(rank, |r| r.max(rank)));
+                return None;
+            }
         }
         let reclaim = self
             .queues
@@ -1146,6 +1441,17 @@ impl Scheduler {
             .is_some_and(|q| q.used.within(Usage::of(&req.per_task, req.tasks_min), &q.queue.guaranteed));
         let req_rank = self.jobs.get(&req.id).map(|j| self.rank(j, now)).unwrap_or((req.priority, 0));
         if self.static_order && self.no_room_below.is_some_and(|r| req_rank <= r) {
+            return None;
+        }
+        // Known not to be enough, and nothing since could have made it so (see `Job::room_failed`); not under the
+        // elastic ordering, where a job started since may be a peer to shrink.
+        let memo = self.static_order && ordering != Ordering::Elastic;
+        if memo
+            && let Some((released, preempted, at)) = self.jobs.get(&req.id).and_then(|j| j.room_failed)
+            && released == self.released
+            && preempted == self.preempted
+            && (ordering != Ordering::Las || !self.las_crossed(req.priority, (-req_rank.1) as usize, at, now))
+        {
             return None;
         }
         let eligible = |v: &Job| {
@@ -1168,58 +1474,152 @@ impl Scheduler {
         type Victim<'a> = ((i32, i64), u64, std::cmp::Reverse<u64>, &'a JobId);
         let mut victims: Vec<Victim<'_>> = Vec::new();
         let mut peers: Vec<(u64, std::cmp::Reverse<u64>, &JobId)> = Vec::new();
-        for (id, j) in &self.jobs {
-            match &j.state {
-                State::Draining { .. } => steps.push(Step::Drain(id.clone())),
-                State::Running { started_ms, .. } if eligible(j) => {
-                    victims.push((
-                        self.rank(j, now),
-                        now.saturating_sub(*started_ms),
-                        std::cmp::Reverse(j.req.submitted_at_ms),
-                        id,
-                    ));
-                }
-                State::Running { started_ms, tasks } if shrinkable(j) && tasks.len() > j.req.tasks_min as usize => {
-                    peers.push((now.saturating_sub(*started_ms), std::cmp::Reverse(j.req.submitted_at_ms), id));
-                }
-                _ => {}
-            }
-        }
-        if steps.is_empty() && victims.is_empty() && peers.is_empty() {
-            // Fewer jobs still are below a lower rank.
-            self.no_room_below = Some(self.no_room_below.map_or(req_rank, |r| r.max(req_rank)));
-            return None;
-        }
-        peers.sort();
-        victims.sort();
-        // Reclaim takes from another queue only what it holds beyond its guarantee.
-        let mut left: BTreeMap<&str, Usage> = BTreeMap::new();
-        victims.retain(|&(_, _, _, id)| {
-            let v = &self.jobs[id];
-            if v.req.queue == req.queue {
-                return true;
-            }
-            let Some(q) = self.queues.get(&v.req.queue) else { return false };
-            let used = left.entry(v.req.queue.as_str()).or_insert(q.used);
-            if used.within(Usage::default(), &q.queue.guaranteed) {
-                return false; // back within its guarantee
-            }
-            if let State::Running { tasks, .. } = &v.state {
-                used.sub(Usage::of(&v.req.per_task, tasks.len() as u32));
-            }
-            true
-        });
-        // Shrinking elastic jobs first (they lose no progress), lower ranks before peers, then preemption.
-        for id in victims.iter().map(|v| v.3).chain(peers.iter().map(|p| p.2)) {
-            let j = &self.jobs[id];
-            if let State::Running { tasks, .. } = &j.state {
-                for t in (j.req.tasks_min as usize..tasks.len()).rev() {
-                    steps.push(Step::ShrinkOne(id.clone(), t));
+        // Every running or draining job; under LAS in a static order with nothing running at a lower priority, only
+        // the draining ones and those of its priority that reached its level's threshold (the others are no
+        // victims).
+        let las_only = self.static_order
+            && ordering == Ordering::Las
+            && self.running_by_priority.keys().next().is_none_or(|&p| p >= req.priority);
+        let level = (-req_rank.1) as usize;
+        // The cluster after every step, when already known.
+        let mut after_all: Option<Vec<NodeFree>> = None;
+        if las_only {
+            // The steps are the draining jobs, the shrinking of the victims above their minimum, then the victims
+            // in order, the deepest level first — taken from `las_running` only as far as needed (galloping: 1,
+            // 2, 4... victims), not all gathered and sorted. The search below then runs on that prefix, in which
+            // the shortest one that makes room lies.
+            steps.extend(self.draining.iter().map(|id| Step::Drain(id.clone())));
+            let deepest = self.config.las_thresholds_gpu_ms.len();
+            let is_victim =
+                |id: &&JobId| matches!(self.jobs[*id].state, State::Running { .. }) && eligible(&self.jobs[*id]);
+            for id in las_in_order(&self.las_shrinkable, req.priority, level, deepest).filter(is_victim) {
+                let j = &self.jobs[id];
+                if let State::Running { tasks, .. } = &j.state {
+                    for t in (j.req.tasks_min as usize..tasks.len()).rev() {
+                        steps.push(Step::ShrinkOne(id.clone(), t));
+                    }
                 }
             }
-        }
-        for &(_, _, _, id) in &victims {
-            steps.push(Step::Preempt(id.clone()));
+            let mut source = las_in_order(&self.las_running, req.priority, level, deepest).filter(is_victim);
+            // What a step releases: a preempted job's tasks but those its shrink steps released.
+            let release_all = |f: &mut Vec<NodeFree>, j: &Job, preempt: bool| {
+                if let State::Running { tasks, .. } | State::Draining { tasks, .. } = &j.state {
+                    let keep = if preempt { (j.req.tasks_min as usize).min(tasks.len()) } else { tasks.len() };
+                    for t in &tasks[..keep] {
+                        place::release(f, t, &j.req.per_task);
+                    }
+                }
+            };
+            let mut scratch = self.free.clone();
+            for id in &self.draining {
+                release_all(&mut scratch, &self.jobs[id], false);
+            }
+            for s in &steps {
+                if let Step::ShrinkOne(id, t) = s
+                    && let State::Running { tasks, .. } = &self.jobs[id].state
+                {
+                    place::release(&mut scratch, &tasks[*t], &self.jobs[id].req.per_task);
+                }
+            }
+            let mut taken: Vec<&JobId> = Vec::new();
+            let mut enough = !steps.is_empty() && place::fits(&scratch, &req.per_task, req.tasks_min, req.spread);
+            let mut want = 1usize;
+            while !enough {
+                let before = taken.len();
+                taken.extend(source.by_ref().take(want - before));
+                if taken.len() == before {
+                    break;
+                }
+                for id in &taken[before..] {
+                    release_all(&mut scratch, &self.jobs[*id], true);
+                }
+                enough = place::fits(&scratch, &req.per_task, req.tasks_min, req.spread);
+                want *= 2;
+            }
+            if steps.is_empty() && taken.is_empty() {
+                self.no_room_below = Some(self.no_room_below.map_or(req_rank, |r| r.max(req_rank)));
+                return None;
+            }
+            if !enough {
+                if memo && let Some(j) = self.jobs.get_mut(&req.id) {
+                    j.room_failed = Some((self.released, self.preempted, now));
+                }
+                return None;
+            }
+            steps.extend(taken.into_iter().map(|id| Step::Preempt(id.clone())));
+            after_all = Some(scratch);
+        } else {
+            // Under the elastic ordering in a static order with nothing running at a lower priority: the draining jobs
+            // and the peers that could shrink.
+            let elastic_only = self.static_order
+                && ordering == Ordering::Elastic
+                && self.running_by_priority.keys().next().is_none_or(|&p| p >= req.priority);
+            let candidates: Box<dyn Iterator<Item = &JobId>> = if elastic_only {
+                Box::new(self.draining.iter().chain(self.above_min.iter()))
+            } else if las_only {
+                let reached = self
+                    .las_reach
+                    .range((level, req.priority, 0, String::new())..)
+                    .take_while(|&&(l, p, at, _)| l == level && p == req.priority && at <= now)
+                    .map(|(_, _, _, id)| id);
+                Box::new(self.draining.iter().chain(reached))
+            } else {
+                Box::new(self.active.iter())
+            };
+            for id in candidates {
+                let j = &self.jobs[id];
+                match &j.state {
+                    State::Draining { .. } => steps.push(Step::Drain(id.clone())),
+                    State::Running { started_ms, .. } if eligible(j) => {
+                        victims.push((
+                            self.rank(j, now),
+                            now.saturating_sub(*started_ms),
+                            std::cmp::Reverse(j.req.submitted_at_ms),
+                            id,
+                        ));
+                    }
+                    State::Running { started_ms, tasks } if shrinkable(j) && tasks.len() > j.req.tasks_min as usize => {
+                        peers.push((now.saturating_sub(*started_ms), std::cmp::Reverse(j.req.submitted_at_ms), id));
+                    }
+                    _ => {}
+                }
+            }
+            if steps.is_empty() && victims.is_empty() && peers.is_empty() {
+                // Fewer jobs still are below a lower rank.
+                self.no_room_below = Some(self.no_room_below.map_or(req_rank, |r| r.max(req_rank)));
+                return None;
+            }
+            peers.sort();
+            victims.sort();
+            // Reclaim takes from another queue only what it holds beyond its guarantee.
+            let mut left: BTreeMap<&str, Usage> = BTreeMap::new();
+            victims.retain(|&(_, _, _, id)| {
+                let v = &self.jobs[id];
+                if v.req.queue == req.queue {
+                    return true;
+                }
+                let Some(q) = self.queues.get(&v.req.queue) else { return false };
+                let used = left.entry(v.req.queue.as_str()).or_insert(q.used);
+                if used.within(Usage::default(), &q.queue.guaranteed) {
+                    return false; // back within its guarantee
+                }
+                if let State::Running { tasks, .. } = &v.state {
+                    used.sub(Usage::of(&v.req.per_task, tasks.len() as u32));
+                }
+                true
+            });
+            // Shrinking elastic jobs first (they lose no progress), lower ranks before peers, then preemption.
+            for id in victims.iter().map(|v| v.3).chain(peers.iter().map(|p| p.2)) {
+                let j = &self.jobs[id];
+                if let State::Running { tasks, .. } = &j.state {
+                    for t in (j.req.tasks_min as usize..tasks.len()).rev() {
+                        steps.push(Step::ShrinkOne(id.clone(), t));
+                    }
+                }
+            }
+            for &(_, _, _, id) in &victims {
+                steps.push(Step::Preempt(id.clone()));
+            }
         }
         // Each step's job, looked up once, and how many tasks each job's shrink steps release.
         let jobs_of: Vec<&Job> = steps
@@ -1234,45 +1634,59 @@ impl Scheduler {
                 *shrunk.entry(id.as_str()).or_default() += 1;
             }
         }
-        let apply = |f: &mut Vec<NodeFree>, range: std::ops::Range<usize>| {
+        // Carries out a range of steps on `f` (or takes them back, which undoes them exactly).
+        let apply = |f: &mut Vec<NodeFree>, range: std::ops::Range<usize>, undo: bool| {
+            let mut free = |t: &TaskAlloc, r: &Resources| {
+                if undo {
+                    place::alloc(f, t, r);
+                } else {
+                    place::release(f, t, r);
+                }
+            };
             for (s, j) in steps[range.clone()].iter().zip(&jobs_of[range]) {
                 let (State::Running { tasks, .. } | State::Draining { tasks, .. }) = &j.state else { continue };
                 match s {
-                    Step::ShrinkOne(_, t) => place::release(f, &tasks[*t], &j.req.per_task),
+                    Step::ShrinkOne(_, t) => free(&tasks[*t], &j.req.per_task),
                     Step::Drain(_) => {
                         for t in tasks {
-                            place::release(f, t, &j.req.per_task);
+                            free(t, &j.req.per_task);
                         }
                     }
                     Step::Preempt(id) => {
                         // Tasks already released by this job's shrink steps.
                         let gone = shrunk.get(id.as_str()).copied().unwrap_or(0);
                         for t in &tasks[..tasks.len() - gone] {
-                            place::release(f, t, &j.req.per_task);
+                            free(t, &j.req.per_task);
                         }
                     }
                 }
             }
         };
         let r = &req.per_task;
-        let mut all = self.free.clone();
-        apply(&mut all, 0..steps.len());
-        if !place::fits(&all, r, req.tasks_min, req.spread) {
+        let mut below = after_all.unwrap_or_else(|| {
+            let mut f = self.free.clone();
+            apply(&mut f, 0..steps.len(), false);
+            f
+        });
+        if !place::fits(&below, r, req.tasks_min, req.spread) {
+            if memo && let Some(j) = self.jobs.get_mut(&req.id) {
+                j.room_failed = Some((self.released, self.preempted, now));
+            }
             return None;
         }
+        apply(&mut below, 0..steps.len(), true);
         // The shortest prefix of steps that makes room (monotone: binary search); `below` is the cluster after
         // steps[..done], a prefix known not to make room.
         let (mut lo, mut hi) = (1usize, steps.len());
-        let (mut below, mut done) = (self.free.clone(), 0usize);
+        let mut done = 0usize;
         while lo < hi {
             let mid = (lo + hi) / 2;
-            let mut f = below.clone();
-            apply(&mut f, done..mid);
-            if place::fits(&f, r, req.tasks_min, req.spread) {
+            apply(&mut below, done..mid, false);
+            if place::fits(&below, r, req.tasks_min, req.spread) {
                 hi = mid;
+                apply(&mut below, done..mid, true);
             } else {
                 lo = mid + 1;
-                below = f;
                 done = mid;
             }
         }
@@ -1292,18 +1706,23 @@ impl Scheduler {
             }
         }
         for (id, by) in shrinks {
+            self.las_mark(&id, false);
             let Some(j) = self.jobs.get_mut(&id) else { continue };
             let State::Running { tasks, .. } = &mut j.state else { continue };
             let rate = service_rate(&j.req, tasks.len());
             j.attained = j.attained.saturating_add(rate.saturating_mul(now.saturating_sub(j.since)));
             j.since = j.since.max(now);
             let removed = tasks.split_off(tasks.len() - by as usize);
+            self.preempted += 1;
             let vreq = j.req.clone();
             self.free_tasks(&vreq, &removed);
+            self.las_mark(&id, true);
             out.push(Decision::Shrink { job: id, by, for_job: req.id.clone() });
         }
         let grace = self.config.preempt_grace_ms;
         for id in preempted {
+            self.las_mark(id, false);
+            self.end_mark(id, false);
             let Some(j) = self.jobs.get_mut(id) else { continue };
             let State::Running { tasks, .. } = std::mem::replace(&mut j.state, State::Pending) else {
                 continue;
@@ -1317,9 +1736,11 @@ impl Scheduler {
             j.attained = j.attained.saturating_add(rate.saturating_mul(now.saturating_sub(j.since)));
             j.since = now;
             j.state = State::Draining { until_ms: now.saturating_add(grace), tasks };
+            self.ends.insert((now.saturating_add(grace), id.clone()));
+            self.preempted += 1;
             let vreq = j.req.clone();
             self.stopped_running(&vreq);
-            self.draining += 1;
+            self.draining.insert(id.clone());
             out.push(Decision::Preempt { job: id.clone(), reason, grace_ms: grace });
         }
         if !out.is_empty() {
@@ -1333,8 +1754,9 @@ impl Scheduler {
     fn grow(&mut self, now: u64, out: &mut Vec<Decision>) {
         let pack = self.config.policy.packing;
         let mut elastic: Vec<(i32, u64, JobId)> = self
-            .jobs
+            .active
             .iter()
+            .map(|id| (id, &self.jobs[id]))
             .filter(|(_, j)| matches!(&j.state, State::Running { tasks, .. } if (tasks.len() as u32) < j.req.tasks_max))
             .map(|(id, j)| (j.req.priority, j.req.submitted_at_ms, id.clone()))
             .collect();
@@ -1378,12 +1800,14 @@ impl Scheduler {
                 continue;
             }
             let tasks = self.placements(&added);
+            self.las_mark(&id, false);
             if let Some(j) = self.jobs.get_mut(&id) {
                 Self::fold_service(j, now);
                 if let State::Running { tasks: have, .. } = &mut j.state {
                     have.extend(added);
                 }
             }
+            self.las_mark(&id, true);
             out.push(Decision::Grow { job: id, tasks });
         }
     }
@@ -1397,9 +1821,20 @@ struct Pass {
     waiting: bool,
     failed_now: Vec<(Resources, u32, bool)>,
     failed_dual: Vec<(Resources, u32, bool)>,
-    /// Jobs placed, and jobs whose `failed_at` changed, to write back into `pending`.
+    /// Jobs placed, and jobs whose `failed_at` changed, to write back into the classes.
     placed: Vec<PendKey>,
     failed: Vec<(PendKey, Option<u64>)>,
+}
+
+/// What is left to try of a class in a pass after one of its jobs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fate {
+    /// Its later jobs.
+    Next,
+    /// Nothing: none of them can fit.
+    Dead,
+    /// Those expected to end within this many milliseconds (before the reservation starts).
+    EndsBy(u64),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
