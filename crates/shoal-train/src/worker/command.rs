@@ -58,9 +58,10 @@ fn framework_port(ip: std::net::IpAddr, key: &str) -> Result<u16> {
         .unwrap_or(32768);
     let (first, span) = (10_000u16, low.saturating_sub(10_000));
     if span > 0 {
-        let start = shoal_data::rng::SplitMix64::from_key(&[key.bytes().fold(0u64, |h, b| h.wrapping_mul(131) ^ u64::from(b))])
-            .next_u64()
-            % u64::from(span);
+        let start =
+            shoal_data::rng::SplitMix64::from_key(&[key.bytes().fold(0u64, |h, b| h.wrapping_mul(131) ^ u64::from(b))])
+                .next_u64()
+                % u64::from(span);
         for k in 0..u64::from(span).min(512) {
             let port = first + ((start + k) % u64::from(span)) as u16;
             if std::net::TcpListener::bind((ip, port)).is_ok() {
