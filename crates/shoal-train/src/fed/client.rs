@@ -215,6 +215,8 @@ pub fn run(opts: &ClientOptions) -> Result<ClientReport> {
                 tracing::info!(client = %name, round = round + 1, loss, "update accepted");
                 report.rounds.push(round + 1);
             }
+            // A retried post whose first try arrived (its answer lost on the way back) is told it already answered.
+            409 if String::from_utf8_lossy(&sent.body).contains("already answered") => report.rounds.push(round + 1),
             409 => {
                 eprintln!("federated client {name}: round {} closed before its update arrived", round + 1);
                 report.late.push(round + 1);
