@@ -2,7 +2,7 @@
 //! request's token belongs to, and the bodies of numbers (one line of JSON, then little-endian values).
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use axum::http::{HeaderMap, StatusCode};
@@ -25,7 +25,7 @@ pub(super) fn hash(token: &str) -> [u8; 32] {
 pub(super) struct Open {
     pub(super) round: usize,
     /// The global model as the `task` body sends it.
-    pub(super) body: Arc<Vec<u8>>,
+    pub(super) body: axum::body::Bytes,
     pub(super) sampled: Vec<usize>,
     pub(super) fetched: Vec<bool>,
     /// The updates that arrived: the client, its samples, its loss and update.
@@ -128,5 +128,24 @@ impl SecureRound {
     /// Whether `client` may still take part: its keys not posted, the roster not fixed.
     pub(super) fn open_to(&self, client: usize) -> bool {
         self.roster.is_none() && !self.keys.contains_key(&client)
+    }
+}
+
+impl Shared {
+    /// Holds a request until `answer` has one (checked now and each time the board changes), for `wait` seconds
+    /// (default 10, at most [`MAX_WAIT`]); then `204`.
+    pub(super) async fn long_poll(&self, wait: Option<f64>, mut answer: impl FnMut() -> Option<Response>) -> Response {
+        let wait = Duration::from_secs_f64(wait.unwrap_or(10.0).clamp(0.0, MAX_WAIT.as_secs_f64()));
+        let until = tokio::time::Instant::now() + wait;
+        let mut changed = self.changed.subscribe();
+        loop {
+            if let Some(r) = answer() {
+                return r;
+            }
+            match tokio::time::timeout_at(until, changed.changed()).await {
+                Ok(Ok(())) => continue,
+                _ => return StatusCode::NO_CONTENT.into_response(),
+            }
+        }
     }
 }

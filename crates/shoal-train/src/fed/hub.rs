@@ -26,7 +26,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use shoal_data::Dataset;
 
-use super::board::{Board, LIVE, MAX_WAIT, Open, Shared, decode, encode, hash, refuse};
+use super::board::{Board, LIVE, Open, Shared, decode, encode, hash, refuse};
 use super::{Combined, Global};
 use crate::Real;
 use crate::error::{Error, Result};
@@ -104,36 +104,23 @@ async fn task(State(s): State<Arc<Shared>>, headers: HeaderMap, Query(q): Query<
         Ok(c) => c,
         Err(r) => return r,
     };
-    let wait = Duration::from_secs_f64(q.wait.unwrap_or(10.0).clamp(0.0, MAX_WAIT.as_secs_f64()));
-    let until = tokio::time::Instant::now() + wait;
-    let mut changed = s.changed.subscribe();
-    loop {
-        {
-            let mut st = s.lock();
-            if st.done.is_some() {
-                return refuse(StatusCode::GONE, "the job is over");
-            }
-            let mut sent = None;
-            if let Some(open) = st.open.as_mut()
-                && let Some(k) = open.sampled.iter().position(|&c| c == client)
-                && !open.updates.contains_key(&client)
-                && open.secure.as_ref().is_none_or(|s| s.open_to(client))
-            {
-                open.fetched[k] = true;
-                sent = Some((open.round, open.body.clone()));
-            }
-            if let Some((round, body)) = sent {
-                st.bytes += body.len() as u64;
-                tracing::debug!(client = %s.names[client], round, "model sent");
-                return (StatusCode::OK, [("content-type", "application/octet-stream")], body.as_ref().clone())
-                    .into_response();
-            }
+    s.long_poll(q.wait, || {
+        let mut st = s.lock();
+        if st.done.is_some() {
+            return Some(refuse(StatusCode::GONE, "the job is over"));
         }
-        match tokio::time::timeout_at(until, changed.changed()).await {
-            Ok(Ok(())) => continue,
-            _ => return StatusCode::NO_CONTENT.into_response(),
+        let open = st.open.as_mut()?;
+        let k = open.sampled.iter().position(|&c| c == client)?;
+        if open.updates.contains_key(&client) || !open.secure.as_ref().is_none_or(|s| s.open_to(client)) {
+            return None;
         }
-    }
+        open.fetched[k] = true;
+        let (round, body) = (open.round, open.body.clone());
+        st.bytes += body.len() as u64;
+        tracing::debug!(client = %s.names[client], round, "model sent");
+        Some((StatusCode::OK, [("content-type", "application/octet-stream")], body).into_response())
+    })
+    .await
 }
 
 #[derive(serde::Deserialize)]
@@ -332,7 +319,8 @@ impl<'a> Hub<'a> {
             let started = Instant::now();
             let sampled = super::sample(f, round, t.seed, &pool);
             let secure = f.secure_aggregation;
-            let body = Arc::new(encode(&serde_json::json!({ "round": round, "secure": secure }), &global.w));
+            let body =
+                axum::body::Bytes::from(encode(&serde_json::json!({ "round": round, "secure": secure }), &global.w));
             let bytes_before = {
                 let mut st = self.shared.lock();
                 st.open = Some(Open {

@@ -24,7 +24,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 
-use super::board::{MAX_WAIT, Open, SecureRound, Shared, refuse};
+use super::board::{Open, SecureRound, Shared, refuse};
 use crate::Real;
 use crate::error::{Error, Result};
 use crate::secagg::{self, Keys};
@@ -66,7 +66,7 @@ fn with_round<T>(
     f(sec, client)
 }
 
-/// Holds a request until `ready` gives an answer (or `wait`, at most [`MAX_WAIT`], passes: 204).
+/// Holds a request until `ready` gives an answer ([`Shared::long_poll`]).
 async fn hold(
     s: Arc<Shared>,
     headers: HeaderMap,
@@ -77,25 +77,17 @@ async fn hold(
         Ok(c) => c,
         Err(r) => return r,
     };
-    let wait = Duration::from_secs_f64(q.wait.unwrap_or(10.0).clamp(0.0, MAX_WAIT.as_secs_f64()));
-    let until = tokio::time::Instant::now() + wait;
-    let mut changed = s.changed.subscribe();
-    loop {
-        match with_round(&s, q.round, |sec, c| Ok(ready(sec, c)), client) {
-            Err(r) => return r,
-            Ok(Some(Ok(v))) => {
-                let body = v.to_string();
-                s.lock().bytes += body.len() as u64;
-                return (StatusCode::OK, [("content-type", "application/json")], body).into_response();
-            }
-            Ok(Some(Err(r))) => return r,
-            Ok(None) => {}
+    s.long_poll(q.wait, || match with_round(&s, q.round, |sec, c| Ok(ready(sec, c)), client) {
+        Err(r) => Some(r),
+        Ok(Some(Ok(v))) => {
+            let body = v.to_string();
+            s.lock().bytes += body.len() as u64;
+            Some((StatusCode::OK, [("content-type", "application/json")], body).into_response())
         }
-        match tokio::time::timeout_at(until, changed.changed()).await {
-            Ok(Ok(())) => continue,
-            _ => return StatusCode::NO_CONTENT.into_response(),
-        }
-    }
+        Ok(Some(Err(r))) => Some(r),
+        Ok(None) => None,
+    })
+    .await
 }
 
 fn not_in(list: &str, round: usize) -> Response {
