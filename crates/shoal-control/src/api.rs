@@ -66,7 +66,7 @@ use utoipa::{IntoParams, OpenApi};
 
 use crate::api_error::{ApiError, ApiResult, AuthErrors, JobErrors};
 use crate::auth::{hash_token, new_token};
-use crate::db::{JobRow, JobState, Principal, now};
+use crate::db::{JobRow, JobState, Principal};
 use crate::http::{AppState, Caller, JobPath, MAX_BODY, MAX_LOG_CHUNK, body, job_id, query, visible_job};
 
 /// Every endpoint: method, path and what serves it. The router is built from this table (with the dashboard's
@@ -322,7 +322,19 @@ async fn submit(
     let text = std::str::from_utf8(&b).map_err(|_| ApiError::bad("the job spec is not UTF-8 text"))?;
     let is_toml = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).is_some_and(|ct| ct.contains("toml"));
     let spec = if is_toml { shoal_spec::parse_job(text, "job.toml") } else { shoal_spec::parse_job_json(text) }?;
-    let control = &state.control;
+    let submitted = submit_spec(&state.control, &caller.0, spec, None).await?;
+    Ok((StatusCode::CREATED, Json(submitted)))
+}
+
+/// Accepts a parsed job spec from `caller`, as `POST /api/v1/jobs` does: the queue must exist, the job must be able
+/// to run here and its team may touch what it names; it is recorded pending and the loop woken. `id` gives the job
+/// its id — a replayed history's, which must be free — instead of a new random one.
+pub async fn submit_spec(
+    control: &crate::control::Control,
+    caller: &Principal,
+    spec: shoal_spec::JobSpec,
+    id: Option<String>,
+) -> ApiResult<Submitted> {
     if !control.queues.iter().any(|q| q.name == spec.queue) {
         let names: Vec<&str> = control.queues.iter().map(|q| q.name.as_str()).collect();
         return Err(ApiError::spec(ApiError::bad_field(
@@ -330,28 +342,40 @@ async fn submit(
             format!("no queue {:?}; the queues are: {}", spec.queue, names.join(", ")),
         )));
     }
-    control.admissible(&caller.0.team, &spec).map_err(ApiError::spec)?;
+    control.admissible(&caller.team, &spec).map_err(ApiError::spec)?;
     let spec_json =
         serde_json::to_string(&spec).map_err(|e| ApiError::internal(format!("serializing the spec: {e}")))?;
-    let id = loop {
-        let token = new_token();
-        let id = format!("j-{}", &token[6..14]);
-        if control.db.job(&id).await?.is_none() {
-            break id;
+    let id = match id {
+        Some(id) => {
+            valid_label("id", &id)?;
+            if !id.starts_with(|c: char| c.is_ascii_alphanumeric()) {
+                return Err(ApiError::bad_field("id", format!("{id:?} must start with a letter or digit")));
+            }
+            if control.db.job(&id).await?.is_some() {
+                return Err(ApiError::bad(format!("a job {id} exists already")));
+            }
+            id
         }
+        None => loop {
+            let token = new_token();
+            let id = format!("j-{}", &token[6..14]);
+            if control.db.job(&id).await?.is_none() {
+                break id;
+            }
+        },
     };
     let dir = control.job_dir(&id);
-    let place = control.config.policy.admit(&caller.0.team, &dir, &spec).map_err(ApiError::spec)?;
+    let place = control.config.policy.admit(&caller.team, &dir, &spec).map_err(ApiError::spec)?;
     let jobs_dir = control.config.data_dir.join("jobs");
     if let Some(owner) =
-        control.config.policy.resume_source(&caller.0.team, &dir, &jobs_dir, &spec).map_err(ApiError::spec)?
+        control.config.policy.resume_source(&caller.team, &dir, &jobs_dir, &spec).map_err(ApiError::spec)?
     {
         // Another job's checkpoint: only one of the caller's own team (another team's job looks missing).
         let theirs = control.db.job(&owner).await?;
-        if theirs.is_none_or(|j| j.team != caller.0.team) {
+        if theirs.is_none_or(|j| j.team != caller.team) {
             return Err(ApiError::spec(ApiError::bad_field(
                 "checkpoint.resume_from",
-                format!("no job {owner} of team {} to resume from", caller.0.team),
+                format!("no job {owner} of team {} to resume from", caller.team),
             )));
         }
     }
@@ -364,8 +388,8 @@ async fn submit(
     let row = JobRow {
         id: id.clone(),
         name: spec.name.clone(),
-        user: caller.0.user.clone(),
-        team: caller.0.team.clone(),
+        user: caller.user.clone(),
+        team: caller.team.clone(),
         queue: spec.queue.clone(),
         priority: i64::from(spec.priority),
         state: JobState::Pending,
@@ -375,13 +399,13 @@ async fn submit(
         restarts: 0,
         attempt: 0,
         workers: i64::from(lo),
-        created_ms: now(),
+        created_ms: control.db.now(),
         started_ms: None,
         finished_ms: None,
         reason: format!(
             "submitted by {} ({}) to queue {}: {} worker{} × {} CPU, {} MiB memory{}",
-            caller.0.user,
-            caller.0.team,
+            caller.user,
+            caller.team,
             spec.queue,
             if lo == hi { lo.to_string() } else { format!("{lo}-{hi}") },
             if hi == 1 { "" } else { "s" },
@@ -412,8 +436,8 @@ async fn submit(
         control.db.event(&id, "experiment", JobState::Pending, &message).await.map_err(ApiError::spec)?;
     }
     control.wake.notify_one();
-    tracing::info!(job = %id, name = %spec.name, team = %caller.0.team, "job submitted");
-    Ok((StatusCode::CREATED, Json(Submitted { id, state: JobState::Pending, name: spec.name })))
+    tracing::info!(job = %id, name = %spec.name, team = %caller.team, "job submitted");
+    Ok(Submitted { id, state: JobState::Pending, name: spec.name })
 }
 
 #[derive(Deserialize, IntoParams)]

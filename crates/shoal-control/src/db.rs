@@ -145,6 +145,8 @@ pub struct Db {
     pool: AnyPool,
     backend: Backend,
     next_event: AtomicI64,
+    /// What every timestamp is read from (see [`crate::clock`]).
+    clock: crate::clock::Clock,
 }
 
 /// Which database is behind the store.
@@ -195,10 +197,6 @@ const MIGRATIONS: &[&str] = &[
     "CREATE UNIQUE INDEX jobs_checkpoint_key ON jobs (checkpoint_key)",
     "ALTER TABLE tasks ADD COLUMN external_id TEXT",
 ];
-
-fn now_ms() -> i64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64)
-}
 
 const JOB_COLUMNS: &str = "id, name, user_name, team, queue, priority, state, spec, secret, restarts, attempt, \
                            workers, created_ms, started_ms, finished_ms, reason, cancel_requested, summary, \
@@ -271,6 +269,21 @@ pub struct Transition<'a> {
 }
 
 impl Db {
+    /// The time now by the store's clock, in milliseconds since the epoch.
+    pub fn now(&self) -> i64 {
+        self.clock.now_ms()
+    }
+
+    /// The store's clock (the system's unless [`Db::set_clock`] gave another).
+    pub fn clock(&self) -> &crate::clock::Clock {
+        &self.clock
+    }
+
+    /// Reads every timestamp from `clock` from now on (a simulation's).
+    pub fn set_clock(&mut self, clock: crate::clock::Clock) {
+        self.clock = clock;
+    }
+
     /// Opens (creating if needed) and migrates the store at `url`: `sqlite://PATH` or `postgres://...`.
     ///
     /// A SQLite file that exists but is empty, is not a database or fails SQLite's integrity check is refused
@@ -355,7 +368,7 @@ impl Db {
             .connect(&url)
             .await
             .map_err(|e| ControlError::Config(format!("cannot open the database {}: {e}", redact(&url))))?;
-        Ok(Db { pool, backend, next_event: AtomicI64::new(0) })
+        Ok(Db { pool, backend, next_event: AtomicI64::new(0), clock: crate::clock::Clock::system() })
     }
 
     pub fn backend(&self) -> Backend {
@@ -431,7 +444,7 @@ impl Db {
             .bind(&p.user)
             .bind(&p.team)
             .bind(i64::from(p.admin))
-            .bind(now_ms())
+            .bind(self.now())
             .execute(&self.pool)
             .await?;
         Ok(())
@@ -614,7 +627,7 @@ impl Db {
         sqlx::query("INSERT INTO events (id, job_id, time_ms, kind, state, message) VALUES ($1, $2, $3, $4, $5, $6)")
             .bind(id)
             .bind(job)
-            .bind(now_ms())
+            .bind(self.now())
             .bind(kind)
             .bind(state.as_str())
             .bind(message)
@@ -956,7 +969,7 @@ fn damaged(path: &std::path::Path, why: &str) -> ControlError {
 
 /// Moves a damaged database (and its WAL files) aside, keeping them.
 fn set_aside(path: &std::path::Path) -> Result<()> {
-    let stamp = now_ms();
+    let stamp = crate::clock::Clock::system().now_ms();
     for suffix in ["", "-wal", "-shm"] {
         let from = std::path::PathBuf::from(format!("{}{suffix}", path.display()));
         if from.exists() {
@@ -1012,8 +1025,4 @@ pub fn redact(url: &str) -> String {
         }
         _ => url.to_owned(),
     }
-}
-
-pub(crate) fn now() -> i64 {
-    now_ms()
 }

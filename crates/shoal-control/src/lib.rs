@@ -32,6 +32,7 @@
 pub mod api;
 pub mod api_error;
 pub mod auth;
+pub mod clock;
 pub mod control;
 pub mod cost;
 pub mod db;

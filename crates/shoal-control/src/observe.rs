@@ -24,7 +24,7 @@ use utoipa::IntoParams;
 
 use crate::api_error::{ApiError, ApiResult, AuthErrors, JobErrors};
 use crate::control::{Control, parse_stored_spec};
-use crate::db::{JobRow, JobState, MetricRow, now};
+use crate::db::{JobRow, JobState, MetricRow};
 use crate::diagnose::{Context, diagnose};
 use crate::error::{ControlError, Result};
 use crate::http::{AppState, Caller, JobPath, job_id, query, visible_job};
@@ -500,7 +500,7 @@ pub async fn cost(
     };
     let c = &state.control;
     let jobs = c.db.jobs_since(team.as_deref(), q.since.unwrap_or(0)).await?;
-    let now_ms = now();
+    let now_ms = c.db.now();
     let mut costs = Vec::with_capacity(jobs.len());
     for j in &jobs {
         let Ok(spec) = parse_stored_spec(j) else { continue };
@@ -626,7 +626,7 @@ async fn scrape(c: &Control, team: Option<&str>) -> Result<String> {
                 }
             }
         }
-        let recent = c.db.samples(&j.id, now() - 10_000, 10_000).await?;
+        let recent = c.db.samples(&j.id, c.db.now() - 10_000, 10_000).await?;
         for s in &recent {
             let rank = s.rank.to_string();
             let l = [j.id.as_str(), rank.as_str()];

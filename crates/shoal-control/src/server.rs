@@ -73,6 +73,9 @@ pub struct ServerOptions {
     /// The URL tasks reach this server at, for their heartbeats (`--advertise-url`). [`start`] fills in its own
     /// address when absent (loopback for an unspecified one); with none, tasks report through files only.
     pub advertise: Option<String>,
+    /// What the store and the loop read the time from: the system's, or a simulation's (`shoal sim --engine
+    /// control`).
+    pub clock: crate::clock::Clock,
 }
 
 impl ServerOptions {
@@ -98,6 +101,7 @@ impl ServerOptions {
             executor_kind: ExecutorKind::Local,
             executor: None,
             tls: None,
+            clock: crate::clock::Clock::system(),
             advertise: None,
         }
     }
@@ -306,7 +310,8 @@ pub async fn prepare(opts: &ServerOptions) -> Result<Prepared> {
     let lock = lock_data_dir(&opts.data_dir)?;
     let db_path = opts.data_dir.join("shoal.db");
     let url = opts.database.clone().unwrap_or_else(|| format!("sqlite://{}", db_path.display()));
-    let db = Db::open(&url, opts.init).await?;
+    let mut db = Db::open(&url, opts.init).await?;
+    db.set_clock(opts.clock.clone());
     for suffix in ["", "-wal", "-shm"] {
         let p = PathBuf::from(format!("{}{suffix}", db_path.display()));
         if p.exists() {
@@ -332,15 +337,9 @@ pub async fn prepare(opts: &ServerOptions) -> Result<Prepared> {
         Some(list) => cluster_nodes(&list, opts),
         None => vec![this_node(opts)],
     };
-    let queues = vec![Queue {
-        name: "default".into(),
-        guaranteed: Quota {
-            cpus_milli: nodes.iter().map(|n| n.cpus_milli).sum(),
-            memory_bytes: nodes.iter().map(|n| n.memory_bytes).sum(),
-            gpus_milli: nodes.iter().map(|n| n.gpus.len() as u64 * 1000).sum(),
-        },
-        can_borrow: true,
-    }];
+    // One queue, and no guarantee: a guarantee of the whole cluster would only sort a job that does not fit now
+    // behind later ones that do ("borrowing"), which breaks FIFO's order for nothing.
+    let queues = vec![Queue { name: "default".into(), guaranteed: Quota::UNLIMITED, can_borrow: true }];
     let worker_program = match &task_user {
         Some(u) => reachable_program(&opts.data_dir, &opts.worker_program, u)?,
         None => opts.worker_program.clone(),

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 use crate::error::{ExecError, Result};
-use crate::executor::{Executor, Fault, Stop, Stray, Task, TaskLaunch, TaskStatus, Usage};
+use crate::executor::{Executor, Fault, NodeInfo, Stop, Stray, Task, TaskLaunch, TaskStatus, Usage};
 
 type Key = (String, i64, i64);
 
@@ -29,6 +29,8 @@ struct State {
     stops: Vec<(Key, Stop)>,
     faults: Vec<(Key, Fault)>,
     adopted: Vec<Key>,
+    /// The cluster described to the server, if one was given.
+    nodes: Option<Vec<NodeInfo>>,
 }
 
 /// See the module documentation.
@@ -46,6 +48,33 @@ impl FakeExecutor {
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A fake executor whose cluster is `nodes` (what [`Executor::nodes`] describes to the server), as a
+    /// simulation of a cluster gives it.
+    pub fn with_nodes(logs: &Path, nodes: Vec<NodeInfo>) -> FakeExecutor {
+        let fake = FakeExecutor::new(logs);
+        fake.state().nodes = Some(nodes);
+        fake
+    }
+
+    /// How many tasks of each job run now (jobs with none are left out).
+    pub fn running_counts(&self) -> HashMap<String, u32> {
+        let mut out: HashMap<String, u32> = HashMap::new();
+        for (k, (s, _)) in &self.state().tasks {
+            if *s == TaskStatus::Running {
+                *out.entry(k.0.clone()).or_default() += 1;
+            }
+        }
+        out
+    }
+
+    /// Forgets the tasks of `job` that ended, and what was asked of them (a long simulation's jobs that finished).
+    pub fn forget(&self, job: &str) {
+        let mut st = self.state();
+        st.tasks.retain(|k, (s, _)| k.0 != job || *s == TaskStatus::Running);
+        st.launches.retain(|l| l.job_id != job);
+        st.stops.retain(|(k, _)| k.0 != job);
     }
 
     /// Every task start asked for so far, in order.
@@ -154,6 +183,10 @@ fn key(t: &Task) -> Key {
 impl Executor for FakeExecutor {
     fn host(&self) -> &str {
         "fake-host"
+    }
+
+    fn nodes(&self) -> Result<Option<Vec<NodeInfo>>> {
+        Ok(self.state().nodes.clone())
     }
 
     fn rendezvous(&self, _job: &str, _attempt: i64, node: &str) -> Result<String> {

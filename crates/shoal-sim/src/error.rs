@@ -3,6 +3,9 @@
 /// What can go wrong reading a trace or a cluster, or running a simulation. Variants carry facts.
 #[derive(Debug, thiserror::Error)]
 pub enum SimError {
+    /// The server's control loop, driven by `--engine control`, failed or did what a job's work does not explain.
+    #[error("the control loop: {0}")]
+    Control(String),
     /// A file could not be read or written.
     #[error("{path}: {source}")]
     Io {

@@ -8,6 +8,7 @@
 //! - `cluster.rs`: the cluster (the Alibaba node list, or identical nodes).
 //! - `synth.rs`: a Philly-like synthetic trace at a chosen offered load.
 //! - `sim.rs`: the event loop ([`simulate`]); `report.rs` the figures ([`Report`]); `plot.rs` the plots.
+//! - `control.rs` (feature `control`): the same trace through the server's control loop ([`simulate_control`]).
 //!
 //! **Invariants.** Scheduling decisions are shoal-sched's alone: this crate keeps no copy of any policy, it only
 //! submits jobs, calls `Scheduler::schedule(now_ms)` at each instant something happens and carries out the
@@ -16,7 +17,9 @@
 //! report byte for byte. A bad input is an error naming where it is, never a panic. Files are read and written
 //! only by the `read_*`/`write_*` functions; the rest does no IO.
 //!
-//! No feature flags.
+//! Feature `control`: [`simulate_control`] replays a trace through the server's own control loop (`shoal-control`
+//! with `shoal-exec`'s fake executor and a manual clock) instead of the scheduler alone: admission, the store,
+//! placement, preemption and requeueing are then the production code paths. It keeps a scratch store on disk.
 //!
 //! ```
 //! use shoal_sim::{Report, SimOptions, homogeneous, parse_trace, simulate};
@@ -35,6 +38,8 @@
 //! ```
 
 mod cluster;
+#[cfg(feature = "control")]
+mod control;
 mod csv;
 mod error;
 mod plot;
@@ -44,6 +49,8 @@ mod synth;
 mod trace;
 
 pub use cluster::{homogeneous, parse_cluster, read_cluster};
+#[cfg(feature = "control")]
+pub use control::simulate_control;
 pub use error::{Result, SimError};
 pub use plot::{POINTS, write_plots};
 pub use report::{Report, TeamReport, jobs_csv, series_csv};

@@ -185,7 +185,7 @@ enum Kind {
 
 /// The trace's jobs `repeat` times back to back, copy `c` shifted by `c` spans (last submission − first, plus
 /// one second) and its ids suffixed `~c`.
-fn repeated(trace: &Trace, repeat: u32) -> Trace {
+pub(crate) fn repeated(trace: &Trace, repeat: u32) -> Trace {
     let first = trace.jobs.first().map(|j| j.submit_ms).unwrap_or(0);
     let span = trace.jobs.last().map(|j| j.submit_ms - first).unwrap_or(0) + 1000;
     let mut jobs = Vec::with_capacity(trace.jobs.len() * repeat as usize);

@@ -213,6 +213,13 @@ pub struct JobSpec {
     /// Higher runs first and may preempt lower (default 0).
     #[serde(default)]
     pub priority: i32,
+    /// How long the job is expected to run (`"2h"`), as a Slurm user gives `--time`: the scheduler's backfill lets
+    /// it start ahead of a waiting job's reservation when it ends before it, and shortest-first ordering sorts by
+    /// it. Not enforced: a job that runs longer is not stopped. Without it, a job is never backfilled ahead of a
+    /// reservation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<String>, example = "2h"))]
+    pub expected_runtime: Option<Seconds>,
     #[serde(default)]
     pub workers: WorkersSpec,
     #[serde(default)]
@@ -1606,6 +1613,7 @@ impl JobSpec {
             return [
                 validate_name(&self.name),
                 validate_queue(&self.queue),
+                validate_expected_runtime(self.expected_runtime),
                 validate_env(&self.env),
                 platform(self.workers.validate()),
                 platform(self.resources.validate()),
@@ -1627,6 +1635,7 @@ impl JobSpec {
         [
             validate_name(&self.name),
             validate_queue(&self.queue),
+            validate_expected_runtime(self.expected_runtime),
             validate_env(&self.env),
             platform(self.workers.validate()),
             platform(self.resources.validate()),
@@ -2233,6 +2242,13 @@ fn validate_env(env: &std::collections::BTreeMap<String, String>) -> Result<()> 
         }
     }
     Ok(())
+}
+
+fn validate_expected_runtime(t: Option<Seconds>) -> Result<()> {
+    match t {
+        Some(t) if t.0.is_zero() => Err(SpecError::at("expected_runtime", "must be more than 0s")),
+        _ => Ok(()),
+    }
 }
 
 fn validate_queue(queue: &str) -> Result<()> {
@@ -3361,6 +3377,21 @@ lr = 0.001
         let plain = parse_job(MLP, "JOB.toml").expect("valid");
         assert_eq!((plain.phase_at(3), plain.phase_end(3)), (0, None));
         assert_eq!(plain.in_phase(0), plain);
+    }
+
+    #[test]
+    fn the_expected_run_time_is_read_and_checked() {
+        let cases: Vec<(String, &str)> = vec![
+            (format!("expected_runtime = \"90m\"\n{MLP}"), ""),
+            (format!("expected_runtime = 3600\n{MLP}"), ""),
+            (format!("expected_runtime = \"0s\"\n{MLP}"), "expected_runtime: must be more than 0s"),
+            (format!("expected_runtime = \"9000h\"\n{MLP}"), "expected_runtime: \"9000h\" is too long: at most 7 days"),
+            (format!("expected_runtime = \"soon\"\n{MLP}"), "expected_runtime:"),
+        ];
+        check_all(&cases);
+        let j = parse_job(&format!("expected_runtime = \"90m\"\n{MLP}"), "JOB.toml").expect("valid");
+        assert_eq!(j.expected_runtime.map(|t| t.0.as_secs()), Some(5400));
+        assert_eq!(parse_job(MLP, "JOB.toml").expect("valid").expected_runtime, None);
     }
 
     #[test]

@@ -102,6 +102,18 @@ pub struct Tuning {
     /// Check invariants after every pass (no node over capacity, the books balance): slow.
     #[arg(long)]
     pub audit: bool,
+    /// What the trace runs through: `scheduler` (shoal-sched alone, fast) or `control` (the server's own control
+    /// loop: its store, admission, placement, preemption and requeueing, with a fake executor for processes and
+    /// simulated time; for traces of up to some thousands of jobs).
+    #[arg(long, value_enum, default_value_t = Engine::Scheduler)]
+    pub engine: Engine,
+}
+
+/// See [`Tuning::engine`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Engine {
+    Scheduler,
+    Control,
 }
 
 #[derive(Debug, clap::Args)]
@@ -196,9 +208,14 @@ fn simulate(
         seed,
     };
     let started = std::time::Instant::now();
-    let o = shoal_sim::simulate(trace, nodes, &options).with_context(|| format!("simulating {policy}"))?;
+    let o = match t.engine {
+        Engine::Scheduler => shoal_sim::simulate(trace, nodes, &options),
+        Engine::Control => shoal_sim::simulate_control(trace, nodes, &options),
+    }
+    .with_context(|| format!("simulating {policy}"))?;
     tracing::info!(policy = %policy, jobs = trace.jobs.len(), seconds = started.elapsed().as_secs_f64(), "simulated");
-    eprintln!("{policy}: {} jobs simulated in {:.2} s", trace.jobs.len(), started.elapsed().as_secs_f64());
+    let through = if t.engine == Engine::Control { " through the control loop" } else { "" };
+    eprintln!("{policy}: {} jobs simulated{through} in {:.2} s", trace.jobs.len(), started.elapsed().as_secs_f64());
     Ok(o)
 }
 

@@ -47,7 +47,7 @@ pub fn request_of(job: &JobRow, spec: &JobSpec) -> JobRequest {
         per_task: resources_of(spec),
         spread: spec.workers.spread,
         submitted_at_ms: job.created_ms.max(0) as u64,
-        expected_runtime_ms: None,
+        expected_runtime_ms: spec.expected_runtime.map(|t| t.0.as_millis().min(u128::from(u64::MAX)) as u64),
         avoid_nodes: Vec::new(),
     }
 }

@@ -5,7 +5,7 @@
 use shoal_exec::Fault;
 use shoal_wire::{ChaosAction, ChaosDone};
 
-use crate::db::{JobRow, JobState, TaskState, now};
+use crate::db::{JobRow, JobState, TaskState};
 use crate::error::{ControlError, Result};
 
 use super::state::{Control, handle};
@@ -65,7 +65,7 @@ impl Control {
             action,
             host: task.host.clone(),
             pid: task.worker_pid.or(task.pid),
-            time_ms: now(),
+            time_ms: self.db.now(),
             message,
         })
     }

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use shoal_exec::{Stop as Halt, TaskLaunch, TaskStatus};
 use shoal_sched::{Decision, PreemptReason, TaskPlacement};
 
-use crate::db::{JobRow, JobState, TaskRow, TaskState, Transition, now};
+use crate::db::{JobRow, JobState, TaskRow, TaskState, Transition};
 use crate::error::Result;
 
 use super::state::{Control, StopWhy, handle};
@@ -216,7 +216,7 @@ impl Control {
                     ),
                     attempt: Some(attempt),
                     workers: Some(world as i64),
-                    started_ms: Some(now()),
+                    started_ms: Some(self.db.now()),
                     ..Default::default()
                 },
             )
@@ -269,15 +269,19 @@ impl Control {
         let tasks = match self.exec.start_gang(&launches) {
             Ok(tasks) => tasks,
             Err(g) => {
-                let rows: Vec<TaskRow> =
-                    g.started.into_iter().zip(assignments).map(|(t, a)| started_row(t, &a.node)).collect();
+                let rows: Vec<TaskRow> = g
+                    .started
+                    .into_iter()
+                    .zip(assignments)
+                    .map(|(t, a)| started_row(t, &a.node, self.db.now()))
+                    .collect();
                 let why = StopWhy::Failure(format!("could not start rank {}: {}", g.rank, g.error));
                 return self.abort_start(&job, attempt, &rows, why).await;
             }
         };
         let mut rows = Vec::with_capacity(world);
         for (task, a) in tasks.into_iter().zip(assignments) {
-            let row = started_row(task, &a.node);
+            let row = started_row(task, &a.node, self.db.now());
             let recorded = self.db.upsert_task(&row).await;
             let rank = row.rank;
             rows.push(row);

@@ -168,7 +168,7 @@ impl Control {
                 Some(Join { generation, rank: before.len() + k, world_size: world, rendezvous: rendezvous.clone() });
             let task = self.exec.start(&launch)?;
             where_.push(format!("task {number} {}", self.exec.describe(&task)));
-            let row = started_row(task, &a.node);
+            let row = started_row(task, &a.node, self.db.now());
             self.db.upsert_task(&row).await?;
             rows.push(row);
         }

@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use crate::db::{MetricRow, now};
+use crate::db::MetricRow;
 
 use super::state::Control;
 
@@ -47,7 +47,7 @@ impl Control {
             if step <= min_step {
                 continue;
             }
-            rows.push(MetricRow { rank, step, time_ms: now(), data: v });
+            rows.push(MetricRow { rank, step, time_ms: self.db.now(), data: v });
         }
         if !rows.is_empty()
             && let Err(e) = self.db.insert_metrics(id, &rows).await

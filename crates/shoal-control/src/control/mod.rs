@@ -42,7 +42,7 @@ mod watch;
 use std::collections::HashSet;
 use std::time::Instant;
 
-use crate::db::{JobRow, JobState, now};
+use crate::db::{JobRow, JobState};
 use crate::error::{ControlError, Result};
 
 pub use admission::{request_of, resources_of};
@@ -62,10 +62,9 @@ impl Control {
             }
             // While a gang is being stopped, look again soon: what follows (a restart) waits only for its processes
             // to be gone, which takes milliseconds after SIGTERM or SIGKILL.
-            let stopping = !self.stopping.lock().unwrap_or_else(|p| p.into_inner()).is_empty();
-            let mut pause = if stopping { self.config.tick.min(STOPPING_TICK) } else { self.config.tick };
+            let mut pause = if self.stopping_any() { self.config.tick.min(STOPPING_TICK) } else { self.config.tick };
             // A backoff that ends before the next turn: turn when it ends.
-            let t = now();
+            let t = self.db.now();
             let ends = self
                 .backoff
                 .lock()
@@ -83,6 +82,12 @@ impl Control {
                 _ = shutdown.changed() => return,
             }
         }
+    }
+
+    /// Whether some job is being stopped now (the loop then turns again soon: what follows waits only for its
+    /// processes to be gone).
+    pub fn stopping_any(&self) -> bool {
+        !self.stopping.lock().unwrap_or_else(|p| p.into_inner()).is_empty()
     }
 
     /// One pass of the loop.
@@ -113,7 +118,7 @@ impl Control {
         self.avoided.lock().unwrap_or_else(|p| p.into_inner()).retain(|id, _| ids.contains(id.as_str()));
         self.groups.lock().unwrap_or_else(|p| p.into_inner()).retain(|id, _| ids.contains(id.as_str()));
         let t0 = Instant::now();
-        let decisions = self.sched().schedule(now() as u64);
+        let decisions = self.sched().schedule(self.db.now() as u64);
         let decisions = self.fold_growth(decisions);
         self.metrics.scheduler_pass.with_label_values(&[] as &[&str]).observe(t0.elapsed().as_secs_f64());
         for d in decisions {

@@ -6,7 +6,7 @@ use std::collections::HashSet;
 use shoal_exec::TaskStatus;
 use shoal_sched::Decision;
 
-use crate::db::{JobState, TaskRow, TaskState, now};
+use crate::db::{JobState, TaskRow, TaskState};
 use crate::error::Result;
 
 use super::admission::request_of;
@@ -92,7 +92,7 @@ impl Control {
             }
         }
         // Hold the adopted jobs' resources before anything pending is considered.
-        let decisions = self.sched().schedule(now() as u64);
+        let decisions = self.sched().schedule(self.db.now() as u64);
         let placed: HashSet<String> = decisions
             .iter()
             .filter_map(|d| if let Decision::Place { job, .. } = d { Some(job.clone()) } else { None })

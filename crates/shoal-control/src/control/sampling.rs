@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use shoal_exec::Usage;
 
-use crate::db::{ClusterSample, JobRow, JobState, SampleRow, TaskRow, now};
+use crate::db::{ClusterSample, JobRow, JobState, SampleRow, TaskRow};
 
 use super::state::{Control, handle};
 
@@ -19,7 +19,7 @@ impl Control {
     pub(super) async fn sample(&self, t: &TaskRow, net: Option<(f64, f64)>) -> Option<Usage> {
         let u = self.exec.usage(&handle(t))?;
         let k = (t.job_id.clone(), t.attempt, t.rank);
-        let now_ms = now();
+        let now_ms = self.db.now();
         let prev = self.sampled.lock().unwrap_or_else(|p| p.into_inner()).get(&k).copied();
         let due = prev.is_none_or(|(at, _)| now_ms - at >= SAMPLE_EVERY_MS);
         if due {
@@ -72,7 +72,7 @@ impl Control {
 
     /// Records the cluster's allocation (every [`CLUSTER_SAMPLE_EVERY_MS`]).
     pub(super) async fn sample_cluster(&self, active: &[JobRow]) {
-        let now_ms = now();
+        let now_ms = self.db.now();
         {
             let mut last = self.cluster_sampled.lock().unwrap_or_else(|p| p.into_inner());
             if now_ms - *last < CLUSTER_SAMPLE_EVERY_MS {

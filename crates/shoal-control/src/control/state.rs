@@ -214,6 +214,11 @@ impl Control {
         self.sched.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Reads the scheduler's books (what is allocated, what waits) without changing them.
+    pub fn with_scheduler<R>(&self, f: impl FnOnce(&Scheduler) -> R) -> R {
+        f(&self.sched())
+    }
+
     pub fn job_dir(&self, id: &str) -> PathBuf {
         self.config.data_dir.join("jobs").join(id)
     }

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use shoal_exec::{STOPPED_EXIT, Stop as Halt, TaskStatus, Usage};
 use shoal_spec::{FaultPolicy, JobSpec, Seconds};
 
-use crate::db::{JobRow, JobState, TaskRow, TaskState, Transition, now};
+use crate::db::{JobRow, JobState, TaskRow, TaskState, Transition};
 use crate::error::Result;
 
 use super::admission::{request_of, tell_tasks};
@@ -120,7 +120,7 @@ impl Control {
                 None => return Ok(None),
             },
         };
-        Ok(Some(until - now()).filter(|left| *left > 0))
+        Ok(Some(until - self.db.now()).filter(|left| *left > 0))
     }
 
     /// The newest `restarted` event of `job`: when, and the backoff it announced (`after a backoff of 4s`; none
@@ -151,7 +151,7 @@ impl Control {
                     Transition {
                         kind: "cancelled",
                         message: "cancelled before it started".into(),
-                        finished_ms: Some(now()),
+                        finished_ms: Some(self.db.now()),
                         ..Default::default()
                     },
                 )
@@ -182,7 +182,7 @@ impl Control {
                         Transition {
                             kind: "failed",
                             message: format!("the scheduler refused it: {e}"),
-                            finished_ms: Some(now()),
+                            finished_ms: Some(self.db.now()),
                             ..Default::default()
                         },
                     )
@@ -383,7 +383,7 @@ impl Control {
                     Transition {
                         kind: "succeeded",
                         message: format!("all {} exited 0", tell_tasks(&spec, statuses.len())),
-                        finished_ms: Some(now()),
+                        finished_ms: Some(self.db.now()),
                         summary,
                         ..Default::default()
                     },
@@ -407,7 +407,7 @@ impl Control {
                         Transition {
                             kind: "cancelled",
                             message: "cancelled; every worker stopped".into(),
-                            finished_ms: Some(now()),
+                            finished_ms: Some(self.db.now()),
                             ..Default::default()
                         },
                     )
@@ -499,7 +499,7 @@ impl Control {
         };
         match backoff {
             Some(wait) if restart.is_some() => {
-                let until = now().saturating_add(wait.as_millis() as i64);
+                let until = self.db.now().saturating_add(wait.as_millis() as i64);
                 self.backoff.lock().unwrap_or_else(|p| p.into_inner()).insert(job.id.clone(), (until, wait));
             }
             _ => {
@@ -518,7 +518,7 @@ impl Control {
                 };
                 (
                     JobState::Failed,
-                    Transition { kind: "failed", message, finished_ms: Some(now()), ..Default::default() },
+                    Transition { kind: "failed", message, finished_ms: Some(self.db.now()), ..Default::default() },
                 )
             }
         };
@@ -544,7 +544,7 @@ impl Control {
             }
             TaskStatus::Running => return Ok(()),
         }
-        row.ended_ms = Some(now());
+        row.ended_ms = Some(self.db.now());
         let k = (t.job_id.clone(), t.attempt, t.rank);
         if let Some((_, cpu)) = self.sampled.lock().unwrap_or_else(|p| p.into_inner()).remove(&k) {
             row.cpu_seconds = Some(cpu);

@@ -6,7 +6,7 @@ use shoal_exec::{Task, TaskLaunch};
 use shoal_sched::TaskPlacement;
 
 use super::state::Control;
-use crate::db::{JobRow, TaskRow, TaskState, now};
+use crate::db::{JobRow, TaskRow, TaskState};
 
 impl Control {
     /// How task `rank` of `world` of attempt `attempt` of `job` starts where the scheduler placed it (`a`): the
@@ -77,7 +77,7 @@ pub(super) fn intent_row(id: &str, attempt: i64, rank: i64, a: &TaskPlacement, h
 }
 
 /// The row of a task its executor just started on `node`.
-pub(super) fn started_row(t: Task, node: &str) -> TaskRow {
+pub(super) fn started_row(t: Task, node: &str, now_ms: i64) -> TaskRow {
     TaskRow {
         job_id: t.job_id,
         attempt: t.attempt,
@@ -92,7 +92,7 @@ pub(super) fn started_row(t: Task, node: &str) -> TaskRow {
         reason: String::new(),
         cpus: t.cpus,
         gpus: t.gpus,
-        started_ms: t.started_ms.or_else(|| Some(now())),
+        started_ms: t.started_ms.or(Some(now_ms)),
         ended_ms: None,
         cpu_seconds: None,
         external_id: t.external_id,

@@ -17,7 +17,7 @@ use shoal_exec::TaskStatus;
 use shoal_spec::JobSpec;
 use shoal_wire::{HangDump, Heartbeat, RankDump};
 
-use crate::db::{JobRow, TaskRow, TaskState, now};
+use crate::db::{JobRow, TaskRow, TaskState};
 use crate::error::Result;
 
 use super::state::{Control, Seen, Watch};
@@ -177,7 +177,7 @@ impl Control {
             .filter(|(_, quiet)| *quiet >= ft.heartbeat_timeout.0)
             .max_by_key(|(_, quiet)| *quiet);
         if let Some((rank, quiet)) = silent {
-            let dump = build_dump(job, w, &running, at);
+            let dump = build_dump(job, w, &running, at, self.db.now());
             let why = format!(
                 "rank {rank} sent no heartbeat for {} (fault_tolerance.heartbeat_timeout = {}) while its process \
                  runs: taken for dead",
@@ -189,7 +189,7 @@ impl Control {
         if let Some(moved) = w.step_moved
             && at.duration_since(moved) >= ft.hang_timeout.0
         {
-            let dump = build_dump(job, w, &running, at);
+            let dump = build_dump(job, w, &running, at, self.db.now());
             let why = format!(
                 "hang: no step completed for {} (fault_tolerance.hang_timeout = {}; step {}) while every worker lives",
                 secs(at.duration_since(moved)),
@@ -210,7 +210,7 @@ impl Control {
         let watched = self.watched.lock().unwrap_or_else(|p| p.into_inner());
         let empty = Watch::new(job.attempt);
         let w = watched.get(&job.id).unwrap_or(&empty);
-        Ok(build_dump(job, w, &running, Instant::now()))
+        Ok(build_dump(job, w, &running, Instant::now(), self.db.now()))
     }
 
     /// Keeps `dump` as the job's last hang dump (`hang-dump.json` in its directory, replaced atomically).
@@ -234,7 +234,7 @@ impl Control {
 }
 
 /// Every rank of `running` (`(rank, its process runs)`) as the watch last saw it, at `at`.
-fn build_dump(job: &JobRow, w: &Watch, running: &[(i64, bool)], at: Instant) -> HangDump {
+fn build_dump(job: &JobRow, w: &Watch, running: &[(i64, bool)], at: Instant, now_ms: i64) -> HangDump {
     let mut ranks = Vec::with_capacity(running.len());
     for &(rank, alive) in running {
         let seen = w.ranks.get(&rank);
@@ -322,7 +322,7 @@ fn build_dump(job: &JobRow, w: &Watch, running: &[(i64, bool)], at: Instant) -> 
     HangDump {
         job_id: job.id.clone(),
         attempt: job.attempt,
-        time_ms: now(),
+        time_ms: now_ms,
         step: w.step,
         stalled_s: w.step_moved.map(|m| at.duration_since(m).as_secs_f64()),
         culprits,

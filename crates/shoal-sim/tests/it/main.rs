@@ -5,6 +5,9 @@ use shoal_sim::{
     Outcome, Report, SimOptions, SynthOptions, Trace, TraceFormat, homogeneous, parse_cluster, parse_trace, simulate,
 };
 
+#[cfg(feature = "control")]
+mod control;
+
 type Result<T = ()> = std::result::Result<T, Box<dyn std::error::Error>>;
 
 const HEADER: &str = "job_id,submit_s,duration_s,gpus,gpu_milli,cpus,memory_mib,team,min_workers,max_workers";
