@@ -31,6 +31,8 @@ struct State {
     adopted: Vec<Key>,
     /// The cluster described to the server, if one was given.
     nodes: Option<Vec<NodeInfo>>,
+    /// Tasks tell no usage (a simulation's: nothing runs to measure).
+    no_usage: bool,
 }
 
 /// See the module documentation.
@@ -56,6 +58,12 @@ impl FakeExecutor {
         let fake = FakeExecutor::new(logs);
         fake.state().nodes = Some(nodes);
         fake
+    }
+
+    /// From now on tasks tell no usage, as an executor that cannot measure them: the server then samples nothing
+    /// (a simulation's tasks have nothing to measure).
+    pub fn tell_no_usage(&self) {
+        self.state().no_usage = true;
     }
 
     /// How many tasks of each job run now (jobs with none are left out).
@@ -270,7 +278,11 @@ impl Executor for FakeExecutor {
     }
 
     fn usage(&self, t: &Task) -> Option<Usage> {
-        match self.state().tasks.get(&key(t)) {
+        let st = self.state();
+        if st.no_usage {
+            return None;
+        }
+        match st.tasks.get(&key(t)) {
             Some((TaskStatus::Running, u)) => Some(*u),
             _ => None,
         }

@@ -148,6 +148,7 @@ async fn run(trace: &Trace, nodes: Vec<Node>, options: &SimOptions, dir: &std::p
     let at = |t: u64| base + (t - first) as i64;
     let clock = Clock::manual(at(first));
     let fake = Arc::new(FakeExecutor::with_nodes(&dir.join("logs"), infos));
+    fake.tell_no_usage();
     let mut opts =
         ServerOptions::new(&dir.join("data"), "127.0.0.1:0".parse().expect("a literal address"), &dir.join("shoal"));
     opts.executor = Some(fake.clone());
@@ -305,6 +306,7 @@ async fn run(trace: &Trace, nodes: Vec<Node>, options: &SimOptions, dir: &std::p
             }
         }
         clock.set(at(now));
+        let stopping_before = control.stopping_any();
         control.tick().await.map_err(control_err("a turn of the control loop"))?;
         out.passes += 1;
 
@@ -388,8 +390,9 @@ async fn run(trace: &Trace, nodes: Vec<Node>, options: &SimOptions, dir: &std::p
                 events.push(Reverse((end, i, follow[i].version)));
             }
         }
-        if control.stopping_any() {
-            // As the server's loop does, turn again soon: what follows a stop waits only for its processes.
+        if stopping_before || control.stopping_any() {
+            // As the server's loop does, turn again soon: what follows a stop waits only for its processes, and a
+            // job a stop put back in the queue reaches the scheduler on the next turn.
             events.push(Reverse((now + options.interval_ms.max(1), usize::MAX, 0)));
         }
         let running_milli: u64 = held.iter().sum();

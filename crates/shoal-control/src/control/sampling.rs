@@ -15,14 +15,16 @@ pub const SAMPLE_EVERY_MS: i64 = 2000;
 pub const CLUSTER_SAMPLE_EVERY_MS: i64 = 5000;
 
 impl Control {
-    /// Samples the CPU and memory of a running task (kept every [`SAMPLE_EVERY_MS`]); returns its usage now.
-    pub(super) async fn sample(&self, t: &TaskRow, net: Option<(f64, f64)>) -> Option<Usage> {
+    /// Samples the CPU and memory of a running task (kept every [`SAMPLE_EVERY_MS`], with the host's network rates
+    /// read then); returns its usage now.
+    pub(super) async fn sample(&self, t: &TaskRow) -> Option<Usage> {
         let u = self.exec.usage(&handle(t))?;
         let k = (t.job_id.clone(), t.attempt, t.rank);
         let now_ms = self.db.now();
         let prev = self.sampled.lock().unwrap_or_else(|p| p.into_inner()).get(&k).copied();
         let due = prev.is_none_or(|(at, _)| now_ms - at >= SAMPLE_EVERY_MS);
         if due {
+            let net = self.net_rates();
             let cpu_percent = prev.and_then(|(at, cpu)| {
                 let dt = (now_ms - at) as f64 / 1000.0;
                 (dt > 0.0).then(|| ((u.cpu_seconds - cpu) / dt * 100.0).max(0.0))

@@ -211,10 +211,9 @@ impl Control {
         }
         let mut statuses = Vec::with_capacity(tasks.len());
         let mut usage: HashMap<i64, Usage> = HashMap::new();
-        let net = self.net_rates();
         for t in &tasks {
             if t.state == TaskState::Running
-                && let Some(u) = self.sample(t, net).await
+                && let Some(u) = self.sample(t).await
             {
                 usage.insert(t.rank, u);
             }
