@@ -1552,19 +1552,6 @@ impl Scheduler {
             // in order, the deepest level first — taken from `las_running` only as far as needed (galloping: 1,
             // 2, 4... victims), not all gathered and sorted. The search below then runs on that prefix, in which
             // the shortest one that makes room lies.
-            steps.extend(self.draining.iter().map(|id| Step::Drain(id.clone())));
-            let deepest = self.config.las_thresholds_gpu_ms.len();
-            let is_victim =
-                |id: &&JobId| matches!(self.jobs[*id].state, State::Running { .. }) && eligible(&self.jobs[*id]);
-            for id in las_in_order(&self.las_shrinkable, req.priority, level, deepest).filter(is_victim) {
-                let j = &self.jobs[id];
-                if let State::Running { tasks, .. } = &j.state {
-                    for t in (j.req.tasks_min as usize..tasks.len()).rev() {
-                        steps.push(Step::ShrinkOne(id.clone(), t));
-                    }
-                }
-            }
-            let mut source = las_in_order(&self.las_running, req.priority, level, deepest).filter(is_victim);
             // What a step releases: a preempted job's tasks but those its shrink steps released.
             let release_all = |f: &mut Vec<NodeFree>, fit: &mut FitCount<'_>, j: &Job, preempt: bool| {
                 if let State::Running { tasks, .. } | State::Draining { tasks, .. } = &j.state {
@@ -1579,6 +1566,25 @@ impl Scheduler {
             for id in &self.draining {
                 release_all(&mut scratch, &mut fit, &self.jobs[id], false);
             }
+            if !self.draining.is_empty() && fit.fits() {
+                // The draining jobs make room: the shortest prefix that does holds only drains, so nothing is
+                // decided (what the search below would find, without building the steps).
+                self.scratch = scratch;
+                return Some(Vec::new());
+            }
+            steps.extend(self.draining.iter().map(|id| Step::Drain(id.clone())));
+            let deepest = self.config.las_thresholds_gpu_ms.len();
+            let is_victim =
+                |id: &&JobId| matches!(self.jobs[*id].state, State::Running { .. }) && eligible(&self.jobs[*id]);
+            for id in las_in_order(&self.las_shrinkable, req.priority, level, deepest).filter(is_victim) {
+                let j = &self.jobs[id];
+                if let State::Running { tasks, .. } = &j.state {
+                    for t in (j.req.tasks_min as usize..tasks.len()).rev() {
+                        steps.push(Step::ShrinkOne(id.clone(), t));
+                    }
+                }
+            }
+            let mut source = las_in_order(&self.las_running, req.priority, level, deepest).filter(is_victim);
             for s in &steps {
                 if let Step::ShrinkOne(id, t) = s
                     && let State::Running { tasks, .. } = &self.jobs[id].state
