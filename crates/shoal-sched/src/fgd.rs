@@ -107,9 +107,7 @@ fn choose(
             scratch.cpu -= r.cpus_milli;
             scratch.mem -= r.memory_bytes;
             for &(g, share) in &gpus {
-                let gf = &mut scratch.gpus[g as usize];
-                gf.share -= share;
-                gf.mem -= r.gpu_memory_bytes;
+                scratch.take_gpu(g as usize, share, r.gpu_memory_bytes);
             }
             let key = (node_frag(scratch, w) as i64 - before, free_gpu(scratch), i);
             if best.as_ref().is_none_or(|(k, _)| key < *k) {
@@ -131,7 +129,7 @@ pub(crate) fn place(
     w: &Workload,
 ) -> Option<Vec<TaskAlloc>> {
     let mut tasks: Vec<TaskAlloc> = Vec::with_capacity(k as usize);
-    let mut scratch = NodeFree { cpu: 0, mem: 0, gpus: Vec::new() };
+    let mut scratch = NodeFree { cpu: 0, mem: 0, gpus: Vec::new(), whole: 0, mem_floor: 0 };
     let mut used: Vec<usize> = Vec::new();
     for _ in 0..k {
         let skip: &[usize] = if spread { &used } else { &[] };

@@ -95,6 +95,10 @@ impl Class {
         self.chunks[ci].items.binary_search_by(|(k, _)| k.cmp(key)).ok().map(|ii| (ci, ii))
     }
 
+    pub fn get(&self, key: &PendKey) -> Option<&PendInfo> {
+        self.find(key).map(|p| self.at(p).1)
+    }
+
     pub fn remove(&mut self, key: &PendKey) -> Option<PendInfo> {
         let (ci, ii) = self.find(key)?;
         let c = &mut self.chunks[ci];

@@ -4,7 +4,7 @@
 //! then only goes where it fits in both.
 
 use crate::fgd;
-pub(crate) use crate::free::{GpuFree, NodeFree, TaskAlloc, alloc, release};
+pub(crate) use crate::free::{NodeFree, TaskAlloc, alloc, release};
 use crate::free::{gpu_view, node_cap};
 use crate::model::Resources;
 
@@ -184,12 +184,11 @@ pub(crate) fn place_excluding(
     exclude: &[usize],
     pack: Pack<'_>,
 ) -> Option<Vec<TaskAlloc>> {
-    let none = |n: &NodeFree| NodeFree { cpu: 0, mem: 0, gpus: vec![GpuFree { share: 0, mem: 0 }; n.gpus.len()] };
     let n = a.len();
     let mut kept: Vec<(usize, NodeFree)> = Vec::with_capacity(exclude.len());
     for &i in exclude.iter().filter(|&&i| i < n) {
         if kept.iter().all(|(j, _)| *j != i) {
-            let empty = none(&a[i]);
+            let empty = a[i].none_like();
             kept.push((i, std::mem::replace(&mut a[i], empty)));
         }
     }

@@ -5,6 +5,7 @@ use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap, VecDeque};
 
 use crate::error::{Result, SchedError};
 use crate::fgd;
+use crate::free::FitCount;
 use crate::model::{
     Config, Decision, JobId, JobRequest, JobStatus, Node, NodeAllocation, PreemptReason, Queue, Quota, Resources,
     TaskPlacement,
@@ -179,10 +180,15 @@ pub struct Scheduler {
     static_order: bool,
     /// The pending jobs by class, each in pass order (`pending.rs`).
     classes: BTreeMap<ClassKey, Class>,
+    /// Under [`Ordering::Fifo`] in a static order: every job of `classes`, in pass order, with its class (strict FIFO
+    /// stops at the first job that waits, so its pass walks this instead of merging the classes).
+    fifo_order: BTreeMap<PendKey, ClassKey>,
     /// The jobs running or draining.
     active: BTreeSet<JobId>,
     /// The running jobs with more tasks than their minimum (elastic jobs that could shrink).
     above_min: BTreeSet<JobId>,
+    /// The running jobs with fewer tasks than their maximum (those that could grow); kept with `above_min`.
+    below_max: BTreeSet<JobId>,
     /// When they end: a running job at its start plus its expected run time (none without one), a draining one
     /// at the end of its grace period.
     ends: BTreeSet<(u64, JobId)>,
@@ -206,6 +212,8 @@ pub struct Scheduler {
     /// In this pass, a rank for which no job was running below it, nothing drained and no peer could shrink: no
     /// job of that rank or lower can make room until something is preempted.
     no_room_below: Option<(i32, i64)>,
+    /// A copy of `free` that room-making works on, kept between passes so that copying reuses its memory.
+    scratch: Vec<NodeFree>,
 }
 
 fn gpus_text(milli: u64) -> String {
@@ -259,8 +267,10 @@ impl Scheduler {
             last_blocked: None,
             static_order: qs.values().all(|q: &QueueState| q.queue.guaranteed == Quota::UNLIMITED),
             classes: BTreeMap::new(),
+            fifo_order: BTreeMap::new(),
             active: BTreeSet::new(),
             above_min: BTreeSet::new(),
+            below_max: BTreeSet::new(),
             ends: BTreeSet::new(),
             las_reach: BTreeSet::new(),
             las_running: BTreeMap::new(),
@@ -270,6 +280,7 @@ impl Scheduler {
             running_by_priority: BTreeMap::new(),
             running_elastic: 0,
             no_room_below: None,
+            scratch: Vec::new(),
         })
     }
 
@@ -447,7 +458,11 @@ impl Scheduler {
             failed_at: j.failed_at,
         };
         let key = self.pend_key(j);
-        self.classes.entry(self.class_key(&j.req)).or_default().insert(key, info);
+        let ck = self.class_key(&j.req);
+        if self.config.policy.ordering == Ordering::Fifo {
+            self.fifo_order.insert(key.clone(), ck.clone());
+        }
+        self.classes.entry(ck).or_default().insert(key, info);
     }
 
     /// Takes a job out of the static order.
@@ -456,6 +471,7 @@ impl Scheduler {
             return;
         }
         let (ck, key) = (self.class_key(&j.req), self.pend_key(j));
+        self.fifo_order.remove(&key);
         if let Some(c) = self.classes.get_mut(&ck) {
             c.remove(&key);
             if c.is_empty() {
@@ -783,12 +799,20 @@ impl Scheduler {
     fn las_mark(&mut self, id: &str, add: bool) {
         if let Some(j) = self.jobs.get(id)
             && let State::Running { tasks, .. } = &j.state
-            && tasks.len() > j.req.tasks_min as usize
         {
-            if add {
-                self.above_min.insert(j.req.id.clone());
-            } else {
-                self.above_min.remove(id);
+            if tasks.len() > j.req.tasks_min as usize {
+                if add {
+                    self.above_min.insert(j.req.id.clone());
+                } else {
+                    self.above_min.remove(id);
+                }
+            }
+            if tasks.len() < j.req.tasks_max as usize {
+                if add {
+                    self.below_max.insert(j.req.id.clone());
+                } else {
+                    self.below_max.remove(id);
+                }
             }
         }
         if self.config.policy.ordering != Ordering::Las {
@@ -1036,6 +1060,66 @@ impl Scheduler {
             placed: Vec::new(),
             failed: Vec::new(),
         };
+        if self.config.policy.ordering == Ordering::Fifo {
+            self.walk_fifo(&classes, now, &mut st, out);
+        } else {
+            self.merge_classes(&classes, now, &mut st, out);
+        }
+        self.classes = classes;
+        for (k, f) in st.failed {
+            let Some(j) = self.jobs.get(&k.3) else { continue };
+            let ck = self.class_key(&j.req);
+            if let Some(info) = self.classes.get_mut(&ck).and_then(|c| c.get_mut(&k)) {
+                info.failed_at = f;
+            }
+        }
+        for k in st.placed {
+            self.fifo_order.remove(&k);
+            let Some(j) = self.jobs.get(&k.3) else { continue };
+            let ck = self.class_key(&j.req);
+            if let Some(c) = self.classes.get_mut(&ck) {
+                c.remove(&k);
+                if c.is_empty() {
+                    self.classes.remove(&ck);
+                }
+            }
+        }
+        st.waiting
+    }
+
+    /// Strict FIFO's pass: the jobs in `fifo_order`, the pass order, up to the first that waits; a class's later jobs
+    /// are passed over as [`Scheduler::merge_classes`] passes them over (all of them once its jobs cannot fit, beside a
+    /// reservation those that do not end before it), so the decisions are the merge's.
+    fn walk_fifo(&mut self, classes: &BTreeMap<ClassKey, Class>, now: u64, st: &mut Pass, out: &mut Vec<Decision>) {
+        let order = std::mem::take(&mut self.fifo_order);
+        // The longest expected run time still worth a look in each class (none: no job of it).
+        let mut bound: BTreeMap<&ClassKey, Option<u64>> = BTreeMap::new();
+        for (key, ck) in &order {
+            let Some(info) = classes.get(ck).and_then(|c| c.get(key)) else { continue };
+            match bound.get(ck) {
+                Some(None) => continue,
+                Some(Some(t)) if info.runtime > *t => continue,
+                _ => {}
+            }
+            let (stop, fate) = self.visit(key, info, now, st, out);
+            if stop {
+                break;
+            }
+            let b = match fate {
+                Fate::Dead => None,
+                Fate::Next => Some(u64::MAX),
+                Fate::EndsBy(t) => Some(t),
+            };
+            bound.insert(ck, b);
+        }
+        drop(bound);
+        // Nothing in the walk adds pending jobs; should something, it is kept.
+        let added = std::mem::replace(&mut self.fifo_order, order);
+        self.fifo_order.extend(added);
+    }
+
+    /// The pass over the classes merged by their next job (every static ordering but strict FIFO).
+    fn merge_classes(&mut self, classes: &BTreeMap<ClassKey, Class>, now: u64, st: &mut Pass, out: &mut Vec<Decision>) {
         // Each team (one, unnamed, but under DRF) merges its classes by their next job.
         type Next<'a> = std::cmp::Reverse<(&'a PendKey, usize, Pos)>;
         let list: Vec<(&ClassKey, &Class)> = classes.iter().collect();
@@ -1084,7 +1168,7 @@ impl Scheduler {
                 let Some((_, _, ti)) = best else { break };
                 let Some(std::cmp::Reverse((key, ci, pos))) = teams[ti].1.pop() else { break };
                 let class = list[ci].1;
-                let (stop, fate) = self.visit(key, class.at(pos).1, now, &mut st, out);
+                let (stop, fate) = self.visit(key, class.at(pos).1, now, st, out);
                 if stop {
                     break 'pass;
                 }
@@ -1098,27 +1182,6 @@ impl Scheduler {
                 }
             }
         }
-        drop(teams);
-        drop(list);
-        self.classes = classes;
-        for (k, f) in st.failed {
-            let Some(j) = self.jobs.get(&k.3) else { continue };
-            let ck = self.class_key(&j.req);
-            if let Some(info) = self.classes.get_mut(&ck).and_then(|c| c.get_mut(&k)) {
-                info.failed_at = f;
-            }
-        }
-        for k in st.placed {
-            let Some(j) = self.jobs.get(&k.3) else { continue };
-            let ck = self.class_key(&j.req);
-            if let Some(c) = self.classes.get_mut(&ck) {
-                c.remove(&k);
-                if c.is_empty() {
-                    self.classes.remove(&ck);
-                }
-            }
-        }
-        st.waiting
     }
 
     /// One pending job of [`Scheduler::pass_static`]: whether the pass stops there, and what is left to try of
@@ -1454,6 +1517,7 @@ impl Scheduler {
         {
             return None;
         }
+        let mut scratch = std::mem::take(&mut self.scratch);
         let eligible = |v: &Job| {
             v.req.id != req.id
                 && ((v.req.queue == req.queue && self.rank(v, now) < req_rank)
@@ -1481,13 +1545,33 @@ impl Scheduler {
             && ordering == Ordering::Las
             && self.running_by_priority.keys().next().is_none_or(|&p| p >= req.priority);
         let level = (-req_rank.1) as usize;
-        // The cluster after every step, when already known.
-        let mut after_all: Option<Vec<NodeFree>> = None;
+        // The cluster after every step (in `scratch`) with its fit count, when already known.
+        let mut after_all: Option<FitCount<'_>> = None;
         if las_only {
             // The steps are the draining jobs, the shrinking of the victims above their minimum, then the victims
             // in order, the deepest level first — taken from `las_running` only as far as needed (galloping: 1,
             // 2, 4... victims), not all gathered and sorted. The search below then runs on that prefix, in which
             // the shortest one that makes room lies.
+            // What a step releases: a preempted job's tasks but those its shrink steps released.
+            let release_all = |f: &mut Vec<NodeFree>, fit: &mut FitCount<'_>, j: &Job, preempt: bool| {
+                if let State::Running { tasks, .. } | State::Draining { tasks, .. } = &j.state {
+                    let keep = if preempt { (j.req.tasks_min as usize).min(tasks.len()) } else { tasks.len() };
+                    for t in &tasks[..keep] {
+                        fit.release(f, t, &j.req.per_task);
+                    }
+                }
+            };
+            scratch.clone_from(&self.free);
+            let mut fit = FitCount::new(&scratch, &req.per_task, req.tasks_min, req.spread);
+            for id in &self.draining {
+                release_all(&mut scratch, &mut fit, &self.jobs[id], false);
+            }
+            if !self.draining.is_empty() && fit.fits() {
+                // The draining jobs make room: the shortest prefix that does holds only drains, so nothing is
+                // decided (what the search below would find, without building the steps).
+                self.scratch = scratch;
+                return Some(Vec::new());
+            }
             steps.extend(self.draining.iter().map(|id| Step::Drain(id.clone())));
             let deepest = self.config.las_thresholds_gpu_ms.len();
             let is_victim =
@@ -1501,28 +1585,15 @@ impl Scheduler {
                 }
             }
             let mut source = las_in_order(&self.las_running, req.priority, level, deepest).filter(is_victim);
-            // What a step releases: a preempted job's tasks but those its shrink steps released.
-            let release_all = |f: &mut Vec<NodeFree>, j: &Job, preempt: bool| {
-                if let State::Running { tasks, .. } | State::Draining { tasks, .. } = &j.state {
-                    let keep = if preempt { (j.req.tasks_min as usize).min(tasks.len()) } else { tasks.len() };
-                    for t in &tasks[..keep] {
-                        place::release(f, t, &j.req.per_task);
-                    }
-                }
-            };
-            let mut scratch = self.free.clone();
-            for id in &self.draining {
-                release_all(&mut scratch, &self.jobs[id], false);
-            }
             for s in &steps {
                 if let Step::ShrinkOne(id, t) = s
                     && let State::Running { tasks, .. } = &self.jobs[id].state
                 {
-                    place::release(&mut scratch, &tasks[*t], &self.jobs[id].req.per_task);
+                    fit.release(&mut scratch, &tasks[*t], &self.jobs[id].req.per_task);
                 }
             }
             let mut taken: Vec<&JobId> = Vec::new();
-            let mut enough = !steps.is_empty() && place::fits(&scratch, &req.per_task, req.tasks_min, req.spread);
+            let mut enough = !steps.is_empty() && fit.fits();
             let mut want = 1usize;
             while !enough {
                 let before = taken.len();
@@ -1531,23 +1602,27 @@ impl Scheduler {
                     break;
                 }
                 for id in &taken[before..] {
-                    release_all(&mut scratch, &self.jobs[*id], true);
+                    release_all(&mut scratch, &mut fit, &self.jobs[*id], true);
                 }
-                enough = place::fits(&scratch, &req.per_task, req.tasks_min, req.spread);
+                enough = fit.fits();
                 want *= 2;
             }
             if steps.is_empty() && taken.is_empty() {
+                drop(source);
+                self.scratch = scratch;
                 self.no_room_below = Some(self.no_room_below.map_or(req_rank, |r| r.max(req_rank)));
                 return None;
             }
             if !enough {
+                drop(source);
+                self.scratch = scratch;
                 if memo && let Some(j) = self.jobs.get_mut(&req.id) {
                     j.room_failed = Some((self.released, self.preempted, now));
                 }
                 return None;
             }
             steps.extend(taken.into_iter().map(|id| Step::Preempt(id.clone())));
-            after_all = Some(scratch);
+            after_all = Some(fit);
         } else {
             // Under the elastic ordering in a static order with nothing running at a lower priority: the draining jobs
             // and the peers that could shrink.
@@ -1586,6 +1661,7 @@ impl Scheduler {
             }
             if steps.is_empty() && victims.is_empty() && peers.is_empty() {
                 // Fewer jobs still are below a lower rank.
+                self.scratch = scratch;
                 self.no_room_below = Some(self.no_room_below.map_or(req_rank, |r| r.max(req_rank)));
                 return None;
             }
@@ -1634,13 +1710,13 @@ impl Scheduler {
                 *shrunk.entry(id.as_str()).or_default() += 1;
             }
         }
-        // Carries out a range of steps on `f` (or takes them back, which undoes them exactly).
-        let apply = |f: &mut Vec<NodeFree>, range: std::ops::Range<usize>, undo: bool| {
+        // Carries out a range of steps on `f` (or takes them back, which undoes them exactly), counted in `fit`.
+        let apply = |f: &mut Vec<NodeFree>, fit: &mut FitCount<'_>, range: std::ops::Range<usize>, undo: bool| {
             let mut free = |t: &TaskAlloc, r: &Resources| {
                 if undo {
-                    place::alloc(f, t, r);
+                    fit.alloc(f, t, r);
                 } else {
-                    place::release(f, t, r);
+                    fit.release(f, t, r);
                 }
             };
             for (s, j) in steps[range.clone()].iter().zip(&jobs_of[range]) {
@@ -1662,35 +1738,42 @@ impl Scheduler {
                 }
             }
         };
-        let r = &req.per_task;
-        let mut below = after_all.unwrap_or_else(|| {
-            let mut f = self.free.clone();
-            apply(&mut f, 0..steps.len(), false);
-            f
-        });
-        if !place::fits(&below, r, req.tasks_min, req.spread) {
+        let mut below = scratch;
+        let mut fit = match after_all {
+            Some(fit) => fit,
+            None => {
+                below.clone_from(&self.free);
+                let mut fit = FitCount::new(&below, &req.per_task, req.tasks_min, req.spread);
+                apply(&mut below, &mut fit, 0..steps.len(), false);
+                fit
+            }
+        };
+        if !fit.fits() {
+            drop(jobs_of);
+            self.scratch = below;
             if memo && let Some(j) = self.jobs.get_mut(&req.id) {
                 j.room_failed = Some((self.released, self.preempted, now));
             }
             return None;
         }
-        apply(&mut below, 0..steps.len(), true);
+        apply(&mut below, &mut fit, 0..steps.len(), true);
         // The shortest prefix of steps that makes room (monotone: binary search); `below` is the cluster after
         // steps[..done], a prefix known not to make room.
         let (mut lo, mut hi) = (1usize, steps.len());
         let mut done = 0usize;
         while lo < hi {
             let mid = (lo + hi) / 2;
-            apply(&mut below, done..mid, false);
-            if place::fits(&below, r, req.tasks_min, req.spread) {
+            apply(&mut below, &mut fit, done..mid, false);
+            if fit.fits() {
                 hi = mid;
-                apply(&mut below, done..mid, true);
+                apply(&mut below, &mut fit, done..mid, true);
             } else {
                 lo = mid + 1;
                 done = mid;
             }
         }
         drop(jobs_of);
+        self.scratch = below;
         let used = lo;
         let steps: Vec<Step> = steps.into_iter().take(used).collect();
         let mut out = Vec::new();
@@ -1754,7 +1837,7 @@ impl Scheduler {
     fn grow(&mut self, now: u64, out: &mut Vec<Decision>) {
         let pack = self.config.policy.packing;
         let mut elastic: Vec<(i32, u64, JobId)> = self
-            .active
+            .below_max
             .iter()
             .map(|id| (id, &self.jobs[id]))
             .filter(|(_, j)| matches!(&j.state, State::Running { tasks, .. } if (tasks.len() as u32) < j.req.tasks_max))

@@ -54,7 +54,7 @@ pub use control::simulate_control;
 pub use error::{Result, SimError};
 pub use plot::{POINTS, write_plots};
 pub use report::{Report, TeamReport, jobs_csv, series_csv};
-pub use sim::{JobRecord, Outcome, Sample, SimOptions, TeamTally, simulate};
+pub use sim::{ArrivalSample, JobRecord, Outcome, Sample, SimOptions, TeamTally, simulate};
 pub use synth::{SynthOptions, philly_like};
 pub use trace::{Trace, TraceFormat, TraceJob, parse_trace, read_trace, write_trace};
 

@@ -11,7 +11,16 @@
 //!   whose longest jobs outlast its arrivals by far, as the Alibaba one's, leaves the first near zero). `utilisation`: the GPU time the completed jobs asked for (GPUs × duration) over
 //!   capacity × makespan.
 //! - `unallocated_gpus_mean`: time-weighted mean of the GPUs nobody holds, over the time some job waits (idle
-//!   GPUs while nothing waits are no loss). `fragmentation_gpus_mean`: over the same time, FGD's
+//!   GPUs while nothing waits are no loss). That time is each policy's own (a policy that packs better may make
+//!   jobs wait less, and then is averaged over other moments), so it does not compare policies: the next two do.
+//! - `unallocated_gpus_arrivals_mean`: the mean, over the trace's arrivals, of the GPUs nobody holds after the
+//!   pass at the instant each job arrives — the same instants under every policy (arrival times do not depend on
+//!   the policy). `unallocated_gpus_oversubscribed_mean`: the same over the arrivals from the first at which the
+//!   jobs arrived so far ask for at least the cluster's GPUs (GPUs × minimum tasks, summed; also independent of
+//!   the policy); 0 when that never happens. As FGD (Weng et al., ATC'23) measures packing: the GPUs left
+//!   unallocated as the arrived workload grows, here once it exceeds the cluster — GPUs that stay idle then are
+//!   GPUs the packing could not use. `unallocated_gpus_oversubscribed_arrivals` counts those arrivals.
+//! - `fragmentation_gpus_mean`: over the time some job waits, FGD's
 //!   fragmentation for the head of the queue (the first job the pass could not start): on each node, all its
 //!   free GPU capacity where that job's task cannot fit at all (CPU, memory or GPUs short), else the free
 //!   capacity of the GPUs with too little room for the task's share of one GPU (for whole-GPU tasks, the partly
@@ -92,6 +101,12 @@ pub struct Report {
     pub gpu_allocation_arrivals_mean: f64,
     /// Time-weighted mean unallocated GPUs while some job waits.
     pub unallocated_gpus_mean: f64,
+    /// Mean unallocated GPUs at the trace's arrivals (the same instants under every policy).
+    pub unallocated_gpus_arrivals_mean: f64,
+    /// Mean unallocated GPUs at the arrivals once the arrived jobs ask for at least the cluster's GPUs.
+    pub unallocated_gpus_oversubscribed_mean: f64,
+    /// How many arrivals that mean is over.
+    pub unallocated_gpus_oversubscribed_arrivals: usize,
     /// Time-weighted mean FGD fragmentation (GPUs) for the head of the queue while some job waits.
     pub fragmentation_gpus_mean: f64,
     /// Fraction of the makespan during which some job waits.
@@ -175,6 +190,13 @@ impl Report {
             }
         }
         let per = |x: f64, d: f64| if d > 0.0 { x / d } else { 0.0 };
+        let at_arrivals: f64 = o.arrivals.iter().map(|a| a.unallocated_gpu_milli as f64).sum();
+        let over: Vec<f64> = o
+            .arrivals
+            .iter()
+            .skip_while(|a| a.arrived_gpu_milli < o.total_gpu_milli)
+            .map(|a| a.unallocated_gpu_milli as f64)
+            .collect();
         let demand: f64 = done.iter().map(|j| j.demand_milli_ms as f64).sum();
 
         let contended: f64 = o.teams.iter().map(|t| t.contended_gpu_milli_ms as f64).sum();
@@ -231,6 +253,9 @@ impl Report {
             utilisation: per(demand, total * span),
             gpu_allocation_arrivals_mean: per(arriving, total * (last_submit - start) as f64),
             unallocated_gpus_mean: per(unalloc, waiting) / 1000.0,
+            unallocated_gpus_arrivals_mean: per(at_arrivals, o.arrivals.len() as f64) / 1000.0,
+            unallocated_gpus_oversubscribed_mean: per(over.iter().sum(), over.len() as f64) / 1000.0,
+            unallocated_gpus_oversubscribed_arrivals: over.len(),
             fragmentation_gpus_mean: per(frag, waiting) / 1000.0,
             waiting_time_fraction: per(waiting, span),
             pending_mean: per(pend, span),

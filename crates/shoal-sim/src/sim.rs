@@ -96,6 +96,16 @@ pub struct Sample {
     pub fragmentation_milli: u64,
 }
 
+/// The cluster as a job of the trace arrives: after the pass of the instant it arrives at (the same instants,
+/// in the same order, under every policy).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ArrivalSample {
+    /// GPU capacity asked for by the jobs arrived so far, this one included (GPUs × minimum tasks), thousandths.
+    pub arrived_gpu_milli: u64,
+    /// GPU capacity nobody holds after the pass, thousandths.
+    pub unallocated_gpu_milli: u64,
+}
+
 /// One team's GPU time while jobs waited, against what it was entitled to then.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TeamTally {
@@ -156,6 +166,8 @@ pub struct Outcome {
     pub drain_gpu_milli_ms: u128,
     /// Each team's share while jobs waited, by team name.
     pub teams: Vec<TeamTally>,
+    /// One sample per job of the trace, in arrival order.
+    pub arrivals: Vec<ArrivalSample>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -269,7 +281,11 @@ pub fn simulate(trace: &Trace, nodes: Vec<Node>, options: &SimOptions) -> Result
         grows: 0,
         drain_gpu_milli_ms: 0,
         teams: Vec::new(),
+        arrivals: Vec::with_capacity(trace.jobs.len()),
     };
+    // What the jobs arrived so far ask for, and those arrived at this instant (their `arrived_gpu_milli`).
+    let mut arrived_gpu_milli = 0u64;
+    let mut arrived_now: Vec<u64> = Vec::new();
     let team_names: Vec<&str> =
         trace.jobs.iter().map(|j| j.team.as_str()).collect::<BTreeSet<_>>().into_iter().collect();
     let team_of: Vec<usize> =
@@ -321,6 +337,9 @@ pub fn simulate(trace: &Trace, nodes: Vec<Node>, options: &SimOptions) -> Result
             };
             let Some(kind) = kind else {
                 submit(&mut sched, &trace.jobs[i], &mut live[i], &mut jobs[i], t, &mut pending, &mut asked[team_of[i]]);
+                arrived_gpu_milli = arrived_gpu_milli
+                    .saturating_add(trace.jobs[i].per_task.gpus_milli.saturating_mul(trace.jobs[i].tasks_min as u64));
+                arrived_now.push(arrived_gpu_milli);
                 next += 1;
                 continue;
             };
@@ -427,6 +446,9 @@ pub fn simulate(trace: &Trace, nodes: Vec<Node>, options: &SimOptions) -> Result
             Some(last) if last.t_ms == now => *last = sample,
             _ => out.series.push(sample),
         }
+        let unallocated_gpu_milli = total_gpu_milli.saturating_sub(sample.allocated_gpu_milli);
+        out.arrivals
+            .extend(arrived_now.drain(..).map(|a| ArrivalSample { arrived_gpu_milli: a, unallocated_gpu_milli }));
         if next == jobs.len() && events.is_empty() && pending > 0 {
             return Err(SimError::Audit {
                 at_ms: now,

@@ -137,6 +137,8 @@ fn the_same_inputs_give_the_same_report_byte_for_byte() -> Result {
             "makespan_s",
             "gpu_allocation_mean",
             "unallocated_gpus_mean",
+            "unallocated_gpus_arrivals_mean",
+            "unallocated_gpus_oversubscribed_mean",
             "preemptions",
         ] {
             assert!(json.get(key).is_some(), "{key} missing");
@@ -186,5 +188,34 @@ fn bad_traces_are_refused_naming_the_file_line_and_column() -> Result {
     let err = shoal_sim::read_trace(&path).map(|_| ()).map_err(|e| e.to_string()).err().unwrap_or_default();
     assert!(err.starts_with("trace.csv line 1: unknown column(s) colour;"), "{err}");
     std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+
+#[test]
+fn the_unallocated_gpus_at_arrivals_are_sampled_at_the_same_instants_under_every_policy() -> Result {
+    let trace = synthetic(500, 7);
+    let mut arrived: Option<Vec<u64>> = None;
+    for policy in ["fifo", "backfill+fgd", "las", "drf+fgd", "elastic"] {
+        let options = SimOptions { policy: policy.parse()?, ..SimOptions::default() };
+        let o = simulate(&trace, homogeneous(8, 8)?, &options)?;
+        // One sample a job, the arrived demand growing by each job's GPUs × minimum tasks.
+        assert_eq!(o.arrivals.len(), trace.jobs.len(), "{policy}");
+        let mut sum = 0u64;
+        for (a, j) in o.arrivals.iter().zip(&trace.jobs) {
+            sum += j.per_task.gpus_milli * j.tasks_min as u64;
+            assert_eq!(a.arrived_gpu_milli, sum, "{policy}");
+            assert!(a.unallocated_gpu_milli <= o.total_gpu_milli, "{policy}");
+        }
+        let mine: Vec<u64> = o.arrivals.iter().map(|a| a.arrived_gpu_milli).collect();
+        assert_eq!(arrived.get_or_insert_with(|| mine.clone()), &mine, "{policy}");
+        // The report's means, over every arrival and over those once the cluster is oversubscribed.
+        let r = Report::of(&o);
+        let unalloc: Vec<f64> = o.arrivals.iter().map(|a| a.unallocated_gpu_milli as f64 / 1000.0).collect();
+        let from = o.arrivals.iter().position(|a| a.arrived_gpu_milli >= o.total_gpu_milli).ok_or("never full")?;
+        let mean = |x: &[f64]| x.iter().sum::<f64>() / x.len() as f64;
+        assert!((r.unallocated_gpus_arrivals_mean - mean(&unalloc)).abs() < 1e-9, "{policy}");
+        assert_eq!(r.unallocated_gpus_oversubscribed_arrivals, unalloc.len() - from, "{policy}");
+        assert!((r.unallocated_gpus_oversubscribed_mean - mean(&unalloc[from..])).abs() < 1e-9, "{policy}");
+    }
     Ok(())
 }
