@@ -14,7 +14,7 @@
 //! jobs; the report is the same [`Outcome`].
 
 use std::cmp::Reverse;
-use std::collections::{BTreeSet, BinaryHeap};
+use std::collections::{BTreeSet, BinaryHeap, HashMap};
 use std::os::unix::fs::MetadataExt;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -27,8 +27,9 @@ use shoal_exec::NodeInfo;
 use shoal_exec::fake::FakeExecutor;
 use shoal_sched::Node;
 
+use crate::books::{Books, prepared, turn_at};
 use crate::error::{Result, SimError};
-use crate::sim::{JobRecord, Outcome, Sample, SimOptions, TeamTally, repeated, water_fill};
+use crate::outcome::{Outcome, SimOptions};
 use crate::trace::{Trace, TraceJob};
 
 /// The longest `expected_runtime` a spec takes.
@@ -78,8 +79,6 @@ fn control_err(what: &str) -> impl Fn(shoal_control::error::ControlError) -> Sim
 /// One job as this driver follows it.
 #[derive(Debug, Default, Clone, Copy)]
 struct Follow {
-    submitted: bool,
-    done: bool,
     /// Tasks running after the last turn, and since when.
     tasks: u32,
     since: u64,
@@ -117,19 +116,7 @@ fn spec_of(j: &TraceJob, name: &str) -> String {
 }
 
 async fn run(trace: &Trace, nodes: Vec<Node>, options: &SimOptions, dir: &std::path::Path) -> Result<Outcome> {
-    if !(options.load.is_finite() && options.load > 0.0) {
-        return Err(SimError::Options(format!("load must be a positive number, not {}", options.load)));
-    }
-    if options.repeat == 0 {
-        return Err(SimError::Options("repeat must be at least 1".into()));
-    }
-    let copies;
-    let trace = if options.repeat > 1 {
-        copies = repeated(trace, options.repeat);
-        &copies
-    } else {
-        trace
-    };
+    let trace = &*prepared(trace, options)?;
     let gpu_memory = nodes.iter().flat_map(|n| n.gpus.iter().map(|g| g.memory_bytes)).max().unwrap_or(80 << 30);
     let infos: Vec<NodeInfo> = nodes
         .iter()
@@ -149,8 +136,8 @@ async fn run(trace: &Trace, nodes: Vec<Node>, options: &SimOptions, dir: &std::p
     let clock = Clock::manual(at(first));
     let fake = Arc::new(FakeExecutor::with_nodes(&dir.join("logs"), infos));
     fake.tell_no_usage();
-    let mut opts =
-        ServerOptions::new(&dir.join("data"), "127.0.0.1:0".parse().expect("a literal address"), &dir.join("shoal"));
+    let listen = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
+    let mut opts = ServerOptions::new(&dir.join("data"), listen, &dir.join("shoal"));
     opts.executor = Some(fake.clone());
     opts.clock = clock.clone();
     opts.sched_policy = options.policy;
@@ -162,107 +149,45 @@ async fn run(trace: &Trace, nodes: Vec<Node>, options: &SimOptions, dir: &std::p
     opts.task_user = (euid == 0).then(|| "root".to_owned());
     let prepared = prepare(&opts).await.map_err(control_err("starting the server"))?;
     let control = prepared.control;
-    let total_gpu_milli = control.with_scheduler(|s| s.total_gpu_milli());
+    let mut books = Books::new(trace, options, nodes.len(), control.with_scheduler(|s| s.total_gpu_milli()));
 
-    let submit_of = |j: &TraceJob| first + ((j.submit_ms - first) as f64 / options.load).round() as u64;
     let n = trace.jobs.len();
     let width = n.to_string().len().max(6);
     let ids: Vec<String> = (0..n).map(|i| format!("j-{i:0width$}")).collect();
-    let mut jobs: Vec<JobRecord> = trace
+    let callers: HashMap<&str, Principal> = trace
         .jobs
         .iter()
-        .map(|j| JobRecord {
-            id: j.id.clone(),
-            team: j.team.clone(),
-            submit_ms: submit_of(j),
-            first_start_ms: None,
-            end_ms: None,
-            starts: 0,
-            preemptions: 0,
-            gpu_milli_ms: 0,
-            demand_milli_ms: j.per_task.gpus_milli as u128 * j.tasks_min as u128 * j.duration_ms as u128,
-            worked_task_ms: 0,
-            rejected: None,
-        })
+        .map(|j| (j.team.as_str(), Principal { user: format!("{}-user", j.team), team: j.team.clone(), admin: false }))
         .collect();
-    let _ = n;
     let mut follow: Vec<Follow> = trace
         .jobs
         .iter()
         .map(|j| Follow { left: j.duration_ms as u128 * j.tasks_min as u128, ..Follow::default() })
         .collect();
-    let team_names: Vec<&str> =
-        trace.jobs.iter().map(|j| j.team.as_str()).collect::<BTreeSet<_>>().into_iter().collect();
-    let team_of: Vec<usize> =
-        trace.jobs.iter().map(|j| team_names.binary_search(&j.team.as_str()).unwrap_or(0)).collect();
-    let callers: Vec<Principal> = team_names
-        .iter()
-        .map(|t| Principal { user: format!("{t}-user"), team: (*t).to_owned(), admin: false })
-        .collect();
-    let mut tallies: Vec<TeamTally> = team_names
-        .iter()
-        .map(|t| TeamTally { team: (*t).to_owned(), contended_gpu_milli_ms: 0, entitled_gpu_milli_ms: 0.0 })
-        .collect();
-    let mut held = vec![0u64; team_names.len()];
-    let mut asked = vec![0u64; team_names.len()];
-    let mut entitled_now = vec![0.0f64; team_names.len()];
-
-    let mut out = Outcome {
-        policy: options.policy,
-        options: options.clone(),
-        trace: trace.name.clone(),
-        skipped: trace.skipped,
-        nodes: nodes.len(),
-        total_gpu_milli,
-        jobs: Vec::new(),
-        series: Vec::new(),
-        passes: 0,
-        preemptions: 0,
-        shrinks: 0,
-        grows: 0,
-        drain_gpu_milli_ms: 0,
-        teams: Vec::new(),
-    };
-    // (time, job, version): a job's work done; (time, usize::MAX, 0): a grace period ends.
+    // (time, job, version): a job's work done; (time, usize::MAX, 0): a turn the loop asks for.
     let mut events: BinaryHeap<Reverse<(u64, usize, u64)>> = BinaryHeap::new();
-    let (mut pending, mut running, mut open) = (0u64, 0u64, n);
+    let mut open = n;
     let mut next = 0usize;
-    let mut last_t: Option<u64> = None;
+    let mut last_t = first;
     let mut draining_milli = 0u64;
     // Jobs submitted and not done, in trace order.
     let mut active: BTreeSet<usize> = BTreeSet::new();
     while open > 0 {
-        let arrival = jobs.get(next).map(|j| j.submit_ms);
+        let arrival = books.jobs.get(next).map(|j| j.submit_ms);
         let event = events.peek().map(|Reverse(e)| e.0);
-        let first_event = match (arrival, event) {
-            (Some(a), Some(e)) => a.min(e),
-            (Some(a), None) => a,
-            (None, Some(e)) => e,
-            (None, None) => {
-                return Err(SimError::Audit {
-                    at_ms: last_t.unwrap_or(first),
-                    what: format!("{open} jobs are not done and nothing will happen any more"),
-                });
-            }
+        let Some(first_event) = arrival.into_iter().chain(event).min() else {
+            return Err(SimError::Audit {
+                at_ms: last_t,
+                what: format!("{open} jobs are not done and nothing will happen any more"),
+            });
         };
-        let now = match options.interval_ms {
-            0 => first_event,
-            i => first_event.div_ceil(i).saturating_mul(i),
-        };
-        if let Some(last) = last_t {
-            let dt = now.saturating_sub(last);
-            out.drain_gpu_milli_ms += draining_milli as u128 * dt as u128;
-            if pending > 0 {
-                for (t, tally) in tallies.iter_mut().enumerate() {
-                    tally.contended_gpu_milli_ms += held[t] as u128 * dt as u128;
-                    tally.entitled_gpu_milli_ms += entitled_now[t] * dt as f64;
-                }
-            }
-        }
-        last_t = Some(now);
+        let now = turn_at(first_event, options.interval_ms);
+        books.out.drain_gpu_milli_ms += draining_milli as u128 * now.saturating_sub(last_t) as u128;
+        last_t = now;
+        books.advance(now);
         // What happens up to the turn, in time order: submissions, and jobs whose work is done.
         loop {
-            let arrival = jobs.get(next).map(|j| j.submit_ms).filter(|&a| a <= now);
+            let arrival = books.jobs.get(next).map(|j| j.submit_ms).filter(|&a| a <= now);
             let event = events.peek().map(|Reverse(e)| *e).filter(|e| e.0 <= now);
             match (arrival, event) {
                 (Some(a), e) if e.is_none_or(|e| a < e.0) => {
@@ -270,28 +195,21 @@ async fn run(trace: &Trace, nodes: Vec<Node>, options: &SimOptions, dir: &std::p
                     next += 1;
                     clock.set(at(a));
                     let tj = &trace.jobs[i];
-                    let spec = shoal_spec::parse_job(&spec_of(tj, &ids[i]), &tj.id);
-                    let result = match spec {
+                    let refused = match shoal_spec::parse_job(&spec_of(tj, &ids[i]), &tj.id) {
                         Ok(spec) => {
-                            shoal_control::api::submit_spec(&control, &callers[team_of[i]], spec, Some(ids[i].clone()))
-                                .await
-                                .map_err(|e| e.to_string())
+                            let caller = &callers[tj.team.as_str()];
+                            let submitted =
+                                shoal_control::api::submit_spec(&control, caller, spec, Some(ids[i].clone())).await;
+                            submitted.err().map(|e| e.to_string())
                         }
-                        Err(e) => Err(e.to_string()),
+                        Err(e) => Some(e.to_string()),
                     };
-                    match result {
-                        Ok(_) => {
-                            active.insert(i);
-                            follow[i].submitted = true;
-                            pending += 1;
-                            asked[team_of[i]] += tj.per_task.gpus_milli * tj.tasks_min as u64;
-                        }
-                        Err(why) => {
-                            follow[i].done = true;
-                            open -= 1;
-                            jobs[i].rejected = Some(why);
-                        }
+                    if refused.is_some() {
+                        open -= 1;
+                    } else {
+                        active.insert(i);
                     }
+                    books.arrived(i, refused);
                 }
                 (_, Some((t, i, version))) => {
                     events.pop();
@@ -308,7 +226,7 @@ async fn run(trace: &Trace, nodes: Vec<Node>, options: &SimOptions, dir: &std::p
         clock.set(at(now));
         let stopping_before = control.stopping_any();
         control.tick().await.map_err(control_err("a turn of the control loop"))?;
-        out.passes += 1;
+        books.out.passes += 1;
 
         // What the loop did: which jobs' tasks run now.
         let counts = fake.running_counts();
@@ -319,25 +237,20 @@ async fn run(trace: &Trace, nodes: Vec<Node>, options: &SimOptions, dir: &std::p
                 continue;
             }
             let tj = &trace.jobs[i];
-            let g = tj.per_task.gpus_milli;
-            let team = team_of[i];
             // Work done at the old size up to the moment it changed.
             let until = f.exited_at.unwrap_or(now);
             let dt = until.saturating_sub(f.since) as u128;
             let done = (dt * f.tasks as u128).min(follow[i].left);
             follow[i].left -= done;
-            jobs[i].worked_task_ms += done;
-            jobs[i].gpu_milli_ms += g as u128 * f.tasks as u128 * dt;
-            held[team] = held[team] + g * now_tasks as u64 - g * f.tasks as u64;
+            books.jobs[i].worked_task_ms += done;
+            books.jobs[i].gpu_milli_ms += tj.per_task.gpus_milli as u128 * f.tasks as u128 * dt;
             if let Some(t) = f.exited_at {
                 // Its tasks exited 0 before this turn, which found them so: the job succeeded.
                 let row = control.db.job(&ids[i]).await.map_err(control_err("reading a job"))?;
                 match row.map(|r| (r.state, r.reason)) {
                     Some((JobState::Succeeded, _)) => {
-                        follow[i].done = true;
+                        books.ended(i, f.tasks, t);
                         follow[i].tasks = 0;
-                        jobs[i].end_ms = Some(t);
-                        running -= 1;
                         open -= 1;
                         fake.forget(&ids[i]);
                         active.remove(&i);
@@ -354,19 +267,11 @@ async fn run(trace: &Trace, nodes: Vec<Node>, options: &SimOptions, dir: &std::p
                 continue;
             }
             if f.tasks == 0 {
-                jobs[i].starts += 1;
-                jobs[i].first_start_ms.get_or_insert(now);
-                pending -= 1;
-                running += 1;
-                asked[team] -= g * tj.tasks_min as u64;
+                books.started(i, now_tasks, now);
             } else if now_tasks == 0 {
                 let row = control.db.job(&ids[i]).await.map_err(control_err("reading a job"))?;
-                match row.map(|r| (r.state, r.reason)) {
-                    Some((JobState::Preempted, _)) => {
-                        jobs[i].preemptions += 1;
-                        out.preemptions += 1;
-                        events.push(Reverse((now.saturating_add(options.grace_ms), usize::MAX, 0)));
-                    }
+                let preempted = match row.map(|r| (r.state, r.reason)) {
+                    Some((JobState::Preempted, _)) => true,
                     Some((state, reason)) if state.is_final() => {
                         return Err(SimError::Control(format!(
                             "job {} ended {} with work left: {reason}",
@@ -375,11 +280,18 @@ async fn run(trace: &Trace, nodes: Vec<Node>, options: &SimOptions, dir: &std::p
                         )));
                     }
                     // Stopped to grow (it starts again at once) or to shrink (back in the queue).
-                    _ => {}
+                    _ => false,
+                };
+                if preempted {
+                    // The loop requeues it when its grace period is over.
+                    events.push(Reverse((now.saturating_add(options.grace_ms), usize::MAX, 0)));
                 }
-                running -= 1;
-                pending += 1;
-                asked[team] += g * tj.tasks_min as u64;
+                // Its tasks are gone: it waits (a preempted job's capacity stays held until the loop requeues it,
+                // counted as draining below).
+                books.stopped(i, preempted);
+                books.requeued(i, f.tasks);
+            } else {
+                books.resized(i, f.tasks, now_tasks);
             }
             follow[i].tasks = now_tasks;
             follow[i].since = now;
@@ -395,36 +307,25 @@ async fn run(trace: &Trace, nodes: Vec<Node>, options: &SimOptions, dir: &std::p
             // job a stop put back in the queue reaches the scheduler on the next turn.
             events.push(Reverse((now + options.interval_ms.max(1), usize::MAX, 0)));
         }
-        let running_milli: u64 = held.iter().sum();
+        let pending = books.pending;
         let (allocated, fragmentation) = control.with_scheduler(|s| {
             let head = if pending > 0 { s.blocked().and_then(|b| s.request(b)) } else { None };
             (s.allocated_gpu_milli(), head.map(|r| s.fragmentation_milli(&r.per_task)).unwrap_or(0))
         });
-        draining_milli = allocated.saturating_sub(running_milli);
-        if pending > 0 {
-            let demand: Vec<u64> = held.iter().zip(&asked).map(|(h, a)| h + a).collect();
-            entitled_now = water_fill(&demand, total_gpu_milli);
-        }
-        let sample =
-            Sample { t_ms: now, allocated_gpu_milli: allocated, pending, running, fragmentation_milli: fragmentation };
-        match out.series.last_mut() {
-            Some(last) if last.t_ms == now => *last = sample,
-            _ => out.series.push(sample),
-        }
+        draining_milli = allocated.saturating_sub(books.held_gpu_milli());
+        books.sampled(now, allocated, fragmentation);
     }
     // The resizes the loop carried out, from each job's events.
-    for (i, f) in follow.iter().enumerate() {
-        if !f.submitted {
+    for (i, id) in ids.iter().enumerate() {
+        if books.jobs[i].rejected.is_some() {
             continue;
         }
-        for e in control.db.events(&ids[i], 0).await.map_err(control_err("reading a job's events"))? {
+        for e in control.db.events(id, 0).await.map_err(control_err("reading a job's events"))? {
             if e.kind == "elastic" {
-                out.grows += u64::from(e.message.starts_with("grows"));
-                out.shrinks += u64::from(e.message.starts_with("shrinks"));
+                books.out.grows += u64::from(e.message.starts_with("grows"));
+                books.out.shrinks += u64::from(e.message.starts_with("shrinks"));
             }
         }
     }
-    out.jobs = jobs;
-    out.teams = tallies;
-    Ok(out)
+    Ok(books.finish())
 }

@@ -7,6 +7,8 @@
 //!   CSV both are written in, every error naming its file, line and column.
 //! - `cluster.rs`: the cluster (the Alibaba node list, or identical nodes).
 //! - `synth.rs`: a Philly-like synthetic trace at a chosen offered load.
+//! - `outcome.rs`: what a simulation is asked ([`SimOptions`]) and what it produced ([`Outcome`]); `books.rs` the
+//!   counting both engines share.
 //! - `sim.rs`: the event loop ([`simulate`]); `report.rs` the figures ([`Report`]); `plot.rs` the plots.
 //! - `control.rs` (feature `control`): the same trace through the server's control loop ([`simulate_control`]).
 //!
@@ -37,11 +39,13 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+mod books;
 mod cluster;
 #[cfg(feature = "control")]
 mod control;
 mod csv;
 mod error;
+mod outcome;
 mod plot;
 mod report;
 mod sim;
@@ -52,9 +56,10 @@ pub use cluster::{homogeneous, parse_cluster, read_cluster};
 #[cfg(feature = "control")]
 pub use control::simulate_control;
 pub use error::{Result, SimError};
+pub use outcome::{ArrivalSample, JobRecord, Outcome, Sample, SimOptions, TeamTally};
 pub use plot::{POINTS, write_plots};
 pub use report::{Report, TeamReport, jobs_csv, series_csv};
-pub use sim::{ArrivalSample, JobRecord, Outcome, Sample, SimOptions, TeamTally, simulate};
+pub use sim::simulate;
 pub use synth::{SynthOptions, philly_like};
 pub use trace::{Trace, TraceFormat, TraceJob, parse_trace, read_trace, write_trace};
 

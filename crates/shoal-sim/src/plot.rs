@@ -4,7 +4,7 @@
 use plotters::prelude::*;
 
 use crate::error::{Result, SimError};
-use crate::sim::{Outcome, Sample};
+use crate::outcome::{Outcome, Sample};
 
 /// The most points a line of a time series has.
 pub const POINTS: usize = 800;

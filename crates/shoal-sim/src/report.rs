@@ -34,7 +34,7 @@ use std::fmt::Write as _;
 
 use serde::Serialize;
 
-use crate::sim::{Outcome, Sample};
+use crate::outcome::{Outcome, Sample};
 
 /// One team's figures.
 #[derive(Debug, Clone, PartialEq, Serialize)]
