@@ -1,7 +1,7 @@
 //! The scheduler: job states, one scheduling pass, shrink/preemption, backfill
 //! reservation, elastic growth.
 
-use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap, VecDeque};
 
 use crate::error::{Result, SchedError};
 use crate::fgd;
@@ -156,8 +156,10 @@ pub struct Scheduler {
     total: Usage,
     queues: BTreeMap<String, QueueState>,
     teams: BTreeMap<String, Usage>,
-    /// Every job by id. Hashed: nothing iterates it where the order would show (a pass sorts what it takes).
-    jobs: HashMap<JobId, Job>,
+    /// Every job by id. Hashed: nothing iterates it where the order would show (a pass sorts what it takes). With
+    /// Fx, not SipHash: it is looked up several times per job a pass, and ids are the server's own random ones or
+    /// a trace's, not chosen by a caller to collide.
+    jobs: rustc_hash::FxHashMap<JobId, Job>,
     /// The head job's reservation made by the last pass: `(job, start time)`.
     last_reservation: Option<(JobId, u64)>,
     /// Largest node CPU, memory, GPU count and GPU memory (for `submit`).
@@ -257,7 +259,7 @@ impl Scheduler {
             total,
             queues: qs.clone(),
             teams: BTreeMap::new(),
-            jobs: HashMap::new(),
+            jobs: rustc_hash::FxHashMap::default(),
             allocated: Usage::default(),
             released: 0,
             preempted: 0,
