@@ -62,6 +62,7 @@
 //! | key | default |
 //! |---|---|
 //! | `train.strategy` | `ddp` |
+//! | `train.precision` | `f32` (`bf16`, `f16`: 16-bit passes, f32 master weights) |
 //! | `train.seed` | 0 |
 //! | `train.optimizer` | `adamw` |
 //! | `train.momentum` (sgd) | 0.9 |
