@@ -165,7 +165,7 @@ EOF
   else
     put gpu_tests "\"failed: see gpu_tests.log\""
   fi
-  grep -c "skipped: no CUDA device" "$out/gpu_tests.log" | xargs -I{} put gpu_tests_skipped {}
+  put gpu_tests_skipped "$(grep -c "skipped: no CUDA device" "$out/gpu_tests.log")"
 
   log "gpt2_shoal"
   gpt2_job gpt2-shoal bf16 1 > "$work/gpt2.toml"

@@ -302,8 +302,9 @@ mod tests {
 }
 
 /// Checks that need a CUDA device (a `cuda` build); each is skipped with a message where none is found.
-#[cfg(all(test, feature = "cuda"))]
+#[cfg(test)]
 mod gpu_tests {
+    #![cfg(feature = "cuda")]
     use super::*;
     use crate::models::{Gpt, GptConfig, Model};
     use crate::params::{Params, SeededRng};
