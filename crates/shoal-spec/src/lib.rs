@@ -62,6 +62,7 @@
 //! | key | default |
 //! |---|---|
 //! | `train.strategy` | `ddp` |
+//! | `train.precision` | `f32` (`bf16`, `f16`: 16-bit passes, f32 master weights) |
 //! | `train.seed` | 0 |
 //! | `train.optimizer` | `adamw` |
 //! | `train.momentum` (sgd) | 0.9 |
@@ -760,6 +761,41 @@ impl Dtype {
     }
 }
 
+/// What the forward and backward passes compute in (`train.precision`): the parameters, the optimizer state and
+/// checkpoints stay in `train.dtype` (f32 master weights) whatever this says.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    /// Everything in `train.dtype`.
+    #[default]
+    F32,
+    /// bfloat16 activations and weight copies (f32's range, 8 bits of mantissa): no loss scaling needed.
+    Bf16,
+    /// IEEE half (5 exponent bits): the loss is scaled up before backward and the gradients back down, a step
+    /// whose gradients overflowed skipped and the scale halved (dynamic loss scaling).
+    F16,
+}
+
+impl Precision {
+    /// The names a spec may give.
+    pub const NAMES: [&'static str; 3] = ["f32", "bf16", "f16"];
+
+    /// The name a spec gives it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::F32 => "f32",
+            Precision::Bf16 => "bf16",
+            Precision::F16 => "f16",
+        }
+    }
+
+    /// Whether the passes compute in a 16-bit type.
+    pub fn is_mixed(self) -> bool {
+        self != Precision::F32
+    }
+}
+
 /// How the global batch is shared among the ranks (`train.balance`).
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -812,6 +848,10 @@ pub struct TrainSpec {
     /// What every value of training is computed in (default `f32`).
     #[serde(default, skip_serializing_if = "is_f32")]
     pub dtype: Dtype,
+    /// What forward and backward compute in (default `f32`): `bf16` or `f16` keep f32 master weights, optimizer
+    /// state and checkpoints, and cast the weights for each pass.
+    #[serde(default, skip_serializing_if = "is_f32_precision")]
+    pub precision: Precision,
     /// How the global batch is shared among the ranks (default `static`: equally).
     #[serde(default, skip_serializing_if = "is_static")]
     pub balance: Balance,
@@ -889,6 +929,9 @@ fn is_static(b: &Balance) -> bool {
 }
 fn is_f32(d: &Dtype) -> bool {
     *d == Dtype::F32
+}
+fn is_f32_precision(p: &Precision) -> bool {
+    *p == Precision::F32
 }
 fn eight() -> usize {
     8
@@ -2281,6 +2324,45 @@ fn validate_name(name: &str) -> Result<()> {
 }
 
 impl TrainSpec {
+    /// `train.precision`: 16-bit passes keep f32 master weights, so they need `train.dtype = "f32"`, a built-in
+    /// model (a `command` computes in what its own program says), and a strategy whose ranks each hold the whole
+    /// model's gradients in f32 — `f16`'s loss scaling skips a step on every rank alike only when every rank sees
+    /// the same reduced gradients (DDP).
+    fn validate_precision(&self) -> Result<()> {
+        let p = self.precision;
+        if !p.is_mixed() {
+            return Ok(());
+        }
+        let at = |msg: String| Err(SpecError::at("train.precision", msg));
+        if self.dtype != Dtype::F32 {
+            return at(format!(
+                "\"{}\" keeps f32 master weights: it needs train.dtype = \"f32\", not \"{}\"",
+                p.name(),
+                self.dtype.name()
+            ));
+        }
+        if !self.command.is_empty() {
+            return at(format!(
+                "\"{}\" applies to the built-in models; a train.command program chooses its own precision",
+                p.name()
+            ));
+        }
+        let allowed: &[Strategy] = match p {
+            Precision::F16 => &[Strategy::Ddp],
+            _ => &[Strategy::Ddp, Strategy::Zero1, Strategy::Zero2],
+        };
+        if !allowed.contains(&self.strategy) {
+            let names: Vec<String> = allowed.iter().map(|s| format!("\"{}\"", s.as_str())).collect();
+            return at(format!(
+                "\"{}\" runs under train.strategy {}, not \"{}\"",
+                p.name(),
+                names.join(", "),
+                self.strategy.as_str()
+            ));
+        }
+        Ok(())
+    }
+
     fn validate_numbers(&self) -> Result<()> {
         positive("train.global_batch", self.global_batch)?;
         if self.strategy != Strategy::Federated {
@@ -2297,6 +2379,7 @@ impl TrainSpec {
                 ),
             ));
         }
+        self.validate_precision()?;
         finite_in("train.lr", self.lr, self.lr > 0.0, "> 0 and finite")?;
         if self.grad_accum == 0 {
             return Err(SpecError::at("train.grad_accum", "must be >= 1"));
@@ -2626,6 +2709,34 @@ lr = 0.01
                 }
             }
         }
+    }
+
+    #[test]
+    fn precision_is_checked_against_the_dtype_and_the_strategy() {
+        let job = |extra: &str| format!("{MLP}{extra}\n");
+        let cases = [
+            ("precision = \"f32\"", ""),
+            ("precision = \"bf16\"", ""),
+            ("precision = \"f16\"", ""),
+            ("precision = \"bf16\"\nstrategy = \"zero2\"", ""),
+            ("precision = \"fp8\"", "train.precision"),
+            ("precision = 16", "train.precision"),
+            ("precision = \"f16\"\nstrategy = \"zero1\"", "train.precision: \"f16\" runs under train.strategy \"ddp\""),
+            ("precision = \"bf16\"\nstrategy = \"zero3\"", "train.precision: \"bf16\" runs under train.strategy"),
+            ("precision = \"bf16\"\ndtype = \"f64\"", "train."),
+        ];
+        for (extra, want) in cases {
+            check(&job(extra), want).unwrap_or_else(|e| panic!("{extra}: {e}"));
+        }
+        // The default is not spelled out; a chosen precision survives the round trip.
+        let j = parse_job(&job("precision = \"bf16\""), "x").expect("valid");
+        assert_eq!(j.train.precision, Precision::Bf16);
+        let text = j.to_toml().expect("toml");
+        assert!(text.contains("precision = \"bf16\""), "{text}");
+        assert_eq!(parse_job(&text, "x").expect("again"), j);
+        let plain = parse_job(MLP, "x").expect("valid");
+        assert_eq!(plain.train.precision, Precision::F32);
+        assert!(!plain.to_toml().expect("toml").contains("precision"));
     }
 
     #[test]

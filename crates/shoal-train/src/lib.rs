@@ -27,13 +27,24 @@
 //!   is a [`Real`]: `f32`, or `f64` in a build with the `f64` feature (`train.dtype = "f64"`), which tells rounding
 //!   from a bug when two layouts are compared. The spec's validation refuses a `train.dtype` the build does not compute in.
 //!
-//! Feature flags: `failpoints` (fault-injection hooks), `f64` (compute in `f64`).
+//! - The parameters, their gradients, the optimizer state and checkpoints are [`Real`] whatever `train.precision`
+//!   says: a bf16 or f16 run casts the weights for its passes (`precision`), so checkpoints are the same format in
+//!   every precision.
+//!
+//! - A task given GPUs computes on one (`device`) or is refused with an error naming `resources.gpus`; a task
+//!   given none computes on the CPU. On a GPU the parameters, the optimizer and the collectives stay on the host:
+//!   the model copies the weights to the device for its passes and autograd brings the gradients back (the
+//!   host-staged path, which works with every transport `shoal_comm` has).
+//!
+//! Feature flags: `failpoints` (fault-injection hooks), `f64` (compute in `f64`), `cuda` (candle's CUDA backend:
+//! GPU compute), `nccl` (the NCCL communicator, [`nccl`]; implies `cuda`).
 
 // In an f64 build the widenings of a `Real` to f64 are identities.
 #![cfg_attr(feature = "f64", allow(clippy::useless_conversion, clippy::unnecessary_cast))]
 
 pub mod batch;
 pub mod checkpoint;
+pub mod device;
 pub mod dp;
 pub mod error;
 pub mod fed;
@@ -41,9 +52,12 @@ pub mod kernels;
 pub mod layers;
 pub mod memory;
 pub mod models;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 pub mod optim;
 pub mod params;
 pub mod plan;
+pub mod precision;
 pub mod remote;
 pub mod secagg;
 pub use shoal_spec as spec;

@@ -5,15 +5,21 @@
 //! the parameters (ZeRO-3) can gather each layer just before its use. The
 //! transformers also build on tensor-parallel [`Params`]: each rank then holds
 //! its part of every block (`crate::tensor_parallel`).
+//!
+//! Mixed precision (`crate::precision`): a model built on [`Params`] with a 16-bit compute type casts each weight
+//! where it uses it and its input at the start; layer norms and softmax compute in f32, and the logits come out
+//! in f32 whatever the compute type. On a GPU (`crate::device`) the same copies are made on the device: the
+//! parameters stay on the host, the logits (and the loss) are on the device.
 
 use crate::{REAL_DTYPE, Real};
-use candle_core::{D, DType, Device, Tensor};
+use candle_core::{D, DType, Tensor};
 
 use crate::batch::{Flat, FlatInput};
 use crate::error::{Error, Result};
 use crate::kernels::{Mat, cpu_f32, matmul};
 use crate::layers::Layers;
 use crate::params::{Params, SeededRng};
+use crate::precision::{Compute, at, like};
 use crate::tensor_parallel::{self as tp, Shard};
 use crate::trainer::GradSink;
 
@@ -24,7 +30,7 @@ pub trait Model: Send + Sync {
     /// The mean cross-entropy of `logits` (this model's output) against `target` (by default candle's; a model
     /// whose logits are cut across a tensor-parallel group computes it across the group).
     fn loss(&self, logits: &Tensor, target: &Tensor) -> candle_core::Result<Tensor> {
-        candle_nn::loss::cross_entropy(logits, target)
+        candle_nn::loss::cross_entropy(logits, &target.to_device(logits.device())?)
     }
 
     /// How many rows of `logits` predict their target (the largest logit is the target's).
@@ -55,8 +61,9 @@ fn linear(p: &mut Params, rng: &mut SeededRng, name: &str, fan_in: usize, fan_ou
     Ok((w, b))
 }
 
+/// `x · w + b`, the weights copied where `x` is, in its type.
 fn apply_linear(x: &Tensor, (w, b): &(Tensor, Tensor)) -> candle_core::Result<Tensor> {
-    x.broadcast_matmul(w)?.broadcast_add(b)
+    x.broadcast_matmul(&like(w, x)?)?.broadcast_add(&like(b, x)?)
 }
 
 /// Multi-layer perceptron: `features -> hidden... -> classes`, ReLU between layers.
@@ -68,6 +75,8 @@ pub struct Mlp {
     /// The layers of those [`Params`], and the index of this model's first one.
     gate: Layers,
     first_layer: usize,
+    /// What the forward pass computes in.
+    compute: Compute,
 }
 
 impl Mlp {
@@ -86,18 +95,18 @@ impl Mlp {
                 linear(p, rng, &name, w[0], w[1])
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Mlp { layers, first, gate: p.layers().clone(), first_layer })
+        Ok(Mlp { layers, first, gate: p.layers().clone(), first_layer, compute: p.compute() })
     }
 }
 
 impl Model for Mlp {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let mut h = x.clone();
+        let mut h = self.compute.put(x)?;
         for (i, l) in self.layers.iter().enumerate() {
             let hidden = i + 1 < self.layers.len();
             h = self.gate.run(self.first_layer + i, &h, |h| {
                 let z = apply_linear(h, l)?;
-                if hidden { z.relu() } else { Ok(z) }
+                if hidden { z.relu() } else { at(&z, REAL_DTYPE) }
             })?;
         }
         Ok(h)
@@ -219,6 +228,8 @@ pub struct Cnn {
     /// The layers (one per convolution, then the head), and the index of the first.
     gate: Layers,
     first_layer: usize,
+    /// What the forward pass computes in.
+    compute: Compute,
 }
 
 impl Cnn {
@@ -256,22 +267,23 @@ impl Cnn {
         }
         p.layer("cnn.head");
         let head = linear(p, rng, "cnn.head", cin * s * s, classes)?;
-        Ok(Cnn { side, convs, head, gate: p.layers().clone(), first_layer })
+        Ok(Cnn { side, convs, head, gate: p.layers().clone(), first_layer, compute: p.compute() })
     }
 }
 
 impl Model for Cnn {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let b = x.dim(0)?;
-        let mut h = x.reshape((b, 1, self.side, self.side))?;
+        let mut h = self.compute.put(&x.reshape((b, 1, self.side, self.side))?)?;
         for (i, (w, bias)) in self.convs.iter().enumerate() {
             h = self.gate.run(self.first_layer + i, &h, |h| {
                 let c = w.dim(0)?;
-                h.conv2d(w, 1, 1, 1, 1)?.broadcast_add(&bias.reshape((1, c, 1, 1))?)?.relu()?.max_pool2d(2)
+                let bias = like(&bias.reshape((1, c, 1, 1))?, h)?;
+                h.conv2d(&like(w, h)?, 1, 1, 1, 1)?.broadcast_add(&bias)?.relu()?.max_pool2d(2)
             })?;
         }
         let head = self.first_layer + self.convs.len();
-        self.gate.run(head, &h, |h| apply_linear(&h.flatten_from(1)?, &self.head))
+        self.gate.run(head, &h, |h| at(&apply_linear(&h.flatten_from(1)?, &self.head)?, REAL_DTYPE))
     }
 }
 
@@ -360,21 +372,24 @@ impl Block {
             qkv.narrow(2, i * wl, wl)?.reshape((b, t, nh, head_dim))?.transpose(1, 2)?.contiguous()
         };
         let (q, k, v) = (split(0)?, split(1)?, split(2)?);
-        let att = (q.matmul(&k.t()?.contiguous()?)? * scale)?;
+        // Scores, mask and softmax in f32; back to the compute type for the product with v.
+        let att = (at(&q.matmul(&k.t()?.contiguous()?)?, REAL_DTYPE)? * scale)?;
         let att = if causal {
-            let mask = Tensor::tril2(t, DType::U8, &Device::Cpu)?.broadcast_as((b, nh, t, t))?;
-            let neg = Tensor::new(Real::NEG_INFINITY, &Device::Cpu)?.broadcast_as((b, nh, t, t))?;
+            let mask = Tensor::tril2(t, DType::U8, att.device())?.broadcast_as((b, nh, t, t))?;
+            let neg = Tensor::new(Real::NEG_INFINITY, att.device())?.broadcast_as((b, nh, t, t))?;
             mask.where_cond(&att, &neg)?
         } else {
             att
         };
-        let att = candle_nn::ops::softmax(&att, D::Minus1)?;
+        let att = at(&candle_nn::ops::softmax(&att, D::Minus1)?, v.dtype())?;
         let y = att.matmul(&v)?.transpose(1, 2)?.contiguous()?.reshape((b, t, wl))?;
-        let y = tp::reduce(shard, &y.broadcast_matmul(&self.proj.0)?)?.broadcast_add(&self.proj.1)?;
+        let y = tp::reduce(shard, &y.broadcast_matmul(&like(&self.proj.0, &y)?)?)?
+            .broadcast_add(&like(&self.proj.1, &y)?)?;
         let x = (x + y)?;
         let h = tp::enter(shard, &layer_norm(&x, &self.ln2)?)?;
         let a = apply_linear(&h, &self.fc)?.gelu_erf()?;
-        let y = tp::reduce(shard, &a.broadcast_matmul(&self.out.0)?)?.broadcast_add(&self.out.1)?;
+        let y =
+            tp::reduce(shard, &a.broadcast_matmul(&like(&self.out.0, &a)?)?)?.broadcast_add(&like(&self.out.1, &a)?)?;
         x + y
     }
 }
@@ -398,13 +413,19 @@ pub struct Gpt {
     gate: Layers,
     first_layer: usize,
     shard: Option<Shard>,
+    /// What the forward pass computes in.
+    compute: Compute,
 }
 
+/// Layer norm over the last dimension, computed in f32 (the parameters' type) and given back in `x`'s.
 fn layer_norm(x: &Tensor, (w, b): &(Tensor, Tensor)) -> candle_core::Result<Tensor> {
+    let dt = x.dtype();
+    let x = at(x, w.dtype())?;
+    let (w, b) = (like(w, &x)?, like(b, &x)?);
     let mean = x.mean_keepdim(D::Minus1)?;
     let xc = x.broadcast_sub(&mean)?;
     let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
-    xc.broadcast_div(&(var + 1e-5)?.sqrt()?)?.broadcast_mul(w)?.broadcast_add(b)
+    at(&xc.broadcast_div(&(var + 1e-5)?.sqrt()?)?.broadcast_mul(&w)?.broadcast_add(&b)?, dt)
 }
 
 impl Gpt {
@@ -440,7 +461,8 @@ impl Gpt {
         p.layer("gpt.out");
         let ln_f = layer_norm_params(p, "gpt.ln_f", w)?;
         let head = linear_cut(p, rng, "gpt.head", w, cfg.vocab, Cut::Columns(1))?;
-        Ok(Gpt { cfg, tok, pos, blocks, ln_f, head, gate: p.layers().clone(), first_layer, shard })
+        let compute = p.compute();
+        Ok(Gpt { cfg, tok, pos, blocks, ln_f, head, gate: p.layers().clone(), first_layer, shard, compute })
     }
 }
 
@@ -458,7 +480,7 @@ impl Model for Gpt {
                 Some(s) => s.embedding(&self.tok, ids)?,
                 None => self.tok.embedding(&ids.flatten_all()?)?.reshape((b, t, w))?,
             };
-            x.broadcast_add(&self.pos.narrow(0, 0, t)?)
+            self.compute.put(&x.broadcast_add(&self.pos.narrow(0, 0, t)?)?)
         })?;
         let head_dim = w / self.cfg.heads;
         for (l, blk) in self.blocks.iter().enumerate() {
@@ -466,7 +488,7 @@ impl Model for Gpt {
         }
         self.gate.run(first + 1 + self.blocks.len(), &x, |x| {
             let x = tp::enter(shard, &layer_norm(x, &self.ln_f)?)?;
-            let logits = apply_linear(&x, &self.head)?;
+            let logits = at(&apply_linear(&x, &self.head)?, REAL_DTYPE)?;
             let v = logits.dim(2)?;
             logits.reshape((b * t, v))
         })
@@ -475,7 +497,7 @@ impl Model for Gpt {
     fn loss(&self, logits: &Tensor, target: &Tensor) -> candle_core::Result<Tensor> {
         match &self.shard {
             Some(s) => Ok(s.cross_entropy(logits, target)?.0),
-            None => candle_nn::loss::cross_entropy(logits, target),
+            None => candle_nn::loss::cross_entropy(logits, &target.to_device(logits.device())?),
         }
     }
 
@@ -517,6 +539,8 @@ pub struct Vit {
     gate: Layers,
     first_layer: usize,
     shard: Option<Shard>,
+    /// What the forward pass computes in.
+    compute: Compute,
 }
 
 impl Vit {
@@ -551,7 +575,8 @@ impl Vit {
         let ln_f = layer_norm_params(p, "vit.ln_f", w)?;
         let head = linear(p, rng, "vit.head", w, cfg.classes)?;
         let shard = p.shard().cloned();
-        Ok(Vit { cfg, patch, cls, pos, blocks, ln_f, head, gate: p.layers().clone(), first_layer, shard })
+        let compute = p.compute();
+        Ok(Vit { cfg, patch, cls, pos, blocks, ln_f, head, gate: p.layers().clone(), first_layer, shard, compute })
     }
 }
 
@@ -564,9 +589,9 @@ impl Model for Vit {
         let mut h = self.gate.run(first, x, |x| {
             // [b, side²] → [b, patches, patch²], patches in row-major order, each patch's pixels row-major.
             let patches = x.reshape((b, g, ps, g, ps))?.permute((0, 1, 3, 2, 4))?.reshape((b, g * g, ps * ps))?;
-            let tokens = apply_linear(&patches, &self.patch)?;
-            let cls = self.cls.broadcast_as((b, 1, c.width))?;
-            Tensor::cat(&[&cls, &tokens], 1)?.broadcast_add(&self.pos)
+            let tokens = apply_linear(&self.compute.put(&patches)?, &self.patch)?;
+            let cls = self.compute.put(&self.cls)?.broadcast_as((b, 1, c.width))?;
+            Tensor::cat(&[&cls, &tokens], 1)?.broadcast_add(&self.compute.put(&self.pos)?)
         })?;
         let head_dim = c.width / c.heads;
         let shard = self.shard.as_ref();
@@ -575,7 +600,7 @@ impl Model for Vit {
         }
         self.gate.run(first + 1 + self.blocks.len(), &h, |h| {
             let cls = layer_norm(h, &self.ln_f)?.narrow(1, 0, 1)?.squeeze(1)?;
-            apply_linear(&cls, &self.head)
+            at(&apply_linear(&cls, &self.head)?, REAL_DTYPE)
         })
     }
 }
@@ -583,12 +608,13 @@ impl Model for Vit {
 /// Rows of `logits` whose largest value is at the target's index.
 fn argmax_correct(logits: &Tensor, target: &Tensor) -> candle_core::Result<f64> {
     let pred = logits.argmax(D::Minus1)?;
-    Ok(f64::from(pred.eq(target)?.to_dtype(REAL_DTYPE)?.sum_all()?.to_scalar::<Real>()?))
+    Ok(f64::from(pred.eq(&target.to_device(pred.device())?)?.to_dtype(REAL_DTYPE)?.sum_all()?.to_scalar::<Real>()?))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use candle_core::Device;
 
     /// Records what a backward pass puts, in order.
     struct Capture {

@@ -35,12 +35,35 @@ pub struct Optimizer {
     pub t: u64,
     /// AdamW: the second moment takes no new squares ([`Optimizer::freeze_second_moment`]).
     frozen: bool,
+    /// Skip an update whose gradients are not all finite ([`Optimizer::skip_nonfinite`]).
+    skip_nonfinite: bool,
+    /// The last update was skipped for that.
+    skipped: bool,
 }
 
 impl Optimizer {
     pub fn new(cfg: OptimConfig, params: &Params) -> Optimizer {
         let n = params.vars().len();
-        Optimizer { cfg, m: vec![None; n], v: vec![None; n], t: 0, frozen: false }
+        Optimizer {
+            cfg,
+            m: vec![None; n],
+            v: vec![None; n],
+            t: 0,
+            frozen: false,
+            skip_nonfinite: false,
+            skipped: false,
+        }
+    }
+
+    /// From now on (while `on`), an update whose gradients hold an infinity or a NaN changes nothing — neither the
+    /// parameters, nor the state, nor the update count — and [`Self::take_skipped`] says so (f16 loss scaling).
+    pub fn skip_nonfinite(&mut self, on: bool) {
+        self.skip_nonfinite = on;
+    }
+
+    /// Whether the last update was skipped for non-finite gradients (and forgets it).
+    pub fn take_skipped(&mut self) -> bool {
+        std::mem::take(&mut self.skipped)
     }
 
     /// AdamW: from the next update on (while `frozen`), the second moment takes no new squares of gradients: its
@@ -100,6 +123,10 @@ impl Optimizer {
                     var.elem_count()
                 )));
             }
+        }
+        if self.skip_nonfinite && grads.iter().any(|g| g.iter().any(|x| !x.is_finite())) {
+            self.skipped = true;
+            return Ok(());
         }
         self.t += 1;
         for (i, ((_, var), g)) in params.vars().iter().zip(grads).enumerate() {

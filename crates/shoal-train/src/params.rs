@@ -35,6 +35,11 @@ pub struct Params {
     /// Per parameter, how it is cut across the tensor-parallel group (`None`: whole on every rank).
     splits: Vec<Option<Split>>,
     shard: Option<Shard>,
+    /// What a model built on these computes its passes in (`None`: [`REAL_DTYPE`]); the parameters themselves are
+    /// always `REAL_DTYPE` (`crate::precision`).
+    compute: Option<candle_core::DType>,
+    /// Where a model built on these computes (`None`: the CPU); the parameters themselves stay on the host.
+    device: Option<Device>,
 }
 
 impl Params {
@@ -57,6 +62,25 @@ impl Params {
         self.vars.push((name.to_string(), v));
         self.splits.push(None);
         Ok(out)
+    }
+
+    /// Sets what a model built on these from now on computes in (`crate::precision`): the parameters stay
+    /// [`REAL_DTYPE`].
+    pub fn set_compute(&mut self, dtype: candle_core::DType) {
+        self.compute = Some(dtype);
+    }
+
+    /// Sets where a model built on these from now on computes (`crate::device`): the parameters stay on the host.
+    pub fn set_device(&mut self, device: Device) {
+        self.device = Some(device);
+    }
+
+    /// Where and in what a model built on these computes.
+    pub fn compute(&self) -> crate::precision::Compute {
+        crate::precision::Compute {
+            dtype: self.compute.unwrap_or(REAL_DTYPE),
+            device: self.device.clone().unwrap_or(Device::Cpu),
+        }
     }
 
     /// Parameters for the model of rank `shard.rank()` of a tensor-parallel group (`crate::tensor_parallel`).
@@ -152,7 +176,7 @@ impl Params {
     /// Adopts existing variables (for users' own candle models; no layers).
     pub fn from_vars(vars: Vec<(String, Var)>) -> Self {
         let splits = vec![None; vars.len()];
-        Params { vars, layers: Layers::default(), splits, shard: None }
+        Params { vars, layers: Layers::default(), splits, shard: None, compute: None, device: None }
     }
 
     pub fn vars(&self) -> &[(String, Var)] {

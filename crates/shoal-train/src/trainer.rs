@@ -4,6 +4,10 @@
 //! once per global batch. The trainer owns the parameters, the optimizer and the order of calls; the strategy
 //! (`crate::strategy`) owns how the ranks share the step — for DDP, the broadcast at the start and the bucketed,
 //! overlapped all-reduce of the gradients (`crate::strategy::ddp`).
+//!
+//! Under `precision = f16` the trainer scales the loss before backward and the gradients back after it, and an
+//! update whose reduced gradients overflowed is skipped (`crate::precision::LossScaler`). The hand-written backward
+//! ([`Trainer::backward_with`]) computes in [`Real`] and is not scaled.
 
 use crate::Real;
 use candle_core::Tensor;
@@ -12,6 +16,7 @@ use shoal_comm::Communicator;
 use crate::error::{Error, Result};
 use crate::optim::{OptimConfig, Optimizer};
 use crate::params::Params;
+use crate::precision::{LossScaler, Precision};
 use crate::strategy::backward_by_layer;
 use crate::strategy::ddp::{Ddp, DdpConfig};
 pub use crate::strategy::{GradSink, StepTimes, Strategy};
@@ -30,6 +35,9 @@ pub struct TrainerConfig {
     /// All-reduce each bucket on the communicator's thread as soon as it is
     /// full (default), or all of them on the calling thread in `step`.
     pub overlap: bool,
+    /// What the passes compute in: under `F16` the loss is scaled dynamically (the model itself is built for the
+    /// precision through `Params::set_compute`).
+    pub precision: Precision,
 }
 
 impl Default for TrainerConfig {
@@ -40,6 +48,7 @@ impl Default for TrainerConfig {
             first_bucket_bytes: 1 << 20,
             clip_grad_norm: None,
             overlap: true,
+            precision: Precision::F32,
         }
     }
 }
@@ -63,6 +72,8 @@ pub struct Trainer {
     strategy: Box<dyn Strategy>,
     /// Scalars to sum over ranks with this step's gradients.
     scalars: Vec<Real>,
+    /// f16's dynamic loss scale.
+    scaler: Option<LossScaler>,
 }
 
 /// Whether overlapping the gradient all-reduce with backward can pay on this
@@ -106,8 +117,22 @@ impl Trainer {
     /// business; its optimizer and clipping are the trainer's).
     pub fn with_strategy(params: Params, mut strategy: Box<dyn Strategy>, cfg: TrainerConfig) -> Result<Trainer> {
         strategy.init(&params)?;
-        let opt = Optimizer::new(cfg.optimizer, &params);
-        Ok(Trainer { params, opt, cfg, strategy, scalars: Vec::new() })
+        let mut opt = Optimizer::new(cfg.optimizer, &params);
+        let scaler = (cfg.precision == Precision::F16).then(LossScaler::default);
+        opt.skip_nonfinite(scaler.is_some());
+        Ok(Trainer { params, opt, cfg, strategy, scalars: Vec::new(), scaler })
+    }
+
+    /// Replaces f16's loss scaler (its start and growth interval); nothing under other precisions.
+    pub fn set_loss_scaler(&mut self, scaler: LossScaler) {
+        if self.scaler.is_some() {
+            self.scaler = Some(scaler);
+        }
+    }
+
+    /// f16's loss scaler, when the run has one.
+    pub fn loss_scaler(&self) -> Option<&LossScaler> {
+        self.scaler.as_ref()
     }
 
     /// The parameters. Under ZeRO-3 their tensors hold values only while a layer is in use: read them with
@@ -212,10 +237,22 @@ impl Trainer {
                 .strategy
                 .backward(&self.params, last, scalars, &mut |sink| backward_by_layer(layers, loss, vars, sink));
         }
-        let grads = loss.map(Tensor::backward).transpose()?;
-        // Handles to the gradients (no copies).
+        let scale = self.scaler.as_ref().map(LossScaler::scale);
+        let grads = match (loss, scale) {
+            (Some(l), Some(s)) => Some((l * s)?.backward()?),
+            (l, _) => l.map(Tensor::backward).transpose()?,
+        };
+        // Handles to the gradients (no copies), or under loss scaling the gradients unscaled.
         let per_param: Vec<Option<Tensor>> = match &grads {
-            Some(g) => self.params.vars().iter().map(|(_, v)| g.get(v.as_tensor()).cloned()).collect(),
+            Some(g) => self
+                .params
+                .vars()
+                .iter()
+                .map(|(_, v)| match (g.get(v.as_tensor()), scale) {
+                    (Some(g), Some(s)) => Ok(Some((g / s)?)),
+                    (g, _) => Ok(g.cloned()),
+                })
+                .collect::<Result<_>>()?,
             None => Vec::new(),
         };
         drop(grads);
@@ -285,7 +322,11 @@ impl Trainer {
             let scalars = std::mem::take(&mut self.scalars);
             self.strategy.attach_step_scalars(scalars);
         }
-        self.strategy.step(&self.params, &mut self.opt, lr, self.cfg.clip_grad_norm)
+        let times = self.strategy.step(&self.params, &mut self.opt, lr, self.cfg.clip_grad_norm)?;
+        if let Some(s) = &mut self.scaler {
+            s.update(self.opt.take_skipped());
+        }
+        Ok(times)
     }
 }
 

@@ -62,6 +62,8 @@ pub(super) struct Setup {
     /// Under `train.strategy = "ps"`, the communicator of every task, servers included, that `comm` (the workers')
     /// was split from: kept open while the job runs.
     pub(super) _with_servers: Option<Communicator>,
+    /// Where this rank computes (`crate::device`): the CPU, or the GPU the task was given.
+    pub(super) placement: crate::device::Placement,
 }
 
 /// The trainer and the sampler of this rank's batches.
@@ -89,6 +91,8 @@ pub(super) struct Training {
 /// a checkpoint to be loaded into before the trainer takes them.
 pub(super) fn setup(asked: &JobSpec, output: &Path) -> Result<(Setup, Params)> {
     let env = shoal_comm::env::EnvContract::from_env()?;
+    // A task given GPUs that this build or host cannot use is refused before it keeps the others waiting.
+    let (placement, device) = crate::device::select(asked)?;
     let attempt = env.attempt;
     let job_id = env.job_id.clone();
     let link = server_link(&env);
@@ -122,6 +126,15 @@ pub(super) fn setup(asked: &JobSpec, output: &Path) -> Result<(Setup, Params)> {
         eprintln!("train.strategy = \"auto\" chose {why}");
     }
     let spec = &planned;
+    if placement.is_cuda() && !matches!(spec.train.strategy, Strategy::Ddp | Strategy::Zero1 | Strategy::Zero2) {
+        return Err(Error::Spec(format!(
+            "resources.gpus: training on a GPU runs under train.strategy \"ddp\", \"zero1\" or \"zero2\", not \"{}\"",
+            spec.train.strategy.as_str()
+        )));
+    }
+    if rank == 0 && placement.is_cuda() {
+        eprintln!("computing on {placement} in {}", spec.train.precision.name());
+    }
     let host_leader = host_leader(&comm);
     let host = comm.hosts().get(rank).cloned().unwrap_or_default();
     let memory = match (spec.checkpoint.memory_every, job_id.as_deref().and_then(crate::spec::memory_checkpoint_dir)) {
@@ -142,7 +155,7 @@ pub(super) fn setup(asked: &JobSpec, output: &Path) -> Result<(Setup, Params)> {
     // Under tensor parallelism each rank builds only its part of the model (the tensor index varies fastest).
     let tensor = spec.tensor_degree();
     let shard = (tensor > 1).then(|| crate::tensor_parallel::Shard::new(rank % tensor, tensor));
-    let (params, model) = build_model_sharded(spec, &mut rng, shard)?;
+    let (params, model) = build_model_placed(spec, &mut rng, shard, device)?;
     let parameters = params.full_count();
     let ckpt_dir = CheckpointDir::new(checkpoint_root(spec, output)?);
     let remote = if rank == 0 { checkpoint_remote(spec)? } else { None };
@@ -168,6 +181,7 @@ pub(super) fn setup(asked: &JobSpec, output: &Path) -> Result<(Setup, Params)> {
             memory,
             host_leader,
             _with_servers: with_servers,
+            placement,
         },
         params,
     ))
@@ -273,6 +287,7 @@ pub(super) fn training(spec: &JobSpec, setup: &Setup, params: Params) -> Result<
         bucket_bytes: t.bucket_bytes(),
         clip_grad_norm: t.clip_grad_norm,
         overlap,
+        precision: t.precision,
         ..TrainerConfig::default()
     };
     // The strategy `train.strategy` names (the spec refuses names that have none yet; `"auto"` was resolved into
@@ -475,10 +490,22 @@ pub fn build_model_sharded(
     rng: &mut SeededRng,
     shard: Option<crate::tensor_parallel::Shard>,
 ) -> Result<(Params, Box<dyn Model>)> {
+    build_model_placed(spec, rng, shard, candle_core::Device::Cpu)
+}
+
+/// [`build_model_sharded`] for a model that computes on `device` (its parameters stay on the host).
+pub fn build_model_placed(
+    spec: &JobSpec,
+    rng: &mut SeededRng,
+    shard: Option<crate::tensor_parallel::Shard>,
+    device: candle_core::Device,
+) -> Result<(Params, Box<dyn Model>)> {
     let t = &spec.train;
     let shape = t.data_shape().map_err(|e| Error::Spec(e.to_string()))?;
     let m = &t.model;
     let mut params = shard.map_or_else(Params::default, Params::tensor_parallel);
+    params.set_compute(crate::precision::compute_dtype(t.precision));
+    params.set_device(device);
     let model: Box<dyn Model> = match m.kind {
         ModelKind::Mlp => Box::new(Mlp::new(&mut params, rng, shape.features, m.hidden(), shape.classes)?),
         ModelKind::Cnn => Box::new(Cnn::new(&mut params, rng, shape.features, m.channels(), shape.classes)?),

@@ -227,8 +227,12 @@ impl StepLoop {
         let regroups = super::regroup::in_place(spec, setup);
         let mut regroup = false;
         let mut samples_seen = 0usize;
-        // The model's hand-written backward pass, unless SHOAL_AUTOGRAD=1 asks for candle's autograd.
-        let hand = model.hand_backward().filter(|_| std::env::var("SHOAL_AUTOGRAD").map_or(true, |v| v != "1"));
+        // The model's hand-written backward pass, unless SHOAL_AUTOGRAD=1 asks for candle's autograd or the passes
+        // compute in 16 bits (the hand-written one computes in `Real`).
+        let hand = model
+            .hand_backward()
+            .filter(|_| !t.precision.is_mixed() && !setup.placement.is_cuda())
+            .filter(|_| std::env::var("SHOAL_AUTOGRAD").map_or(true, |v| v != "1"));
         let train_started = Instant::now();
         let mut activations_peak: Option<usize> = None;
         // SIGTERM from here on is a stop at the next step boundary, agreed by every rank through the step's scalars.
