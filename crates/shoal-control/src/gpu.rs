@@ -75,6 +75,28 @@ mod imp {
                 r
             })
         }
+
+        /// GPU memory held on the GPUs `indices` by the processes of session `sid` (a task's processes: it leads
+        /// its own session), from NVML's per-process figures; `None` when NVML cannot tell.
+        pub fn session_memory(&self, indices: &[u32], sid: i64) -> Option<u64> {
+            use nvml_wrapper::enums::device::UsedGpuMemory;
+            let n = self.nvml.as_ref()?;
+            let mut held = 0u64;
+            let mut seen = false;
+            for &i in indices {
+                let Ok(d) = n.device_by_index(i) else { continue };
+                let Ok(procs) = d.running_compute_processes() else { continue };
+                seen = true;
+                for p in procs {
+                    if shoal_exec::procfs::session_of(i64::from(p.pid)) == Some(sid)
+                        && let UsedGpuMemory::Used(b) = p.used_gpu_memory
+                    {
+                        held += b;
+                    }
+                }
+            }
+            seen.then_some(held)
+        }
     }
 }
 
@@ -96,6 +118,10 @@ mod imp {
         }
 
         pub fn read(&self, _indices: &[u32]) -> Option<GpuReading> {
+            None
+        }
+
+        pub fn session_memory(&self, _indices: &[u32], _sid: i64) -> Option<u64> {
             None
         }
     }

@@ -26,6 +26,11 @@ struct Env {
 }
 
 async fn env(tag: &str) -> Env {
+    env_with(tag, 0).await
+}
+
+/// A server (this host as its one node) with `gpus` GPUs of 16 GiB.
+async fn env_with(tag: &str, gpus: u32) -> Env {
     let dir = std::env::temp_dir().join(format!("shoal-control-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("temp dir");
@@ -34,6 +39,8 @@ async fn env(tag: &str) -> Env {
     opts.cpus_milli = Some(4000);
     opts.memory_bytes = Some(8 << 30);
     opts.kill_grace = Duration::from_millis(100);
+    opts.gpus = gpus;
+    opts.gpu_memory_bytes = 16 << 30;
     opts.executor = Some(fake.clone());
     // The fake runs nothing: no task user is needed.
     opts.task_user = users::me();
@@ -678,5 +685,45 @@ async fn a_persistent_straggler_is_replaced() {
     assert!(running.iter().all(|(attempt, _)| *attempt == 2), "{running:?}");
     let restarted = e.events(&id, "restarted").await;
     assert!(restarted.len() == 1 && restarted[0].contains("persistent straggler"), "{restarted:?}");
+    let _ = std::fs::remove_dir_all(&e.dir);
+}
+
+/// Two tasks asking for half a GPU each share one, each held to its `gpu_memory`: the one whose processes hold more
+/// GPU memory than it asked for is killed with a reason naming the rank, the GPU and `resources.gpu_memory`; its
+/// neighbour on the same GPU runs on and succeeds.
+#[tokio::test]
+async fn a_fractional_gpu_task_over_its_gpu_memory_is_killed_and_its_neighbour_runs_on() {
+    let e = env_with("gpu-memory", 1).await;
+    let spec = |name: &str| {
+        format!(
+            "name = \"{name}\"\n[resources]\ncpus = 1\nmemory = \"256MiB\"\ngpus = 0.5\ngpu_memory = \"6GiB\"\n\
+             [fault_tolerance]\npolicy = \"none\"\n[train]\nmodel = \"mlp\"\ndataset = \"digits\"\nglobal_batch = 8\n\
+             steps = 2\nlr = 0.01\n"
+        )
+    };
+    let greedy = e.submit(&spec("greedy")).await;
+    let modest = e.submit(&spec("modest")).await;
+    e.tick().await;
+    let gpus = |id: &str| e.fake.launches().iter().find(|l| l.job_id == id).map(|l| l.gpus.clone()).expect("launched");
+    assert_eq!(gpus(&greedy).len(), 1);
+    assert_eq!(gpus(&greedy)[0].0, gpus(&modest)[0].0, "the two halves share one GPU");
+    let within = shoal_exec::Usage { rss_bytes: 1 << 20, cpu_seconds: 1.0, gpu_memory_bytes: Some(5 << 30) };
+    let over = shoal_exec::Usage { gpu_memory_bytes: Some(7 << 30), ..within };
+    e.fake.set_usage(&modest, 0, within);
+    e.fake.set_usage(&greedy, 0, over);
+    e.tick().await;
+    e.tick().await;
+    assert_eq!(e.state(&greedy).await, JobState::Failed);
+    let why = e.reason(&greedy).await;
+    assert!(
+        why.contains(
+            "rank 0 held 7.00 GiB of GPU memory on GPU 0, over its request of 6.00 GiB (resources.gpu_memory)"
+        ),
+        "{why}"
+    );
+    assert_eq!(e.state(&modest).await, JobState::Running, "the neighbour within its share runs on");
+    e.fake.exit_job(&modest, 0);
+    e.tick().await;
+    assert_eq!(e.state(&modest).await, JobState::Succeeded);
     let _ = std::fs::remove_dir_all(&e.dir);
 }

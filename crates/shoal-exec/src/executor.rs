@@ -174,6 +174,9 @@ impl Fault {
 pub struct Usage {
     pub rss_bytes: u64,
     pub cpu_seconds: f64,
+    /// GPU memory its processes hold, when the executor can tell; otherwise the server asks NVML (feature `nvml`)
+    /// for the processes of the task's session on its GPUs.
+    pub gpu_memory_bytes: Option<u64>,
 }
 
 /// Something an executor started that no task it was told about owns (left by a crash between a start and its

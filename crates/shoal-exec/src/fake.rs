@@ -235,7 +235,10 @@ impl Executor for FakeExecutor {
             started_ms: Some(0),
             external_id: None,
         };
-        st.tasks.insert(key(&t), (TaskStatus::Running, Usage { rss_bytes: 1 << 20, cpu_seconds: 0.0 }));
+        st.tasks.insert(
+            key(&t),
+            (TaskStatus::Running, Usage { rss_bytes: 1 << 20, cpu_seconds: 0.0, gpu_memory_bytes: None }),
+        );
         Ok(t)
     }
 

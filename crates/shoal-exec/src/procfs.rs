@@ -30,7 +30,7 @@ fn pids() -> impl Iterator<Item = i64> {
 }
 
 /// The session a process belongs to.
-pub(crate) fn session_of(pid: i64) -> Option<i64> {
+pub fn session_of(pid: i64) -> Option<i64> {
     stat_fields(pid)?.get(3)?.parse().ok()
 }
 

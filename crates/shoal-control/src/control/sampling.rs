@@ -18,7 +18,13 @@ impl Control {
     /// Samples the CPU and memory of a running task (kept every [`SAMPLE_EVERY_MS`], with the host's network rates
     /// read then); returns its usage now.
     pub(super) async fn sample(&self, t: &TaskRow) -> Option<Usage> {
-        let u = self.exec.usage(&handle(t))?;
+        let mut u = self.exec.usage(&handle(t))?;
+        if u.gpu_memory_bytes.is_none()
+            && !t.gpus.is_empty()
+            && let Some(pid) = t.pid
+        {
+            u.gpu_memory_bytes = self.gpus.session_memory(&crate::gpu::indices(&t.gpus), pid);
+        }
         let k = (t.job_id.clone(), t.attempt, t.rank);
         let now_ms = self.db.now();
         let prev = self.sampled.lock().unwrap_or_else(|p| p.into_inner()).get(&k).copied();

@@ -267,22 +267,38 @@ impl Control {
             // Draining: the scheduler says when its grace is over (Requeue).
             return Ok(());
         }
-        // Memory limits.
+        // Memory limits: host memory, and GPU memory where the job asked for a share of it (`gpu_memory`: a
+        // fraction of a GPU shared with other tasks is held to what it asked for).
         for (t, s) in &statuses {
-            if *s == TaskStatus::Running
-                && let Some(rss) = usage.get(&t.rank).map(|u| u.rss_bytes)
-                && rss > spec.resources.memory
-            {
-                let why = format!(
+            if *s != TaskStatus::Running {
+                continue;
+            }
+            let Some(u) = usage.get(&t.rank) else { continue };
+            let gpu_limit = spec.resources.gpu_memory;
+            let why = if u.rss_bytes > spec.resources.memory {
+                format!(
                     "rank {} used {} of memory, over its request of {} (resources.memory): killed",
                     t.rank,
-                    mib(rss),
+                    mib(u.rss_bytes),
                     mib(spec.resources.memory)
-                );
-                self.db.event(&job.id, "warning", job.state, &why).await?;
-                self.begin_stop(job, &tasks, StopWhy::Failure(why));
-                return Ok(());
-            }
+                )
+            } else if let Some(g) = u.gpu_memory_bytes
+                && gpu_limit > 0
+                && g > gpu_limit
+            {
+                format!(
+                    "rank {} held {} of GPU memory on GPU {}, over its request of {} (resources.gpu_memory): killed",
+                    t.rank,
+                    mib(g),
+                    t.gpus,
+                    mib(gpu_limit)
+                )
+            } else {
+                continue;
+            };
+            self.db.event(&job.id, "warning", job.state, &why).await?;
+            self.begin_stop(job, &tasks, StopWhy::Failure(why));
+            return Ok(());
         }
         // A rank killed by a signal or lost is named first: the others' errors (a peer gone from a collective) most
         // often follow from it.
