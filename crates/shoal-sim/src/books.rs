@@ -57,7 +57,13 @@ pub(crate) struct Books {
 
 impl Books {
     /// Empty books for `trace` (as [`prepared`]) on `nodes` nodes of `total_gpu_milli` GPU capacity.
-    pub(crate) fn new(trace: &Trace, options: &SimOptions, nodes: usize, total_gpu_milli: u64) -> Books {
+    pub(crate) fn new(
+        engine: &'static str,
+        trace: &Trace,
+        options: &SimOptions,
+        nodes: usize,
+        total_gpu_milli: u64,
+    ) -> Books {
         let first = trace.jobs.first().map(|j| j.submit_ms).unwrap_or(0);
         let jobs = trace
             .jobs
@@ -79,6 +85,7 @@ impl Books {
         let names: Vec<&str> =
             trace.jobs.iter().map(|j| j.team.as_str()).collect::<BTreeSet<_>>().into_iter().collect();
         let out = Outcome {
+            engine,
             policy: options.policy,
             options: options.clone(),
             trace: trace.name.clone(),

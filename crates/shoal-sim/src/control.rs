@@ -149,7 +149,7 @@ async fn run(trace: &Trace, nodes: Vec<Node>, options: &SimOptions, dir: &std::p
     opts.task_user = (euid == 0).then(|| "root".to_owned());
     let prepared = prepare(&opts).await.map_err(control_err("starting the server"))?;
     let control = prepared.control;
-    let mut books = Books::new(trace, options, nodes.len(), control.with_scheduler(|s| s.total_gpu_milli()));
+    let mut books = Books::new("control", trace, options, nodes.len(), control.with_scheduler(|s| s.total_gpu_milli()));
 
     let n = trace.jobs.len();
     let width = n.to_string().len().max(6);

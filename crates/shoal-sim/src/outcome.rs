@@ -129,6 +129,8 @@ pub(crate) fn water_fill(demand: &[u64], capacity: u64) -> Vec<f64> {
 /// Everything a simulation produced; [`crate::Report`] sums it up.
 #[derive(Debug, Clone)]
 pub struct Outcome {
+    /// What the trace ran through: `scheduler` ([`crate::simulate`]) or `control` (`simulate_control`).
+    pub engine: &'static str,
     /// The policy it ran.
     pub policy: Policy,
     /// The options.

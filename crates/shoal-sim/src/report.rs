@@ -58,6 +58,8 @@ pub struct TeamReport {
 pub struct Report {
     /// The policy, `ORDERING+PACKING`.
     pub policy: String,
+    /// What the trace ran through: `scheduler` (shoal-sched alone) or `control` (the server's control loop).
+    pub engine: &'static str,
     /// The trace's file name.
     pub trace: String,
     /// The arrival speed-up.
@@ -232,6 +234,7 @@ impl Report {
 
         Report {
             policy: o.policy.to_string(),
+            engine: o.engine,
             trace: o.trace.clone(),
             load: o.options.load,
             repeat: o.options.repeat,

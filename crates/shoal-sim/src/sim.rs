@@ -55,7 +55,7 @@ pub fn simulate(trace: &Trace, nodes: Vec<Node>, options: &SimOptions) -> Result
     }
     let node_count = nodes.len();
     let mut sched = Scheduler::new(nodes, queues, config).map_err(SimError::Cluster)?;
-    let mut books = Books::new(trace, options, node_count, sched.total_gpu_milli());
+    let mut books = Books::new("scheduler", trace, options, node_count, sched.total_gpu_milli());
     let mut live: Vec<Live> = trace
         .jobs
         .iter()

@@ -30,6 +30,7 @@ fn the_control_loop_starts_and_ends_every_job_when_the_scheduler_alone_does() ->
         );
         assert_eq!(render(&through), render(&direct), "{policy}");
         assert_eq!(through.preemptions, direct.preemptions, "{policy}");
+        assert_eq!((direct.engine, through.engine), ("scheduler", "control"));
         for (j, d) in through.jobs.iter().zip(&direct.jobs) {
             assert_eq!(j.worked_task_ms, d.worked_task_ms, "{policy} {}", j.id);
         }
