@@ -274,11 +274,6 @@ impl Db {
         self.clock.now_ms()
     }
 
-    /// The store's clock (the system's unless [`Db::set_clock`] gave another).
-    pub fn clock(&self) -> &crate::clock::Clock {
-        &self.clock
-    }
-
     /// Reads every timestamp from `clock` from now on (a simulation's).
     pub fn set_clock(&mut self, clock: crate::clock::Clock) {
         self.clock = clock;

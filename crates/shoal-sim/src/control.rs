@@ -4,7 +4,7 @@
 //! for time.
 //!
 //! Each job is submitted as its team, through the same function as `POST /api/v1/jobs`, as a command job whose
-//! `expected_runtime` is its duration (capped at the spec's 7 days). The loop turns (`Control::tick`) at each
+//! `expected_runtime` is its duration (capped at the spec's longest duration, `shoal_spec::MAX_DURATION`). The loop turns (`Control::tick`) at each
 //! instant of the simulated scheduler loop; after each turn this driver reads which tasks the fake executor runs.
 //! A job's work is counted as [`crate::simulate`] counts it (task-milliseconds, linear in its tasks); when it is
 //! done its tasks exit 0, and the next turn finds the job succeeded. Nothing here decides: every start, stop and
@@ -31,9 +31,6 @@ use crate::books::{Books, prepared, turn_at};
 use crate::error::{Result, SimError};
 use crate::outcome::{Outcome, SimOptions};
 use crate::trace::{Trace, TraceJob};
-
-/// The longest `expected_runtime` a spec takes.
-const MAX_EXPECTED: u64 = 7 * 24 * 3600 * 1000;
 
 /// Runs `trace` on `nodes` through the server's control loop under `options`.
 pub fn simulate_control(trace: &Trace, nodes: Vec<Node>, options: &SimOptions) -> Result<Outcome> {
@@ -109,7 +106,7 @@ fn spec_of(j: &TraceJob, name: &str) -> String {
          memory = {}\n{gpus}[fault_tolerance]\npolicy = \"{policy}\"\nmax_restarts = 0\nbackoff = 0\n[train]\n\
          command = [\"true\"]\n",
         j.priority,
-        (j.duration_ms.clamp(1000, MAX_EXPECTED) as f64 / 1000.0),
+        (j.duration_ms.clamp(1000, shoal_spec::MAX_DURATION.as_millis() as u64) as f64 / 1000.0),
         r.cpus_milli.max(1),
         r.memory_bytes.max(1),
     )
@@ -230,7 +227,8 @@ async fn run(trace: &Trace, nodes: Vec<Node>, options: &SimOptions, dir: &std::p
 
         // What the loop did: which jobs' tasks run now.
         let counts = fake.running_counts();
-        for i in active.clone() {
+        let mut ended = Vec::new();
+        for &i in &active {
             let f = follow[i];
             let now_tasks = counts.get(&ids[i]).copied().unwrap_or(0);
             if now_tasks == f.tasks && f.exited_at.is_none() {
@@ -253,7 +251,7 @@ async fn run(trace: &Trace, nodes: Vec<Node>, options: &SimOptions, dir: &std::p
                         follow[i].tasks = 0;
                         open -= 1;
                         fake.forget(&ids[i]);
-                        active.remove(&i);
+                        ended.push(i);
                     }
                     Some((state, reason)) => {
                         return Err(SimError::Control(format!(
@@ -301,6 +299,9 @@ async fn run(trace: &Trace, nodes: Vec<Node>, options: &SimOptions, dir: &std::p
                 let end = now.saturating_add(u64::try_from(dt).unwrap_or(u64::MAX));
                 events.push(Reverse((end, i, follow[i].version)));
             }
+        }
+        for i in ended {
+            active.remove(&i);
         }
         if stopping_before || control.stopping_any() {
             // As the server's loop does, turn again soon: what follows a stop waits only for its processes, and a

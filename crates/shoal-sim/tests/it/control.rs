@@ -31,6 +31,12 @@ fn the_control_loop_starts_and_ends_every_job_when_the_scheduler_alone_does() ->
         assert_eq!(render(&through), render(&direct), "{policy}");
         assert_eq!(through.preemptions, direct.preemptions, "{policy}");
         assert_eq!((direct.engine, through.engine), ("scheduler", "control"));
+        if policy.starts_with("las") {
+            assert!(
+                through.preemptions > 0,
+                "{policy}: the loop preempted nothing, so its preemption path went untried"
+            );
+        }
         for (j, d) in through.jobs.iter().zip(&direct.jobs) {
             assert_eq!(j.worked_task_ms, d.worked_task_ms, "{policy} {}", j.id);
         }
