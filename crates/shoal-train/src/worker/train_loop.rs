@@ -610,6 +610,10 @@ enum MemorySnapshot {
 /// last setting (samples per second of its forward and backward) rides in the step's summed scalars, one slot a
 /// rank, as a whole number (so the sum is exact whatever order the ranks add in); every rank then sets the same
 /// shares, in proportion to the rates, from a global batch far enough ahead that no loader has planned it yet.
+///
+/// A rank's rate is the median of its steps' rates, not their total over the total time: one step stretched by
+/// something other than the rank's speed (its core taken by another process for a time slice, a page fault, a
+/// collector) does not swing the shares.
 struct Balancer {
     shares: Arc<Shares>,
     every: usize,
@@ -619,8 +623,8 @@ struct Balancer {
     /// applies from this many batches on, which no loader has planned yet.
     lag: u64,
     sampler: DistributedSampler,
-    samples: usize,
-    compute_s: f64,
+    /// Samples per second of each step since the last setting.
+    step_rates: Vec<f64>,
 }
 
 impl Balancer {
@@ -638,8 +642,7 @@ impl Balancer {
             replica: sampler.rank(),
             lag: prefetch as u64 + 2,
             sampler: sampler.clone(),
-            samples: 0,
-            compute_s: 0.0,
+            step_rates: Vec::new(),
         })
     }
 
@@ -650,18 +653,26 @@ impl Balancer {
     /// The scalars this rank adds to `step`'s: its rate at a setting step, zeros otherwise.
     fn rates(&self, step: usize) -> Vec<Real> {
         let mut v = vec![0 as Real; self.replicas];
-        if self.deciding(step) && self.compute_s > 0.0 {
+        if self.deciding(step)
+            && let Some(rate) = shoal_spec::median(self.step_rates.iter().copied())
+        {
             // Whole samples per second, at least 1, within what the scalar type holds exactly.
-            v[self.replica] = (self.samples as f64 / self.compute_s).round().clamp(1.0, 16_000_000.0) as Real;
+            v[self.replica] = rate.round().clamp(1.0, 16_000_000.0) as Real;
         }
         v
+    }
+
+    /// Counts a step of `samples` computed in `compute_s` (a step without either tells nothing of the rate).
+    fn count(&mut self, samples: usize, compute_s: f64) {
+        if samples > 0 && compute_s > 0.0 {
+            self.step_rates.push(samples as f64 / compute_s);
+        }
     }
 
     /// After `step`: counts this rank's work, and at a setting step sets the shares from the summed rates.
     fn after_step(&mut self, step: usize, samples: usize, compute_s: f64, scalars: &[Real], next: SamplerState) {
         if !self.deciding(step) {
-            self.samples += samples;
-            self.compute_s += compute_s;
+            self.count(samples, compute_s);
             return;
         }
         let rates = scalars.get(3..3 + self.replicas).unwrap_or(&[]);
@@ -672,8 +683,8 @@ impl Balancer {
             tracing::debug!(step = step + 1, from, ?weights, "balance: rank shares set");
             self.shares.set_from(from, weights);
         }
-        self.samples = samples;
-        self.compute_s = compute_s;
+        self.step_rates.clear();
+        self.count(samples, compute_s);
     }
 }
 

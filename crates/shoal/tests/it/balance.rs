@@ -1,4 +1,4 @@
-//! Batch rebalancing for uneven workers (`train.balance = "dynamic"`): with one of two ranks computing three times
+//! Batch rebalancing for uneven workers (`train.balance = "dynamic"`): with one of two ranks computing four times
 //! as long (the `failpoints` build's `SHOAL_FAULT_SLOW_RANK`), the shares move towards the fast rank — seen in the
 //! ranks' metrics and the summary — while the parameters stay those of one process taking the whole global batch.
 
@@ -60,7 +60,7 @@ fn a_slow_rank_takes_a_smaller_share_and_the_parameters_stay_those_of_one_proces
     let dir = tmpdir("slow")?;
     let spec = job(&dir, "")?;
     run("1", &spec, &dir.join("one"), &[])?;
-    let two = run("2", &spec, &dir.join("two"), &[("SHOAL_FAULT_SLOW_RANK", "1:3")])?;
+    let two = run("2", &spec, &dir.join("two"), &[("SHOAL_FAULT_SLOW_RANK", "1:4")])?;
 
     let shares: Vec<f64> = two["shares"]
         .as_array()
@@ -70,7 +70,7 @@ fn a_slow_rank_takes_a_smaller_share_and_the_parameters_stay_those_of_one_proces
         .collect();
     assert_eq!(shares.len(), 2, "{two}");
     assert!((shares.iter().sum::<f64>() - 1.0).abs() < 1e-9, "shares sum to 1: {shares:?}");
-    assert!(shares[1] < 0.4, "the rank computing 3× as long ends with a smaller share: {shares:?}");
+    assert!(shares[1] < 0.4, "the rank computing 4× as long ends with a smaller share: {shares:?}");
     // Rank 1's metrics: equal halves at first, a smaller part once the shares were set.
     let text = std::fs::read_to_string(dir.join("two/metrics.rank-1.jsonl")).map_err(|e| e.to_string())?;
     let parts: Vec<f64> = text
