@@ -2,7 +2,7 @@
 //! so it can be checkpointed and restored exactly; the learning-rate schedule
 //! (linear warm-up, then cosine decay); global-norm gradient clipping.
 
-use crate::{REAL_BYTES, Real};
+use crate::{REAL_BYTES, REAL_DTYPE, Real};
 use candle_core::Tensor;
 
 use crate::error::{Error, Result};
@@ -97,8 +97,12 @@ impl Optimizer {
         }
     }
 
-    /// Applies one update with learning rate `lr` from gradients aligned with `params`.
+    /// Applies one update with learning rate `lr` from gradients aligned with `params` (on the parameters' device
+    /// when they are resident there).
     pub fn step(&mut self, params: &Params, grads: &[Tensor], lr: f64) -> Result<()> {
+        if params.resident() {
+            return self.step_tensors(params, grads, lr);
+        }
         let guards: Vec<_> = grads.iter().map(|g| g.storage_and_layout()).collect();
         let slices = guards.iter().map(|(s, l)| cpu_f32(s, l)).collect::<Result<Vec<_>>>()?;
         self.step_slices(params, &slices, lr)
@@ -123,6 +127,16 @@ impl Optimizer {
                     var.elem_count()
                 )));
             }
+        }
+        if params.resident() {
+            // Host buffers (reduced across ranks) for parameters held on a device: one copy each way there.
+            let grads = params
+                .vars()
+                .iter()
+                .zip(grads)
+                .map(|((_, v), g)| Ok(Tensor::from_slice(g, v.shape(), v.device())?))
+                .collect::<Result<Vec<_>>>()?;
+            return self.step_tensors(params, &grads, lr);
         }
         if self.skip_nonfinite && grads.iter().any(|g| g.iter().any(|x| !x.is_finite())) {
             self.skipped = true;
@@ -165,6 +179,84 @@ impl Optimizer {
                     })????;
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// [`Self::step_slices`]' update where the parameters are held ([`Params::set_resident`]): the same formula
+    /// (`shoal_ps::optim::update`) as tensor operations on their device, a few kernels a parameter, with the state
+    /// made there. Each new value is written into the parameter's own storage (every handle on it sees the update,
+    /// as on the host); the state's tensors are replaced, so a copy of them being taken is left as it was.
+    fn step_tensors(&mut self, params: &Params, grads: &[Tensor], lr: f64) -> Result<()> {
+        if grads.len() != params.vars().len() {
+            return Err(Error::InvalidArgument(format!(
+                "{} gradients for {} parameters",
+                grads.len(),
+                params.vars().len()
+            )));
+        }
+        for ((name, var), g) in params.vars().iter().zip(grads) {
+            if g.elem_count() != var.elem_count() {
+                return Err(Error::InvalidArgument(format!(
+                    "gradient of {name} has {} values, the parameter {}",
+                    g.elem_count(),
+                    var.elem_count()
+                )));
+            }
+        }
+        if self.skip_nonfinite && !all_finite(grads)? {
+            self.skipped = true;
+            return Ok(());
+        }
+        self.t += 1;
+        let t = self.t;
+        for (i, ((_, var), g)) in params.vars().iter().zip(grads).enumerate() {
+            // Out of autograd's graph: an update is not differentiated.
+            let p = &var.as_tensor().detach();
+            let g = g.detach().reshape(p.shape())?.to_dtype(p.dtype())?;
+            let new_p = match self.cfg {
+                OptimConfig::Sgd { momentum, weight_decay } => {
+                    // The gradient with weight decay, as `update` adds it.
+                    let d = if weight_decay == 0.0 { g } else { (&g + p.affine(weight_decay, 0.0)?)? };
+                    let step = match (momentum, self.m[i].take()) {
+                        (0.0, _) => d,
+                        // The first step's buffer is the gradient itself (PyTorch's convention).
+                        (_, None) => d,
+                        (mu, Some(buf)) => (buf.affine(mu, 0.0)? + d)?,
+                    };
+                    if momentum != 0.0 {
+                        self.m[i] = Some(step.clone());
+                    }
+                    (p - step.affine(lr, 0.0)?)?
+                }
+                OptimConfig::AdamW { beta1, beta2, eps, weight_decay } => {
+                    // Each constant rounded as `update` rounds it, and each operation in its order, so the host
+                    // gets the same values by either path.
+                    let real = |x: f64| x as Real;
+                    let (b1, b2) = (real(beta1), real(beta2));
+                    let scalar = |x: Real| Tensor::new(x, p.device());
+                    let c1 = scalar(real(1.0 - beta1.powi(t as i32)))?;
+                    let c2 = scalar(real(1.0 - beta2.powi(t as i32)))?;
+                    let take = if self.frozen { 0.0 } else { 1.0 - b2 };
+                    let new_m = g.affine(f64::from(1.0 - b1), 0.0)?;
+                    let m = match self.m[i].take() {
+                        Some(m) => (m.affine(f64::from(b1), 0.0)? + new_m)?,
+                        None => new_m,
+                    };
+                    let sq = (g.affine(f64::from(take), 0.0)? * &g)?;
+                    let v = match self.v[i].take() {
+                        Some(v) => (v.affine(f64::from(b2), 0.0)? + sq)?,
+                        None => sq,
+                    };
+                    let denom = (v.broadcast_div(&c2)?.sqrt()? + f64::from(real(eps)))?;
+                    let update = m.broadcast_div(&c1)?.div(&denom)?;
+                    self.m[i] = Some(m);
+                    self.v[i] = Some(v);
+                    (p.affine(f64::from(real(1.0 - lr * weight_decay)), 0.0)?
+                        - update.affine(f64::from(real(lr)), 0.0)?)?
+                }
+            };
+            var.set(&new_p)?;
         }
         Ok(())
     }
@@ -216,7 +308,8 @@ impl Optimizer {
         for (i, (name, var)) in params.vars().iter().enumerate() {
             for (slot, suffix) in [(&mut self.m[i], "m"), (&mut self.v[i], "v")] {
                 *slot = match named.get(&format!("{name}.{suffix}")) {
-                    Some(x) if x.shape() == var.shape() => Some(x.clone()),
+                    // Where the parameter is (a checkpoint's tensors are read on the host).
+                    Some(x) if x.shape() == var.shape() => Some(x.to_device(var.device())?),
                     Some(x) => {
                         return Err(Error::Checkpoint(format!(
                             "optimizer state {name}.{suffix} has shape {:?}, the parameter {:?}",
@@ -261,6 +354,40 @@ pub fn clip_grad_norm(grads: &mut [Tensor], max_norm: f64) -> Result<f64> {
     Ok(norm)
 }
 
+/// [`clip_grad_norm`] of gradients held on a device ([`Params::set_resident`]): the norm summed there, read
+/// back once, and the gradients scaled there.
+pub fn clip_grad_norm_tensors(grads: &mut [Tensor], max_norm: f64) -> Result<f64> {
+    if grads.is_empty() {
+        return Ok(0.0);
+    }
+    let sums =
+        grads.iter().map(|g| g.to_dtype(REAL_DTYPE)?.sqr()?.sum_all()).collect::<candle_core::Result<Vec<_>>>()?;
+    let norm =
+        f64::from(Tensor::stack(&sums, 0)?.sum_all()?.to_device(&candle_core::Device::Cpu)?.to_scalar::<Real>()?)
+            .sqrt();
+    if norm > max_norm && norm > 0.0 {
+        let s = max_norm / norm;
+        for g in grads.iter_mut() {
+            *g = g.affine(s, 0.0)?;
+        }
+    }
+    Ok(norm)
+}
+
+/// Whether every value of `grads` is finite, decided on their device with one value read back: an infinity or a
+/// NaN times zero is a NaN, which any sum keeps.
+fn all_finite(grads: &[Tensor]) -> Result<bool> {
+    if grads.is_empty() {
+        return Ok(true);
+    }
+    let zeros = grads
+        .iter()
+        .map(|g| g.to_dtype(REAL_DTYPE)?.affine(0.0, 0.0)?.sum_all())
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    let s = Tensor::stack(&zeros, 0)?.sum_all()?.to_device(&candle_core::Device::Cpu)?.to_scalar::<Real>()?;
+    Ok(s.is_finite())
+}
+
 /// Sum of squares, accumulated in f64.
 pub fn sum_sq(v: &[Real]) -> f64 {
     v.iter().map(|&x| f64::from(x) * f64::from(x)).sum()
@@ -279,6 +406,88 @@ pub fn clip_grad_norm_slices(grads: &mut [&mut [Real]], max_norm: f64) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::params::SeededRng;
+
+    /// Two parameters drawn from seed 3: on the host, or held where the model computes (the CPU here: the same
+    /// arithmetic by the tensor path a GPU takes).
+    fn two_params(resident: bool) -> Params {
+        let mut p = Params::default();
+        if resident {
+            p.set_resident(candle_core::Device::Cpu);
+        }
+        let mut rng = SeededRng::new(3);
+        p.uniform(&mut rng, "w", &[4, 3], 1.0).expect("w");
+        p.uniform(&mut rng, "b", &[3], 1.0).expect("b");
+        p
+    }
+
+    fn grads_at(step: usize) -> Vec<Tensor> {
+        let dev = &candle_core::Device::Cpu;
+        let w: Vec<Real> = (0..12).map(|i| ((i * 7 + step * 3) % 11) as Real / 5.0 - 1.0).collect();
+        let b: Vec<Real> = (0..3).map(|i| ((i + step) % 4) as Real / 3.0 - 0.5).collect();
+        vec![Tensor::from_vec(w, (4, 3), dev).expect("w"), Tensor::from_vec(b, 3, dev).expect("b")]
+    }
+
+    fn values(p: &Params) -> Vec<Real> {
+        p.flatten().expect("values")
+    }
+
+    #[test]
+    fn the_tensor_path_updates_as_the_host_loops_do() {
+        let configs = [
+            OptimConfig::AdamW { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 },
+            OptimConfig::Sgd { momentum: 0.9, weight_decay: 0.1 },
+            OptimConfig::Sgd { momentum: 0.0, weight_decay: 0.0 },
+        ];
+        for cfg in configs {
+            let (host, held) = (two_params(false), two_params(true));
+            assert!(!host.resident() && held.resident());
+            let (mut a, mut b) = (Optimizer::new(cfg, &host), Optimizer::new(cfg, &held));
+            for step in 0..6 {
+                let mut ga = grads_at(step);
+                let na = clip_grad_norm(&mut ga, 1.5).expect("clip");
+                // The norm summed in the gradients' type on the device (f64 on the host): close, not equal.
+                let nb = clip_grad_norm_tensors(&mut grads_at(step), 1.5).expect("clip on the device");
+                assert!((na - nb).abs() <= 1e-5 * na, "{cfg:?}: norm {na} against {nb}");
+                let gb = ga.clone();
+                a.step(&host, &ga, 1e-2).expect("host step");
+                if step % 2 == 0 {
+                    b.step(&held, &gb, 1e-2).expect("tensor step");
+                } else {
+                    // Host buffers (what a reduction across ranks hands over) go the same way.
+                    let flat: Vec<Vec<Real>> =
+                        gb.iter().map(|g| g.flatten_all().and_then(|g| g.to_vec1()).expect("values")).collect();
+                    let slices: Vec<&[Real]> = flat.iter().map(Vec::as_slice).collect();
+                    b.step_slices(&held, &slices, 1e-2).expect("tensor step from host buffers");
+                }
+            }
+            // The same constants, rounded alike, and the same operations in the same order: the same values.
+            assert_eq!(a.t, b.t);
+            assert_eq!(values(&host), values(&held), "{cfg:?}");
+            let state = |o: &Optimizer, p: &Params| -> Vec<Real> {
+                o.state(p).iter().flat_map(|(_, t)| t.flatten_all().and_then(|t| t.to_vec1()).expect("state")).collect()
+            };
+            assert_eq!(state(&a, &host), state(&b, &held), "{cfg:?}: the same state");
+        }
+    }
+
+    #[test]
+    fn the_tensor_path_skips_an_update_with_an_infinity_as_the_host_loops_do() {
+        let held = two_params(true);
+        let before = values(&held);
+        let mut o =
+            Optimizer::new(OptimConfig::AdamW { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 }, &held);
+        o.skip_nonfinite(true);
+        let mut g = grads_at(0);
+        g[1] = Tensor::from_vec(vec![0.0 as Real, Real::INFINITY, 1.0], 3, &candle_core::Device::Cpu).expect("b");
+        o.step(&held, &g, 1e-2).expect("skipped");
+        assert!(o.take_skipped());
+        assert_eq!((o.t, values(&held)), (0, before.clone()), "nothing changed");
+        o.step(&held, &grads_at(1), 1e-2).expect("taken");
+        assert!(!o.take_skipped());
+        assert_eq!(o.t, 1);
+        assert_ne!(values(&held), before);
+    }
 
     #[test]
     fn schedule_warms_up_then_decays_to_the_floor() {

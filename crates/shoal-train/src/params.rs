@@ -38,8 +38,12 @@ pub struct Params {
     /// What a model built on these computes its passes in (`None`: [`REAL_DTYPE`]); the parameters themselves are
     /// always `REAL_DTYPE` (`crate::precision`).
     compute: Option<candle_core::DType>,
-    /// Where a model built on these computes (`None`: the CPU); the parameters themselves stay on the host.
+    /// Where a model built on these computes (`None`: the CPU).
     device: Option<Device>,
+    /// The parameters are held where the model computes ([`Params::set_resident`]), not on the host: their
+    /// gradients stay there, the optimizer updates them there, and only what crosses ranks is staged through the
+    /// host.
+    resident: bool,
 }
 
 impl Params {
@@ -57,6 +61,10 @@ impl Params {
     }
 
     fn insert(&mut self, name: &str, t: Tensor) -> Result<Tensor> {
+        let t = match (&self.device, self.resident) {
+            (Some(d), true) => t.to_device(d)?,
+            _ => t,
+        };
         let v = Var::from_tensor(&t)?;
         let out = v.as_tensor().clone();
         self.vars.push((name.to_string(), v));
@@ -70,9 +78,27 @@ impl Params {
         self.compute = Some(dtype);
     }
 
-    /// Sets where a model built on these from now on computes (`crate::device`): the parameters stay on the host.
+    /// Sets where a model built on these from now on computes (`crate::device`): the parameters registered from
+    /// now on stay on the host (see [`Self::set_resident`]).
     pub fn set_device(&mut self, device: Device) {
         self.device = Some(device);
+        self.resident = false;
+    }
+
+    /// Sets where a model built on these from now on computes, and holds the parameters registered from now on
+    /// there: the optimizer updates them on `device` (with tensor operations rather than host loops), their
+    /// gradients stay there, and a strategy stages through the host only what crosses ranks — a bucket at a time.
+    /// What data parallelism on a GPU runs on; on the CPU it is the same arithmetic by another path (what tests
+    /// check it by).
+    pub fn set_resident(&mut self, device: Device) {
+        self.device = Some(device);
+        self.resident = true;
+    }
+
+    /// Whether the parameters are held where the model computes ([`Self::set_resident`]; a model built on
+    /// [`Self::from_vars`] whose variables are on a device is too).
+    pub fn resident(&self) -> bool {
+        self.resident
     }
 
     /// Where and in what a model built on these computes.
@@ -157,7 +183,7 @@ impl Params {
                 self.full_dims(index)
             )));
         }
-        var.set(&Tensor::from_vec(part, var.shape(), &Device::Cpu)?)?;
+        var.set(&Tensor::from_vec(part, var.shape(), var.device())?)?;
         Ok(())
     }
 
@@ -174,9 +200,14 @@ impl Params {
     }
 
     /// Adopts existing variables (for users' own candle models; no layers).
+    ///
+    /// Variables made on a device (a candle model built there) make the parameters resident there
+    /// ([`Self::set_resident`]).
     pub fn from_vars(vars: Vec<(String, Var)>) -> Self {
         let splits = vec![None; vars.len()];
-        Params { vars, layers: Layers::default(), splits, shard: None, compute: None, device: None }
+        let device = vars.iter().map(|(_, v)| v.device()).find(|d| !d.is_cpu()).cloned();
+        let resident = device.is_some();
+        Params { vars, layers: Layers::default(), splits, shard: None, compute: None, device, resident }
     }
 
     pub fn vars(&self) -> &[(String, Var)] {
@@ -193,7 +224,7 @@ impl Params {
         let mut out = Vec::with_capacity(self.count());
         for (name, v) in &self.vars {
             let t = v.as_tensor();
-            if t.dtype() == REAL_DTYPE && t.is_contiguous() {
+            if t.dtype() == REAL_DTYPE && t.is_contiguous() && t.device().is_cpu() {
                 // Read in place; a parameter whose values this rank does not hold (ZeRO-3) is an error, not a panic.
                 with_slice(t, |s| out.extend_from_slice(s))
                     .map_err(|e| Error::InvalidArgument(format!("parameter {name}: {e}")))?;
@@ -238,7 +269,7 @@ impl Params {
             let Some(part) = flat.get(off..off + n) else {
                 return Err(Error::InvalidArgument(format!("flat buffer too short for parameter {name}")));
             };
-            v.set(&Tensor::from_slice(part, v.shape(), &Device::Cpu)?)?;
+            v.set(&Tensor::from_slice(part, v.shape(), v.device())?)?;
             off += n;
         }
         Ok(())

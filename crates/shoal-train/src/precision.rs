@@ -38,9 +38,9 @@ pub fn like(t: &Tensor, x: &Tensor) -> candle_core::Result<Tensor> {
     at(&t.to_device(x.device())?, x.dtype())
 }
 
-/// Where and in what a model computes: its parameters stay [`crate::REAL_DTYPE`] on the host, and autograd brings
-/// their gradients back there through the copies [`Compute::put`] makes (the host-staged path: the collectives and
-/// the optimizer work on host buffers whatever the device).
+/// Where and in what a model computes. Its parameters are [`crate::REAL_DTYPE`], held either on the host — then
+/// autograd brings their gradients back there through the copies [`Compute::put`] makes — or on the device itself
+/// (`Params::set_resident`), where `put` only casts.
 #[derive(Debug, Clone)]
 pub struct Compute {
     pub dtype: DType,

@@ -11,7 +11,10 @@
 //!   threads already fill every core, a communicator thread running beside them only slows the computation it was
 //!   meant to hide behind;
 //! - `step` waits for the buckets, clips, and applies the same update on every rank. Bucket buffers are reused
-//!   from step to step.
+//!   from step to step;
+//! - parameters held on a device (`Params::set_resident`) keep one rank's gradients there, summed over
+//!   micro-batches, and are updated there; ranks together stage their gradients to the host bucket by bucket
+//!   (`put_tensors`), and the reduced buckets go back up with the update.
 
 use crate::{REAL_BYTES, Real};
 use std::time::Instant;
@@ -21,7 +24,7 @@ use shoal_comm::{Communicator, CompressConfig, Compressor, Pending, ReduceOp};
 
 use super::{GradSink, StepTimes, Strategy, TensorGrads, broadcast_from_rank0, check_order, flat_offsets, put_tensors};
 use crate::error::{Error, Result};
-use crate::optim::{Optimizer, clip_grad_norm, clip_grad_norm_slices};
+use crate::optim::{Optimizer, clip_grad_norm, clip_grad_norm_slices, clip_grad_norm_tensors};
 use crate::params::Params;
 
 /// How [`Ddp`] buckets and overlaps.
@@ -57,6 +60,9 @@ pub struct Ddp {
     buckets: Vec<(Vec<usize>, Bucket)>,
     /// Gradients kept as tensors when there is nothing to reduce, with the step's scalars.
     direct: Option<(Vec<Tensor>, Vec<Real>)>,
+    /// Parameters held on a device ([`Params::set_resident`]) and nothing to reduce: the gradients of earlier
+    /// micro-batches, summed there.
+    acc_tensors: Option<Vec<Tensor>>,
     /// Bucket buffers of the last step, reused by the next (no allocation, no page faults).
     spare: Vec<Vec<Real>>,
     /// `[compression]`: each bucket summed through it, on the calling thread in `step`.
@@ -86,6 +92,7 @@ impl Ddp {
             acc: None,
             buckets: Vec::new(),
             direct: None,
+            acc_tensors: None,
             spare: Vec::new(),
             compress: None,
             momentum: false,
@@ -311,6 +318,28 @@ impl Strategy for Ddp {
     }
 
     fn backward_tensors(&mut self, params: &Params, last: bool, scalars: Vec<Real>, grads: TensorGrads) -> Result<()> {
+        if params.resident() && self.world() <= 1 {
+            // Nothing to reduce, the parameters on a device: the gradients stay there, summed over micro-batches.
+            let mut sum = Vec::with_capacity(params.vars().len());
+            for (i, (_, v)) in params.vars().iter().enumerate() {
+                let g = match grads.get(i).and_then(Option::as_ref) {
+                    Some(g) => g.detach(),
+                    None => v.as_tensor().zeros_like()?,
+                };
+                sum.push(match self.acc_tensors.as_ref().and_then(|a| a.get(i)) {
+                    Some(a) => (a + g)?,
+                    None => g.contiguous()?,
+                });
+            }
+            match last {
+                true => {
+                    self.acc_tensors = None;
+                    self.direct = Some((sum, scalars));
+                }
+                false => self.acc_tensors = Some(sum),
+            }
+            return Ok(());
+        }
         if last && self.world() <= 1 && self.acc.is_none() {
             // One worker, one micro-batch: nothing to reduce, keep the tensors.
             let direct = params
@@ -325,7 +354,9 @@ impl Strategy for Ddp {
             self.direct = Some((direct, scalars));
             return Ok(());
         }
-        self.backward(params, last, scalars, &mut |sink| put_tensors(sink, &grads))
+        // Gradients on a device cross to the host a bucket at a time.
+        let stage = params.resident().then_some(self.cfg.bucket_bytes);
+        self.backward(params, last, scalars, &mut |sink| put_tensors(sink, &grads, stage))
     }
 
     fn compression_state(&self) -> Result<Vec<(String, Tensor)>> {
@@ -346,6 +377,7 @@ impl Strategy for Ddp {
         let t0 = Instant::now();
         if let Some((mut grads, scalars)) = self.direct.take() {
             let grad_norm = match clip {
+                Some(max) if params.resident() => Some(clip_grad_norm_tensors(&mut grads, max)?),
                 Some(max) => Some(clip_grad_norm(&mut grads, max)?),
                 None => None,
             };

@@ -286,11 +286,54 @@ pub(crate) fn flat_offsets(params: &Params) -> (Vec<usize>, usize) {
 }
 
 /// Puts autograd's gradients into a sink, in the reverse parameter order it asks for.
-pub(crate) fn put_tensors(sink: &mut dyn GradSink, grads: &TensorGrads) -> Result<()> {
-    for (i, g) in grads.iter().enumerate().rev() {
-        if let Some(g) = g {
-            sink.put(i, &mut |out| copy_f32(out, g))?;
+///
+/// With `stage_bytes` (gradients held on a device: [`Params::set_resident`]) they cross to the host a bucket at a
+/// time: the gradients next in the sink's order, flattened and joined on the device into one buffer of about
+/// `stage_bytes`, come back in one transfer and are put from it. Under DDP, a bucket's all-reduce runs on the
+/// communicator's thread while the next bucket is joined and copied.
+pub(crate) fn put_tensors(sink: &mut dyn GradSink, grads: &TensorGrads, stage_bytes: Option<usize>) -> Result<()> {
+    let Some(limit) = stage_bytes else {
+        for (i, g) in grads.iter().enumerate().rev() {
+            if let Some(g) = g {
+                sink.put(i, &mut |out| copy_f32(out, g))?;
+            }
         }
+        return Ok(());
+    };
+    let order: Vec<(usize, &Tensor)> =
+        grads.iter().enumerate().rev().filter_map(|(i, g)| Some((i, g.as_ref()?))).collect();
+    let mut at = 0;
+    while at < order.len() {
+        let (mut end, mut bytes) = (at, 0usize);
+        while end < order.len() && (end == at || bytes < limit) {
+            bytes += order[end].1.elem_count() * REAL_BYTES;
+            end += 1;
+        }
+        let parts = order[at..end]
+            .iter()
+            .map(|(_, g)| g.flatten_all()?.to_dtype(crate::REAL_DTYPE))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let host = Tensor::cat(&parts, 0)?.to_device(&candle_core::Device::Cpu)?;
+        with_slice(&host, |values| -> Result<()> {
+            let mut off = 0;
+            for (i, g) in &order[at..end] {
+                let n = g.elem_count();
+                let part = &values[off..off + n];
+                sink.put(*i, &mut |out| {
+                    if out.len() != n {
+                        return Err(Error::InvalidArgument(format!(
+                            "gradient has {n} values, its parameter {}",
+                            out.len()
+                        )));
+                    }
+                    out.copy_from_slice(part);
+                    Ok(())
+                })?;
+                off += n;
+            }
+            Ok(())
+        })??;
+        at = end;
     }
     Ok(())
 }

@@ -276,7 +276,7 @@ impl Strategy for Zero {
     }
 
     fn backward_tensors(&mut self, params: &Params, last: bool, scalars: Vec<Real>, grads: TensorGrads) -> Result<()> {
-        self.backward(params, last, scalars, &mut |sink| put_tensors(sink, &grads))
+        self.backward(params, last, scalars, &mut |sink| put_tensors(sink, &grads, None))
     }
 
     fn step(&mut self, params: &Params, opt: &mut Optimizer, lr: f64, clip: Option<f64>) -> Result<StepTimes> {

@@ -493,7 +493,9 @@ pub fn build_model_sharded(
     build_model_placed(spec, rng, shard, candle_core::Device::Cpu)
 }
 
-/// [`build_model_sharded`] for a model that computes on `device` (its parameters stay on the host).
+/// [`build_model_sharded`] for a model that computes on `device`. Its parameters are held there too
+/// ([`Params::set_resident`]) under plain data parallelism (DDP without `[compression]` or `[robust]`, whose host
+/// loops read the optimizer's state); otherwise they stay on the host and the passes take copies.
 pub fn build_model_placed(
     spec: &JobSpec,
     rng: &mut SeededRng,
@@ -505,7 +507,12 @@ pub fn build_model_placed(
     let m = &t.model;
     let mut params = shard.map_or_else(Params::default, Params::tensor_parallel);
     params.set_compute(crate::precision::compute_dtype(t.precision));
-    params.set_device(device);
+    let plain_ddp =
+        t.strategy == Strategy::Ddp && spec.robust.is_none() && !spec.compression.is_some_and(|c| c.is_on());
+    match (device.is_cpu(), plain_ddp) {
+        (false, true) => params.set_resident(device),
+        _ => params.set_device(device),
+    }
     let model: Box<dyn Model> = match m.kind {
         ModelKind::Mlp => Box::new(Mlp::new(&mut params, rng, shape.features, m.hidden(), shape.classes)?),
         ModelKind::Cnn => Box::new(Cnn::new(&mut params, rng, shape.features, m.channels(), shape.classes)?),

@@ -493,13 +493,16 @@ impl StepLoop {
                     extra,
                 };
                 let at = (step + 1) as u64;
+                // Tensors held on a device are copied out here, on the thread that computes on it (one transfer
+                // each on its stream); host tensors on a thread while the next step computes.
+                let on_device = model_h.iter().any(|(_, t)| !t.device().is_cpu());
                 if copying {
                     let mut spare = memory_saver.as_ref().map(|s| s.spare_buffers()).unwrap_or_default().into_iter();
                     let (model_h, opt_h, meta) = (model_h.clone(), opt_h.clone(), meta.clone());
                     // A small state is copied here at once (less than a thread's start); a large one on a
                     // thread while the next step computes.
                     let bytes: usize = model_h.iter().chain(&opt_h).map(|(_, t)| t.elem_count() * REAL_BYTES).sum();
-                    memory_snapshot = Some(if bytes <= INLINE_COPY_BYTES {
+                    memory_snapshot = Some(if bytes <= INLINE_COPY_BYTES || on_device {
                         MemorySnapshot::Copied(
                             tensors_of(model_h, &mut spare)
                                 .and_then(|m| Ok((at, m, tensors_of(opt_h, &mut spare)?, meta))),
@@ -513,9 +516,16 @@ impl StepLoop {
                 }
                 if writing {
                     let mut spare = saver.as_ref().map(|s| s.spare_buffers()).unwrap_or_default().into_iter();
-                    snapshot = Some(std::thread::spawn(move || {
-                        Ok((at, tensors_of(model_h, &mut spare)?, tensors_of(opt_h, &mut spare)?, meta))
-                    }));
+                    snapshot = Some(match on_device {
+                        true => {
+                            let copied = tensors_of(model_h, &mut spare)
+                                .and_then(|m| Ok((at, m, tensors_of(opt_h, &mut spare)?, meta)));
+                            std::thread::spawn(move || copied)
+                        }
+                        false => std::thread::spawn(move || {
+                            Ok((at, tensors_of(model_h, &mut spare)?, tensors_of(opt_h, &mut spare)?, meta))
+                        }),
+                    });
                     checkpoints += 1;
                     stall_s += s0.elapsed().as_secs_f64();
                 } else {

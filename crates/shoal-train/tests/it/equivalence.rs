@@ -41,6 +41,9 @@ pub(crate) struct Run {
     pub(crate) clip: bool,
     /// On parameter servers (`strategy = "ps"`): where they listen, and their mode.
     pub(crate) ps: Option<(Vec<String>, shoal_ps::Mode)>,
+    /// The parameters held where the model computes (`Params::set_resident`, on the CPU here): the path a GPU
+    /// takes — the optimizer's tensor operations, gradients summed where they are, buckets staged to the host.
+    pub(crate) resident: bool,
 }
 
 impl Run {
@@ -61,6 +64,7 @@ impl Run {
             attack: None,
             clip: true,
             ps: None,
+            resident: false,
         }
     }
 }
@@ -116,6 +120,9 @@ pub(crate) fn train_rank_from(
 ) -> (Saved, Vec<Real>) {
     let data = dataset(run.which);
     let mut params = Params::default();
+    if run.resident {
+        params.set_resident(candle_core::Device::Cpu);
+    }
     // Each rank seeds differently: the broadcast from rank 0 must make them equal.
     let mut rng = SeededRng::new(7 + rank as u64);
     let model: Box<dyn Model> = match run.which {
@@ -352,6 +359,24 @@ fn gpt_ddp_matches_one_worker_at_2_and_4_workers() {
     let one = train_world(run(), 1);
     for n in [2, 4] {
         assert_close(&one, &train_world(run(), n), &format!("gpt, {n} workers"));
+    }
+}
+
+/// Parameters held where the model computes (a GPU's path, taken on the CPU): with AdamW, two micro-batches a step
+/// and clipping, one worker (gradients summed where they are, the update by tensor operations) and 2 and 3
+/// workers (gradients staged to the host a bucket at a time, 4 KiB here, and reduced) end where one worker on the
+/// host loops does; and the GPT through autograd likewise.
+#[test]
+fn ddp_with_parameters_held_where_the_model_computes_matches_the_host_path() {
+    let host = train_world(mlp(false, true, true), 1);
+    for n in [1, 2, 3] {
+        let held = train_world(Run { resident: true, ..mlp(false, true, true) }, n);
+        assert_close(&host, &held, &format!("mlp held where it computes, AdamW, {n} workers"));
+    }
+    let gpt = |resident| Run { which: Which::Gpt, optimizer: SGD, resident, ..Run::mlp(30, 12, 1) };
+    let one = train_world(gpt(false), 1);
+    for n in [1, 2] {
+        assert_close(&one, &train_world(gpt(true), n), &format!("gpt held where it computes, {n} workers"));
     }
 }
 
