@@ -17,8 +17,11 @@
 #   gpt2_torch     the same model in PyTorch eager with bf16 autocast (scripts/gpt2_reference.py)
 #   ddp_shared     two processes sharing the GPU (resources.gpus = 0.5) in DDP over the host-staged path against
 #                  one process at the same global batch, f32: the final parameters' largest difference (≤ 1e-5)
+#   resume         a GPU run's checkpoint at step 10 resumed to step 20 on the GPU (compared bit for bit with the
+#                  run that went through) and on the CPU (the largest difference)
+#   gpu_memory     a `shoal server` (NVML) running two jobs of resources.gpus = 0.5 on the one GPU: the one over its
+#                  resources.gpu_memory is killed with a reason naming it, its neighbour succeeds
 #   nvml           nvidia-smi samples (utilisation, memory) taken every 500 ms through the runs
-#   gpu_memory     the fractional-GPU memory limit (resources.gpu_memory) enforced: reported as not built yet
 set -uo pipefail
 
 here="$(cd "$(dirname "$0")/.." && pwd)"
@@ -107,7 +110,10 @@ memory = "32GiB"
 EOF
 }
 
-small_job() {  # $1 name, $2 gpus
+small_job() {  # $1 name, $2 gpus, [$3 checkpoint every, $4 resume_from, $5 gpu_memory]
+  local resume="" limit=""
+  [ -n "${4:-}" ] && resume="resume_from = \"$4\""
+  [ -n "${5:-}" ] && limit="gpu_memory = \"$5\""
   cat <<EOF
 name = "$1"
 [train]
@@ -125,10 +131,89 @@ heads = 4
 width = 128
 context = 64
 [checkpoint]
-every = 20
+every = ${3:-20}
+$resume
 [resources]
 gpus = $2
+$limit
 EOF
+}
+
+# Two checkpoints' tensors compared: {"tensors", "same_names", "max_abs_diff", "identical"}.
+compare() {  # $1 $2 model.safetensors
+  python3 - "$1" "$2" <<'EOF'
+import json, struct, sys
+def read(p):
+    b = open(p, "rb").read()
+    n = struct.unpack("<Q", b[:8])[0]
+    h = json.loads(b[8:8 + n]); body = b[8 + n:]
+    out = {}
+    for k, v in h.items():
+        if k == "__metadata__":
+            continue
+        s, e = v["data_offsets"]
+        out[k] = struct.unpack("<%df" % ((e - s) // 4), body[s:e])
+    return out
+a, b = read(sys.argv[1]), read(sys.argv[2])
+diff = max(abs(x - y) for k in a if k in b for x, y in zip(a[k], b[k]))
+print(json.dumps({"tensors": len(a), "same_names": sorted(a) == sorted(b), "max_abs_diff": diff,
+                  "identical": sorted(a) == sorted(b) and all(a[k] == b[k] for k in a)}))
+EOF
+}
+
+# A server on this machine (its GPUs found through NVML) runs a job held to 1 GiB of GPU memory that needs more,
+# beside one with room; the first must be killed naming resources.gpu_memory, the second succeed.
+gpu_memory_check() {  # $1 out, $2 work
+  local out="$1" work="$2" port=7799 data="$2/server"
+  "$work/shoal" server --listen "127.0.0.1:$port" --data-dir "$data" --task-user root > "$out/server.log" 2>&1 &
+  local server=$!
+  if ! python3 - "$port" <<'EOF'
+import sys, time, urllib.request
+for _ in range(120):
+    try:
+        urllib.request.urlopen("http://127.0.0.1:%s/healthz" % sys.argv[1], timeout=1); sys.exit(0)
+    except Exception:
+        time.sleep(0.5)
+sys.exit(1)
+EOF
+  then
+    put gpu_memory "\"failed: the server did not answer (server.log)\""
+    kill "$server" 2>/dev/null
+    return 1
+  fi
+  local cli=("$work/shoal" --addr "127.0.0.1:$port" --token "$(cat "$data/admin.token")")
+  gpt2_job over-limit bf16 0.5 | sed 's/^steps = .*/steps = 400/' > "$work/over.toml"
+  printf 'gpu_memory = "1GiB"\n' >> "$work/over.toml"
+  small_job under-limit 0.5 20 "" 40GiB | sed 's/^steps = .*/steps = 200/' > "$work/under.toml"
+  local over under
+  over="$("${cli[@]}" submit --json "$work/over.toml" | python3 -c 'import json,sys; print(json.load(sys.stdin)["id"])')"
+  under="$("${cli[@]}" submit --json "$work/under.toml" | python3 -c 'import json,sys; print(json.load(sys.stdin)["id"])')"
+  local t0=$SECONDS so="" su=""
+  while [ $((SECONDS - t0)) -lt 240 ]; do
+    so="$("${cli[@]}" status "$over" --json 2>/dev/null)"
+    su="$("${cli[@]}" status "$under" --json 2>/dev/null)"
+    if python3 -c 'import json,sys; sys.exit(0 if all(json.loads(a).get("state") in ("succeeded","failed","cancelled") for a in sys.argv[1:]) else 1)' "$so" "$su" 2>/dev/null; then
+      break
+    fi
+    sleep 2
+  done
+  "${cli[@]}" logs "$over" --rank 0 > "$out/over_limit.log" 2>&1
+  put gpu_memory "$(python3 - "$so" "$su" <<'EOF'
+import json, sys
+def view(s):
+    try:
+        v = json.loads(s)
+    except ValueError:
+        return {"state": "unknown", "raw": s[-400:]}
+    return {"state": v.get("state"), "reason": v.get("reason")}
+o, u = view(sys.argv[1]), view(sys.argv[2])
+print(json.dumps({"over_limit": o, "under_limit": u,
+                  "enforced": o["state"] == "failed" and "resources.gpu_memory" in str(o.get("reason"))
+                  and u["state"] == "succeeded"}))
+EOF
+)"
+  kill "$server" 2>/dev/null
+  wait "$server" 2>/dev/null
 }
 
 run() {
@@ -200,29 +285,29 @@ EOF
   small_job ddp-two 0.5 > "$work/two.toml"
   if timeout 240 "$shoal" run -n 1 --output "$work/one" "$work/one.toml" > "$out/ddp_one.log" 2>&1 &&
      timeout 240 "$shoal" run -n 2 --output "$work/two" "$work/two.toml" > "$out/ddp_two.log" 2>&1; then
-    put ddp_shared "$(python3 - "$work/one/checkpoints/step-000020/model.safetensors" \
-        "$work/two/checkpoints/step-000020/model.safetensors" <<'EOF'
-import json, struct, sys
-def read(p):
-    b = open(p, "rb").read()
-    n = struct.unpack("<Q", b[:8])[0]
-    h = json.loads(b[8:8 + n]); body = b[8 + n:]
-    out = {}
-    for k, v in h.items():
-        if k == "__metadata__":
-            continue
-        s, e = v["data_offsets"]
-        out[k] = struct.unpack("<%df" % ((e - s) // 4), body[s:e])
-    return out
-a, b = read(sys.argv[1]), read(sys.argv[2])
-diff = max(abs(x - y) for k in a for x, y in zip(a[k], b[k]))
-print(json.dumps({"tensors": len(a), "same_names": sorted(a) == sorted(b), "max_abs_diff": diff,
-                  "within_1e-5": diff <= 1e-5}))
-EOF
-)"
+    local d
+    d="$(compare "$work/one/checkpoints/step-000020/model.safetensors" "$work/two/checkpoints/step-000020/model.safetensors")"
+    put ddp_shared "$(python3 -c 'import json,sys; d=json.loads(sys.argv[1]); d["within_1e-5"]=d["max_abs_diff"]<=1e-5; print(json.dumps(d))' "$d")"
   else
     put ddp_shared "\"failed: see ddp_one.log / ddp_two.log\""
   fi
+
+  log "resume"
+  small_job resume-a 1 10 > "$work/ra.toml"
+  small_job resume-b 1 10 "$work/ra/checkpoints/step-000010" > "$work/rb.toml"
+  small_job resume-c 0 10 "$work/ra/checkpoints/step-000010" > "$work/rc.toml"
+  if timeout 120 "$shoal" run -n 1 --output "$work/ra" "$work/ra.toml" > "$out/resume_a.log" 2>&1 &&
+     timeout 120 "$shoal" run -n 1 --output "$work/rb" "$work/rb.toml" > "$out/resume_b.log" 2>&1 &&
+     timeout 120 "$shoal" run -n 1 --output "$work/rc" "$work/rc.toml" > "$out/resume_c.log" 2>&1; then
+    put resume "{\"on_gpu\": $(compare "$work/ra/checkpoints/step-000020/model.safetensors" \
+        "$work/rb/checkpoints/step-000020/model.safetensors"), \"on_cpu\": $(compare \
+        "$work/ra/checkpoints/step-000020/model.safetensors" "$work/rc/checkpoints/step-000020/model.safetensors")}"
+  else
+    put resume "\"failed: see resume_a.log / resume_b.log / resume_c.log\""
+  fi
+
+  log "gpu_memory"
+  gpu_memory_check "$out" "$work" || log "gpu_memory: see server.log"
 
   kill "$sampler" 2>/dev/null
   put nvml "$(python3 - "$out/nvml.csv" <<'EOF'
@@ -233,7 +318,6 @@ mem = [float(r[2].split()[0]) for r in rows if len(r) > 2 and r[2].split()[0].re
 print('{"samples": %d, "util_max_pct": %s, "memory_max_mib": %s}' % (len(rows), max(util, default="null"), max(mem, default="null")))
 EOF
 )"
-  put gpu_memory "\"not checked: enforcement of resources.gpu_memory through NVML is not built yet\""
   cat "$results"
   rm -rf "$work"
 }
