@@ -327,11 +327,15 @@ mod gpu_tests {
 
     const CFG: GptConfig = GptConfig { vocab: 64, context: 32, layers: 2, heads: 4, width: 64 };
 
-    /// `steps` steps of a small GPT on `device` in `p`: the losses.
-    fn losses(device: &candle_core::Device, p: Precision, steps: usize) -> crate::Result<Vec<f64>> {
+    /// `steps` steps of a small GPT on `device` in `p`, its parameters held there (`resident`) or on the host:
+    /// the losses.
+    fn losses(device: &candle_core::Device, p: Precision, steps: usize, resident: bool) -> crate::Result<Vec<f64>> {
         let mut params = Params::default();
         params.set_compute(compute_dtype(p));
-        params.set_device(device.clone());
+        match resident {
+            true => params.set_resident(device.clone()),
+            false => params.set_device(device.clone()),
+        }
         let model = Gpt::new(&mut params, &mut SeededRng::new(3), CFG)?;
         let cfg = TrainerConfig {
             optimizer: OptimConfig::AdamW { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 },
@@ -339,6 +343,8 @@ mod gpu_tests {
             ..TrainerConfig::default()
         };
         let mut t = Trainer::new(params, None, cfg)?;
+        let held = t.params().vars().iter().all(|(_, v)| v.device().same_device(device));
+        assert_eq!(held, resident || device.is_cpu(), "the parameters are where they were asked to be");
         let mut out = Vec::new();
         for k in 0..steps {
             let (b, n) = (4, CFG.context);
@@ -360,14 +366,19 @@ mod gpu_tests {
     #[test]
     fn gpu_training_follows_the_cpu_and_learns_in_bf16() -> crate::Result<()> {
         let Some(gpu) = device() else { return Ok(()) };
-        let cpu = losses(&candle_core::Device::Cpu, Precision::F32, 10)?;
-        let on_gpu = losses(&gpu, Precision::F32, 10)?;
-        for (i, (a, b)) in on_gpu.iter().zip(&cpu).enumerate() {
-            assert!((a - b).abs() < 1e-3 * (1.0 + b.abs()), "step {i}: gpu {a}, cpu {b}");
+        let cpu = losses(&candle_core::Device::Cpu, Precision::F32, 10, false)?;
+        // The parameters on the host (the weights copied up for each pass), then held on the device.
+        for resident in [false, true] {
+            let on_gpu = losses(&gpu, Precision::F32, 10, resident)?;
+            for (i, (a, b)) in on_gpu.iter().zip(&cpu).enumerate() {
+                assert!((a - b).abs() < 1e-3 * (1.0 + b.abs()), "step {i} (held on the GPU: {resident}): {a}, cpu {b}");
+            }
+            eprintln!("gpu f32 (held on the GPU: {resident}) follows cpu f32 ({on_gpu:?} vs {cpu:?})");
         }
-        let bf16 = losses(&gpu, Precision::Bf16, 30)?;
-        assert!(bf16[29] < 0.5 * bf16[0], "bf16 on the GPU: {bf16:?}");
-        eprintln!("gpu f32 follows cpu f32 ({on_gpu:?} vs {cpu:?}); bf16 {} -> {}", bf16[0], bf16[29]);
+        // (On the CPU this run goes from 4.44 to 2.32 in 30 steps and to 1.34 in 40.)
+        let bf16 = losses(&gpu, Precision::Bf16, 40, true)?;
+        assert!(bf16[39] < 0.6 * bf16[0], "bf16 on the GPU: {bf16:?}");
+        eprintln!("bf16 held on the GPU: {} -> {}", bf16[0], bf16[39]);
         Ok(())
     }
 }
