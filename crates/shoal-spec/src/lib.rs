@@ -63,6 +63,7 @@
 //! |---|---|
 //! | `train.strategy` | `ddp` |
 //! | `train.precision` | `f32` (`bf16`, `f16`: 16-bit passes, f32 master weights) |
+//! | `train.collectives` | `auto` (NCCL for GPU ranks under plain DDP in a build with it, else Shoal's own; `nccl`, `shoal`) |
 //! | `train.seed` | 0 |
 //! | `train.optimizer` | `adamw` |
 //! | `train.momentum` (sgd) | 0.9 |
@@ -796,6 +797,31 @@ impl Precision {
     }
 }
 
+/// What sums the gradients of ranks computing on GPUs (`train.collectives`).
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Collectives {
+    /// NCCL where it can run (a build with the `nccl` feature, ranks on GPUs, plain DDP), Shoal's own otherwise.
+    #[default]
+    Auto,
+    /// NCCL on the devices' buffers; a run where it cannot is refused at start.
+    Nccl,
+    /// Shoal's own collectives (shared memory or TCP), GPU gradients staged through the host.
+    Shoal,
+}
+
+impl Collectives {
+    /// The name a spec gives it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Collectives::Auto => "auto",
+            Collectives::Nccl => "nccl",
+            Collectives::Shoal => "shoal",
+        }
+    }
+}
+
 /// How the global batch is shared among the ranks (`train.balance`).
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -852,6 +878,9 @@ pub struct TrainSpec {
     /// state and checkpoints, and cast the weights for each pass.
     #[serde(default, skip_serializing_if = "is_f32_precision")]
     pub precision: Precision,
+    /// What sums GPU ranks' gradients (default `auto`: NCCL where it can run, else Shoal's own).
+    #[serde(default, skip_serializing_if = "is_auto_collectives")]
+    pub collectives: Collectives,
     /// How the global batch is shared among the ranks (default `static`: equally).
     #[serde(default, skip_serializing_if = "is_static")]
     pub balance: Balance,
@@ -932,6 +961,9 @@ fn is_f32(d: &Dtype) -> bool {
 }
 fn is_f32_precision(p: &Precision) -> bool {
     *p == Precision::F32
+}
+fn is_auto_collectives(c: &Collectives) -> bool {
+    *c == Collectives::Auto
 }
 fn eight() -> usize {
     8
@@ -1705,6 +1737,7 @@ impl JobSpec {
             },
             self.validate_ps(),
             self.validate_balance(),
+            self.validate_collectives(),
             self.validate_sharding(),
         ]
         .into_iter()
@@ -1733,12 +1766,32 @@ impl JobSpec {
             ("ps", self.ps.is_some()),
             ("train.strategy", t.strategy != Strategy::default()),
             ("train.balance", t.balance != Balance::default()),
+            ("train.collectives", t.collectives != Collectives::default()),
             ("train.data", t.data != data::Options::default()),
         ];
         match set.into_iter().find(|(_, on)| *on) {
             Some((key, _)) => Err(SpecError::at(key, built_in)),
             None => Ok(()),
         }
+    }
+
+    /// `train.collectives = "nccl"` sums gradients held on the devices: plain data parallelism, whose ranks each
+    /// hold every gradient there — not the other strategies, nor a `[compression]` or `[robust]` rule, which work
+    /// on host buffers. (Whether the build has NCCL and the ranks have GPUs is known only where they start.)
+    fn validate_collectives(&self) -> Result<()> {
+        if self.train.collectives != Collectives::Nccl {
+            return Ok(());
+        }
+        let why = match (self.train.strategy, self.compression.is_some_and(|c| c.is_on()), self.robust.is_some()) {
+            (Strategy::Ddp, false, false) => return Ok(()),
+            (Strategy::Ddp, true, _) => "[compression] encodes the gradients on the host".to_string(),
+            (Strategy::Ddp, _, true) => "a [robust] rule combines the gradients on the host".to_string(),
+            (s, _, _) => format!("train.strategy = \"{s}\" reduces through Shoal's own collectives"),
+        };
+        Err(SpecError::at(
+            "train.collectives",
+            format!("\"nccl\" sums the gradients of plain DDP (train.strategy = \"ddp\") on the devices: {why}"),
+        ))
     }
 
     /// `train.balance = "dynamic"` needs ranks that each compute the whole model on their share of the batch and
@@ -2709,6 +2762,32 @@ lr = 0.01
                 }
             }
         }
+    }
+
+    #[test]
+    fn collectives_are_named_and_nccl_is_refused_where_gradients_stay_on_the_host() {
+        let job = |extra: &str| format!("{MLP}{extra}\n");
+        let cases = [
+            ("collectives = \"auto\"", ""),
+            ("collectives = \"shoal\"", ""),
+            ("collectives = \"nccl\"", ""),
+            ("collectives = \"nccl\"\nprecision = \"bf16\"", ""),
+            ("collectives = \"mpi\"", "train.collectives"),
+            (
+                "collectives = \"nccl\"\nstrategy = \"zero2\"",
+                "train.collectives: \"nccl\" sums the gradients of plain DDP",
+            ),
+            ("collectives = \"nccl\"\n[compression]\ncodec = \"topk\"\nratio = 0.01", "[compression] encodes"),
+        ];
+        for (extra, want) in cases {
+            check(&job(extra), want).unwrap_or_else(|e| panic!("{extra}: {e}"));
+        }
+        let j = parse_job(&job("collectives = \"nccl\""), "x").expect("valid");
+        assert_eq!(j.train.collectives, Collectives::Nccl);
+        assert!(j.to_toml().expect("toml").contains("collectives = \"nccl\""));
+        let plain = parse_job(&job(""), "x").expect("valid");
+        assert_eq!(plain.train.collectives, Collectives::Auto);
+        assert!(!plain.to_toml().expect("toml").contains("collectives"), "the default is not spelled out");
     }
 
     #[test]

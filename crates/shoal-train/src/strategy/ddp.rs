@@ -13,8 +13,9 @@
 //! - `step` waits for the buckets, clips, and applies the same update on every rank. Bucket buffers are reused
 //!   from step to step;
 //! - parameters held on a device (`Params::set_resident`) keep one rank's gradients there, summed over
-//!   micro-batches, and are updated there; ranks together stage their gradients to the host bucket by bucket
-//!   (`put_tensors`), and the reduced buckets go back up with the update.
+//!   micro-batches, and are updated there. Ranks together either sum them there, bucket by bucket, through a
+//!   [`DeviceAllReduce`] (NCCL; the step's scalars ride in the last bucket), or stage them to the host bucket by
+//!   bucket (`put_tensors`) into the communicator, the reduced buckets going back up with the update.
 
 use crate::{REAL_BYTES, Real};
 use std::time::Instant;
@@ -22,7 +23,10 @@ use std::time::Instant;
 use candle_core::Tensor;
 use shoal_comm::{Communicator, CompressConfig, Compressor, Pending, ReduceOp};
 
-use super::{GradSink, StepTimes, Strategy, TensorGrads, broadcast_from_rank0, check_order, flat_offsets, put_tensors};
+use super::{
+    DeviceAllReduce, GradSink, StepTimes, Strategy, TensorGrads, broadcast_from_rank0, check_order, flat_offsets,
+    put_tensors,
+};
 use crate::error::{Error, Result};
 use crate::optim::{Optimizer, clip_grad_norm, clip_grad_norm_slices, clip_grad_norm_tensors};
 use crate::params::Params;
@@ -60,9 +64,13 @@ pub struct Ddp {
     buckets: Vec<(Vec<usize>, Bucket)>,
     /// Gradients kept as tensors when there is nothing to reduce, with the step's scalars.
     direct: Option<(Vec<Tensor>, Vec<Real>)>,
-    /// Parameters held on a device ([`Params::set_resident`]) and nothing to reduce: the gradients of earlier
-    /// micro-batches, summed there.
+    /// Parameters held on a device ([`Params::set_resident`]) and nothing to reduce, or a device all-reduce: the
+    /// gradients of earlier micro-batches, summed there.
     acc_tensors: Option<Vec<Tensor>>,
+    /// Sums gradient buckets across the ranks on their device ([`Ddp::with_device_reduce`]).
+    device_reduce: Option<Box<dyn DeviceAllReduce>>,
+    /// Seconds the step's device all-reduces took (reported as its communication).
+    device_comm_s: f64,
     /// Bucket buffers of the last step, reused by the next (no allocation, no page faults).
     spare: Vec<Vec<Real>>,
     /// `[compression]`: each bucket summed through it, on the calling thread in `step`.
@@ -93,6 +101,8 @@ impl Ddp {
             buckets: Vec::new(),
             direct: None,
             acc_tensors: None,
+            device_reduce: None,
+            device_comm_s: 0.0,
             spare: Vec::new(),
             compress: None,
             momentum: false,
@@ -133,8 +143,78 @@ impl Ddp {
         self
     }
 
+    /// With parameters held on a device ([`Params::set_resident`]): the ranks' gradients summed there by `reduce`,
+    /// a bucket of `bucket_bytes` at a time in reverse parameter order, instead of staged through the host (which
+    /// stays the way under `[compression]` or a `[robust]` rule, whose work is on host buffers).
+    pub fn with_device_reduce(mut self, reduce: Box<dyn DeviceAllReduce>) -> Ddp {
+        self.device_reduce = Some(reduce);
+        self
+    }
+
     fn world(&self) -> usize {
         self.comm.as_ref().map_or(1, Communicator::size)
+    }
+
+    /// Whether the step's gradients stay on the parameters' device: held there, and nothing to reduce or a device
+    /// all-reduce to reduce them (without a compressor or a robust rule, which read host buffers).
+    fn on_device(&self, params: &Params) -> bool {
+        params.resident()
+            && (self.world() <= 1 || (self.device_reduce.is_some() && self.compress.is_none() && self.robust.is_none()))
+    }
+
+    /// The ranks' gradients (one rank's, summed over its micro-batches) summed on their device by the device
+    /// all-reduce, bucket by bucket in reverse parameter order, the step's scalars riding in the last bucket.
+    fn reduce_on_device(
+        &mut self,
+        params: &Params,
+        grads: Vec<Tensor>,
+        scalars: Vec<Real>,
+    ) -> Result<(Vec<Tensor>, Vec<Real>)> {
+        let t0 = Instant::now();
+        let reduce = self
+            .device_reduce
+            .as_mut()
+            .ok_or_else(|| Error::InvalidArgument("no device all-reduce to sum the gradients with".into()))?;
+        let device = params.vars().first().map_or(candle_core::Device::Cpu, |(_, v)| v.device().clone());
+        let n = grads.len();
+        let limit = (self.cfg.bucket_bytes / REAL_BYTES).max(1);
+        let mut summed: Vec<Option<Tensor>> = vec![None; n];
+        let mut out_scalars = scalars.clone();
+        let (mut at, mut done) = (0, false);
+        while !done {
+            let (mut end, mut len) = (at, 0);
+            while end < n && (end == at || len < limit) {
+                len += grads[n - 1 - end].elem_count();
+                end += 1;
+            }
+            done = end >= n;
+            let members: Vec<usize> = (at..end).map(|k| n - 1 - k).collect();
+            let mut parts = members.iter().map(|&i| grads[i].flatten_all()).collect::<candle_core::Result<Vec<_>>>()?;
+            if done && !scalars.is_empty() {
+                parts.push(Tensor::from_slice(&scalars, scalars.len(), &device)?);
+            }
+            if parts.is_empty() {
+                break;
+            }
+            let flat = reduce.all_reduce(Tensor::cat(&parts, 0)?)?;
+            let mut off = 0;
+            for &i in &members {
+                let count = grads[i].elem_count();
+                summed[i] = Some(flat.narrow(0, off, count)?.reshape(grads[i].shape())?);
+                off += count;
+            }
+            if done && !scalars.is_empty() {
+                out_scalars = flat.narrow(0, off, scalars.len())?.to_device(&candle_core::Device::Cpu)?.to_vec1()?;
+            }
+            at = end;
+        }
+        self.device_comm_s += t0.elapsed().as_secs_f64();
+        let grads = summed
+            .into_iter()
+            .enumerate()
+            .map(|(i, g)| g.ok_or_else(|| Error::InvalidArgument(format!("no summed gradient for parameter {i}"))))
+            .collect::<Result<Vec<_>>>()?;
+        Ok((grads, out_scalars))
     }
 }
 
@@ -318,8 +398,9 @@ impl Strategy for Ddp {
     }
 
     fn backward_tensors(&mut self, params: &Params, last: bool, scalars: Vec<Real>, grads: TensorGrads) -> Result<()> {
-        if params.resident() && self.world() <= 1 {
-            // Nothing to reduce, the parameters on a device: the gradients stay there, summed over micro-batches.
+        if self.on_device(params) {
+            // The parameters on a device, and nothing to reduce or a device all-reduce: the gradients stay there,
+            // summed over micro-batches, then over the ranks.
             let mut sum = Vec::with_capacity(params.vars().len());
             for (i, (_, v)) in params.vars().iter().enumerate() {
                 let g = match grads.get(i).and_then(Option::as_ref) {
@@ -331,13 +412,15 @@ impl Strategy for Ddp {
                     None => g.contiguous()?,
                 });
             }
-            match last {
-                true => {
-                    self.acc_tensors = None;
-                    self.direct = Some((sum, scalars));
-                }
-                false => self.acc_tensors = Some(sum),
+            if !last {
+                self.acc_tensors = Some(sum);
+                return Ok(());
             }
+            self.acc_tensors = None;
+            self.direct = Some(match self.world() {
+                0 | 1 => (sum, scalars),
+                _ => self.reduce_on_device(params, sum, scalars)?,
+            });
             return Ok(());
         }
         if last && self.world() <= 1 && self.acc.is_none() {
@@ -383,7 +466,7 @@ impl Strategy for Ddp {
             };
             opt.step(params, &grads, lr)?;
             return Ok(StepTimes {
-                comm_s: 0.0,
+                comm_s: std::mem::take(&mut self.device_comm_s),
                 optimizer_s: t0.elapsed().as_secs_f64(),
                 grad_norm,
                 scalars,

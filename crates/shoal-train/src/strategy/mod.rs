@@ -285,6 +285,18 @@ pub(crate) fn flat_offsets(params: &Params) -> (Vec<usize>, usize) {
     (offsets, total)
 }
 
+/// Sums a flat bucket of gradients held on a device across the ranks, on that device: what
+/// [`ddp::Ddp::with_device_reduce`] hands each bucket to instead of staging it through the host
+/// (`crate::nccl::NcclAllReduce` in a build with the `nccl` feature).
+pub trait DeviceAllReduce: Send {
+    /// The sum over the ranks of `flat` (a 1-D [`crate::REAL_DTYPE`] tensor of the same length on every rank), on
+    /// its device; `flat` itself when summed in place. Every rank calls it the same number of times, in the same
+    /// order, and a wait has the communicator's deadline.
+    fn all_reduce(&mut self, flat: Tensor) -> Result<Tensor>;
+    /// What sums ("nccl"), for logs.
+    fn name(&self) -> &'static str;
+}
+
 /// Puts autograd's gradients into a sink, in the reverse parameter order it asks for.
 ///
 /// With `stage_bytes` (gradients held on a device: [`Params::set_resident`]) they cross to the host a bucket at a

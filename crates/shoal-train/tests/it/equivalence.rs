@@ -44,6 +44,25 @@ pub(crate) struct Run {
     /// The parameters held where the model computes (`Params::set_resident`, on the CPU here): the path a GPU
     /// takes — the optimizer's tensor operations, gradients summed where they are, buckets staged to the host.
     pub(crate) resident: bool,
+    /// With `resident`, under DDP: the buckets summed where the gradients are, through [`DeviceSum`] (the seam NCCL
+    /// fills on a GPU), instead of staged to the host by the strategy.
+    pub(crate) device_reduce: bool,
+}
+
+/// The device all-reduce seam filled by the communicator: a bucket read out, summed across the ranks, and put back
+/// where it was — on the CPU, what `Ddp`'s device path is checked with where no GPU is (NCCL fills the seam there).
+struct DeviceSum(Communicator);
+
+impl shoal_train::strategy::DeviceAllReduce for DeviceSum {
+    fn all_reduce(&mut self, flat: candle_core::Tensor) -> shoal_train::Result<candle_core::Tensor> {
+        let mut values = flat.to_vec1::<Real>()?;
+        self.0.all_reduce(&mut values, shoal_comm::ReduceOp::Sum)?;
+        Ok(candle_core::Tensor::from_vec(values, flat.dims(), flat.device())?)
+    }
+
+    fn name(&self) -> &'static str {
+        "communicator"
+    }
 }
 
 impl Run {
@@ -65,6 +84,7 @@ impl Run {
             clip: true,
             ps: None,
             resident: false,
+            device_reduce: false,
         }
     }
 }
@@ -158,7 +178,12 @@ pub(crate) fn train_rank_from(
             Box::new(shoal_train::strategy::ps::Ps::new(comm, &params, cfg).expect("parameter-server strategy"))
         }
         (0, None) => {
+            let summing = comm.clone().filter(|_| run.device_reduce).map(DeviceSum);
             let ddp = shoal_train::strategy::ddp::Ddp::new(comm, cfg.ddp());
+            let ddp = match summing {
+                Some(s) => ddp.with_device_reduce(Box::new(s)),
+                None => ddp,
+            };
             let ddp = match run.robust {
                 Some((rule, f)) => ddp.with_robust(rule, f),
                 None => ddp,
@@ -364,19 +389,30 @@ fn gpt_ddp_matches_one_worker_at_2_and_4_workers() {
 
 /// Parameters held where the model computes (a GPU's path, taken on the CPU): with AdamW, two micro-batches a step
 /// and clipping, one worker (gradients summed where they are, the update by tensor operations) and 2 and 3
-/// workers (gradients staged to the host a bucket at a time, 4 KiB here, and reduced) end where one worker on the
-/// host loops does; and the GPT through autograd likewise.
+/// workers — gradients staged to the host a bucket at a time (4 KiB here) and reduced, or summed bucket by bucket
+/// through the device all-reduce seam — end where one worker on the host loops does; and the GPT through autograd
+/// likewise.
 #[test]
 fn ddp_with_parameters_held_where_the_model_computes_matches_the_host_path() {
     let host = train_world(mlp(false, true, true), 1);
     for n in [1, 2, 3] {
-        let held = train_world(Run { resident: true, ..mlp(false, true, true) }, n);
-        assert_close(&host, &held, &format!("mlp held where it computes, AdamW, {n} workers"));
+        for device_reduce in [false, true] {
+            let held = train_world(Run { resident: true, device_reduce, ..mlp(false, true, true) }, n);
+            let what = format!("mlp held where it computes (device all-reduce: {device_reduce}), AdamW, {n} workers");
+            assert_close(&host, &held, &what);
+        }
     }
-    let gpt = |resident| Run { which: Which::Gpt, optimizer: SGD, resident, ..Run::mlp(30, 12, 1) };
-    let one = train_world(gpt(false), 1);
-    for n in [1, 2] {
-        assert_close(&one, &train_world(gpt(true), n), &format!("gpt held where it computes, {n} workers"));
+    let gpt = |resident, device_reduce| Run {
+        which: Which::Gpt,
+        optimizer: SGD,
+        resident,
+        device_reduce,
+        ..Run::mlp(30, 12, 1)
+    };
+    let one = train_world(gpt(false, false), 1);
+    for (n, device_reduce) in [(1, false), (2, false), (2, true)] {
+        let what = format!("gpt held where it computes (device all-reduce: {device_reduce}), {n} workers");
+        assert_close(&one, &train_world(gpt(true, device_reduce), n), &what);
     }
 }
 
