@@ -34,8 +34,9 @@
 //! - A task given GPUs computes on one (`device`) or is refused with an error naming `resources.gpus`; a task
 //!   given none computes on the CPU. Under plain DDP on a GPU the parameters, their gradients and the optimizer's
 //!   state are held on the device (`Params::set_resident`) and updated there by the same formula as on the host,
-//!   bit for bit on the CPU; only what crosses ranks is staged through the host, a bucket at a time, into
-//!   `shoal_comm`'s collectives (the host-staged path, which works with every transport). Under the other
+//!   bit for bit on the CPU; what crosses ranks is summed on the devices through NCCL where every rank has a GPU
+//!   of its own (`strategy::DeviceAllReduce`, `train.collectives`), else staged through the host a bucket at a
+//!   time into `shoal_comm`'s collectives (the host-staged path, which works with every transport). Under the other
 //!   strategies that take a GPU the parameters and the optimizer stay on the host and the model copies the weights
 //!   to the device for its passes.
 //!

@@ -20,6 +20,7 @@
 //! read (`metrics.jsonl`, `eval.jsonl`, `summary.json`); `heartbeat.rs` the thread that, on the platform, tells the
 //! control loop twice a second that the rank lives, its phase, its step and the collective it is in.
 
+mod collectives;
 mod command;
 mod eval;
 mod federated;

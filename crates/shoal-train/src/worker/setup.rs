@@ -296,6 +296,11 @@ pub(super) fn training(spec: &JobSpec, setup: &Setup, params: Params) -> Result<
     let strategy: Box<dyn crate::strategy::Strategy> = match ran {
         Strategy::Ddp => {
             let ddp = crate::strategy::ddp::Ddp::new(Some(comm.clone()), cfg.ddp());
+            // `train.collectives`: gradients held on the GPUs summed there (NCCL) or staged through the host.
+            let ddp = match super::collectives::device_reduce(spec, setup, &params)? {
+                Some(r) => ddp.with_device_reduce(r),
+                None => ddp,
+            };
             let ddp = match spec.robust {
                 Some(r) => ddp.with_robust(r.rule.rule(), r.f),
                 None => ddp,

@@ -122,6 +122,18 @@ fn bad_job_specs_are_refused_naming_the_key_before_anything_starts() {
     let out = shoal().args(["run", "-n", "4"]).arg(&job).output().expect("run");
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("global_batch"));
+    // NCCL asked of ranks that cannot have it (this build, or the CPU): refused where the ranks start, naming the
+    // key and what is missing, and every rank stopped.
+    std::fs::write(
+        &job,
+        "name = \"x\"\n[train]\nmodel = \"mlp\"\ndataset = \"digits\"\nglobal_batch = 8\nsteps = 5\nlr = 0.1\n\
+         collectives = \"nccl\"\n",
+    )
+    .expect("write job");
+    let out = shoal().args(["run", "-n", "2"]).arg(&job).output().expect("run");
+    let err = String::from_utf8_lossy(&out.stderr);
+    let missing = if cfg!(feature = "nccl") { "these ranks compute on the cpu" } else { "the `nccl` feature" };
+    assert!(!out.status.success() && err.contains("train.collectives: \"nccl\"") && err.contains(missing), "{err}");
     let _ = std::fs::remove_dir_all(dir);
 }
 
