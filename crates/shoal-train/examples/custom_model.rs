@@ -3,6 +3,9 @@
 //! The model below is plain candle-nn (a `VarMap`, `linear` layers). Shoal's
 //! `Trainer` takes its variables and a communicator, and does the rest:
 //! broadcast at start, bucketed gradient all-reduce, the same update everywhere.
+//! In a build with the `cuda` feature on a machine with a GPU, the model is
+//! made there: its variables, their gradients and AdamW's state stay on the
+//! GPU, and only the gradient buckets cross to the host to be summed.
 //!
 //! Run with:
 //!   cargo build --release -p shoal-train --example custom_model
@@ -22,9 +25,10 @@ fn main() -> Result<()> {
     let comm = shoal_comm::env::EnvContract::from_env()?.connect()?;
     let (world, rank) = (comm.size(), comm.rank());
 
-    // 2. A model written with candle-nn, knowing nothing of distribution.
+    // 2. A model written with candle-nn, knowing nothing of distribution, on the GPU where there is one.
+    let device = Device::cuda_if_available(0)?;
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &device);
     let l1 = linear(64, 96, vb.pp("l1"))?;
     let l2 = linear(96, 10, vb.pp("l2"))?;
     let forward = |x: &Tensor| -> candle_core::Result<Tensor> { l2.forward(&l1.forward(x)?.relu()?) };
@@ -48,7 +52,10 @@ fn main() -> Result<()> {
         let samples = rb.indices.iter().map(|&i| data.get(i)).collect::<shoal_data::Result<Vec<_>>>()?;
         let weight = rb.indices.len() as f64 / rb.global_size as f64;
         let loss = match to_tensors(&samples)? {
-            Some(t) => Some((candle_nn::loss::cross_entropy(&forward(&t.input)?, &t.target)? * weight)?),
+            Some(t) => {
+                let (x, y) = (t.input.to_device(&device)?, t.target.to_device(&device)?);
+                Some((candle_nn::loss::cross_entropy(&forward(&x)?, &y)? * weight)?)
+            }
             None => None,
         };
         trainer.backward(loss.as_ref(), true)?;
