@@ -19,7 +19,7 @@ use crate::error::{Error, Result};
 use crate::spec::JobSpec;
 
 /// Where a rank computes.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Placement {
     Cpu,
     /// CUDA device `ordinal` as the process numbers them (after `CUDA_VISIBLE_DEVICES`).
@@ -302,9 +302,8 @@ mod tests {
 }
 
 /// Checks that need a CUDA device (a `cuda` build); each is skipped with a message where none is found.
-#[cfg(test)]
+#[cfg(all(test, feature = "cuda"))]
 mod gpu_tests {
-    #![cfg(feature = "cuda")]
     use super::*;
     use crate::models::{Gpt, GptConfig, Model};
     use crate::params::{Params, SeededRng};

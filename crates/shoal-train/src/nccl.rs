@@ -256,6 +256,7 @@ impl Nccl {
 
 /// NCCL as data parallelism's device all-reduce (`crate::strategy::DeviceAllReduce`): each bucket of gradients is
 /// summed in place on the GPU, once the work candle's stream queued for it is done (the NCCL stream joins it).
+#[derive(Debug)]
 pub struct NcclAllReduce(Nccl);
 
 impl NcclAllReduce {

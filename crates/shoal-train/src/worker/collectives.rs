@@ -9,18 +9,20 @@
 //!   fractional GPUs are summed by Shoal's collectives). `auto` falls back to Shoal's where it cannot; `nccl`
 //!   refuses to start, naming `train.collectives` and what is missing.
 
+use shoal_comm::Communicator;
+
+use crate::device::Placement;
 use crate::error::{Error, Result};
 use crate::params::Params;
 use crate::spec::{Collectives, JobSpec};
 use crate::strategy::DeviceAllReduce;
 
-use super::setup::Setup;
-
-/// The device all-reduce the ranks' gradients go through, or `None` for Shoal's own collectives (see the module's
-/// invariants).
+/// The device all-reduce the gradients of `comm`'s ranks go through, this one computing on `placement`, or `None`
+/// for Shoal's own collectives (see the module's invariants).
 pub(super) fn device_reduce(
     spec: &JobSpec,
-    setup: &Setup,
+    placement: Placement,
+    comm: &Communicator,
     params: &Params,
 ) -> Result<Option<Box<dyn DeviceAllReduce>>> {
     let asked = spec.train.collectives;
@@ -33,43 +35,43 @@ pub(super) fn device_reduce(
         Collectives::Nccl if !params.resident() => {
             return refuse(format!(
                 "sums gradients held on GPUs, and these ranks compute on the {} (resources.gpus)",
-                setup.placement
+                placement
             ));
         }
         _ => {}
     }
-    if !params.resident() || setup.world <= 1 || !cfg!(feature = "nccl") {
+    if !params.resident() || comm.size() <= 1 || !cfg!(feature = "nccl") {
         return Ok(None);
     }
-    let devices = published_devices(spec, setup)?;
+    let devices = published_devices(spec, placement, comm)?;
     if let Some((a, b)) = shared_gpu(&devices) {
         let why = format!("ranks {a} and {b} share GPU {} (NCCL needs a GPU per rank)", devices[a]);
         if asked == Collectives::Nccl {
             return refuse(why);
         }
-        if setup.rank == 0 {
+        if comm.rank() == 0 {
             eprintln!("gradients summed through Shoal's collectives: {why}");
         }
         return Ok(None);
     }
-    connect(setup)
+    connect(placement, comm)
 }
 
 /// Each rank's GPU as `host/device` (the device as `CUDA_VISIBLE_DEVICES` names it, else its ordinal), published in
 /// the group's store and read back for every rank, in rank order.
-fn published_devices(spec: &JobSpec, setup: &Setup) -> Result<Vec<String>> {
-    let crate::device::Placement::Cuda { ordinal } = setup.placement else {
+fn published_devices(spec: &JobSpec, placement: Placement, comm: &Communicator) -> Result<Vec<String>> {
+    let Placement::Cuda { ordinal } = placement else {
         return Err(Error::InvalidArgument(
             "the parameters are held on a GPU, but this rank computes on the CPU".into(),
         ));
     };
     let asked = crate::device::Asked::from_env(spec);
     let device = asked.visible_devices().and_then(|v| v.get(ordinal).cloned()).unwrap_or_else(|| ordinal.to_string());
-    let host = setup.comm.hosts().get(setup.rank).cloned().unwrap_or_default();
-    let (store, cfg) = (setup.comm.store(), setup.comm.config());
+    let host = comm.hosts().get(comm.rank()).cloned().unwrap_or_default();
+    let (store, cfg) = (comm.store(), comm.config());
     let key = |r: usize| format!("collectives/{}/device/{r}", cfg.name);
-    store.set(&key(setup.rank), format!("{host}/{device}").as_bytes())?;
-    (0..setup.world)
+    store.set(&key(comm.rank()), format!("{host}/{device}").as_bytes())?;
+    (0..comm.size())
         .map(|r| {
             let bytes = store.get(&key(r), cfg.timeout)?;
             Ok(String::from_utf8_lossy(&bytes).into_owned())
@@ -83,25 +85,25 @@ fn shared_gpu(devices: &[String]) -> Option<(usize, usize)> {
 }
 
 #[cfg(feature = "nccl")]
-fn connect(setup: &Setup) -> Result<Option<Box<dyn DeviceAllReduce>>> {
-    let crate::device::Placement::Cuda { ordinal } = setup.placement else { return Ok(None) };
-    let cfg = setup.comm.config();
+fn connect(placement: Placement, comm: &Communicator) -> Result<Option<Box<dyn DeviceAllReduce>>> {
+    let Placement::Cuda { ordinal } = placement else { return Ok(None) };
+    let cfg = comm.config();
     let nccl = crate::nccl::Nccl::connect(
-        setup.comm.store().clone(),
+        comm.store().clone(),
         &format!("{}-grads", cfg.name),
-        setup.rank,
-        setup.world,
+        comm.rank(),
+        comm.size(),
         ordinal,
         cfg.timeout,
     )?;
-    if setup.rank == 0 {
+    if comm.rank() == 0 {
         eprintln!("gradients summed on the GPUs through NCCL");
     }
     Ok(Some(Box::new(crate::nccl::NcclAllReduce::new(nccl))))
 }
 
 #[cfg(not(feature = "nccl"))]
-fn connect(_: &Setup) -> Result<Option<Box<dyn DeviceAllReduce>>> {
+fn connect(_: Placement, _: &Communicator) -> Result<Option<Box<dyn DeviceAllReduce>>> {
     Ok(None)
 }
 

@@ -297,7 +297,7 @@ pub(super) fn training(spec: &JobSpec, setup: &Setup, params: Params) -> Result<
         Strategy::Ddp => {
             let ddp = crate::strategy::ddp::Ddp::new(Some(comm.clone()), cfg.ddp());
             // `train.collectives`: gradients held on the GPUs summed there (NCCL) or staged through the host.
-            let ddp = match super::collectives::device_reduce(spec, setup, &params)? {
+            let ddp = match super::collectives::device_reduce(spec, setup.placement, comm, &params)? {
                 Some(r) => ddp.with_device_reduce(r),
                 None => ddp,
             };

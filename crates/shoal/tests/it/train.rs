@@ -130,7 +130,7 @@ fn bad_job_specs_are_refused_naming_the_key_before_anything_starts() {
          collectives = \"nccl\"\n",
     )
     .expect("write job");
-    let out = shoal().args(["run", "-n", "2"]).arg(&job).output().expect("run");
+    let out = shoal().args(["run", "-n", "2", "--output"]).arg(dir.join("nccl")).arg(&job).output().expect("run");
     let err = String::from_utf8_lossy(&out.stderr);
     let missing = if cfg!(feature = "nccl") { "these ranks compute on the cpu" } else { "the `nccl` feature" };
     assert!(!out.status.success() && err.contains("train.collectives: \"nccl\"") && err.contains(missing), "{err}");
