@@ -112,22 +112,7 @@ impl Optimizer {
     /// aligned with `params`, in place: one pass over each parameter, its
     /// gradient and its state, with no temporary tensors.
     pub fn step_slices(&mut self, params: &Params, grads: &[&[Real]], lr: f64) -> Result<()> {
-        if grads.len() != params.vars().len() {
-            return Err(Error::InvalidArgument(format!(
-                "{} gradients for {} parameters",
-                grads.len(),
-                params.vars().len()
-            )));
-        }
-        for ((name, var), g) in params.vars().iter().zip(grads) {
-            if g.len() != var.elem_count() {
-                return Err(Error::InvalidArgument(format!(
-                    "gradient of {name} has {} values, the parameter {}",
-                    g.len(),
-                    var.elem_count()
-                )));
-            }
-        }
+        check_sizes(params, grads.iter().map(|g| g.len()))?;
         if params.resident() {
             // Host buffers (reduced across ranks) for parameters held on a device: one copy each way there.
             let grads = params
@@ -188,22 +173,7 @@ impl Optimizer {
     /// made there. Each new value is written into the parameter's own storage (every handle on it sees the update,
     /// as on the host); the state's tensors are replaced, so a copy of them being taken is left as it was.
     fn step_tensors(&mut self, params: &Params, grads: &[Tensor], lr: f64) -> Result<()> {
-        if grads.len() != params.vars().len() {
-            return Err(Error::InvalidArgument(format!(
-                "{} gradients for {} parameters",
-                grads.len(),
-                params.vars().len()
-            )));
-        }
-        for ((name, var), g) in params.vars().iter().zip(grads) {
-            if g.elem_count() != var.elem_count() {
-                return Err(Error::InvalidArgument(format!(
-                    "gradient of {name} has {} values, the parameter {}",
-                    g.elem_count(),
-                    var.elem_count()
-                )));
-            }
-        }
+        check_sizes(params, grads.iter().map(Tensor::elem_count))?;
         if self.skip_nonfinite && !all_finite(grads)? {
             self.skipped = true;
             return Ok(());
@@ -376,6 +346,26 @@ pub fn clip_grad_norm_tensors(grads: &mut [Tensor], max_norm: f64) -> Result<f64
 
 /// Whether every value of `grads` is finite, decided on their device with one value read back: an infinity or a
 /// NaN times zero is a NaN, which any sum keeps.
+/// One gradient for each of `params`, each with as many values as its parameter (`sizes`, in order).
+fn check_sizes(params: &Params, sizes: impl ExactSizeIterator<Item = usize>) -> Result<()> {
+    if sizes.len() != params.vars().len() {
+        return Err(Error::InvalidArgument(format!(
+            "{} gradients for {} parameters",
+            sizes.len(),
+            params.vars().len()
+        )));
+    }
+    for ((name, var), n) in params.vars().iter().zip(sizes) {
+        if n != var.elem_count() {
+            return Err(Error::InvalidArgument(format!(
+                "gradient of {name} has {n} values, the parameter {}",
+                var.elem_count()
+            )));
+        }
+    }
+    Ok(())
+}
+
 fn all_finite(grads: &[Tensor]) -> Result<bool> {
     if grads.is_empty() {
         return Ok(true);
@@ -487,6 +477,22 @@ mod tests {
         assert!(!o.take_skipped());
         assert_eq!(o.t, 1);
         assert_ne!(values(&held), before);
+    }
+
+    #[test]
+    fn gradients_that_do_not_match_the_parameters_are_refused_on_both_paths() {
+        for resident in [false, true] {
+            let p = two_params(resident);
+            let before = values(&p);
+            let mut o = Optimizer::new(OptimConfig::Sgd { momentum: 0.0, weight_decay: 0.0 }, &p);
+            let one = &grads_at(0)[..1];
+            let e = o.step(&p, one, 1e-2).expect_err("one gradient for two parameters").to_string();
+            assert!(e.contains("1 gradients for 2 parameters"), "{e}");
+            let short = [grads_at(0)[0].clone(), Tensor::zeros(2, REAL_DTYPE, &candle_core::Device::Cpu).expect("b")];
+            let e = o.step(&p, &short, 1e-2).expect_err("a gradient of the wrong size").to_string();
+            assert!(e.contains("gradient of b has 2 values, the parameter 3"), "resident {resident}: {e}");
+            assert_eq!((o.t, values(&p)), (0, before), "nothing changed");
+        }
     }
 
     #[test]
