@@ -344,8 +344,6 @@ pub fn clip_grad_norm_tensors(grads: &mut [Tensor], max_norm: f64) -> Result<f64
     Ok(norm)
 }
 
-/// Whether every value of `grads` is finite, decided on their device with one value read back: an infinity or a
-/// NaN times zero is a NaN, which any sum keeps.
 /// One gradient for each of `params`, each with as many values as its parameter (`sizes`, in order).
 fn check_sizes(params: &Params, sizes: impl ExactSizeIterator<Item = usize>) -> Result<()> {
     if sizes.len() != params.vars().len() {
@@ -366,6 +364,8 @@ fn check_sizes(params: &Params, sizes: impl ExactSizeIterator<Item = usize>) -> 
     Ok(())
 }
 
+/// Whether every value of `grads` is finite, decided on their device with one value read back: an infinity or a
+/// NaN times zero is a NaN, which any sum keeps.
 fn all_finite(grads: &[Tensor]) -> Result<bool> {
     if grads.is_empty() {
         return Ok(true);

@@ -69,6 +69,7 @@ fn a_slow_rank_takes_a_smaller_share_and_the_parameters_stay_those_of_one_proces
         .filter_map(serde_json::Value::as_f64)
         .collect();
     assert_eq!(shares.len(), 2, "{two}");
+    eprintln!("shares at the end, rank 1 computing 4× as long: {shares:?}");
     assert!((shares.iter().sum::<f64>() - 1.0).abs() < 1e-9, "shares sum to 1: {shares:?}");
     assert!(shares[1] < 0.4, "the rank computing 4× as long ends with a smaller share: {shares:?}");
     // Rank 1's metrics: equal halves at first, a smaller part once the shares were set.
