@@ -646,7 +646,7 @@ mod tests {
         let rows = 7;
         let x: Vec<Real> = (0..rows * 6).map(|i| ((i * 37 % 17) as Real - 8.0) / 5.0).collect();
         let y: Vec<u32> = (0..rows as u32).map(|r| r % 3).collect();
-        let weight = 0.75f32;
+        let weight: Real = 0.75;
 
         let xt = Tensor::from_vec(x.clone(), (rows, 6), &Device::Cpu)?;
         let yt = Tensor::from_vec(y.clone(), rows, &Device::Cpu)?;

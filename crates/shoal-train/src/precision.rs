@@ -320,8 +320,8 @@ mod tests {
         Ok(out)
     }
 
-    fn bits(ts: &[TensorData]) -> Vec<(String, Vec<u32>)> {
-        ts.iter().map(|t| (t.name.clone(), t.data.iter().map(|x| x.to_bits()).collect())).collect()
+    fn bits(ts: &[TensorData]) -> Vec<(String, Vec<u64>)> {
+        ts.iter().map(|t| (t.name.clone(), t.data.iter().map(|x| u64::from(x.to_bits())).collect())).collect()
     }
 
     #[test]

@@ -73,8 +73,10 @@ pub(super) fn meta(epoch: u64) -> ManifestMeta {
 }
 
 /// Names, shapes and the exact bits of the values, to compare tensors (NaN included).
-pub(super) fn bits(ts: &[TensorData]) -> Vec<(String, Vec<usize>, Vec<u32>)> {
-    ts.iter().map(|t| (t.name.clone(), t.shape.clone(), t.data.iter().map(|x| x.to_bits()).collect())).collect()
+pub(super) fn bits(ts: &[TensorData]) -> Vec<(String, Vec<usize>, Vec<u64>)> {
+    ts.iter()
+        .map(|t| (t.name.clone(), t.shape.clone(), t.data.iter().map(|x| u64::from(x.to_bits())).collect()))
+        .collect()
 }
 
 /// Saves steps 10, 20 and 30 (seeds 1, 2, 3); returns their directories.
